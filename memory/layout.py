@@ -1,0 +1,107 @@
+"""Layer specs in, layout plan out: the value types of the layout planner.
+
+The planner (``hybridkv.memory.planner``) turns per-layer specs and a byte budget into a
+:class:`LayoutPlan`. The executor reads the plan to allocate KV tensors; the KV cache
+manager reads it for its groups and pool size.
+
+Memory picture (group_size = 2 slots, three groups sharing one pool of N pages)::
+
+    slot 0 tensor  [ page 0 | page 1 | page 2 | ... | page N-1 ]   layer full.0, sw.0, sw.1
+    slot 1 tensor  [ page 0 | page 1 | page 2 | ... | page N-1 ]   layer full.1, sw.2, sw.3
+
+A page id belongs to one group at a time, and then holds one block of tokens of every
+layer of that group, layer j of the group in slot tensor j.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hybridkv.policies.base import MemoryPolicy
+
+
+def _at_least_one(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    from hybridkv.memory.errors import LayoutError
+
+    if value < 1:
+        raise LayoutError(f"{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class AttentionSpec:
+    """A layer that stores a key and a value vector per token and KV head."""
+
+    name: str
+    policy: MemoryPolicy
+    num_kv_heads: int = attrs.field(validator=_at_least_one)
+    head_dim: int = attrs.field(validator=_at_least_one)
+    dtype_bytes: int = attrs.field(validator=_at_least_one)
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes of one page of this layer: K and V of ``block_size`` tokens."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes * block_size
+
+
+@attrs.frozen(kw_only=True)
+class StateSpec:
+    """A recurrent (mamba-like) layer: one fixed-size state per page, whatever the block."""
+
+    name: str
+    policy: MemoryPolicy
+    state_bytes: int = attrs.field(validator=_at_least_one)
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes of one page of this layer: one state."""
+        return self.state_bytes
+
+
+LayerSpec = AttentionSpec | StateSpec
+
+
+@attrs.frozen(kw_only=True)
+class KVGroup:
+    """Layers that share one block table per request. Layer j uses slot tensor j."""
+
+    group_id: int
+    policy: MemoryPolicy
+    layer_names: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class LayoutPlan:
+    """How the KV byte budget is spent.
+
+    Attributes:
+        block_size: Tokens per block (every group uses the same).
+        num_blocks: Pages in the pool, the null page 0 included.
+        page_bytes: Bytes of one page in one slot tensor (after unifying page sizes).
+        groups: The KV groups, ``group_id`` equal to the position.
+        group_size: Slots: layers per group, so slot tensors to allocate.
+        layer_slots: Layer name -> (group id, slot). Padded slots have no layer.
+        budget_bytes: The budget the plan was made for.
+        padding_bytes: Bytes lost to unified page sizes and empty slots, over the pool.
+        uniform_num_blocks: Pages a uniform allocator (every layer as full attention in
+            one group) would fit in the same bytes, with its own page size.
+        stages: Per pipeline stage, the layer names it holds (one stage without PP).
+    """
+
+    block_size: int
+    num_blocks: int
+    page_bytes: int
+    groups: tuple[KVGroup, ...]
+    group_size: int
+    layer_slots: dict[str, tuple[int, int]]
+    budget_bytes: int
+    padding_bytes: int
+    uniform_num_blocks: int
+    stages: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def policies(self) -> tuple[MemoryPolicy, ...]:
+        """The policy of each group, in group order (what the KV cache manager takes)."""
+        return tuple(g.policy for g in self.groups)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the KV tensors take: every slot tensor holds every page."""
+        return self.num_blocks * self.group_size * self.page_bytes

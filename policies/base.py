@@ -1,0 +1,128 @@
+"""The memory policy base class: one hook, everything else derived from it.
+
+A policy is pure arithmetic about token positions. It holds no state, imports no torch,
+and knows nothing about pages or pools: ``hybridkv.memory`` turns its answers into block
+tables. A new kind of layer is a subclass that writes :meth:`MemoryPolicy.live_spans`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import ClassVar
+
+import attrs
+
+from hybridkv.policies.errors import PolicyError
+
+#: A half-open interval ``[start, end)`` of token positions or block indices.
+Span = tuple[int, int]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ``a`` and positive ``b``."""
+    return -(-a // b)
+
+
+def positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    """attrs validator: an integer parameter of a policy must be at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PolicyError(f"{attribute.name} must be an integer >= 1, got {value!r}")
+
+
+@attrs.frozen
+class MemoryPolicy(abc.ABC):
+    """Which earlier tokens a layer must keep resident, and what follows from that.
+
+    Subclasses are frozen attrs classes whose fields are the policy's parameters. The
+    registry name is the class variable ``name``. Only :meth:`live_spans` is required;
+    the other methods are derived from it and may be overridden for speed, never for
+    meaning.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
+        """Positions that must still be resident to compute the token after the first n.
+
+        ``num_tokens`` is n: positions ``0 .. n-1`` have been computed and position ``n`` is
+        the one being computed now (its own K/V are written in the same step, so it is not
+        part of the answer). Return sorted, disjoint, non-empty spans inside ``[0, n)``.
+
+        Invariant (no resurrection): a position that is not live for n is not live for any
+        later n' either. That is what lets the allocator free pages for good::
+
+            tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     block_size=4, sliding window W=5, n=10
+            live                   6 7   8 9          live_spans(10) == ((6, 10),)
+            blocks   [null ] | [ b7  ] | [ b2  ]     block 0 is dead: freed, null in the table
+        """
+
+    # -- derived, in blocks ------------------------------------------------------------
+
+    def live_block_spans(self, num_tokens: int, block_size: int) -> tuple[Span, ...]:
+        """Blocks that must be held to compute position ``num_tokens`` (and write it).
+
+        The live token spans map to the blocks they touch, and the block that position
+        ``num_tokens`` is written into is always held::
+
+            tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     bs=4, W=5, n=10
+            spans    live tokens [6, 10) + write position 10 -> blocks [1, 3)
+        """
+        out: list[Span] = []
+        for start, end in self.live_spans(num_tokens):
+            first, stop = start // block_size, cdiv(end, block_size)
+            if out and first <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], stop))
+            else:
+                out.append((first, stop))
+        write = num_tokens // block_size
+        if out and write < out[-1][1]:
+            return tuple(out)
+        if out and write == out[-1][1]:
+            out[-1] = (out[-1][0], write + 1)
+        else:
+            out.append((write, write + 1))
+        return tuple(out)
+
+    def first_live_block(self, num_tokens: int, block_size: int) -> int:
+        """Index of the first block still needed at ``num_tokens``; all before may be dead.
+
+        Only an upper bound on what may be freed: a policy with several spans (sinks) keeps
+        some early blocks, and the allocator asks :meth:`live_block_spans` for those.
+        """
+        return self.live_block_spans(num_tokens, block_size)[0][0]
+
+    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Most blocks a request of ``num_tokens`` holds at once (for admission checks).
+
+        The generic answer counts the blocks live at the last position, plus the blocks of a
+        one-token step; policies with a bound independent of length override it.
+        """
+        n = max(num_tokens - 1, 0)
+        return sum(stop - start for start, stop in self.live_block_spans(n, block_size))
+
+    def is_hit_usable(
+        self, num_tokens: int, block_size: int, is_cached: Callable[[int], bool]
+    ) -> bool:
+        """Whether a cached prefix of ``num_tokens`` (a block multiple) can be resumed.
+
+        It can when every block live for computing position ``num_tokens`` is cached, except
+        the write block, which is new. ``is_cached(i)`` tells whether block i is cached.
+        """
+        for start, end in self.live_spans(num_tokens):
+            for i in range(start // block_size, cdiv(end, block_size)):
+                if not is_cached(i):
+                    return False
+        return True
+
+    def longest_hit(self, max_blocks: int, block_size: int, is_cached: Callable[[int], bool]) -> int:
+        """The largest ``k <= max_blocks`` such that a prefix of k blocks is usable.
+
+        Returns a block count; 0 (no hit) is always usable. The generic search tries each
+        length from the longest down; subclasses override it with a one-pass scan.
+        """
+        for k in range(max_blocks, 0, -1):
+            if self.is_hit_usable(k * block_size, block_size, is_cached):
+                return k
+        return 0

@@ -1,0 +1,111 @@
+"""The built-in policies: full attention, sliding window, chunked local, mamba-like."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import attrs
+
+from hybridkv.policies.base import MemoryPolicy, Span, cdiv, positive
+
+
+@attrs.frozen
+class FullAttention(MemoryPolicy):
+    """Every earlier token stays resident: live tokens for position n are ``[0, n)``."""
+
+    name: ClassVar[str] = "full"
+
+    def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
+        return ((0, num_tokens),) if num_tokens > 0 else ()
+
+    def first_live_block(self, num_tokens: int, block_size: int) -> int:
+        return 0
+
+    def longest_hit(self, max_blocks: int, block_size: int, is_cached: Callable[[int], bool]) -> int:
+        # Every block of the prefix is needed: the hit ends at the first miss.
+        for i in range(max_blocks):
+            if not is_cached(i):
+                return i
+        return max_blocks
+
+
+@attrs.frozen
+class SlidingWindow(MemoryPolicy):
+    """Position n reads itself and the ``window - 1`` tokens before it (Mistral, Gemma).
+
+    ``window`` counts the query token, as Hugging Face's ``sliding_window`` does::
+
+        tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     bs=4, window=5, n=10
+        live                   6 7   8 9        live_spans(10) == ((6, 10),)
+    """
+
+    name: ClassVar[str] = "sliding_window"
+    window: int = attrs.field(validator=positive)
+
+    def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
+        start = max(0, num_tokens - self.window + 1)
+        return ((start, num_tokens),) if start < num_tokens else ()
+
+    def first_live_block(self, num_tokens: int, block_size: int) -> int:
+        return max(0, num_tokens - self.window + 1) // block_size
+
+    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
+        # A window of W-1 earlier tokens plus the write position spans at most this many.
+        bound = cdiv(self.window - 1, block_size) + 1
+        return min(bound, cdiv(max(num_tokens, 1), block_size))
+
+    def longest_hit(self, max_blocks: int, block_size: int, is_cached: Callable[[int], bool]) -> int:
+        # A prefix of k blocks needs only the run of cached blocks its window reads, so
+        # scan right to left for the first run long enough (or one reaching block 0).
+        need = cdiv(self.window - 1, block_size)
+        if need == 0:
+            return max_blocks
+        run = 0
+        for i in range(max_blocks - 1, -1, -1):
+            if is_cached(i):
+                run += 1
+                if run >= need:
+                    return i + run
+            else:
+                run = 0
+        return run  # the run reaching block 0: the whole prefix [0, run) is cached
+
+
+@attrs.frozen
+class ChunkedLocal(MemoryPolicy):
+    """Attention within fixed chunks (Llama 4's local layers): live ``[floor(n/C)*C, n)``."""
+
+    name: ClassVar[str] = "chunked_local"
+    chunk: int = attrs.field(validator=positive)
+
+    def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
+        start = num_tokens // self.chunk * self.chunk
+        return ((start, num_tokens),) if start < num_tokens else ()
+
+    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
+        # A chunk that starts mid-block spans one block more than C / bs.
+        bound = cdiv(self.chunk, block_size) + (1 if self.chunk % block_size else 0)
+        return min(bound, cdiv(max(num_tokens, 1), block_size))
+
+
+@attrs.frozen
+class MambaLike(MemoryPolicy):
+    """A recurrent layer: position n needs only the state left by token n-1.
+
+    The state is one page per request, the page of the block holding token n-1, so a
+    request holds one page, or two while its state crosses into a new block (the new
+    page is written from the old). Prefix caching keeps the state at block boundaries::
+
+        tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     bs=4, n=10
+        live                           9        live_spans(10) == ((9, 10),)
+        blocks   [null ] | [null ] | [ s2  ]
+    """
+
+    name: ClassVar[str] = "mamba"
+
+    def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
+        return ((num_tokens - 1, num_tokens),) if num_tokens > 0 else ()
+
+    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
+        return min(2, cdiv(max(num_tokens, 1), block_size))
