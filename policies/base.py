@@ -18,6 +18,9 @@ from hybridkv.policies.errors import PolicyError
 #: A half-open interval ``[start, end)`` of token positions or block indices.
 Span = tuple[int, int]
 
+#: Tells whether block i of a request's prefix is cached (for a given group).
+IsCached = Callable[[int], bool]
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ``a`` and positive ``b``."""
@@ -93,6 +96,15 @@ class MemoryPolicy(abc.ABC):
         """
         return self.live_block_spans(num_tokens, block_size)[0][0]
 
+    def next_release(self, num_tokens: int, block_size: int) -> int:
+        """A token count before which no block held at ``num_tokens`` can become dead.
+
+        The allocator skips its release scan until a request reaches this count. The
+        generic answer, ``num_tokens + 1``, always scans; overriding it is only for speed
+        and must never return a count past a block's death.
+        """
+        return num_tokens + 1
+
     def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
         """Most blocks a request of ``num_tokens`` holds at once (for admission checks).
 
@@ -102,9 +114,7 @@ class MemoryPolicy(abc.ABC):
         n = max(num_tokens - 1, 0)
         return sum(stop - start for start, stop in self.live_block_spans(n, block_size))
 
-    def is_hit_usable(
-        self, num_tokens: int, block_size: int, is_cached: Callable[[int], bool]
-    ) -> bool:
+    def is_hit_usable(self, num_tokens: int, block_size: int, is_cached: IsCached) -> bool:
         """Whether a cached prefix of ``num_tokens`` (a block multiple) can be resumed.
 
         It can when every block live for computing position ``num_tokens`` is cached, except
@@ -116,7 +126,7 @@ class MemoryPolicy(abc.ABC):
                     return False
         return True
 
-    def longest_hit(self, max_blocks: int, block_size: int, is_cached: Callable[[int], bool]) -> int:
+    def longest_hit(self, max_blocks: int, block_size: int, is_cached: IsCached) -> int:
         """The largest ``k <= max_blocks`` such that a prefix of k blocks is usable.
 
         Returns a block count; 0 (no hit) is always usable. The generic search tries each

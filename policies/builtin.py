@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
 from typing import ClassVar
 
 import attrs
 
-from hybridkv.policies.base import MemoryPolicy, Span, cdiv, positive
+from hybridkv.policies.base import IsCached, MemoryPolicy, Span, cdiv, positive
 
 
 @attrs.frozen
@@ -22,7 +22,10 @@ class FullAttention(MemoryPolicy):
     def first_live_block(self, num_tokens: int, block_size: int) -> int:
         return 0
 
-    def longest_hit(self, max_blocks: int, block_size: int, is_cached: Callable[[int], bool]) -> int:
+    def next_release(self, num_tokens: int, block_size: int) -> int:
+        return sys.maxsize  # nothing is ever released before the request ends
+
+    def longest_hit(self, max_blocks: int, block_size: int, is_cached: IsCached) -> int:
         # Every block of the prefix is needed: the hit ends at the first miss.
         for i in range(max_blocks):
             if not is_cached(i):
@@ -50,12 +53,17 @@ class SlidingWindow(MemoryPolicy):
     def first_live_block(self, num_tokens: int, block_size: int) -> int:
         return max(0, num_tokens - self.window + 1) // block_size
 
+    def next_release(self, num_tokens: int, block_size: int) -> int:
+        # The first live block dies once the window start passes its end.
+        first = self.first_live_block(num_tokens, block_size)
+        return max(num_tokens + 1, (first + 1) * block_size + self.window - 1)
+
     def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
         # A window of W-1 earlier tokens plus the write position spans at most this many.
         bound = cdiv(self.window - 1, block_size) + 1
         return min(bound, cdiv(max(num_tokens, 1), block_size))
 
-    def longest_hit(self, max_blocks: int, block_size: int, is_cached: Callable[[int], bool]) -> int:
+    def longest_hit(self, max_blocks: int, block_size: int, is_cached: IsCached) -> int:
         # A prefix of k blocks needs only the run of cached blocks its window reads, so
         # scan right to left for the first run long enough (or one reaching block 0).
         need = cdiv(self.window - 1, block_size)
@@ -83,6 +91,9 @@ class ChunkedLocal(MemoryPolicy):
         start = num_tokens // self.chunk * self.chunk
         return ((start, num_tokens),) if start < num_tokens else ()
 
+    def next_release(self, num_tokens: int, block_size: int) -> int:
+        return (num_tokens // self.chunk + 1) * self.chunk  # blocks die at chunk starts
+
     def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
         # A chunk that starts mid-block spans one block more than C / bs.
         bound = cdiv(self.chunk, block_size) + (1 if self.chunk % block_size else 0)
@@ -106,6 +117,10 @@ class MambaLike(MemoryPolicy):
 
     def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
         return ((num_tokens - 1, num_tokens),) if num_tokens > 0 else ()
+
+    def next_release(self, num_tokens: int, block_size: int) -> int:
+        # The state's block dies once token n-1 moves into the next block.
+        return max(num_tokens + 1, ((num_tokens - 1) // block_size + 1) * block_size + 1)
 
     def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
         return min(2, cdiv(max(num_tokens, 1), block_size))

@@ -1,0 +1,399 @@
+"""The KV cache manager: one block table per request and group, over one shared pool.
+
+One manager serves an engine. Each KV group has a memory policy; the manager asks the
+policies what each request needs, and commits every group's change or none::
+
+    request r, three groups, block_size 4, 10 tokens computed, a step of 1 token
+    group 0  full        [ p3 | p7 | p2 ]        blocks 0..2 live
+    group 1  window W=5  [ 0  | p9 | p4 ]        block 0 dead: released, null in the table
+    group 2  window W=5  [ 0  | p5 | p8 ]
+
+Caching follows the tokens: when a block of a request fills, its chained hash (shared by
+all groups) makes each group's page findable, and the page stays findable after it is
+released, until the pool reuses it. ``lookup`` finds the longest prefix that every group
+can resume from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import attrs
+
+from hybridkv.memory.errors import LayoutError
+from hybridkv.memory.hashing import BlockHash, BlockHasher
+from hybridkv.memory.pool import NULL_BLOCK, BlockPool
+from hybridkv.policies.base import MemoryPolicy, cdiv
+from hybridkv.policies.errors import HybridKVError
+
+
+class StaleHitError(HybridKVError):
+    """A prefix hit was used after the pages it named were reused; look it up again."""
+
+
+class KVRequest(Protocol):
+    """What the manager reads of a request."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def extra_keys(self) -> tuple[object, ...]: ...
+
+
+@attrs.frozen
+class PrefixHit:
+    """The longest cached prefix usable by every group (from :meth:`KVCacheManager.lookup`).
+
+    Attributes:
+        num_tokens: Cached tokens, a multiple of the block size; at least one prompt token
+            is always left to compute.
+        pages: Per group, the table of the hit: pages of the blocks the policy needs to
+            resume, the null block elsewhere.
+        hashes: The request's block hashes computed so far (kept, not recomputed).
+    """
+
+    num_tokens: int
+    pages: tuple[tuple[int, ...], ...]
+    hashes: list[BlockHash] = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class KVUsage:
+    """A snapshot of pool usage and prefix-cache counters."""
+
+    num_blocks: int
+    num_free_blocks: int
+    blocks_used_per_group: tuple[int, ...]
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Cached prompt tokens over prompt tokens looked up, at admission."""
+        if not self.prefix_query_tokens:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_query_tokens
+
+
+#: Returned by an allocation that took no page (most decode steps).
+NO_NEW_BLOCKS: tuple[list[int], ...] = ()
+
+
+@attrs.define(slots=True)
+class _RequestBlocks:
+    tables: list[list[int]]
+    hashes: list[BlockHash]
+    root: BlockHash
+    num_tokens: int  # positions with slots; computed once their step has run
+    num_cached_blocks: int  # blocks [0, n) have been offered to the cache
+    cache_mark: int  # num_cached_blocks before the latest allocation
+    capacity: int  # tokens the tables cover
+    release_at: list[int]  # per policy kind: no release scan below this token count
+    scan_from: list[int]  # per policy kind: blocks below are null or kept for good
+    min_release_at: int = 0
+
+
+class KVCacheManager:
+    """Allocates, caches and releases pages for every KV group at once.
+
+    Args:
+        policies: The memory policy of each group, in group order.
+        num_blocks: Pages in the pool, the null page 0 included.
+        block_size: Tokens per block, the same for every group.
+        enable_prefix_caching: Cache full blocks and serve prefix hits.
+        hash_name: Block hash function (see ``hybridkv.memory.hashing``).
+    """
+
+    def __init__(
+        self,
+        policies: Sequence[MemoryPolicy],
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        hash_name: str = "sha256",
+    ) -> None:
+        if not policies:
+            raise LayoutError("a KV cache manager needs at least one group")
+        if block_size < 1:
+            raise LayoutError(f"block_size must be >= 1, got {block_size}")
+        self.policies = tuple(policies)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, len(self.policies))
+        self._hasher = BlockHasher(block_size, hash_name)
+        # Groups with equal policies share the block arithmetic: a "kind" per policy.
+        kinds: dict[MemoryPolicy, list[int]] = {}
+        for group, policy in enumerate(self.policies):
+            kinds.setdefault(policy, []).append(group)
+        self._kinds = [(policy, tuple(groups)) for policy, groups in kinds.items()]
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._hit_tokens = 0
+        self._query_tokens = 0
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        """KV groups."""
+        return len(self.policies)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages an allocation may take now."""
+        return self.pool.num_free
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Pages of the pool that requests can hold (all but the null page)."""
+        return self.pool.num_blocks - 1
+
+    def block_tables(self, request_id: str) -> Sequence[list[int]]:
+        """Per group, the request's page ids (read-only; valid until its next change)."""
+        return self._requests[request_id].tables
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """Most pages a request of ``num_tokens`` holds at once, computed a token at a time."""
+        return sum(
+            p.max_live_blocks(num_tokens, self.block_size) * len(groups)
+            for p, groups in self._kinds
+        )
+
+    def usage(self) -> KVUsage:
+        """Pool usage per group and the prefix-cache counters."""
+        return KVUsage(
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free,
+            blocks_used_per_group=tuple(self.pool.num_used_per_group),
+            prefix_hit_tokens=self._hit_tokens,
+            prefix_query_tokens=self._query_tokens,
+        )
+
+    # -- prefix cache ------------------------------------------------------------------
+
+    def lookup(self, request: KVRequest) -> PrefixHit:
+        """The longest cached prefix of ``request`` that every group can resume from.
+
+        Each group's policy finds its longest usable prefix no longer than the current
+        candidate; the candidate shrinks until no group lowers it (a fixed point, found in
+        one pass when the groups agree). A sliding-window group needs only the blocks its
+        window reads, so a prefix whose early blocks were evicted can still hit.
+        """
+        tokens = request.all_token_ids
+        bs = self.block_size
+        root = self._hasher.root(request.extra_keys)
+        hashes: list[BlockHash] = []
+        max_blocks = (len(tokens) - 1) // bs
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return PrefixHit(0, (), hashes)
+        self._hasher.extend(hashes, root, tokens, max_blocks * bs)
+        num = max_blocks
+        while True:
+            start = num
+            for policy, groups in self._kinds:
+                for group in groups:
+                    cached = self.pool.cached_pages(group)
+
+                    def is_cached(i: int, cached: Mapping[BlockHash, int] = cached) -> bool:
+                        return hashes[i] in cached
+
+                    num = policy.longest_hit(num, bs, is_cached)
+            if num == start or num == 0:
+                break
+        if num == 0:
+            return PrefixHit(0, (), hashes)
+        pages: list[tuple[int, ...]] = []
+        for group, policy in enumerate(self.policies):
+            table: list[int] = [NULL_BLOCK] * num
+            cached = self.pool.cached_pages(group)
+            for first, stop in policy.live_block_spans(num * bs, bs):
+                for i in range(first, min(stop, num)):
+                    table[i] = cached[hashes[i]]
+            pages.append(tuple(table))
+        return PrefixHit(num * bs, tuple(pages), hashes)
+
+    # -- allocation --------------------------------------------------------------------
+
+    def allocate(
+        self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> tuple[list[int], ...] | None:
+        """Reserve slots for the next ``num_new_tokens`` positions in every group.
+
+        The first call for a request (new, or back after :meth:`free`) resumes from
+        ``hit`` (from :meth:`lookup` in the same step) or from scratch; each later call
+        continues where the previous one ended, which is taken as computed.
+
+        Returns the new pages per group (empty when no page was needed), or None when the
+        pool cannot supply every group: then nothing changed at all.
+        """
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return self._admit(request, num_new_tokens, hit)
+        end = state.num_tokens + num_new_tokens
+        if end < state.capacity and state.num_tokens < state.min_release_at:
+            # Within the current blocks and no block can die yet: nothing to do.
+            state.num_tokens = end
+            state.cache_mark = state.num_cached_blocks
+            return NO_NEW_BLOCKS
+        return self._extend(request, state, end)
+
+    def _extend(
+        self, request: KVRequest, state: _RequestBlocks, end: int
+    ) -> tuple[list[int], ...] | None:
+        bs, pool = self.block_size, self.pool
+        n = state.num_tokens
+        dead = self._dead_blocks(state, n)
+        num_new = cdiv(end, bs) - len(state.tables[0])
+        if num_new > 0:
+            num_freed = sum(1 for g, i in dead if pool.ref_count(state.tables[g][i]) == 1)
+            if num_new * self.num_groups > pool.num_free + num_freed:
+                return None
+        # Commit: release first (tail first), then take fresh pages.
+        for group, i in reversed(dead):
+            pool.release((state.tables[group][i],), group)
+            state.tables[group][i] = NULL_BLOCK
+        if dead or n >= state.min_release_at:
+            self._advance_release(state, n)
+        new_pages: tuple[list[int], ...] = NO_NEW_BLOCKS
+        if num_new > 0:
+            new_pages = tuple(pool.allocate(num_new, g) for g in range(self.num_groups))
+            for table, pages in zip(state.tables, new_pages, strict=True):
+                table.extend(pages)
+            state.capacity = len(state.tables[0]) * bs
+        state.num_tokens = end
+        self._cache_full_blocks(request, state)
+        return new_pages
+
+    def _admit(
+        self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None
+    ) -> tuple[list[int], ...] | None:
+        bs, pool = self.block_size, self.pool
+        num_hit = hit.num_tokens if hit is not None else 0
+        hit_blocks = num_hit // bs
+        end = num_hit + num_new_tokens
+        num_new = cdiv(end, bs) - hit_blocks
+        hashes = hit.hashes if hit is not None else []
+        if hit is not None and num_hit:
+            self._check_hit(hit)
+            num_hit_free = sum(1 for t in hit.pages for p in t if p and pool.is_free(p))
+        else:
+            num_hit_free = 0
+        if num_new * self.num_groups + num_hit_free > pool.num_free:
+            return None
+        # Commit: claim every group's cached pages before any group takes a fresh one.
+        tables: list[list[int]] = []
+        for group in range(self.num_groups):
+            table = list(hit.pages[group]) if hit is not None and num_hit else []
+            for page in table:
+                if page:
+                    pool.take(page, group)
+            tables.append(table)
+        new_pages = tuple(pool.allocate(num_new, g) for g in range(self.num_groups))
+        for table, pages in zip(tables, new_pages, strict=True):
+            table.extend(pages)
+        num_kinds = len(self._kinds)
+        state = _RequestBlocks(
+            tables=tables,
+            hashes=hashes,
+            root=self._hasher.root(request.extra_keys),
+            num_tokens=end,
+            num_cached_blocks=hit_blocks,
+            cache_mark=hit_blocks,
+            capacity=len(tables[0]) * bs,
+            release_at=[num_hit] * num_kinds,
+            scan_from=[0] * num_kinds,
+        )
+        self._advance_release(state, num_hit)
+        self._requests[request.request_id] = state
+        self._cache_full_blocks(request, state)
+        if self.enable_prefix_caching:
+            self._hit_tokens += num_hit
+            self._query_tokens += len(request.all_token_ids)
+        return new_pages
+
+    def _check_hit(self, hit: PrefixHit) -> None:
+        for group, table in enumerate(hit.pages):
+            for i, page in enumerate(table):
+                if page and self.pool.lookup(hit.hashes[i], group) != page:
+                    raise StaleHitError(
+                        f"prefix hit page {page} of group {group} was reused since lookup"
+                    )
+
+    def _dead_blocks(self, state: _RequestBlocks, n: int) -> list[tuple[int, int]]:
+        """(group, block) pairs held but no longer live at ``n``, in table order."""
+        if n < state.min_release_at:
+            return []
+        bs = self.block_size
+        dead: list[tuple[int, int]] = []
+        for k, (policy, groups) in enumerate(self._kinds):
+            if n < state.release_at[k]:
+                continue
+            lo = state.scan_from[k]
+            for first, stop in policy.live_block_spans(n, bs):
+                for i in range(lo, first):
+                    dead.extend((g, i) for g in groups if state.tables[g][i])
+                lo = max(lo, stop)
+        return dead
+
+    def _advance_release(self, state: _RequestBlocks, n: int) -> None:
+        bs = self.block_size
+        for k, (policy, _) in enumerate(self._kinds):
+            if n >= state.release_at[k]:
+                spans = policy.live_block_spans(n, bs)
+                state.scan_from[k] = max(state.scan_from[k], spans[-1][0] if spans else 0)
+                state.release_at[k] = policy.next_release(n, bs)
+        state.min_release_at = min(state.release_at)
+
+    def _cache_full_blocks(self, request: KVRequest, state: _RequestBlocks) -> None:
+        state.cache_mark = state.num_cached_blocks
+        num_full = state.num_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= state.num_cached_blocks:
+            return
+        if len(state.hashes) < num_full:
+            self._hasher.extend(state.hashes, state.root, request.all_token_ids, state.num_tokens)
+        cache = self.pool.cache
+        for i in range(state.num_cached_blocks, num_full):
+            block_hash = state.hashes[i]
+            for group, table in enumerate(state.tables):
+                page = table[i]
+                if page:
+                    cache(page, block_hash, group)
+        state.num_cached_blocks = num_full
+
+    # -- release -----------------------------------------------------------------------
+
+    def free(self, request_id: str, *, computed: bool = True) -> None:
+        """Return all of a request's pages to the pool, tail first (no-op if unknown).
+
+        Args:
+            request_id: The request.
+            computed: False when the step of the latest allocation never ran: blocks
+                cached by that allocation hold no K/V and are uncached first.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        if not computed:
+            for table in state.tables:
+                for i in range(state.cache_mark, state.num_cached_blocks):
+                    if table[i]:
+                        self.pool.uncache(table[i])
+        for group, table in enumerate(state.tables):
+            self.pool.release([p for p in reversed(table) if p], group)
+
+    def check_integrity(self) -> None:
+        """Assert that reference counts equal table references and the pool is exact."""
+        self.pool.check_integrity()
+        refs = [0] * self.pool.num_blocks
+        for state in self._requests.values():
+            for table in state.tables:
+                for page in table:
+                    refs[page] += 1
+        refs[NULL_BLOCK] = 0
+        for page in range(1, self.pool.num_blocks):
+            assert refs[page] == self.pool.ref_count(page), page
