@@ -1,0 +1,250 @@
+"""The layout planner: groups, page sizes, pool size, stages, and the uniform baseline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hybridkv.memory.errors import LayoutError
+from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
+from hybridkv.memory.planner import choose_group_size, describe, plan_layout
+from hybridkv.policies import FullAttention, MambaLike, SlidingWindow
+
+FULL = FullAttention()
+SW = SlidingWindow(window=32)
+PAGE = 2 * 1 * 256 * 2 * 16  # K and V, one head of 256, bfloat16, 16 tokens: 16 KiB
+
+
+def attn(name: str, policy: Any = FULL, head_dim: int = 256) -> AttentionSpec:
+    return AttentionSpec(name=name, policy=policy, num_kv_heads=1, head_dim=head_dim, dtype_bytes=2)
+
+
+def seed_model() -> list[LayerSpec]:
+    """Seed 000's example: two full and four sliding layers."""
+    return [
+        attn("full.0"), attn("sw.0", SW), attn("sw.1", SW),
+        attn("full.1"), attn("sw.2", SW), attn("sw.3", SW),
+    ]  # fmt: skip
+
+
+def gemma3_like() -> list[LayerSpec]:
+    """26 layers, every sixth full: 4 full and 22 sliding."""
+    return [attn(f"l{i}", FULL if (i + 1) % 6 == 0 else SW) for i in range(26)]
+
+
+SEED_STAGES = [["full.0", "sw.0", "sw.1"], ["full.1", "sw.2", "sw.3"]]
+
+
+def test_seed_pipeline_example_groups_by_stride() -> None:
+    """Seed 000's stages give groups (full.0, full.1), (sw.0, sw.2), (sw.1, sw.3)."""
+    plan = plan_layout(seed_model(), 1 << 20, stages=SEED_STAGES)
+    assert [g.layer_names for g in plan.groups] == [
+        ("full.0", "full.1"),
+        ("sw.0", "sw.2"),
+        ("sw.1", "sw.3"),
+    ]
+    assert plan.policies == (FULL, SW, SW)
+
+
+def test_seed_pipeline_example_each_stage_holds_one_layer_per_group() -> None:
+    """Every stage uses one slot tensor, holding one layer of each group."""
+    plan = plan_layout(seed_model(), 1 << 20, stages=SEED_STAGES)
+    assert plan.group_size == 1
+    assert plan.layer_slots == {
+        "full.0": (0, 0), "sw.0": (1, 0), "sw.1": (2, 0),
+        "full.1": (0, 0), "sw.2": (1, 0), "sw.3": (2, 0),
+    }  # fmt: skip
+    assert plan.num_blocks == (1 << 20) // PAGE
+    assert plan.stages == (("full.0", "sw.0", "sw.1"), ("full.1", "sw.2", "sw.3"))
+
+
+def test_without_stages_slots_are_positions_in_the_group() -> None:
+    """One device holds every slot: layer j of a group is in slot j."""
+    plan = plan_layout(seed_model(), 1 << 20)
+    assert plan.group_size == 2
+    assert plan.layer_slots["sw.2"] == (1, 1)
+    assert plan.num_blocks == (1 << 20) // (2 * PAGE)
+    assert plan.pool_bytes <= plan.budget_bytes
+    assert plan.stages == (tuple(s.name for s in seed_model()),)
+
+
+def test_gemma3_like_groups_four_layers_with_strided_sliding_groups() -> None:
+    """4 full + 22 sliding: groups of 4, six sliding groups holding layers[i::6]."""
+    specs = gemma3_like()
+    plan = plan_layout(specs, 1 << 30)
+    sliding = [s.name for s in specs if s.policy == SW]
+    assert plan.group_size == 4
+    assert plan.page_bytes == PAGE
+    assert [g.layer_names for g in plan.groups[:6]] == [tuple(sliding[i::6]) for i in range(6)]
+    assert [len(g.layer_names) for g in plan.groups] == [4, 4, 4, 4, 3, 3, 4]
+    assert plan.groups[6].layer_names == ("l5", "l11", "l17", "l23")
+
+
+def test_gemma3_like_two_stages_share_slots_within_each_stage() -> None:
+    """Two stages of 13 layers each need two slot tensors, not three."""
+    specs = gemma3_like()
+    names = [s.name for s in specs]
+    plan = plan_layout(specs, 1 << 30, stages=[names[:13], names[13:]])
+    assert plan.group_size == 2
+    assert plan.num_blocks == (1 << 30) // (2 * PAGE)
+
+
+@pytest.mark.parametrize(
+    ("counts", "size"), [((4, 22), 4), ((10, 11), 11), ((2, 4), 2), ((32,), 32), ((), 0)]
+)
+def test_group_size_leaves_fewest_empty_slots(counts: tuple[int, ...], size: int) -> None:
+    """The group size is the family count with fewest empty slots, larger on a tie."""
+    assert choose_group_size(counts) == size
+
+
+def test_padding_counts_empty_slots() -> None:
+    """2 full + 3 sliding: groups of 3, the full group's empty slot is padding."""
+    specs = [attn("f0"), attn("f1"), attn("s0", SW), attn("s1", SW), attn("s2", SW)]
+    plan = plan_layout(specs, 100 * 3 * PAGE)
+    assert plan.group_size == 3
+    assert [len(g.layer_names) for g in plan.groups] == [2, 3]
+    assert plan.num_blocks == 100
+    assert plan.padding_bytes == 100 * PAGE
+
+
+def test_padding_fraction_weighs_groups_by_pages_held() -> None:
+    """The report's padding share counts each group's pages at the request length."""
+    specs = [attn("f0"), attn("f1"), attn("s0", SW), attn("s1", SW), attn("s2", SW)]
+    report = describe(plan_layout(specs, 100 * 3 * PAGE), specs, 160)
+    # The full group holds 10 pages with one empty slot of 3, the window group 3 full pages.
+    assert [g.blocks_per_request for g in report.groups] == [10, 3]
+    assert [g.padding_bytes_per_page for g in report.groups] == [PAGE, 0]
+    assert report.padding_fraction == pytest.approx(10 / (13 * 3))
+
+
+def test_smaller_attention_pages_are_padded_to_the_largest() -> None:
+    """A head dim of 128 beside 256 gets the larger page, half of it padding."""
+    specs = [attn("f0"), attn("s0", SW, head_dim=128)]
+    plan = plan_layout(specs, 1 << 20)
+    report = describe(plan, specs, 16)
+    assert plan.page_bytes == PAGE
+    assert [g.padding_bytes_per_page for g in report.groups] == [0, PAGE // 2]
+    assert plan.padding_bytes == plan.num_blocks * PAGE // 2
+
+
+def test_state_larger_than_attention_page_raises_block_size() -> None:
+    """A 40 KiB state makes blocks of 48 tokens (48 KiB pages); the state pads 8 KiB."""
+    specs: list[LayerSpec] = [
+        attn("a0"),
+        StateSpec(name="m0", policy=MambaLike(), state_bytes=40 * 1024),
+    ]
+    plan = plan_layout(specs, 1 << 20, block_size=16)
+    report = describe(plan, specs, 96)
+    assert plan.block_size == 48
+    assert plan.page_bytes == 3 * PAGE
+    assert [g.padding_bytes_per_page for g in report.groups] == [0, 8 * 1024]
+    assert plan.padding_bytes == plan.num_blocks * 8 * 1024
+
+
+def test_state_smaller_than_attention_page_is_padded() -> None:
+    """A state smaller than the attention page keeps the block size and pads the state."""
+    specs: list[LayerSpec] = [
+        attn("a0"),
+        StateSpec(name="m0", policy=MambaLike(), state_bytes=1000),
+    ]
+    plan = plan_layout(specs, 1 << 20)
+    assert (plan.block_size, plan.page_bytes) == (16, PAGE)
+    assert plan.padding_bytes == plan.num_blocks * (PAGE - 1000)
+
+
+def test_state_too_large_for_any_block_is_an_error() -> None:
+    """A state needing blocks past max_block_size cannot share a page size."""
+    specs: list[LayerSpec] = [
+        attn("a0"),
+        StateSpec(name="m0", policy=MambaLike(), state_bytes=PAGE * 9),
+    ]
+    with pytest.raises(
+        LayoutError, match=r"cannot share a page size.*'m0'.*144.*max_block_size=128"
+    ):
+        plan_layout(specs, 1 << 30, max_block_size=128)
+
+
+def test_attention_free_model_has_no_groups() -> None:
+    """No KV layers: no groups, no blocks, and nothing limits requests."""
+    plan = plan_layout([], 0)
+    report = describe(plan, [], 100)
+    assert (plan.groups, plan.num_blocks, plan.group_size) == ((), 0, 0)
+    assert report.max_requests is None and report.max_request_tokens is None
+    assert report.gain is None
+
+
+def test_stage_without_kv_layers_is_fine() -> None:
+    """An empty stage allocates nothing and leaves the pool as one stage would."""
+    names = [s.name for s in seed_model()]
+    plan = plan_layout(seed_model(), 1 << 20, stages=[names, []])
+    report = describe(plan, seed_model(), 16)
+    assert plan.group_size == 2
+    assert plan.num_blocks == plan_layout(seed_model(), 1 << 20).num_blocks
+    assert report.stage_slots == (2, 0)
+
+
+def test_budget_below_one_block_per_group_is_an_error() -> None:
+    """Three groups need four blocks (null included); one byte less is refused."""
+    minimum = 4 * 2 * PAGE
+    assert plan_layout(seed_model(), minimum).num_blocks == 4
+    with pytest.raises(LayoutError, match=rf"budget_bytes={minimum - 1}.*at least {minimum} bytes"):
+        plan_layout(seed_model(), minimum - 1)
+
+
+def test_policy_that_is_not_a_policy_is_an_error() -> None:
+    """A spec naming its policy by string is refused with a pointer to make_policy."""
+    with pytest.raises(LayoutError, match=r"'x'.*'full'.*make_policy"):
+        plan_layout([attn("x", "full")], 1 << 20)
+
+
+def test_duplicate_layer_names_are_an_error() -> None:
+    """Two specs with one name are refused, naming it."""
+    with pytest.raises(LayoutError, match="'a'"):
+        plan_layout([attn("a"), attn("a")], 1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([["full.0", "nope"]], "no spec: \\['nope'\\]"),
+        ([["full.0", "full.0"]], "more than once: \\['full.0'\\]"),
+        ([["full.0"]], "in no stage"),
+        ([], "at least one stage"),
+    ],
+)
+def test_bad_stages_are_errors(stages: list[list[str]], message: str) -> None:
+    """Stages must list every KV layer exactly once, and nothing else."""
+    with pytest.raises(LayoutError, match=message):
+        plan_layout(seed_model(), 1 << 20, stages=stages)
+
+
+def test_uniform_comparison_numbers_are_exact() -> None:
+    """Seed model in 4 MiB at 256 tokens: 5 requests against uniform's 2."""
+    specs = seed_model()
+    plan = plan_layout(specs, 4 << 20)
+    report = describe(plan, specs, 256)
+    assert plan.num_blocks == (4 << 20) // (2 * PAGE) == 128
+    assert plan.uniform_num_blocks == (4 << 20) // (6 * PAGE) == 42
+    # Full needs 256/16 = 16 pages; a window of 32 at most cdiv(31, 16) + 1 = 3 per group.
+    assert (report.blocks_per_request, report.uniform_blocks_per_request) == (22, 16)
+    assert (report.max_requests, report.uniform_max_requests) == (127 // 22, 41 // 16)
+    assert report.gain == pytest.approx(5 / 2)
+    # Longest request: 16 * (127 - 2 * 3) tokens against 16 * 41.
+    assert (report.max_request_tokens, report.uniform_max_request_tokens) == (1936, 656)
+
+
+def test_windows_only_model_has_unbounded_longest_request() -> None:
+    """Without full attention no request length outgrows the pool."""
+    specs = [attn("s0", SW), attn("s1", SW)]
+    report = describe(plan_layout(specs, 1 << 20), specs, 64)
+    assert report.max_request_tokens is None
+    assert report.uniform_max_request_tokens == 16 * ((1 << 20) // (2 * PAGE) - 1)
+
+
+def test_report_groups_policies_into_families() -> None:
+    """The per-policy rows sum their groups' layers and pages."""
+    specs = gemma3_like()
+    report = describe(plan_layout(specs, 1 << 30), specs, 4096)
+    rows = {p.policy: (p.num_groups, p.num_layers, p.blocks_per_request) for p in report.policies}
+    assert rows == {"sliding_window(window=32)": (6, 22, 6 * 3), "full": (1, 4, 256)}
