@@ -1,0 +1,162 @@
+"""Layer specs from Hugging Face config dicts, and the built-in model configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from hybridkv.memory.layout import AttentionSpec, StateSpec
+from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config
+from hybridkv.policies import (
+    ChunkedLocal,
+    FullAttention,
+    MambaLike,
+    SlidingWindow,
+)
+
+FULL = FullAttention()
+
+
+def config(model_type: str, num_layers: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "model_type": model_type,
+        "num_hidden_layers": num_layers,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        **extra,
+    }
+
+
+def test_llama_layers_are_full_attention_with_default_head_dim() -> None:
+    """Llama: every layer full, head dim hidden_size // heads, KV heads from the config."""
+    specs = layer_specs_from_config(config("llama"), dtype_bytes=4)
+    assert [s.policy for s in specs] == [FULL] * 4
+    assert specs[0] == AttentionSpec(
+        name="model.layers.0.self_attn", policy=FULL, num_kv_heads=2, head_dim=16, dtype_bytes=4
+    )
+
+
+def test_mistral_with_sliding_window_slides_every_layer() -> None:
+    """Mistral with sliding_window set: every layer a window of that size."""
+    specs = layer_specs_from_config(config("mistral", sliding_window=4096))
+    assert [s.policy for s in specs] == [SlidingWindow(window=4096)] * 4
+
+
+def test_mistral_with_null_window_is_full_attention() -> None:
+    """Mistral with sliding_window null: every layer full."""
+    specs = layer_specs_from_config(config("mistral", sliding_window=None))
+    assert [s.policy for s in specs] == [FULL] * 4
+
+
+def test_gemma2_even_layers_slide() -> None:
+    """Gemma 2 alternates, layer 0 sliding, with its explicit head dim."""
+    specs = layer_specs_from_config(config("gemma2", sliding_window=8, head_dim=32))
+    assert [s.policy for s in specs] == [SlidingWindow(window=8), FULL] * 2
+    assert {s.head_dim for s in specs if isinstance(s, AttentionSpec)} == {32}
+
+
+def test_gemma3_pattern_makes_every_sixth_layer_full() -> None:
+    """Gemma 3 without layer_types: layers 5, 11, ... are full, by the default pattern 6."""
+    specs = layer_specs_from_config(config("gemma3_text", 12, sliding_window=512))
+    full = [i for i, s in enumerate(specs) if s.policy == FULL]
+    assert full == [5, 11]
+    assert specs[0].policy == SlidingWindow(window=512)
+
+
+def test_gemma3_nested_text_config_with_layer_types() -> None:
+    """A multimodal Gemma 3 config is read from text_config, layer_types first."""
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    text = config("gemma3_text", 3, sliding_window=64, layer_types=types)
+    specs = layer_specs_from_config({"model_type": "gemma3", "text_config": text})
+    assert [s.policy for s in specs] == [SlidingWindow(window=64), FULL, SlidingWindow(window=64)]
+
+
+def test_gemma3_missing_head_fields_take_transformers_defaults() -> None:
+    """A Gemma 3 text_config without head fields gets 4 KV heads of 256."""
+    text = {"model_type": "gemma3_text", "num_hidden_layers": 6, "hidden_size": 2560}
+    specs = layer_specs_from_config({"model_type": "gemma3", "text_config": text})
+    first = specs[0]
+    assert isinstance(first, AttentionSpec)
+    assert (first.num_kv_heads, first.head_dim, first.policy) == (4, 256, SlidingWindow(4096))
+
+
+def test_layer_types_work_for_any_model_type() -> None:
+    """An unknown model type with layer_types is read, chunked layers included."""
+    types = ["chunked_attention", "full_attention"]
+    cfg = config("llama4_text", 2, layer_types=types, attention_chunk_size=8192)
+    specs = layer_specs_from_config(cfg)
+    assert [s.policy for s in specs] == [ChunkedLocal(chunk=8192), FULL]
+
+
+def test_unknown_model_type_without_layer_types_is_an_error() -> None:
+    """A model type we do not know, without layer_types, is refused by name."""
+    with pytest.raises(ModelConfigError, match="'rwkv'"):
+        layer_specs_from_config(config("rwkv"))
+
+
+def test_unknown_layer_type_is_an_error() -> None:
+    """A layer type we cannot size is refused, naming it and the supported ones."""
+    cfg = config("x", 2, layer_types=["full_attention", "linear_attention"])
+    with pytest.raises(ModelConfigError, match=r"layer 1.*'linear_attention'.*full_attention"):
+        layer_specs_from_config(cfg)
+
+
+def test_layer_types_of_wrong_length_is_an_error() -> None:
+    """layer_types must have one entry per layer."""
+    with pytest.raises(ModelConfigError, match=r"3 entries.*is 4"):
+        layer_specs_from_config(config("x", 4, layer_types=["full_attention"] * 3))
+
+
+def test_window_of_zero_is_an_error() -> None:
+    """A window of 0 is refused, naming the field, the value and the limit."""
+    cfg = config("x", 1, layer_types=["sliding_attention"], sliding_window=0)
+    with pytest.raises(ModelConfigError, match=r"'sliding_window' must be an integer >= 1, got 0"):
+        layer_specs_from_config(cfg)
+
+
+def test_missing_field_is_named() -> None:
+    """A config without num_hidden_layers says so."""
+    with pytest.raises(ModelConfigError, match="'num_hidden_layers'"):
+        layer_specs_from_config({"model_type": "llama"})
+
+
+def test_jamba_has_one_attention_layer_in_eight() -> None:
+    """Jamba-like: attention at 4 and 12, mamba elsewhere with d_inner * (conv + state)."""
+    specs = layer_specs_from_config(BUILTIN_CONFIGS["jamba-like"] | {"num_hidden_layers": 16})
+    attention = [i for i, s in enumerate(specs) if isinstance(s, AttentionSpec)]
+    assert attention == [4, 12]
+    state = specs[0]
+    assert isinstance(state, StateSpec) and state.policy == MambaLike()
+    assert state.name == "model.layers.0.mamba"
+    assert state.state_bytes == 2 * 4096 * (4 + 16) * 2
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_CONFIGS))
+def test_builtin_configs_give_specs(name: str) -> None:
+    """Every built-in config parses into one spec per layer."""
+    cfg = BUILTIN_CONFIGS[name]
+    assert len(layer_specs_from_config(cfg)) == cfg["num_hidden_layers"]
+
+
+def test_specs_module_imports_no_torch() -> None:
+    """The plan command can size a model without torch."""
+    code = "import sys, hybridkv.models.specs; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("cls_name", ["Gemma2Config", "Gemma3TextConfig"])
+def test_layer_pattern_matches_transformers(cls_name: str) -> None:
+    """Without layer_types, the derived pattern equals the one transformers computes."""
+    transformers = pytest.importorskip("transformers")
+    hf = getattr(transformers, cls_name)(num_hidden_layers=13, sliding_window=16)
+    cfg = hf.to_dict()
+    expected = [
+        FULL if t == "full_attention" else SlidingWindow(16) for t in cfg.pop("layer_types")
+    ]
+    assert [s.policy for s in layer_specs_from_config(cfg)] == expected
