@@ -1,0 +1,277 @@
+"""The ``hybridkv`` command line.
+
+Each subcommand is a registrar: a function that adds one parser to the subparsers and
+sets its ``handler`` default to a function ``(args) -> exit code``. Add a subcommand by
+writing ``register(subparsers)`` in its own module and naming it in :data:`SUBCOMMANDS`;
+keep heavy imports (torch, models, the HTTP stack) inside the handler so that
+``hybridkv --help`` and ``hybridkv plan`` stay fast.
+
+Errors of the library (:class:`HybridKVError`) and :class:`UsageError` print one line
+on stderr and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybridkv.policies.errors import HybridKVError
+
+if TYPE_CHECKING:
+    from hybridkv.memory.layout import LayoutPlan
+    from hybridkv.memory.planner import PlanReport
+
+#: Subcommand name -> ``"module:function"`` of its registrar, in ``--help`` order.
+SUBCOMMANDS: dict[str, str] = {
+    "plan": "hybridkv.serving.cli:register_plan",
+}
+
+
+class UsageError(HybridKVError, ValueError):
+    """A command-line value we cannot use (a size, a dtype, a model that is not there)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (the console script exits with it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except HybridKVError as exc:
+        print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="hybridkv", description="An async LLM serving core with hybrid KV memory."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for target in SUBCOMMANDS.values():
+        module, _, function = target.partition(":")
+        getattr(importlib.import_module(module), function)(subparsers)
+    return parser
+
+
+# -- values -------------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+_SIZE = re.compile(r"(\d*\.?\d+(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)")
+
+#: Bytes per cached value of each ``--dtype``.
+DTYPE_BYTES = {
+    "float32": 4, "float": 4, "fp32": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2,
+    "float8": 1, "fp8": 1,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``2GiB``, ``512MiB``, ``1.5GB``, ``1e9`` or ``4096`` (rounded down)."""
+    match = _SIZE.fullmatch(text.strip())
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise UsageError(
+            f"size {text!r} is not a non-negative number with an optional unit "
+            f"({', '.join(u for u in _UNITS if u)}), such as 2GiB or 1e9"
+        )
+    # Fraction keeps 1.5GiB exact where a float would round.
+    return int(Fraction(match.group(1)) * _UNITS[unit])
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per value of a dtype name."""
+    try:
+        return DTYPE_BYTES[name.lower()]
+    except KeyError:
+        raise UsageError(f"dtype {name!r} is unknown; known: {', '.join(DTYPE_BYTES)}") from None
+
+
+def load_config(model: str) -> tuple[str, dict[str, Any]]:
+    """A built-in model name, a config.json, or a folder holding one -> (label, config)."""
+    from hybridkv.models.specs import BUILTIN_CONFIGS
+
+    if model in BUILTIN_CONFIGS:
+        return model, BUILTIN_CONFIGS[model]
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UsageError(
+            f"model {model!r} is neither a config.json, a folder with one, nor a built-in "
+            f"name ({', '.join(BUILTIN_CONFIGS)})"
+        )
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"cannot read {str(path)!r} as JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{str(path)!r} holds a JSON {type(config).__name__}, not an object")
+    return str(path), config
+
+
+def split_stages(names: Sequence[str], num_stages: int) -> list[list[str]]:
+    """Contiguous stages of near-equal layer counts, earlier stages taking the remainder."""
+    if num_stages < 1:
+        raise UsageError(f"--pp-stages must be >= 1, got {num_stages}")
+    base, extra = divmod(len(names), num_stages)
+    stages, start = [], 0
+    for i in range(num_stages):
+        stop = start + base + (1 if i < extra else 0)
+        stages.append(list(names[start:stop]))
+        start = stop
+    return stages
+
+
+# -- plan ---------------------------------------------------------------------------------
+
+
+def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``hybridkv plan MODEL --kv-memory SIZE``."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="print the KV layout of a model in a memory budget",
+        description="Print the KV cache groups, page size and pool size a model gets in a "
+        "KV memory budget, and what a uniform (all full attention) allocator would fit.",
+    )
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="config.json, a folder with one, or a built-in name: "
+        "gemma3-like, gemma2-like, llama-like, jamba-like",
+    )
+    parser.add_argument(
+        "--kv-memory", required=True, metavar="SIZE", help="KV memory per device: 2GiB, 1e9"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the KV cache")
+    parser.add_argument("--pp-stages", type=int, default=1, help="pipeline stages")
+    parser.add_argument(
+        "--request-tokens",
+        type=int,
+        default=4096,
+        metavar="L",
+        help="tokens per request (prompt and output) in the capacity table",
+    )
+    parser.set_defaults(handler=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Plan the layout and print it."""
+    from hybridkv.memory.planner import describe, plan_layout
+    from hybridkv.models.specs import layer_specs_from_config
+
+    budget = parse_size(args.kv_memory)
+    if args.request_tokens < 1:
+        raise UsageError(f"--request-tokens must be >= 1, got {args.request_tokens}")
+    label, config = load_config(args.model)
+    specs = layer_specs_from_config(config, dtype_bytes(args.dtype))
+    stages = split_stages([s.name for s in specs], args.pp_stages)
+    plan = plan_layout(specs, budget, args.block_size, stages=stages)
+    report = describe(plan, specs, args.request_tokens)
+    policies = ", ".join(f"{p.num_layers} {p.policy}" for p in report.policies)
+    raised = plan.block_size != args.block_size
+    print(f"model   {label}: {len(specs)} KV layers ({policies or 'attention-free'})")
+    print(
+        f"budget  {_bytes(budget)} per device, {args.dtype}, block size {plan.block_size}"
+        + (f" (raised from {args.block_size} so a page holds a state)" if raised else "")
+    )
+    if plan.groups:
+        print("\n".join(format_plan(plan, report)))
+    else:
+        print("no KV cache: the model has no attention or state layers")
+    return 0
+
+
+def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
+    """The tables of a plan with KV groups: groups, policies, stages, capacity, padding."""
+    out = [
+        f"pool    {_count(len(plan.groups), 'group')}, "
+        f"{_count(plan.group_size, 'slot tensor')} per device, page "
+        f"{_bytes(plan.page_bytes)}, {plan.num_blocks} blocks (the null block included)",
+        "",
+    ]
+    slot_bytes = sum(report.stage_slots) * plan.page_bytes
+    out += _table(
+        ["group", "policy", "layers", "blocks/request", "padding/page"],
+        [[g.group_id, g.policy, g.num_layers, g.blocks_per_request,
+          _share(g.padding_bytes_per_page, slot_bytes)] for g in report.groups],
+    )  # fmt: skip
+    total = report.blocks_per_request
+    out.append("")
+    out += _table(
+        ["policy", "groups", "layers", "blocks/request", "share of pages"],
+        [[p.policy, p.num_groups, p.num_layers, p.blocks_per_request,
+          f"{p.blocks_per_request / total:.1%}"] for p in report.policies],
+    )  # fmt: skip
+    if len(plan.stages) > 1:
+        out.append("")
+        out += _table(
+            ["stage", "layers", "slot tensors"],
+            [[i, len(names), num] for i, (names, num)
+             in enumerate(zip(plan.stages, report.stage_slots, strict=True))],
+        )  # fmt: skip
+    n = report.request_tokens
+    hybrid, uniform = report.max_requests, report.uniform_max_requests
+    tokens = (None if hybrid is None else hybrid * n, None if uniform is None else uniform * n)
+    out.append("")
+    out += _table(
+        ["capacity", "hybrid", "uniform", "gain"],
+        [
+            ["blocks", plan.num_blocks, plan.uniform_num_blocks, ""],
+            [f"requests of {n} tokens", hybrid, uniform, _gain(hybrid, uniform)],
+            ["tokens that fit", *tokens, _gain(*tokens)],
+            ["longest request", report.max_request_tokens, report.uniform_max_request_tokens,
+             _gain(report.max_request_tokens, report.uniform_max_request_tokens)],
+        ],
+    )  # fmt: skip
+    where = "over all stages" if len(plan.stages) > 1 else "in the pool"
+    return [
+        *out,
+        "",
+        f"padding {report.padding_fraction:.1%} of the bytes held by requests of {n} tokens; "
+        f"at most {_bytes(plan.padding_bytes)} {where}",
+        "uniform: one group of every layer as full attention, in the same bytes",
+    ]
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    cells = [header] + [["unbounded" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in cells]  # fmt: skip
+
+
+def _bytes(num: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num >= size:
+            return f"{num / size:.2f} {unit}"
+    return f"{num} B"
+
+
+def _count(num: int, noun: str) -> str:
+    return f"{num} {noun}" if num == 1 else f"{num} {noun}s"
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{_bytes(part)} ({part / whole:.1%})" if part else "0 B"
+
+
+def _gain(hybrid: int | None, uniform: int | None) -> str:
+    if hybrid is None or uniform is None:
+        return ""
+    return f"{hybrid / uniform:.2f}x" if uniform else "inf"
