@@ -1,0 +1,128 @@
+"""Attention over paged KV caches for mixed batches, on torch SDPA.
+
+Each layer gathers the keys and values the step reads with one ``index_select`` (rows
+precomputed in the step's ``GatherPlan``) into a reused buffer, then runs one SDPA call per
+region: all decodes together, each prefill on its own.
+
+Masking invariant (True = attend). Query at position ``p`` sees key ``k`` iff
+``p - W < k <= p``: causal aligned to the END of the context, not SDPA's top-left
+``is_causal``. A prefill chunk of 3 tokens after a cached prefix of 4, W = 4::
+
+    key pos     0 1 2 3 4 5 6        keys before key_start = 1 are not even gathered
+    query 4     . x x x x . .
+    query 5     . . x x x x .
+    query 6     . . . x x x x
+
+GQA. The G = num_q_heads // num_kv_heads query heads sharing a KV head are folded into the
+query rows, so SDPA sees ``num_kv_heads`` heads and reads each key once per KV head:
+query ``[B, num_kv_heads, G * num_queries, head_dim]`` against keys
+``[B, num_kv_heads, key_len, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.kernels.cache_ops import check_cache
+from hybridkv.kernels.errors import KernelInputError
+from hybridkv.kernels.gather_plan import Region
+from hybridkv.kernels.metadata import PagedMetadata
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: PagedMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attend every query token to its request's cached keys and values.
+
+    Args:
+        query: ``[num_tokens, num_q_heads, head_dim]``, tokens in request order.
+        kv_cache: ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``, already holding
+            this step's keys and values (``write_kv`` runs first).
+        meta: this step's metadata of the cache's KV group.
+        scale: multiplier of the query-key dot products.
+        sliding_window: W, the keys a query sees counting itself (Hugging Face semantics).
+        softcap: c in ``c * tanh(scores / c)`` before the softmax (Gemma 2).
+
+    Returns:
+        ``[num_tokens, num_q_heads, head_dim]`` in the query's dtype.
+
+    Raises:
+        KernelInputError: shapes or dtypes disagree, or a table reads the null block.
+    """
+    check_cache(kv_cache, meta)
+    num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+    if query.dim() != 3 or query.shape[0] != meta.num_tokens or query.shape[2] != head_dim:
+        raise KernelInputError(
+            f"query {tuple(query.shape)} must be [num_tokens={meta.num_tokens}, "
+            f"num_q_heads, head_dim={head_dim}]"
+        )
+    if query.shape[1] % num_kv_heads:
+        raise KernelInputError(
+            f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}"
+        )
+    if query.dtype != kv_cache.dtype:
+        raise KernelInputError(f"query {query.dtype} != kv_cache {kv_cache.dtype}")
+    if softcap is not None and softcap <= 0:
+        raise KernelInputError(f"softcap must be > 0, got {softcap}")
+    group = query.shape[1] // num_kv_heads
+    plan = meta.plan(
+        num_kv_heads=num_kv_heads, num_queries_per_kv=group, sliding_window=sliding_window
+    )
+    gathered = plan.buffer(kv_cache.dtype, head_dim)
+    torch.index_select(kv_cache.view(-1, head_dim), 0, plan.rows, out=gathered)
+    out = torch.empty_like(query)
+    for region in plan.regions:
+        out[region.token_index] = _attend_region(
+            query[region.token_index], gathered, region, num_kv_heads, scale, softcap
+        )
+    return out
+
+
+def _attend_region(
+    query: torch.Tensor,
+    gathered: torch.Tensor,
+    region: Region,
+    num_kv_heads: int,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of one region's ``[B * num_queries, num_q_heads, head_dim]`` queries."""
+    batch, num_queries, key_len = region.num_requests, region.num_queries, region.key_len
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_q_heads // num_kv_heads
+    kv = gathered[region.row_offset : region.row_offset + region.num_rows]
+    kv = kv.view(batch, 2, num_kv_heads, key_len, head_dim)
+    # [B*Q, Hq, D] -> [B, Hkv, G*Q, D]; a pure view when Q == 1 (decodes).
+    q = query.view(batch, num_queries, num_kv_heads, group, head_dim)
+    q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * num_queries, head_dim)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(
+            q, kv[:, 0], kv[:, 1], attn_mask=region.mask, scale=scale
+        )
+    else:
+        o = _softcapped_attention(q, kv[:, 0], kv[:, 1], region.mask, scale, softcap)
+    o = o.view(batch, num_kv_heads, group, num_queries, head_dim).permute(0, 3, 1, 2, 4)
+    return o.reshape(batch * num_queries, num_q_heads, head_dim)
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Explicit softmax attention with ``scores = c * tanh(scores / c)``, scores in float32."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)

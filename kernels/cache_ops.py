@@ -1,0 +1,66 @@
+"""Writing one layer's new keys and values into its paged cache.
+
+Cache layout of one layer (head-major pages, so a page's keys for one head are contiguous)::
+
+    kv_cache[page, 0 | 1, kv_head, offset, :]      0 = key, 1 = value
+    shape    [num_blocks, 2, num_kv_heads, block_size, head_dim]
+
+Token ``t`` of the batch goes to ``page = slot_mapping[t] // block_size`` and
+``offset = slot_mapping[t] % block_size``; both are precomputed in ``PagedMetadata``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.kernels.errors import KernelInputError
+from hybridkv.kernels.metadata import PagedMetadata
+
+
+def check_cache(kv_cache: torch.Tensor, meta: PagedMetadata) -> None:
+    """Raise ``KernelInputError`` unless ``kv_cache`` fits the layout and the block tables."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise KernelInputError(
+            "kv_cache must be [num_blocks, 2, num_kv_heads, block_size, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.shape[3] != meta.block_size:
+        raise KernelInputError(
+            f"kv_cache block size {kv_cache.shape[3]} != metadata block_size {meta.block_size}"
+        )
+    if meta.max_block_id >= kv_cache.shape[0]:
+        raise KernelInputError(
+            f"block tables name page {meta.max_block_id}, cache has {kv_cache.shape[0]} pages"
+        )
+    if not kv_cache.is_contiguous():
+        raise KernelInputError("kv_cache must be contiguous (pages are addressed as flat rows)")
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: PagedMetadata
+) -> None:
+    """Store the batch's new keys and values in ``kv_cache`` in place.
+
+    Args:
+        kv_cache: ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``.
+        key: ``[num_tokens, num_kv_heads, head_dim]``, tokens in request order.
+        value: same shape as ``key``.
+        meta: this step's metadata of the cache's KV group.
+
+    Raises:
+        KernelInputError: shapes, dtypes or block tables do not fit the cache.
+    """
+    check_cache(kv_cache, meta)
+    expected = (meta.num_tokens, kv_cache.shape[2], kv_cache.shape[4])
+    if tuple(key.shape) != expected or tuple(value.shape) != expected:
+        raise KernelInputError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be "
+            f"[num_tokens, num_kv_heads, head_dim] = {expected}"
+        )
+    if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+        raise KernelInputError(
+            f"key {key.dtype} / value {value.dtype} must match kv_cache dtype {kv_cache.dtype}"
+        )
+    # Advanced indices around a slice: the indexed view is [num_tokens, num_kv_heads, head_dim].
+    kv_cache[:, 0][meta.write_pages, :, meta.write_offsets] = key
+    kv_cache[:, 1][meta.write_pages, :, meta.write_offsets] = value

@@ -1,0 +1,165 @@
+"""Per-step metadata of one KV group: where new tokens go and what attention reads.
+
+Built once per step per KV group and shared by every layer of the group. A batch holds
+requests in order, each running ``query_len`` tokens at positions
+``[context_len - query_len, context_len)``; tokens are laid out request after request::
+
+    request       r0 (prefill chunk)    r1 (decode)   r2 (decode)
+    positions     [5 6 7 8]             [12]          [3]
+    token index    0 1 2 3               4             5
+    context_len    9                     13            4
+
+Token at position ``p`` of a request is stored in page ``block_table[p // block_size]`` at
+offset ``p % block_size``; its slot is ``page * block_size + offset``. Page 0 is the null
+block: it is never written, and never read inside an attended range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from hybridkv.kernels.errors import KernelInputError
+from hybridkv.kernels.gather_plan import GatherPlan
+
+PlanKey = tuple[int, int, int | None]
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class PagedMetadata:
+    """Slot mapping and block tables of one step for one KV group.
+
+    Attributes:
+        query_lens: tokens each request runs this step (>= 1).
+        context_lens: tokens in each request's context after this step.
+        block_size: tokens per page.
+        device: where the index tensors live (the cache's device).
+        block_table: ``[num_requests, max_blocks]`` int64 on the CPU, right-padded with 0.
+        slot_mapping: ``[num_tokens]`` int64 on ``device``, ``page * block_size + offset``.
+        write_pages: ``[num_tokens]`` ``slot_mapping // block_size``.
+        write_offsets: ``[num_tokens]`` ``slot_mapping % block_size``.
+        max_block_id: the largest page id any table names (checked against the cache).
+    """
+
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    block_size: int
+    device: torch.device
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    write_pages: torch.Tensor
+    write_offsets: torch.Tensor
+    max_block_id: int
+    _plans: dict[PlanKey, GatherPlan] = attrs.field(factory=dict, init=False)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the batch."""
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the batch (the sum of query_lens)."""
+        return int(self.slot_mapping.numel())
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedMetadata:
+        """Validate one step's lengths and tables and compute the slot mapping.
+
+        Raises:
+            KernelInputError: lengths disagree, a query_len is < 1 or exceeds its
+                context_len, a table is too short for its context, or a new token would be
+                written into the null block.
+        """
+        _check_lengths(query_lens, context_lens, block_tables, block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        table = torch.zeros(len(block_tables), max(max_blocks, 1), dtype=torch.long)
+        for i, row in enumerate(block_tables):
+            table[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+        if bool((table < 0).any()):
+            raise KernelInputError("block tables hold a negative page id; the null block is 0")
+        q_lens = torch.tensor(list(query_lens), dtype=torch.long)
+        ctx_lens = torch.tensor(list(context_lens), dtype=torch.long)
+        request_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        first_token = torch.cumsum(q_lens, 0) - q_lens
+        positions = (
+            torch.arange(int(q_lens.sum()))
+            - first_token[request_of_token]
+            + (ctx_lens - q_lens)[request_of_token]
+        )
+        pages = table[request_of_token, positions // block_size]
+        if bool((pages == 0).any()):
+            bad = int(request_of_token[pages == 0][0])
+            raise KernelInputError(f"request {bad} would write a new token into the null block")
+        offsets = positions % block_size
+        dev = torch.device(device)
+        return cls(
+            query_lens=tuple(int(n) for n in query_lens),
+            context_lens=tuple(int(n) for n in context_lens),
+            block_size=block_size,
+            device=dev,
+            block_table=table,
+            slot_mapping=(pages * block_size + offsets).to(dev),
+            write_pages=pages.to(dev),
+            write_offsets=offsets.to(dev),
+            max_block_id=int(table.max()),
+        )
+
+    def plan(
+        self, *, num_kv_heads: int, num_queries_per_kv: int, sliding_window: int | None
+    ) -> GatherPlan:
+        """The gather plan for this head geometry and window, built on first use."""
+        key = (num_kv_heads, num_queries_per_kv, sliding_window)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = GatherPlan.build(
+                query_lens=self.query_lens,
+                context_lens=self.context_lens,
+                block_table=self.block_table,
+                block_size=self.block_size,
+                num_kv_heads=num_kv_heads,
+                num_queries_per_kv=num_queries_per_kv,
+                sliding_window=sliding_window,
+                device=self.device,
+            )
+            self._plans[key] = plan
+        return plan
+
+
+def _check_lengths(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+) -> None:
+    if not query_lens:
+        raise KernelInputError("a step needs at least one request, got none")
+    if block_size < 1:
+        raise KernelInputError(f"block_size must be >= 1, got {block_size}")
+    if not len(query_lens) == len(context_lens) == len(block_tables):
+        raise KernelInputError(
+            f"{len(query_lens)} query_lens, {len(context_lens)} context_lens and "
+            f"{len(block_tables)} block_tables: one of each per request"
+        )
+    for i, (q_len, ctx_len, row) in enumerate(
+        zip(query_lens, context_lens, block_tables, strict=True)
+    ):
+        if not 1 <= q_len <= ctx_len:
+            raise KernelInputError(
+                f"request {i}: query_len {q_len} must be >= 1 and <= context_len {ctx_len}"
+            )
+        needed = -(-ctx_len // block_size)
+        if len(row) < needed:
+            raise KernelInputError(
+                f"request {i}: block table has {len(row)} entries, context_len {ctx_len} "
+                f"needs {needed} blocks of {block_size}"
+            )

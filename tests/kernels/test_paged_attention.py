@@ -1,0 +1,207 @@
+"""paged_attention against plain softmax attention over contiguous K/V per request."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.kernels import KernelInputError, PagedMetadata, paged_attention, write_kv
+
+F32 = {"atol": 1e-5, "rtol": 1e-5}
+BF16 = {"atol": 2e-2, "rtol": 2e-2}
+
+
+@attrs.frozen
+class Case:
+    """One step: per request (query_len, context_len), and the head geometry."""
+
+    requests: tuple[tuple[int, int], ...]
+    block_size: int = 4
+    num_kv_heads: int = 2
+    num_q_heads: int = 4
+    head_dim: int = 16
+    window: int | None = None
+    softcap: float | None = None
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+
+def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged output and reference output of one case; unread cache rows hold NaN."""
+    gen = torch.Generator().manual_seed(case.seed)
+    bs, hkv, d = case.block_size, case.num_kv_heads, case.head_dim
+    needed = [-(-ctx // bs) for _, ctx in case.requests]
+    num_blocks = sum(needed) + 3
+    pages = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    cache = torch.full((num_blocks, 2, hkv, bs, d), float("nan"), dtype=case.dtype)
+    tables, keys, values, queries, new_k, new_v = [], [], [], [], [], []
+    for (q_len, ctx), n in zip(case.requests, needed, strict=True):
+        table, pages = pages[:n], pages[n:]
+        k = torch.randn(ctx, hkv, d, generator=gen).to(case.dtype)
+        v = torch.randn(ctx, hkv, d, generator=gen).to(case.dtype)
+        key_start = 0 if case.window is None else max(0, ctx - q_len - case.window + 1)
+        for pos in range(key_start, ctx - q_len):  # the cached prefix, written earlier
+            cache[table[pos // bs], :, :, pos % bs] = torch.stack([k[pos], v[pos]])
+        # Blocks wholly before the window were released: the table holds the null block.
+        tables.append([0 if (j + 1) * bs <= key_start else p for j, p in enumerate(table)])
+        keys.append(k)
+        values.append(v)
+        new_k.append(k[ctx - q_len :])
+        new_v.append(v[ctx - q_len :])
+        queries.append(torch.randn(q_len, case.num_q_heads, d, generator=gen).to(case.dtype))
+    q_lens = [q for q, _ in case.requests]
+    ctx_lens = [c for _, c in case.requests]
+    meta = PagedMetadata.build(q_lens, ctx_lens, tables, bs, device=device)
+    cache = cache.to(device)
+    write_kv(cache, torch.cat(new_k).to(device), torch.cat(new_v).to(device), meta)
+    scale = d**-0.5
+    out = paged_attention(
+        torch.cat(queries).to(device),
+        cache,
+        meta,
+        scale=scale,
+        sliding_window=case.window,
+        softcap=case.softcap,
+    )
+    ref = [
+        reference(q, k, v, scale, case.window, case.softcap)
+        for q, k, v in zip(queries, keys, values, strict=True)
+    ]
+    return out.cpu(), torch.cat(ref).to(case.dtype)
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Float64 softmax attention of the last len(q) positions of one request."""
+    q_len, num_q_heads, _ = q.shape
+    ctx, num_kv_heads, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    k64 = k.double().repeat_interleave(group, dim=1)
+    v64 = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k64) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = torch.arange(ctx - q_len, ctx)[:, None]
+    k_pos = torch.arange(ctx)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, -math.inf)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v64)
+
+
+def check(case: Case) -> None:
+    out, ref = run_case(case)
+    tol = F32 if case.dtype == torch.float32 else BF16
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_decode_batch_of_unequal_contexts() -> None:
+    """A batch of decodes with different context lengths matches the reference."""
+    check(Case(requests=((1, 9), (1, 1), (1, 16), (1, 23))))
+
+
+def test_prefill_from_scratch() -> None:
+    """A whole prompt in one step is causal attention over its own tokens."""
+    check(Case(requests=((11, 11),)))
+
+
+def test_chunked_prefill_after_cached_prefix() -> None:
+    """A prefill chunk attends the cached prefix and causally within itself."""
+    check(Case(requests=((5, 18),)))
+
+
+def test_mixed_batch_in_arbitrary_order() -> None:
+    """Prefills, chunks and decodes interleaved in one batch each match the reference."""
+    check(Case(requests=((1, 7), (6, 6), (1, 30), (4, 13), (1, 2))))
+
+
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(3, 3), (8, 2), (8, 1)])
+def test_grouped_query_heads(num_q_heads: int, num_kv_heads: int) -> None:
+    """Query heads share KV heads in consecutive groups, as repeat_interleave would."""
+    check(Case(requests=((1, 9), (5, 12)), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads))
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 7, 64])
+def test_sliding_window_with_released_blocks(window: int) -> None:
+    """Windows shorter than, equal to and longer than a block skip NaN-filled null blocks."""
+    check(Case(requests=((1, 21), (6, 19), (1, 3), (9, 9)), window=window))
+
+
+def test_softcap() -> None:
+    """Soft-capped scores go through tanh before the softmax."""
+    check(Case(requests=((1, 9), (4, 10)), softcap=0.5))
+
+
+def test_softcap_with_sliding_window() -> None:
+    """Softcap and a window together (Gemma 2 local layers) match the reference."""
+    check(Case(requests=((1, 13), (5, 14)), softcap=2.0, window=5))
+
+
+def test_bfloat16_mixed_batch() -> None:
+    """bfloat16 caches give the reference within bfloat16 precision."""
+    check(Case(requests=((1, 17), (7, 12), (1, 5)), dtype=torch.bfloat16, window=6))
+
+
+def test_null_block_in_attended_range_is_rejected() -> None:
+    """A table naming the null block inside the attended range raises instead of reading it."""
+    meta = PagedMetadata.build([1], [9], [[0, 1, 2]], 4)
+    cache = torch.zeros(3, 2, 1, 4, 8)
+    with pytest.raises(KernelInputError, match="null block"):
+        paged_attention(torch.zeros(1, 1, 8), cache, meta, scale=1.0)
+
+
+def test_query_heads_not_multiple_of_kv_heads_is_rejected() -> None:
+    """num_q_heads must be a multiple of num_kv_heads."""
+    meta = PagedMetadata.build([1], [3], [[1]], 4)
+    with pytest.raises(KernelInputError, match="multiple"):
+        paged_attention(torch.zeros(1, 3, 8), torch.zeros(2, 2, 2, 4, 8), meta, scale=1.0)
+
+
+def test_plan_is_built_once_per_step() -> None:
+    """Layers of one group reuse the step's gather plan."""
+    meta = PagedMetadata.build([1, 3], [5, 3], [[1, 2], [3]], 4)
+    first = meta.plan(num_kv_heads=2, num_queries_per_kv=2, sliding_window=None)
+    again = meta.plan(num_kv_heads=2, num_queries_per_kv=2, sliding_window=None)
+    assert first is again
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 9), st.integers(0, 20)).map(lambda t: (t[0], t[0] + t[1])),
+        min_size=1,
+        max_size=5,
+    ),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    window=st.none() | st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches(
+    requests: list[tuple[int, int]], block_size: int, window: int | None, seed: int
+) -> None:
+    """Random mixed batches, block sizes and windows match the reference."""
+    check(Case(requests=tuple(requests), block_size=block_size, window=window, seed=seed))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_on_cuda(dtype: torch.dtype) -> None:
+    """The mixed-batch case with a window gives the reference on CUDA."""
+    case = Case(requests=((1, 70), (33, 40), (1, 5), (17, 17)), window=24, dtype=dtype)
+    out, ref = run_case(case, device="cuda")
+    tol = F32 if dtype == torch.float32 else BF16
+    # CUDA SDPA may use TF32-free but reordered reductions: allow a little more than CPU.
+    torch.testing.assert_close(out, ref, atol=tol["atol"] * 4, rtol=tol["rtol"] * 4)

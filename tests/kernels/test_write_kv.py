@@ -1,0 +1,51 @@
+"""write_kv: new keys and values land in their pages, nothing else changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.kernels import KernelInputError, PagedMetadata, write_kv
+
+
+def test_keys_and_values_land_at_their_slots() -> None:
+    """Each token's key and value are stored at (page, offset) of its slot, per head."""
+    meta = PagedMetadata.build([3, 1], [3, 6], [[2], [4, 1]], 4)
+    cache = torch.zeros(5, 2, 2, 4, 8)
+    key = torch.randn(4, 2, 8)
+    value = torch.randn(4, 2, 8)
+    write_kv(cache, key, value, meta)
+    for token, slot in enumerate(meta.slot_mapping.tolist()):
+        page, offset = divmod(slot, 4)
+        torch.testing.assert_close(cache[page, 0, :, offset], key[token])
+        torch.testing.assert_close(cache[page, 1, :, offset], value[token])
+
+
+def test_other_slots_are_untouched() -> None:
+    """Only the batch's slots change; the null block stays as it was."""
+    meta = PagedMetadata.build([1], [2], [[3]], 4)
+    cache = torch.full((4, 2, 1, 4, 8), float("nan"))
+    write_kv(cache, torch.ones(1, 1, 8), torch.ones(1, 1, 8), meta)
+    assert int(torch.isnan(cache).sum()) == cache.numel() - 2 * 8
+
+
+def test_key_shape_must_match_the_cache() -> None:
+    """key/value must be [num_tokens, num_kv_heads, head_dim] of the cache."""
+    meta = PagedMetadata.build([2], [2], [[1]], 4)
+    cache = torch.zeros(2, 2, 2, 4, 8)
+    with pytest.raises(KernelInputError, match="num_tokens"):
+        write_kv(cache, torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), meta)
+
+
+def test_page_beyond_the_cache_is_rejected() -> None:
+    """A table naming a page the cache lacks raises before writing."""
+    meta = PagedMetadata.build([1], [1], [[9]], 4)
+    with pytest.raises(KernelInputError, match="page 9"):
+        write_kv(torch.zeros(4, 2, 1, 4, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), meta)
+
+
+def test_block_size_must_match_the_metadata() -> None:
+    """The cache's block size is the metadata's."""
+    meta = PagedMetadata.build([1], [1], [[1]], 8)
+    with pytest.raises(KernelInputError, match="block size"):
+        write_kv(torch.zeros(4, 2, 1, 4, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), meta)
