@@ -1,0 +1,372 @@
+"""The engine core: every request's state, and the synchronous half of each step.
+
+The async :class:`~hybridkv.scheduler.engine.Engine` drives it from one event-loop thread::
+
+    add_request / abort          any time, from the loop thread (also while a step runs)
+    plan()  -> StepPlan          between steps: admit, preempt, allocate (planner.py)
+    apply(plan, sampled)         after the executor returned: append tokens, stop, stream
+    fail(plan, error)            after the executor raised: fail the step's requests
+    shutdown(error)              end every request, free every page
+
+Nothing here awaits, so tests drive it directly, without a loop. Safety rule: a request
+of the step in flight keeps its pages until ``apply`` or ``fail``, even when aborted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import anyio
+import structlog
+
+from hybridkv.memory.errors import PromptTooLongError
+from hybridkv.memory.manager import KVCacheManager
+from hybridkv.policies.errors import HybridKVError
+from hybridkv.scheduler.config import EngineConfig
+from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
+from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput
+from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
+from hybridkv.scheduler.planner import StepPlan, plan_step
+from hybridkv.scheduler.queue import WaitingQueue
+from hybridkv.scheduler.request import OutputSink, Request, RequestStatus
+
+log = structlog.get_logger(__name__)
+
+#: Steps whose token counts feed the throughput figures of ``stats()``.
+_RATE_WINDOW_S = 10.0
+
+
+class EngineCore:
+    """Requests, queues and the KV cache manager of one engine. Not thread-safe."""
+
+    def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.kv = KVCacheManager(
+            config.policies,
+            config.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # sorted by (priority, arrival)
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._clock = clock
+        self._has_finished_running = False
+        self._in_flight: StepPlan | None = None
+        self._plan_us = 0.0
+        self._recent: deque[tuple[float, int, int]] = deque(maxlen=4096)
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_finished = 0
+
+    # -- requests ----------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step could run something."""
+        return bool(self.running) or bool(self.waiting)
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        *,
+        request_id: str,
+        priority: int = 0,
+        extra_keys: tuple[object, ...] = (),
+    ) -> Request:
+        """Validate and queue a request; raise at once if it is malformed or cannot be taken.
+
+        Raises:
+            InvalidRequestError: empty prompt, bad token ids, duplicate request id.
+            PromptTooLongError: the sequence exceeds ``max_model_len`` or the whole pool.
+            EngineOverloadedError: ``max_waiting`` requests wait already.
+        """
+        prompt = self._check_prompt(prompt_token_ids, params)
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise EngineOverloadedError(
+                f"{len(self.waiting)} requests are waiting, the limit is "
+                f"max_waiting={self.config.max_waiting}; retry later"
+            )
+        request = Request(
+            request_id,
+            prompt,
+            params,
+            arrival_seq=next(self._arrivals),
+            arrival_time=self._clock(),
+            sink=sink,
+            log=log.bind(request_id=request_id),
+            priority=priority,
+            extra_keys=extra_keys,
+        )
+        self._requests[request_id] = request
+        self.waiting.push(request)
+        return request
+
+    def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        config = self.config
+        try:
+            prompt = list(map(operator.index, prompt_token_ids))
+        except TypeError as exc:
+            raise InvalidRequestError(f"prompt token ids must be integers: {exc}") from None
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty: at least one token is needed")
+        low, high = min(prompt), max(prompt)
+        if low < 0 or (config.vocab_size is not None and high >= config.vocab_size):
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {config.vocab_size}), got {low}..{high}"
+            )
+        if len(prompt) >= config.max_model_len:
+            raise PromptTooLongError(
+                f"prompt of {len(prompt)} tokens leaves no room to generate within "
+                f"max_model_len={config.max_model_len}"
+            )
+        # The last sampled token is never computed, so positions up to total - 2 need pages.
+        total = min(len(prompt) + params.max_tokens, config.max_model_len)
+        needed = self.kv.num_blocks_needed(total - 1)
+        if needed > self.kv.num_usable_blocks:
+            raise PromptTooLongError(
+                f"{len(prompt)} prompt + {params.max_tokens} output tokens need {needed} pages, "
+                f"more than the pool's {self.kv.num_usable_blocks}"
+            )
+        return prompt
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """End a request now; its pages are freed now, or after the step running it.
+
+        Returns False if no live request has that id (finished already, or unknown).
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, reason)
+        return True
+
+    def end(self, request: Request, reason: FinishReason) -> None:
+        """Like :meth:`abort`, for a request object (a no-op if it has finished)."""
+        self._finish(request, reason)
+
+    # -- steps -------------------------------------------------------------------------
+
+    def plan(self) -> StepPlan:
+        """Plan the next step (see :func:`~hybridkv.scheduler.planner.plan_step`)."""
+        start = time.perf_counter()
+        self._prune_running()
+        plan = plan_step(self.running, self.waiting, self.kv, self.config)
+        now = self._clock()
+        for request in plan.rejected:
+            needed = self.kv.num_blocks_needed(len(request.all_token_ids))
+            self._finish(
+                request,
+                error=PromptTooLongError(
+                    f"request {request.request_id!r} needs up to {needed} pages, more than "
+                    f"an empty pool of {self.kv.num_usable_blocks} can supply"
+                ),
+            )
+        for request in plan.preempted:
+            self.num_preemptions += 1
+            request.log.info(
+                "request_preempted",
+                num_output_tokens=request.num_output_tokens,
+                num_preemptions=request.num_preemptions,
+                num_free_blocks=self.kv.num_free_blocks,
+            )
+        for request in plan.admitted:
+            is_first = request.first_scheduled_time is None
+            if is_first:
+                request.first_scheduled_time = now
+            request.log.info(
+                "request_admitted",
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_computed_tokens,
+                num_output_tokens=request.num_output_tokens,
+                waited_s=round(now - request.arrival_time, 6) if is_first else None,
+                is_resumed=not is_first,
+            )
+        self._in_flight = plan
+        self._plan_us = (time.perf_counter() - start) * 1e6
+        return plan
+
+    def apply(self, plan: StepPlan, sampled: Sequence[int | None]) -> None:
+        """Apply the executor's sampled tokens: stream them, stop finished requests."""
+        start = time.perf_counter()
+        self._in_flight = None
+        if len(sampled) != len(plan.scheduled):
+            error = HybridKVError(
+                f"executor returned {len(sampled)} results for {len(plan.scheduled)} requests"
+            )
+            self.fail(plan, error)
+            return
+        now = self._clock()
+        eos = self.config.eos_token_ids
+        max_len = self.config.max_model_len
+        kv_free = self.kv.free
+        num_outputs = 0
+        for request, item, token in zip(plan.scheduled, plan.batch.requests, sampled, strict=True):
+            request.in_step = False
+            if request.status is RequestStatus.FINISHED:  # aborted while the step ran
+                kv_free(request.request_id)
+                continue
+            request.num_computed_tokens += len(item.token_ids)
+            if not item.sample:
+                continue
+            if token is None:
+                error = HybridKVError("executor sampled no token where one was due")
+                self._fail_request(request, error, computed=True)
+                continue
+            tokens = request.all_token_ids
+            tokens.append(token)
+            num_outputs += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            params = request.params
+            num_output = len(tokens) - request.num_prompt_tokens
+            reason = None
+            if num_output >= params.min_tokens and (
+                token in params.stop_token_ids or (token in eos and not params.ignore_eos)
+            ):
+                reason = FinishReason.STOP
+            elif num_output >= params.max_tokens or len(tokens) >= max_len:
+                reason = FinishReason.LENGTH
+            if reason is None:
+                self._send(request, request.output((token,), None))
+            else:
+                self._finish(request, reason, new_token_ids=(token,))
+        self.num_steps += 1
+        self._recent.append((now, plan.num_tokens, num_outputs))
+        apply_us = (time.perf_counter() - start) * 1e6
+        log.debug(
+            "step",
+            num_requests=len(plan.scheduled),
+            num_tokens=plan.num_tokens,
+            num_admitted=len(plan.admitted),
+            num_preempted=len(plan.preempted),
+            plan_us=round(self._plan_us, 1),
+            apply_us=round(apply_us, 1),
+        )
+
+    def fail(self, plan: StepPlan, error: BaseException) -> None:
+        """The executor raised: fail every request of the step and free its pages."""
+        self._in_flight = None
+        log.warning("step_failed", num_requests=len(plan.scheduled), error=repr(error))
+        for request in plan.scheduled:
+            request.in_step = False
+            if request.status is RequestStatus.FINISHED:  # aborted while the step ran
+                self.kv.free(request.request_id, computed=False)
+            else:
+                self._fail_request(request, error, computed=False)
+        self.num_steps += 1
+
+    def shutdown(self, error: HybridKVError | None = None) -> None:
+        """End every live request (with ``error``, or finish reason SHUTDOWN).
+
+        Call it only when the executor is not running a step: a planned step whose result
+        was never applied counts as not run.
+        """
+        plan, self._in_flight = self._in_flight, None
+        for request in plan.scheduled if plan else ():
+            if request.in_step:
+                request.in_step = False
+                self.kv.free(request.request_id, computed=False)
+        for request in list(self._requests.values()):
+            self._finish(request, None if error else FinishReason.SHUTDOWN, error=error)
+        self._prune_running()
+
+    # -- finishing ---------------------------------------------------------------------
+
+    def _fail_request(self, request: Request, error: BaseException, *, computed: bool) -> None:
+        failure = RequestFailedError(f"request {request.request_id!r} failed: {error!r}")
+        failure.__cause__ = error
+        self._finish(request, error=failure, computed=computed)
+
+    def _send(self, request: Request, item: RequestOutput | HybridKVError) -> None:
+        try:
+            request.sink.send_nowait(item)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            # The consumer left without closing its iterator on this thread: abort.
+            if not request.is_finished:
+                self._finish(request, FinishReason.ABORT)
+
+    def _finish(
+        self,
+        request: Request,
+        reason: FinishReason | None = None,
+        *,
+        error: HybridKVError | None = None,
+        new_token_ids: tuple[int, ...] = (),
+        computed: bool = True,
+    ) -> None:
+        """End a live request: leave its queue, free its pages unless a step holds them.
+
+        ``computed`` is passed to :meth:`KVCacheManager.free`: False when the request's
+        latest allocation belongs to a step that failed.
+        """
+        status = request.status
+        if status is RequestStatus.FINISHED:
+            return  # already ended (its pages wait for the step in flight)
+        if status is RequestStatus.WAITING:
+            self.waiting.discard(request)
+        elif not request.in_step:
+            self.kv.free(request.request_id, computed=computed)
+            self._has_finished_running = True
+        else:
+            self._has_finished_running = True  # freed when the step returns
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.request_id]
+        self.num_finished += 1
+        if error is None:
+            self._send(request, request.output(new_token_ids, reason))
+        else:
+            self._send(request, error)
+        request.sink.close()
+        now = self._clock()
+        first = request.first_token_time
+        request.log.info(
+            "request_finished",
+            finish_reason=reason.value if reason else None,
+            error=repr(error) if error else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            time_to_first_token_s=None if first is None else round(first - request.arrival_time, 6),
+            duration_s=round(now - request.arrival_time, 6),
+        )
+
+    def _prune_running(self) -> None:
+        if self._has_finished_running:
+            self.running[:] = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self._has_finished_running = False
+
+    # -- stats -------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Counts of the queues and the pool, prefix hit rate, recent throughput."""
+        self._prune_running()
+        usage = self.kv.usage()
+        now = self._clock()
+        recent = [(t, n, o) for t, n, o in self._recent if now - t <= _RATE_WINDOW_S]
+        span = now - recent[0][0] if len(recent) > 1 else 0.0
+        return EngineStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_preempted=sum(1 for r in self.waiting if r.is_preempted),
+            num_preemptions=self.num_preemptions,
+            num_finished=self.num_finished,
+            num_steps=self.num_steps,
+            blocks_used_per_group=usage.blocks_used_per_group,
+            num_free_blocks=usage.num_free_blocks,
+            num_blocks=usage.num_blocks,
+            prefix_hit_rate=usage.prefix_hit_rate,
+            tokens_per_second=sum(n for _, n, _ in recent[1:]) / span if span else 0.0,
+            output_tokens_per_second=sum(o for _, _, o in recent[1:]) / span if span else 0.0,
+        )

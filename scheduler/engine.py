@@ -1,0 +1,296 @@
+"""The async engine: one long-lived task that plans, runs and applies steps.
+
+::
+
+    async with Engine(config, executor) as engine:       # starts the loop in a task group
+        async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=32)):
+            print(out.new_token_ids)
+
+Loop, one iteration per step::
+
+    plan (sync) --> executor.execute in a worker thread --> apply (sync) --> ...
+                    (meanwhile the loop accepts requests, aborts and streams outputs)
+
+It waits only when idle. ``generate`` and ``abort`` are synchronous underneath and run on
+the loop's thread, so requests never wait behind the step in flight to be accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from types import TracebackType
+
+import anyio
+import anyio.abc
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from hybridkv.policies.errors import HybridKVError
+from hybridkv.scheduler.batch import Executor, ExecutorBrokenError
+from hybridkv.scheduler.config import EngineConfig
+from hybridkv.scheduler.core import EngineCore
+from hybridkv.scheduler.errors import EngineStoppedError
+from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput
+from hybridkv.scheduler.params import SamplingParams
+from hybridkv.scheduler.request import Request
+
+log = structlog.get_logger(__name__)
+
+_Item = RequestOutput | HybridKVError
+
+
+class Engine:
+    """Continuous batching over one executor and one shared KV pool.
+
+    Args:
+        config: Pool shape, batch limits, queue bound and stopping tokens.
+        executor: Runs one step at a time, in a worker thread.
+
+    Use it as an async context manager (or start :meth:`serve` in your own task group).
+    All methods must be called from the thread of the event loop that runs it.
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        self.core = EngineCore(config)
+        self._bell_send, self._bell_recv = anyio.create_memory_object_stream[None](1)
+        self._is_running = False
+        self._error: BaseException | None = None
+        self._loop_thread: int | None = None
+        # Aborts from iterators dropped on another thread (a GC pass in a worker thread).
+        self._foreign_aborts: deque[Request] = deque()
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        try:
+            await task_group.start(self.serve)
+        except BaseException as exc:
+            await task_group.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._task_group = task_group
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        task_group, self._task_group = self._task_group, None
+        assert task_group is not None
+        task_group.cancel_scope.cancel()  # stops the loop once the step in flight returns
+        return await task_group.__aexit__(exc_type, exc, tb)
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the loop runs and accepts requests."""
+        return self._is_running
+
+    @property
+    def error(self) -> BaseException | None:
+        """The executor's :class:`ExecutorBrokenError` that stopped the engine, if any."""
+        return self._error
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the loop until cancelled or the executor breaks; then end every request.
+
+        Pending requests end with finish reason ``shutdown`` on cancellation, or with an
+        :class:`EngineStoppedError` (caused by the executor's error) when it broke; the
+        broken executor's error is not raised again here (see :attr:`error`). Any other
+        exception is a bug: waiters get an :class:`EngineStoppedError` and it propagates.
+        """
+        if self._is_running or self._error is not None:
+            raise EngineStoppedError("an engine serves once; make a new one")
+        self._loop_thread = threading.get_ident()
+        self._is_running = True
+        error: HybridKVError | None = None
+        task_status.started()
+        try:
+            await self._loop()
+        except ExecutorBrokenError as exc:
+            self._error = exc
+            log.error("engine_broken", error=repr(exc))
+            error = EngineStoppedError(f"the executor broke: {exc!r}")
+            error.__cause__ = exc
+        except Exception as exc:
+            self._error = exc
+            error = EngineStoppedError(f"the engine loop failed: {exc!r}")
+            error.__cause__ = exc
+            raise
+        finally:
+            self._is_running = False
+            self._bell_send.close()
+            self._bell_recv.close()
+            # Synchronous: safe under cancellation, never needs shielding.
+            self.core.shutdown(error)
+
+    async def _loop(self) -> None:
+        core, execute = self.core, self.executor.execute
+        while True:
+            self._drain_foreign_aborts()
+            if not core.has_work:
+                await self._bell_recv.receive()  # idle: wait for a request
+                continue
+            plan = core.plan()
+            if not plan.scheduled:
+                # Everyone was preempted (admission resumes next step), or nothing fits.
+                await anyio.lowlevel.checkpoint()
+                continue
+            try:
+                sampled = await anyio.to_thread.run_sync(execute, plan.batch)
+            except ExecutorBrokenError:
+                raise
+            except Exception as exc:  # the step failed; its requests fail, the rest go on
+                core.fail(plan, exc)
+                continue
+            core.apply(plan, sampled)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request and return the async iterator of its outputs.
+
+        Args:
+            prompt_token_ids: The prompt (at least one token).
+            params: Sampling parameters (defaults: ``SamplingParams()``).
+            request_id: Unique among live requests; a fresh one is made if None.
+            priority: Lower values are served first; equal ones in arrival order.
+            cache_salt: Separates prefix-cache entries (e.g. per tenant).
+
+        Raises (at once, before anything is queued):
+            InvalidRequestError: malformed prompt or a request id in use.
+            PromptTooLongError: the request can never fit the model or the pool.
+            EngineOverloadedError: too many requests wait (``max_waiting``).
+            EngineStoppedError: the engine is not running.
+        """
+        if not self._is_running:
+            raise EngineStoppedError("the engine is not running") from self._error
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        send, receive = anyio.create_memory_object_stream[_Item](math.inf)
+        try:
+            request = self.core.add_request(
+                prompt_token_ids,
+                params or SamplingParams(),
+                send,
+                request_id=request_id,
+                priority=priority,
+                extra_keys=() if cache_salt is None else (cache_salt,),
+            )
+        except BaseException:
+            send.close()
+            receive.close()
+            raise
+        with contextlib.suppress(anyio.WouldBlock):  # a full bell: the loop is awake
+            self._bell_send.send_nowait(None)
+        return RequestStream(request, receive, self)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request with finish reason ``abort``; its pages are freed at once, or as
+        soon as the step running it returns. Returns False if it is not live."""
+        return self.core.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, pages used per group, prefix hit rate, recent throughput."""
+        return self.core.stats()
+
+    def _abort_dropped(self, request: Request) -> None:
+        """Abort for an iterator that was closed or dropped (possibly on another thread)."""
+        if threading.get_ident() == self._loop_thread:
+            self.core.end(request, FinishReason.ABORT)
+        else:
+            self._foreign_aborts.append(request)
+
+    def _drain_foreign_aborts(self) -> None:
+        while self._foreign_aborts:
+            self.core.end(self._foreign_aborts.popleft(), FinishReason.ABORT)
+
+
+class RequestStream:
+    """The async iterator of one request's outputs; closing or dropping it aborts.
+
+    The last output has ``finish_reason`` set. A failure of the request is raised by the
+    iterator. Leaving early (``break``, cancellation, ``aclose()``) aborts the request and
+    frees its pages at once.
+    """
+
+    __slots__ = ("_engine", "_is_done", "_receive", "_request")
+
+    def __init__(
+        self, request: Request, receive: MemoryObjectReceiveStream[_Item], engine: Engine
+    ) -> None:
+        self._request = request
+        self._receive = receive
+        self._engine = engine
+        self._is_done = False
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self._request.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._is_done:
+            raise StopAsyncIteration
+        try:
+            item = await self._receive.receive()
+        except anyio.EndOfStream:
+            self._end()
+            raise StopAsyncIteration from None
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._end()
+            raise item
+        if item.finish_reason is not None:
+            self._end()
+        return item
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def aclose(self) -> None:
+        """Abort the request if it has not finished (same as :meth:`close`)."""
+        self.close()
+
+    def close(self) -> None:
+        """Abort the request if it has not finished, and release the stream."""
+        if not self._is_done:
+            self._end()
+            self._engine._abort_dropped(self._request)
+
+    def _end(self) -> None:
+        self._is_done = True
+        self._receive.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+__all__ = ["Engine", "FinishReason", "RequestStream"]

@@ -1,0 +1,118 @@
+"""A deterministic stand-in for the model, for tests and the scheduling benchmark.
+
+The next token is a pure function of the sequence so far, like a greedy model, and it is
+computed the way a model would: through the paged KV cache. Each position's "K/V" is a
+rolling hash of the tokens up to it, written into the page and slot the block tables
+give; a step reads the hash of the position before its first token back from the pages::
+
+    h(-1) = SEED      h(p) = mix(h(p-1), token[p])      next token = h(last) mod vocab
+
+So a block table that points at a wrong, stale or reused page changes the output (or
+raises :class:`FakeKVMismatchError`), which is what makes "same output with and without
+preemption, chunking, prefix caching" a real test of the scheduler and the allocator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from hybridkv.policies.errors import HybridKVError
+from hybridkv.scheduler.batch import StepBatch
+from hybridkv.scheduler.config import EngineConfig
+
+_SEED = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+_PRIME = 0x100000001B3
+
+
+class FakeKVMismatchError(HybridKVError):
+    """The fake's pages disagree with each other: a block table was wrong."""
+
+
+def reference_tokens(prompt: Sequence[int], num_tokens: int, vocab_size: int) -> list[int]:
+    """The tokens the fake generates after ``prompt``, computed without any cache."""
+    h = _SEED
+    for token in prompt:
+        h = ((h ^ token) * _PRIME) & _MASK
+    out: list[int] = []
+    for _ in range(num_tokens):
+        token = (h >> 17) % vocab_size
+        out.append(token)
+        h = ((h ^ token) * _PRIME) & _MASK
+    return out
+
+
+class FakeExecutor:
+    """Runs steps on rolling hashes stored in pages: no model, exact cache semantics.
+
+    Args:
+        num_blocks: Pages of the pool.
+        block_size: Tokens per page.
+        num_groups: KV groups (each keeps its own pages, all are written and checked).
+        vocab_size: Tokens are drawn from ``[0, vocab_size)``.
+        step_delay_s: Seconds each step sleeps, to stand for model time.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_groups: int = 1,
+        *,
+        vocab_size: int = 32000,
+        step_delay_s: float = 0.0,
+    ) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.step_delay_s = step_delay_s
+        self._store = [[0] * (num_blocks * block_size) for _ in range(num_groups)]
+        self.num_steps = 0
+
+    @classmethod
+    def for_config(
+        cls, config: EngineConfig, *, vocab_size: int | None = None, step_delay_s: float = 0.0
+    ) -> FakeExecutor:
+        """A fake sized for an engine's pool (vocabulary: the config's, else 32000)."""
+        return cls(
+            config.num_blocks,
+            config.block_size,
+            len(config.policies),
+            vocab_size=vocab_size or config.vocab_size or 32000,
+            step_delay_s=step_delay_s,
+        )
+
+    def execute(self, batch: StepBatch) -> list[int | None]:
+        """Write each token's hash into its page, then sample from the last hash."""
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        self.num_steps += 1
+        bs, vocab, store = self.block_size, self.vocab_size, self._store
+        out: list[int | None] = []
+        for request in batch.requests:
+            tables = request.block_tables
+            position = request.start_position
+            h = _SEED if position == 0 else self._read(tables, position - 1)
+            for token in request.token_ids:
+                h = ((h ^ token) * _PRIME) & _MASK
+                block, slot = divmod(position, bs)
+                for group, table in enumerate(tables):
+                    store[group][table[block] * bs + slot] = h
+                position += 1
+            out.append((h >> 17) % vocab if request.sample else None)
+        return out
+
+    def _read(self, tables: Sequence[Sequence[int]], position: int) -> int:
+        """The hash at ``position``, from every group that still holds its page."""
+        block, slot = divmod(position, self.block_size)
+        values = {
+            self._store[group][table[block] * self.block_size + slot]
+            for group, table in enumerate(tables)
+            if table[block]
+        }
+        if len(values) != 1:
+            raise FakeKVMismatchError(
+                f"position {position}: groups hold {len(values)} different values "
+                f"(tables {[list(t[block : block + 1]) for t in tables]})"
+            )
+        return values.pop()

@@ -1,0 +1,94 @@
+"""What the engine reports: per-request outputs as they stream, and engine-wide counts."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended.
+
+    ``STOP``: an end-of-sequence or stop token was sampled (it is part of the output).
+    ``LENGTH``: ``max_tokens`` were generated or the sequence reached ``max_model_len``.
+    ``ABORT``: :meth:`Engine.abort` was called for it.
+    ``SHUTDOWN``: the engine stopped while the request was pending.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    SHUTDOWN = "shutdown"
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    """One streamed update of a request: the tokens sampled by one step.
+
+    Attributes:
+        request_id: The request's id.
+        new_token_ids: Tokens sampled since the previous output (empty only in the final
+            output of an aborted or shut-down request).
+        finish_reason: None while the request runs; set in its last output.
+        num_prompt_tokens: Tokens of the prompt.
+        num_output_tokens: Tokens generated so far, ``new_token_ids`` included.
+        num_cached_tokens: Prompt tokens served from the prefix cache at first admission.
+        num_preemptions: Times the request was preempted and recomputed.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    # The request's append-only prompt + outputs; ``token_ids`` slices it only when read,
+    # so streaming a long output does not copy it once per token.
+    sequence: Sequence[int] = attrs.field(eq=False, repr=False, alias="sequence")
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token generated so far (cumulative), ``new_token_ids`` last."""
+        start = self.num_prompt_tokens
+        return tuple(self.sequence[start : start + self.num_output_tokens])
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether this is the request's last output."""
+        return self.finish_reason is not None
+
+
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    """A snapshot of the engine's queues, pool and recent throughput.
+
+    Attributes:
+        num_waiting: Requests accepted but not running (preempted ones included).
+        num_running: Requests holding pages.
+        num_preempted: Waiting requests that were preempted and will be recomputed.
+        num_preemptions: Preemptions since the engine started.
+        num_finished: Requests ended since the engine started (any reason, errors included).
+        num_steps: Steps run since the engine started.
+        blocks_used_per_group: Pages held per KV group.
+        num_free_blocks: Pages an allocation may take (cached free pages included).
+        num_blocks: Pages of the pool, the null page included.
+        prefix_hit_rate: Prompt tokens served from the prefix cache over those looked up.
+        tokens_per_second: Tokens run through the model per second, recent steps.
+        output_tokens_per_second: Tokens generated per second, recent steps.
+    """
+
+    num_waiting: int
+    num_running: int
+    num_preempted: int
+    num_preemptions: int
+    num_finished: int
+    num_steps: int
+    blocks_used_per_group: tuple[int, ...]
+    num_free_blocks: int
+    num_blocks: int
+    prefix_hit_rate: float
+    tokens_per_second: float
+    output_tokens_per_second: float

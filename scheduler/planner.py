@@ -1,0 +1,197 @@
+"""Planning one step: which requests run, how many tokens each, who is preempted.
+
+``plan_step`` is synchronous and touches only what it is given (the running list, the
+waiting queue, the KV cache manager): no clock, no I/O, no event loop, so it is tested
+on its own. Order of business::
+
+    1. running requests, most urgent first: each gets its next chunk (1 token to decode,
+       up to ``prefill_chunk`` of a prompt) within the step's token budget; when the pool
+       cannot supply it, the least urgent running request (largest priority, latest
+       arrival) is preempted, repeatedly, possibly the request itself;
+    2. only if nobody was preempted: waiting requests, most urgent first, while the
+       budget, ``max_num_seqs`` and the pool allow. Admission looks up the prefix cache
+       and allocates every group at once; the first refusal ends admission (no
+       overtaking, so a large request is not starved by small ones).
+
+The running list stays sorted by urgency, so the preemption victim is always its last
+entry and never a request already planned in this step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import attrs
+
+from hybridkv.memory.manager import KVCacheManager, PrefixHit
+from hybridkv.scheduler.batch import StepBatch, StepRequest
+from hybridkv.scheduler.config import EngineConfig
+from hybridkv.scheduler.queue import WaitingQueue
+from hybridkv.scheduler.request import Request, RequestStatus
+
+
+@attrs.frozen(kw_only=True)
+class StepPlan:
+    """One planned step.
+
+    Attributes:
+        batch: What the executor runs; ``batch.requests[i]`` belongs to ``scheduled[i]``.
+        scheduled: The requests of the step, in batch order.
+        admitted: Those of ``scheduled`` that were waiting before this step.
+        preempted: Requests that lost their pages in this step (now waiting).
+        rejected: A waiting request that cannot run even in an empty pool (still queued:
+            the caller fails it).
+        num_tokens: Tokens the step runs, over all requests.
+    """
+
+    batch: StepBatch
+    scheduled: Sequence[Request]
+    admitted: Sequence[Request]
+    preempted: Sequence[Request]
+    rejected: Sequence[Request]
+    num_tokens: int
+
+
+def plan_step(
+    running: list[Request], waiting: WaitingQueue, kv: KVCacheManager, config: EngineConfig
+) -> StepPlan:
+    """Plan the next step, allocating its pages; updates ``running`` and ``waiting``.
+
+    ``running`` must be sorted by urgency (priority, then arrival) and stays so. Every
+    planned request is marked ``in_step``; the caller applies the step's results (or its
+    failure) afterwards.
+    """
+    budget = config.max_num_batched_tokens
+    chunk = config.prefill_chunk
+    scheduled: list[Request] = []
+    items: list[StepRequest] = []
+    preempted: list[Request] = []
+    allocate = kv.allocate
+
+    i = 0
+    while i < len(running) and budget > 0:
+        request = running[i]
+        num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget, chunk)
+        while allocate(request, num_new) is None:
+            if running[-1] is not request:
+                victim = running.pop()
+                _preempt(victim, kv, waiting)
+                preempted.append(victim)
+            elif num_new > 1:
+                # Alone at the tail: a smaller prefill chunk beats preempting itself.
+                num_new //= 2
+            else:
+                running.pop()
+                _preempt(request, kv, waiting)
+                preempted.append(request)
+                break
+        else:
+            items.append(_step_item(request, num_new, kv))
+            scheduled.append(request)
+            budget -= num_new
+            i += 1
+
+    admitted: list[Request] = []
+    rejected: list[Request] = []
+    if not preempted:
+        budget = _admit(running, waiting, kv, config, budget, admitted, rejected, items)
+        scheduled.extend(admitted)
+    return StepPlan(
+        batch=StepBatch(tuple(items)),
+        scheduled=scheduled,
+        admitted=admitted,
+        preempted=preempted,
+        rejected=rejected,
+        num_tokens=config.max_num_batched_tokens - budget,
+    )
+
+
+def _admit(
+    running: list[Request],
+    waiting: WaitingQueue,
+    kv: KVCacheManager,
+    config: EngineConfig,
+    budget: int,
+    admitted: list[Request],
+    rejected: list[Request],
+    items: list[StepRequest],
+) -> int:
+    """Move waiting requests into ``running`` while they fit; returns the budget left."""
+    chunk = config.prefill_chunk
+    num_groups = kv.num_groups
+    num_running = len(running)
+    while budget > 0 and num_running < config.max_num_seqs:
+        # A first allocation always takes a fresh page per group (the one after the hit):
+        # without that many free pages, skip hashing the prompt for a lookup.
+        if kv.num_free_blocks < num_groups:
+            break
+        request = waiting.peek()
+        if request is None:
+            break
+        hit = kv.lookup(request)
+        num_new = _first_chunk(request, hit, min(budget, chunk), kv, is_alone=not num_running)
+        if num_new is None:
+            if not num_running:  # the whole pool could not take one token: never will
+                rejected.append(request)
+            break  # else wait for running requests to free pages
+        waiting.pop()
+        if not request.num_preemptions:
+            request.num_cached_tokens = hit.num_tokens
+        request.num_computed_tokens = hit.num_tokens
+        request.status = RequestStatus.RUNNING
+        request.is_preempted = False
+        items.append(_step_item(request, num_new, kv))
+        admitted.append(request)
+        budget -= num_new
+        num_running += 1
+    for request in admitted:
+        bisect.insort(running, request, key=_urgency)
+    return budget
+
+
+def _first_chunk(
+    request: Request, hit: PrefixHit, limit: int, kv: KVCacheManager, *, is_alone: bool
+) -> int | None:
+    """Allocate a newcomer's first chunk (at most ``limit`` tokens); its size, or None."""
+    num_new = min(len(request.all_token_ids) - hit.num_tokens, limit)
+    while kv.allocate(request, num_new, hit) is None:
+        if not is_alone or num_new == 1:
+            return None
+        # Nothing runs, so the whole pool is there: a smaller first chunk must fit (a
+        # window group holds a whole chunk's pages until the next step releases them).
+        num_new //= 2
+    return num_new
+
+
+def _step_item(request: Request, num_new: int, kv: KVCacheManager) -> StepRequest:
+    """The batch entry running ``request``'s next ``num_new`` tokens; marks it in step."""
+    tokens = request.all_token_ids
+    start = request.num_computed_tokens
+    end = start + num_new
+    request.in_step = True
+    return StepRequest(
+        request_id=request.request_id,
+        token_ids=tokens[start:end],
+        start_position=start,
+        block_tables=kv.block_tables(request.request_id),
+        sample=end == len(tokens),
+        params=request.params,
+        output_index=len(tokens) - request.num_prompt_tokens,
+    )
+
+
+def _urgency(request: Request) -> tuple[int, int]:
+    return (request.priority, request.arrival_seq)
+
+
+def _preempt(request: Request, kv: KVCacheManager, waiting: WaitingQueue) -> None:
+    """Free a running request's pages and queue it for recomputation from its tokens."""
+    # The victim comes after every request planned so far, so its pages were last
+    # allocated by a step that has run: their cached blocks hold real K/V and stay cached.
+    kv.free(request.request_id)
+    request.num_computed_tokens = 0
+    request.num_preemptions += 1
+    request.is_preempted = True
+    request.status = RequestStatus.WAITING
+    waiting.push(request)

@@ -1,0 +1,149 @@
+"""A request's mutable state, as the engine core tracks it from arrival to finish.
+
+Life of a request::
+
+    generate() --> WAITING --admit--> RUNNING --stop/length--> FINISHED
+                      ^                  |
+                      +----preempt-------+      (pages freed, tokens kept, recomputed)
+    abort, shutdown, a failed step or a refused output end it from any state.
+
+``all_token_ids`` is the prompt followed by every sampled token; it only grows, so a
+preempted request is recomputed from it and resumes sampling where it stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from hybridkv.policies.errors import HybridKVError
+from hybridkv.scheduler.outputs import FinishReason, RequestOutput
+from hybridkv.scheduler.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go: the send side of a stream (or a list in tests)."""
+
+    def send_nowait(self, item: RequestOutput | HybridKVError) -> None:
+        """Deliver one item without waiting."""
+        ...
+
+    def close(self) -> None:
+        """No further item will come."""
+        ...
+
+
+class Request:
+    """One request: its tokens, progress, and bookkeeping. Owned by one event-loop thread.
+
+    Attributes:
+        request_id: Unique among live requests.
+        params: How to sample and when to stop.
+        priority: Lower values are served first; ties go by arrival.
+        arrival_seq: Arrival order, unique: with ``priority`` it orders every queue.
+        extra_keys: Keys that separate prefix-cache entries (a cache salt).
+        all_token_ids: Prompt + sampled tokens (what the KV cache manager hashes).
+        num_prompt_tokens: Length of the prompt part of ``all_token_ids``.
+        num_computed_tokens: Leading tokens whose K/V a finished step wrote.
+        num_cached_tokens: Prompt tokens served from the prefix cache at first admission.
+        num_preemptions: Times the request lost its pages to a more urgent one.
+        is_preempted: Waiting again after a preemption.
+        in_step: Part of the step the executor runs now: its pages may not be freed.
+        sink: Where its outputs go.
+        arrival_time, first_scheduled_time, first_token_time: Monotonic clock readings.
+    """
+
+    __slots__ = (
+        "all_token_ids",
+        "arrival_seq",
+        "arrival_time",
+        "extra_keys",
+        "finish_reason",
+        "first_scheduled_time",
+        "first_token_time",
+        "in_step",
+        "is_preempted",
+        "log",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "params",
+        "priority",
+        "request_id",
+        "sink",
+        "status",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        arrival_seq: int,
+        arrival_time: float,
+        sink: OutputSink,
+        log: Any,
+        priority: int = 0,
+        extra_keys: tuple[object, ...] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.priority = priority
+        self.arrival_seq = arrival_seq
+        self.extra_keys = extra_keys
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.is_preempted = False
+        self.in_step = False
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.sink = sink
+        self.log = log
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{len(self.all_token_ids)})"
+        )
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens sampled so far."""
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request has ended (its pages may still await the running step)."""
+        return self.status is RequestStatus.FINISHED
+
+    def output(
+        self, new_token_ids: tuple[int, ...], finish_reason: FinishReason | None
+    ) -> RequestOutput:
+        """The output to stream after the request's latest tokens."""
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=len(self.all_token_ids) - self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=self.num_preemptions,
+            sequence=self.all_token_ids,
+        )
