@@ -69,6 +69,7 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         """Whether a step could run something."""
+        self._prune_running()
         return bool(self.running) or bool(self.waiting)
 
     def add_request(

@@ -1,0 +1,215 @@
+"""The async engine: streaming, cancellation, abort, preemption and prefix hits end to end."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import pytest
+
+from hybridkv.policies import FullAttention, SlidingWindow
+from hybridkv.scheduler import (
+    Engine,
+    EngineConfig,
+    FakeExecutor,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    StepBatch,
+)
+from hybridkv.scheduler.fake import reference_tokens
+
+VOCAB = 1000
+
+
+def make_config(**options: Any) -> EngineConfig:
+    settings: dict[str, Any] = {
+        "policies": [FullAttention(), SlidingWindow(window=16)],
+        "num_blocks": 2049,
+        "block_size": 16,
+        "max_model_len": 512,
+        "max_num_batched_tokens": 1024,
+        "vocab_size": VOCAB,
+    }
+    settings.update(options)
+    return EngineConfig(**settings)
+
+
+class GatedExecutor:
+    """The fake executor, but each step waits until the test opens the gate."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.fake = FakeExecutor.for_config(config)
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def execute(self, batch: StepBatch) -> list[int | None]:
+        self.started.set()
+        assert self.gate.wait(timeout=20), "the test never opened the gate"
+        return self.fake.execute(batch)
+
+    async def wait_started(self) -> None:
+        await anyio.to_thread.run_sync(self.started.wait)
+
+
+async def wait_pool_full(engine: Engine) -> None:
+    """Wait (under the caller's deadline) until every page is free again."""
+    while engine.stats().num_free_blocks != engine.config.num_blocks - 1:
+        await anyio.sleep(0.001)
+    engine.core.kv.check_integrity()
+
+
+def prompt_for(i: int, length: int) -> list[int]:
+    return [(i * 31 + j * 7) % VOCAB for j in range(length)]
+
+
+@pytest.mark.asyncio
+async def test_thousand_concurrent_requests_stream_in_order_and_complete() -> None:
+    """1,000 concurrent requests each stream every token once, in order, then finish."""
+    config = make_config(max_num_seqs=256)
+    results: dict[int, list[RequestOutput]] = {}
+
+    async def consume(engine: Engine, i: int) -> None:
+        params = SamplingParams(max_tokens=1 + i % 16, ignore_eos=True)
+        stream = engine.generate(prompt_for(i, 8 + i % 40), params, request_id=f"r{i}")
+        results[i] = [out async for out in stream]
+
+    with anyio.fail_after(60):
+        async with Engine(config, FakeExecutor.for_config(config)) as engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(1000):
+                    tg.start_soon(consume, engine, i)
+            await wait_pool_full(engine)
+    for i, outs in results.items():
+        n = 1 + i % 16
+        assert [o.num_output_tokens for o in outs] == list(range(1, n + 1))
+        assert [o.finish_reason for o in outs] == [None] * (n - 1) + [FinishReason.LENGTH]
+        tokens = [t for o in outs for t in o.new_token_ids]
+        assert (
+            tokens
+            == list(outs[-1].token_ids)
+            == reference_tokens(prompt_for(i, 8 + i % 40), n, VOCAB)
+        )
+        assert all(o.request_id == f"r{i}" for o in outs)
+
+
+@pytest.mark.asyncio
+async def test_break_aborts_the_request_and_frees_its_pages() -> None:
+    """Leaving ``async for`` early ends the request at once and its pages come back."""
+    config = make_config()
+    with anyio.fail_after(10):
+        async with Engine(config, FakeExecutor.for_config(config)) as engine:
+            async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=400)):
+                if out.num_output_tokens == 3:
+                    break
+            assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+            await wait_pool_full(engine)
+
+
+@pytest.mark.asyncio
+async def test_cancelled_consumer_aborts_its_request() -> None:
+    """Cancelling the task that iterates aborts the request; the pool is full again after."""
+    config = make_config()
+    first = anyio.Event()
+    with anyio.fail_after(10):
+        async with Engine(config, FakeExecutor.for_config(config)) as engine:
+
+            async def consume(scope: anyio.CancelScope) -> None:
+                with scope:
+                    async for _ in engine.generate([5] * 40, SamplingParams(max_tokens=400)):
+                        first.set()
+
+            scope = anyio.CancelScope()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume, scope)
+                await first.wait()
+                scope.cancel()
+            assert engine.stats().num_running == 0
+            await wait_pool_full(engine)
+
+
+@pytest.mark.asyncio
+async def test_close_during_a_step_keeps_pages_until_the_step_returns() -> None:
+    """A request closed while its step runs ends at once; its pages are freed after the step."""
+    config = make_config()
+    executor = GatedExecutor(config)
+    with anyio.fail_after(10):
+        async with Engine(config, executor) as engine:
+            stream = engine.generate([9] * 33, SamplingParams(max_tokens=5))
+            await executor.wait_started()
+            await stream.aclose()
+            stats = engine.stats()
+            assert stats.num_running == 0 and sum(stats.blocks_used_per_group) == 6
+            executor.gate.set()
+            await wait_pool_full(engine)
+
+
+@pytest.mark.asyncio
+async def test_abort_from_elsewhere_ends_the_stream_with_abort() -> None:
+    """``engine.abort`` ends the request's stream with finish reason ``abort``."""
+    config = make_config()
+    executor = GatedExecutor(config)
+    with anyio.fail_after(10):
+        async with Engine(config, executor) as engine:
+            stream = engine.generate([4] * 10, SamplingParams(max_tokens=50), request_id="x")
+            await executor.wait_started()
+            assert engine.abort("x") and not engine.abort("x")
+            outs = [out async for out in stream]
+            assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
+            executor.gate.set()
+            await wait_pool_full(engine)
+
+
+async def run_all(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> Any:
+    """Run every prompt concurrently; return their token lists and the final stats."""
+    tokens: dict[int, list[int]] = {}
+
+    async def consume(engine: Engine, i: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        tokens[i] = [
+            t async for out in engine.generate(prompts[i], params) for t in out.new_token_ids
+        ]
+
+    async with Engine(config, FakeExecutor.for_config(config)) as engine:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(consume, engine, i)
+        await wait_pool_full(engine)
+        return tokens, engine.stats()
+
+
+@pytest.mark.asyncio
+async def test_preemption_in_a_small_pool_gives_the_same_outputs() -> None:
+    """Outputs under a pool small enough to force preemption equal those of a large pool."""
+    prompts = [prompt_for(i, 20 + 9 * i) for i in range(24)]
+    with anyio.fail_after(30):
+        large, large_stats = await run_all(make_config(), prompts, 40)
+        small, small_stats = await run_all(make_config(num_blocks=41), prompts, 40)
+    assert large_stats.num_preemptions == 0 and small_stats.num_preemptions > 0
+    assert small == large
+    assert large == {i: reference_tokens(p, 40, VOCAB) for i, p in enumerate(prompts)}
+
+
+@pytest.mark.asyncio
+async def test_shared_system_prompt_is_served_from_the_prefix_cache() -> None:
+    """Requests sharing a system prompt count its blocks as cached and still match the model."""
+    config = make_config()
+    system = prompt_for(99, 64)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with anyio.fail_after(10):
+        async with Engine(config, FakeExecutor.for_config(config)) as engine:
+            first = [out async for out in engine.generate([*system, 1, 2, 3], params)]
+            assert first[-1].num_cached_tokens == 0
+            outs: dict[int, list[RequestOutput]] = {}
+
+            async def consume(i: int) -> None:
+                outs[i] = [out async for out in engine.generate(system + [i] * 5, params)]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(10):
+                    tg.start_soon(consume, i)
+            assert engine.stats().prefix_hit_rate > 0.5
+    for i, stream in outs.items():
+        assert stream[-1].num_cached_tokens == 64
+        assert list(stream[-1].token_ids) == reference_tokens(system + [i] * 5, 4, VOCAB)

@@ -1,0 +1,180 @@
+"""Step planning without the loop: budget, chunking, order, admission, preemption."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridkv.policies import FullAttention
+from hybridkv.scheduler import EngineConfig, SamplingParams
+from hybridkv.scheduler.core import EngineCore
+from hybridkv.scheduler.fake import FakeExecutor
+from hybridkv.scheduler.planner import StepPlan
+from hybridkv.scheduler.request import Request, RequestStatus
+
+
+class ListSink:
+    """Collects a request's outputs."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.is_closed = False
+
+    def send_nowait(self, item: Any) -> None:
+        assert not self.is_closed
+        self.items.append(item)
+
+    def close(self) -> None:
+        self.is_closed = True
+
+
+def make_core(**options: Any) -> EngineCore:
+    settings: dict[str, Any] = {
+        "policies": [FullAttention()],
+        "num_blocks": 257,
+        "block_size": 4,
+        "max_model_len": 512,
+        "max_num_batched_tokens": 64,
+    }
+    settings.update(options)
+    return EngineCore(EngineConfig(**settings))
+
+
+def add(
+    core: EngineCore, rid: str, prompt_len: int, *, max_tokens: int = 8, priority: int = 0
+) -> Request:
+    prompt = [(hash(rid) + i) % 1000 for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens)
+    return core.add_request(prompt, params, ListSink(), request_id=rid, priority=priority)
+
+
+def step(core: EngineCore, executor: FakeExecutor) -> StepPlan:
+    plan = core.plan()
+    core.apply(plan, executor.execute(plan.batch))
+    return plan
+
+
+def ids(plan: StepPlan) -> list[str]:
+    return [r.request_id for r in plan.scheduled]
+
+
+def test_running_requests_are_planned_before_admissions() -> None:
+    """Requests already running come first in the batch, newcomers after them."""
+    core = make_core()
+    fake = FakeExecutor.for_config(core.config)
+    add(core, "a", 8)
+    step(core, fake)
+    add(core, "b", 8)
+    plan = step(core, fake)
+    assert ids(plan) == ["a", "b"]
+    assert [item.num_tokens for item in plan.batch.requests] == [1, 8]
+
+
+def test_long_prompt_is_chunked_by_the_token_budget() -> None:
+    """A prompt longer than the budget runs in budget-sized chunks and samples only at the end."""
+    core = make_core(max_num_batched_tokens=32)
+    fake = FakeExecutor.for_config(core.config)
+    add(core, "a", 100)
+    chunks = []
+    for _ in range(4):
+        (item,) = step(core, fake).batch.requests
+        chunks.append((item.start_position, item.num_tokens, item.sample))
+    assert chunks == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True)]
+
+
+def test_prefill_chunk_lets_prompts_share_a_step() -> None:
+    """``max_prefill_chunk`` caps each request's share so several prompts progress at once."""
+    core = make_core(max_prefill_chunk=8)
+    add(core, "a", 20)
+    add(core, "b", 20)
+    plan = core.plan()
+    assert [item.num_tokens for item in plan.batch.requests] == [8, 8]
+    assert plan.num_tokens == 16
+
+
+def test_step_never_exceeds_the_token_budget() -> None:
+    """Admission stops when the budget is spent; the last admitted request gets the rest."""
+    core = make_core(max_num_batched_tokens=20)
+    for rid in "abc":
+        add(core, rid, 12)
+    plan = core.plan()
+    assert [item.num_tokens for item in plan.batch.requests] == [12, 8]
+    assert plan.num_tokens == 20
+
+
+def test_admission_follows_priority_then_arrival() -> None:
+    """Lower priority values are admitted first; equal priorities in arrival order."""
+    core = make_core(max_num_seqs=3)
+    add(core, "late-low", 4, priority=1)
+    add(core, "first", 4)
+    add(core, "urgent", 4, priority=-1)
+    add(core, "second", 4)
+    assert ids(core.plan()) == ["urgent", "first", "second"]
+
+
+def test_max_num_seqs_caps_running_requests() -> None:
+    """No more than ``max_num_seqs`` requests run; the rest wait."""
+    core = make_core(max_num_seqs=2)
+    for rid in "abc":
+        add(core, rid, 4)
+    plan = core.plan()
+    assert ids(plan) == ["a", "b"]
+    assert len(core.waiting) == 1
+
+
+def test_preemption_takes_the_least_urgent_and_blocks_admission() -> None:
+    """A request that cannot grow preempts the latest, lowest-priority one; nobody is admitted."""
+    # 8 usable pages of 4 tokens: a (priority 0) and b (priority 1) fill them exactly.
+    core = make_core(num_blocks=9, max_num_batched_tokens=64)
+    fake = FakeExecutor.for_config(core.config)
+    a = add(core, "a", 16, max_tokens=12)
+    b = add(core, "b", 16, max_tokens=12, priority=1)
+    step(core, fake)
+    add(core, "c", 4, priority=-5)  # urgent, but admission waits for pages
+    plan = core.plan()
+    assert ids(plan) == ["a"]
+    assert plan.preempted == [b] and not plan.admitted
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert a.num_preemptions == 0 and b.num_preemptions == 1
+
+
+def test_preempted_request_resumes_before_later_arrivals() -> None:
+    """A preempted request keeps its arrival rank, so it is readmitted before newcomers."""
+    core = make_core(num_blocks=9, max_num_seqs=2)
+    fake = FakeExecutor.for_config(core.config)
+    add(core, "a", 16, max_tokens=12)
+    add(core, "b", 16, max_tokens=12)
+    step(core, fake)
+    add(core, "c", 4)
+    assert [r.request_id for r in step(core, fake).preempted] == ["b"]
+    while core.running and core.running[0].request_id == "a":
+        plan = step(core, fake)
+        if plan.admitted:
+            break
+    assert [r.request_id for r in plan.admitted][:1] == ["b"]
+
+
+def test_admission_does_not_let_small_requests_overtake() -> None:
+    """When the head of the queue does not fit, later (smaller) requests wait too."""
+    core = make_core(num_blocks=9)
+    fake = FakeExecutor.for_config(core.config)
+    add(core, "a", 20, max_tokens=4)
+    step(core, fake)
+    add(core, "big", 12, max_tokens=2)
+    add(core, "small", 1, max_tokens=2)
+    plan = core.plan()
+    assert ids(plan) == ["a"]
+    assert len(core.waiting) == 2
+
+
+def test_prefix_hit_starts_admission_after_the_cached_blocks() -> None:
+    """A request sharing a cached prefix starts computing after it and reports the hit."""
+    core = make_core()
+    fake = FakeExecutor.for_config(core.config)
+    prompt = list(range(20))
+    core.add_request(prompt, SamplingParams(max_tokens=2), ListSink(), request_id="a")
+    step(core, fake)
+    b = core.add_request([*prompt, 7], SamplingParams(max_tokens=2), ListSink(), request_id="b")
+    plan = core.plan()
+    item = plan.batch.requests[-1]
+    assert item.request_id == "b" and item.start_position == 20
+    assert b.num_cached_tokens == 20
