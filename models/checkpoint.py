@@ -1,0 +1,127 @@
+"""A Hugging Face checkpoint folder: config.json, safetensors weights, tokenizer.json.
+
+Weights are read from safetensors only; a folder holding only pickled weights
+(``pytorch_model.bin``) is refused rather than unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from hybridkv.models.config import ModelConfig, eos_ids
+from hybridkv.models.errors import CheckpointError, ModelConfigError
+from hybridkv.models.gemma2 import GEMMA2
+from hybridkv.models.gemma3 import GEMMA3
+from hybridkv.models.llama import LLAMA
+from hybridkv.models.transformer import Architecture
+
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA2, GEMMA3)
+
+
+def architecture_for(model_type: str) -> Architecture:
+    """The architecture that reads ``model_type``.
+
+    Raises:
+        ModelConfigError: no architecture reads it.
+    """
+    for arch in ARCHITECTURES:
+        if model_type in arch.model_types:
+            return arch
+    known = ", ".join(t for arch in ARCHITECTURES for t in arch.model_types)
+    raise ModelConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path.name} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path.name} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+@attrs.frozen
+class Checkpoint:
+    """An opened checkpoint folder: its parsed config; weights load on demand.
+
+    Attributes:
+        path: The folder.
+        hf_config: config.json, with ``layer_types`` filled in where the file derives it.
+        config: The parsed model config.
+        architecture: The model family that reads it.
+        eos_token_ids: End tokens of config.json and generation_config.json together.
+    """
+
+    path: Path
+    hf_config: Mapping[str, Any] = attrs.field(hash=False)
+    config: ModelConfig
+    architecture: Architecture
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        """Read and check ``path``/config.json (and generation_config.json if present).
+
+        Raises:
+            CheckpointError: no config.json.
+            ModelConfigError: an unsupported architecture or config value.
+        """
+        folder = Path(path)
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"{folder} has no config.json")
+        hf = _read_json(config_file)
+        arch = architecture_for(str(hf.get("model_type")))
+        config = arch.parse(hf)
+        eos = list(config.eos_token_ids)
+        generation_file = folder / "generation_config.json"
+        if generation_file.is_file():
+            eos += [
+                t for t in eos_ids(_read_json(generation_file).get("eos_token_id")) if t not in eos
+            ]
+        normalised = {**hf, "layer_types": list(config.layer_types)}
+        return cls(folder, normalised, config, arch, tuple(eos))
+
+    def weight_files(self) -> list[Path]:
+        """The safetensors files of the checkpoint.
+
+        Raises:
+            CheckpointError: none (pickled weights are never loaded).
+        """
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map", {})
+            return [self.path / name for name in sorted(set(weight_map.values()))]
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(
+                f"{self.path} holds no *.safetensors weights; pickled checkpoints "
+                "(pytorch_model.bin) are not loaded, convert them to safetensors"
+            )
+        return files
+
+    def load_weights(
+        self, dtype: torch.dtype, device: torch.device | str
+    ) -> dict[str, torch.Tensor]:
+        """Every tensor of the checkpoint, floating ones cast to ``dtype``, on ``device``."""
+        weights: dict[str, torch.Tensor] = {}
+        for file in self.weight_files():
+            with safe_open(file, framework="pt", device=str(device)) as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    tensor = handle.get_tensor(name)
+                    weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        return weights
+
+    def load_tokenizer(self) -> Tokenizer | None:
+        """The folder's ``tokenizer.json``, or None when it has none."""
+        file = self.path / "tokenizer.json"
+        return Tokenizer.from_file(str(file)) if file.is_file() else None

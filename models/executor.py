@@ -1,0 +1,256 @@
+"""The model executor: owns the KV tensors, runs one engine step, samples.
+
+Memory picture (a Gemma-3-like model, plan.group_size = 2 slots, N pages per slot)::
+
+    slot 0  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 0 of every group
+    slot 1  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 1 of every group
+
+Each layer views its slot tensor as ``[N, 2, kv_heads, block_size, head_dim]``. A page id
+belongs to one group at a time, so the layers sharing a slot never collide. Per step and
+per group, one :class:`PagedMetadata` is built from the requests' block tables of that
+group, and every layer of the group reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import structlog
+import torch
+
+from hybridkv.kernels import PagedMetadata
+from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan
+from hybridkv.memory.planner import plan_layout
+from hybridkv.models.checkpoint import Checkpoint
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.errors import BatchError, ModelConfigError
+from hybridkv.models.sampler import Sampler
+from hybridkv.models.specs import layer_specs_from_config
+from hybridkv.models.transformer import CausalLM
+from hybridkv.policies.base import cdiv
+from hybridkv.policies.builtin import FullAttention
+from hybridkv.scheduler.batch import StepBatch, StepRequest
+
+log = structlog.get_logger(__name__)
+
+#: Called with (request id, float32 logits of its last position) for each sampled request.
+LogitsHook = Callable[[str, torch.Tensor], None]
+
+
+def allocate_kv_caches(
+    plan: LayoutPlan, specs: Sequence[AttentionSpec], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed tensor per slot, and per layer (in ``specs`` order) its paged view."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    page_elems = plan.page_bytes // itemsize
+    # Zeros, not empty: a masked read of garbage NaN would still poison the output.
+    slots = [
+        torch.zeros(plan.num_blocks, page_elems, dtype=dtype, device=device)
+        for _ in range(plan.group_size)
+    ]
+    views = []
+    for spec in specs:
+        _, slot = plan.layer_slots[spec.name]
+        shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
+        layer_elems = spec.page_bytes(plan.block_size) // itemsize
+        views.append(slots[slot][:, :layer_elems].view(shape))
+    return views
+
+
+class ModelExecutor:
+    """Runs a :class:`StepBatch` through a model over paged KV caches (an ``Executor``).
+
+    Attributes:
+        model: The causal LM.
+        config: Its parsed config.
+        plan: The KV layout (groups, slots, pages) the caches follow.
+        kv_caches: Per layer, its paged view ``[num_blocks, 2, kv_heads, block_size, hd]``.
+        tokenizer: The checkpoint's ``tokenizers.Tokenizer``, or None.
+        eos_token_ids: End-of-sequence tokens.
+        max_model_len: Longest sequence (prompt and output) a request may reach.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        plan: LayoutPlan,
+        specs: Sequence[LayerSpec],
+        *,
+        device: torch.device,
+        eos_token_ids: Sequence[int] = (),
+        tokenizer: object | None = None,
+        sampler: Sampler | None = None,
+        logits_hook: LogitsHook | None = None,
+    ) -> None:
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.plan = plan
+        self.device = device
+        attention = _check_specs(self.config, specs)
+        self.kv_caches = allocate_kv_caches(plan, attention, _model_dtype(model), device)
+        self._layer_groups = [plan.layer_slots[s.name][0] for s in attention]
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = self.config.max_position_embeddings
+        self.sampler = sampler or Sampler(eos_token_ids=self.eos_token_ids)
+        self.logits_hook = logits_hook
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        kv_cache_bytes: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        num_threads: int | None = None,
+        seed: int | None = None,
+        uniform_layout: bool = False,
+        logits_hook: LogitsHook | None = None,
+    ) -> ModelExecutor:
+        """Load a checkpoint folder and lay out ``kv_cache_bytes`` of KV cache for it.
+
+        Args:
+            path: Folder with config.json and safetensors weights (tokenizer.json optional).
+            kv_cache_bytes: Bytes of KV cache to allocate.
+            block_size: Tokens per page.
+            dtype: Weights, activations and KV cache dtype.
+            device: Where the model and caches live.
+            num_threads: Torch intra-op threads (process-wide); None leaves torch's choice.
+            seed: Seed of the sampler's generator for unseeded requests.
+            uniform_layout: Give every layer full-attention memory (sliding layers keep
+                every token's K/V), the baseline allocator; attention math is unchanged.
+            logits_hook: Called with each sampled request's last-position logits.
+        """
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        checkpoint = Checkpoint.open(path)
+        target = torch.device(device)
+        weights = checkpoint.load_weights(dtype, target)
+        model = CausalLM.from_weights(checkpoint.config, checkpoint.architecture, weights, target)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        specs = layer_specs_from_config(dict(checkpoint.hf_config), itemsize)
+        if uniform_layout:
+            specs = [attrs.evolve(s, policy=FullAttention()) for s in specs]
+        plan = plan_layout(specs, kv_cache_bytes, block_size)
+        log.info(
+            "model_loaded",
+            model_type=checkpoint.config.model_type,
+            num_layers=checkpoint.config.num_layers,
+            num_groups=len(plan.groups),
+            num_blocks=plan.num_blocks,
+            uniform_num_blocks=plan.uniform_num_blocks,
+        )
+        return cls(
+            model,
+            plan,
+            specs,
+            device=target,
+            eos_token_ids=checkpoint.eos_token_ids,
+            tokenizer=checkpoint.load_tokenizer(),
+            sampler=Sampler(eos_token_ids=checkpoint.eos_token_ids, seed=seed),
+            logits_hook=logits_hook,
+        )
+
+    def execute(self, batch: StepBatch) -> list[int | None]:
+        """Write and attend every request's tokens in one forward pass; sample where asked.
+
+        Raises:
+            BatchError: a request's block tables do not match the layout.
+        """
+        requests = batch.requests
+        if not requests:
+            return []
+        for request in requests:
+            self._check_request(request)
+        query_lens = [r.num_tokens for r in requests]
+        context_lens = [r.start_position + r.num_tokens for r in requests]
+        input_ids = torch.tensor(
+            [t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device
+        )
+        positions = torch.cat(
+            [
+                torch.arange(r.start_position, end)
+                for r, end in zip(requests, context_lens, strict=True)
+            ]
+        ).to(self.device)
+        metadata = [
+            PagedMetadata.build(
+                query_lens,
+                context_lens,
+                [r.block_tables[group.group_id] for r in requests],
+                self.plan.block_size,
+                device=self.device,
+            )
+            for group in self.plan.groups
+        ]
+        caches = [
+            (cache, metadata[group])
+            for cache, group in zip(self.kv_caches, self._layer_groups, strict=True)
+        ]
+        rows = [i for i, r in enumerate(requests) if r.sample]
+        out: list[int | None] = [None] * len(requests)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, caches)
+            if not rows:
+                return out
+            ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+            logits = self.model.compute_logits(hidden[ends[rows]])
+        if self.logits_hook is not None:
+            for row, i in enumerate(rows):
+                self.logits_hook(requests[i].request_id, logits[row])
+        tokens = self.sampler.sample(
+            logits, [requests[i].params for i in rows], [requests[i].output_index for i in rows]
+        )
+        for i, token in zip(rows, tokens, strict=True):
+            out[i] = token
+        return out
+
+    def _check_request(self, request: StepRequest) -> None:
+        end = request.start_position + request.num_tokens
+        if request.num_tokens < 1 or request.start_position < 0:
+            raise BatchError(
+                f"request {request.request_id!r} runs {request.num_tokens} tokens from "
+                f"position {request.start_position}; need >= 1 token from position >= 0"
+            )
+        if end > self.max_model_len:
+            raise BatchError(
+                f"request {request.request_id!r} reaches {end} tokens, "
+                f"max_model_len={self.max_model_len}"
+            )
+        if len(request.block_tables) != len(self.plan.groups):
+            raise BatchError(
+                f"request {request.request_id!r} has {len(request.block_tables)} block "
+                f"tables, the layout has {len(self.plan.groups)} KV groups"
+            )
+        need = cdiv(end, self.plan.block_size)
+        for group, table in enumerate(request.block_tables):
+            if len(table) < need:
+                raise BatchError(
+                    f"request {request.request_id!r}: block table of group {group} has "
+                    f"{len(table)} pages, {end} tokens need {need}"
+                )
+
+
+def _model_dtype(model: CausalLM) -> torch.dtype:
+    return model.model.embed_tokens.weight.dtype
+
+
+def _check_specs(config: ModelConfig, specs: Sequence[LayerSpec]) -> list[AttentionSpec]:
+    """The specs as attention specs, one per layer, matching the model's KV shapes."""
+    attention = [s for s in specs if isinstance(s, AttentionSpec)]
+    if len(attention) != len(specs) or len(specs) != config.num_layers:
+        raise ModelConfigError(
+            f"{len(specs)} layer specs ({len(attention)} attention) for a model of "
+            f"{config.num_layers} attention layers"
+        )
+    for spec in attention:
+        if (spec.num_kv_heads, spec.head_dim) != (config.num_kv_heads, config.head_dim):
+            raise ModelConfigError(
+                f"layer spec {spec.name!r} has {spec.num_kv_heads} KV heads of {spec.head_dim}, "
+                f"the model {config.num_kv_heads} of {config.head_dim}"
+            )
+    return attention

@@ -1,0 +1,130 @@
+"""Shared building blocks: RMSNorm, the gated MLP, and paged self-attention.
+
+Module and parameter names follow Hugging Face checkpoints (``q_proj``, ``input_layernorm``,
+...), so a safetensors file loads with ``load_state_dict`` and no renaming table.
+Every block works on a flat batch of tokens, ``[num_tokens, ...]``, from many requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.rope import apply_rope
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": _gelu_tanh,
+}
+
+
+@attrs.frozen
+class LayerInputs:
+    """What one attention layer reads besides the hidden states, for one step.
+
+    Attributes:
+        cos: Rotary cosines for the layer's rope spec, ``[num_tokens, 1, head_dim]``.
+        sin: Rotary sines, same shape.
+        kv_cache: The layer's pages, ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``.
+        metadata: Slot mapping and block tables of the layer's KV group.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: PagedMetadata
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled by ``offset + weight``.
+
+    Gemma stores ``weight`` centred on zero (``offset=1``) and scales before casting back;
+    Llama stores it centred on one (``offset=0``) and scales after casting back.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with SiLU (Llama) or tanh-approximated GELU (Gemma)."""
+
+    def __init__(self, config: ModelConfig, *, bias: bool) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.act = _ACTIVATIONS[config.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PagedAttention(nn.Module):
+    """Self-attention whose keys and values live in a paged KV cache.
+
+    Writes the new tokens' K/V into their slots first, then attends over the pages of each
+    request (its block table), so prefills, chunks and decodes mix in one call.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        bias = config.attention_bias
+        q_width = config.num_heads * config.head_dim
+        kv_width = config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+        self.qk_norm = config.qk_norm
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.query_scale
+        self.softcap = config.attn_softcap
+        self.sliding_window = config.window_of(layer)
+
+    def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, inputs.cos, inputs.sin)
+        k = apply_rope(k, inputs.cos, inputs.sin)
+        write_kv(inputs.kv_cache, k, v, inputs.metadata)
+        out = paged_attention(
+            q,
+            inputs.kv_cache,
+            inputs.metadata,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
+        )
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
