@@ -1,0 +1,71 @@
+"""Checkpoint folders: safetensors only, shards, tied embeddings, tokenizer, end tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from hybridkv.models.checkpoint import Checkpoint
+from hybridkv.models.errors import CheckpointError
+from hybridkv.models.executor import ModelExecutor
+
+
+def test_pickle_only_folder_is_refused(tiny_models, tmp_path):
+    """A folder with pytorch_model.bin and no safetensors is refused, never unpickled."""
+    shutil.copy(tiny_models["llama"].path / "config.json", tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle at all")
+    with pytest.raises(CheckpointError, match="safetensors"):
+        ModelExecutor.from_pretrained(tmp_path, kv_cache_bytes=1 << 20)
+
+
+def test_missing_config_is_refused(tmp_path):
+    """A folder without config.json is named in the error."""
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        Checkpoint.open(tmp_path)
+
+
+def test_sharded_checkpoint_loads_every_shard(tiny_models, tmp_path):
+    """Weights split over several safetensors shards load to the same tensors."""
+    reference = tiny_models["gemma3"].reference
+    reference.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    whole = Checkpoint.open(tiny_models["gemma3"].path).load_weights(torch.float32, "cpu")
+    sharded = Checkpoint.open(tmp_path).load_weights(torch.float32, "cpu")
+    assert sharded.keys() == whole.keys()
+    assert all(torch.equal(sharded[k], whole[k]) for k in whole)
+
+
+def test_tied_embeddings_share_one_tensor(tiny_models):
+    """Gemma's LM head is the embedding matrix itself, not a copy."""
+    executor = ModelExecutor.from_pretrained(tiny_models["gemma2"].path, kv_cache_bytes=1 << 20)
+    model = executor.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_untied_llama_reads_its_own_head(tiny_models):
+    """Llama with untied embeddings loads lm_head.weight from the checkpoint."""
+    executor = ModelExecutor.from_pretrained(tiny_models["llama"].path, kv_cache_bytes=1 << 20)
+    model = executor.model
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_tokenizer_json_is_loaded_when_present(tiny_models, tmp_path):
+    """A folder with tokenizer.json gets a tokenizers.Tokenizer; one without gets None."""
+    shutil.copytree(tiny_models["llama"].path, tmp_path, dirs_exist_ok=True)
+    assert Checkpoint.open(tmp_path).load_tokenizer() is None
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    loaded = ModelExecutor.from_pretrained(tmp_path, kv_cache_bytes=1 << 20).tokenizer
+    assert loaded.encode("hello world").ids == [1, 2]
+
+
+def test_generation_config_adds_end_tokens(tiny_models, tmp_path):
+    """End tokens of generation_config.json join those of config.json."""
+    shutil.copytree(tiny_models["gemma3"].path, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
+    assert Checkpoint.open(tmp_path).eos_token_ids == (1, 106)
