@@ -12,7 +12,7 @@ request (block table) each belongs to.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
@@ -23,12 +23,6 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
 from hybridkv.models.layers import LayerInputs, RMSNorm
 from hybridkv.models.rope import RotaryTable
-
-
-class DecoderLayer(Protocol):
-    """One transformer block: ``hidden -> hidden``, attention reading ``inputs``."""
-
-    def __call__(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor: ...
 
 
 @attrs.frozen
