@@ -4,12 +4,15 @@ The async :class:`~hybridkv.scheduler.engine.Engine` drives it from one event-lo
 
     add_request / abort          any time, from the loop thread (also while a step runs)
     plan()  -> StepPlan          between steps: admit, preempt, allocate (planner.py)
-    apply(plan, sampled)         after the executor returned: append tokens, stop, stream
+    apply(plan, sampled)         after the executor returned: append tokens, stop requests
     fail(plan, error)            after the executor raised: fail the step's requests
+    flush()                      deliver the outputs gathered by apply/fail to the sinks
     shutdown(error)              end every request, free every page
 
-Nothing here awaits, so tests drive it directly, without a loop. Safety rule: a request
-of the step in flight keeps its pages until ``apply`` or ``fail``, even when aborted.
+``apply`` and ``fail`` only gather outputs; the engine flushes them once the next step is
+on its way, so consumers run while the executor does. ``abort`` and ``shutdown`` flush at
+once. Nothing here awaits, so tests drive it directly, without a loop. Safety rule: a
+request of the step in flight keeps its pages until ``apply`` or ``fail``, even if aborted.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class EngineCore:
         self._clock = clock
         self._has_finished_running = False
         self._in_flight: StepPlan | None = None
+        # (request, item, is_last) deliveries gathered since the last flush.
+        self._outbox: list[tuple[Request, RequestOutput | HybridKVError, bool]] = []
         self._plan_us = 0.0
         self._recent: deque[tuple[float, int, int]] = deque(maxlen=4096)
         self.num_steps = 0
@@ -149,11 +154,13 @@ class EngineCore:
         if request is None:
             return False
         self._finish(request, reason)
+        self.flush()
         return True
 
     def end(self, request: Request, reason: FinishReason) -> None:
         """Like :meth:`abort`, for a request object (a no-op if it has finished)."""
         self._finish(request, reason)
+        self.flush()
 
     # -- steps -------------------------------------------------------------------------
 
@@ -238,7 +245,7 @@ class EngineCore:
             elif num_output >= params.max_tokens or len(tokens) >= max_len:
                 reason = FinishReason.LENGTH
             if reason is None:
-                self._send(request, request.output((token,), None))
+                self._outbox.append((request, request.output((token,), None), False))
             else:
                 self._finish(request, reason, new_token_ids=(token,))
         self.num_steps += 1
@@ -280,6 +287,20 @@ class EngineCore:
         for request in list(self._requests.values()):
             self._finish(request, None if error else FinishReason.SHUTDOWN, error=error)
         self._prune_running()
+        self.flush()
+
+    def flush(self) -> None:
+        """Deliver the gathered outputs, in order; a sink's last item closes it."""
+        outbox, self._outbox = self._outbox, []
+        for request, item, is_last in outbox:
+            sink = request.sink
+            try:
+                sink.send_nowait(item)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                # The consumer left without closing its iterator on this thread: abort.
+                self._finish(request, FinishReason.ABORT)
+            if is_last:
+                sink.close()
 
     # -- finishing ---------------------------------------------------------------------
 
@@ -287,14 +308,6 @@ class EngineCore:
         failure = RequestFailedError(f"request {request.request_id!r} failed: {error!r}")
         failure.__cause__ = error
         self._finish(request, error=failure, computed=computed)
-
-    def _send(self, request: Request, item: RequestOutput | HybridKVError) -> None:
-        try:
-            request.sink.send_nowait(item)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            # The consumer left without closing its iterator on this thread: abort.
-            if not request.is_finished:
-                self._finish(request, FinishReason.ABORT)
 
     def _finish(
         self,
@@ -324,11 +337,8 @@ class EngineCore:
         request.finish_reason = reason
         del self._requests[request.request_id]
         self.num_finished += 1
-        if error is None:
-            self._send(request, request.output(new_token_ids, reason))
-        else:
-            self._send(request, error)
-        request.sink.close()
+        item = error if error is not None else request.output(new_token_ids, reason)
+        self._outbox.append((request, item, True))
         now = self._clock()
         first = request.first_token_time
         request.log.info(

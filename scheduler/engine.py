@@ -18,7 +18,6 @@ the loop's thread, so requests never wait behind the step in flight to be accept
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import uuid
 from collections import deque
@@ -28,20 +27,18 @@ from types import TracebackType
 import anyio
 import anyio.abc
 import structlog
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 from hybridkv.policies.errors import HybridKVError
-from hybridkv.scheduler.batch import Executor, ExecutorBrokenError
+from hybridkv.scheduler.batch import Executor, ExecutorBrokenError, StepBatch
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineStoppedError
-from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput
+from hybridkv.scheduler.outputs import EngineStats, FinishReason
 from hybridkv.scheduler.params import SamplingParams
 from hybridkv.scheduler.request import Request
+from hybridkv.scheduler.stream import OutputChannel, RequestStream
 
 log = structlog.get_logger(__name__)
-
-_Item = RequestOutput | HybridKVError
 
 
 class Engine:
@@ -137,25 +134,36 @@ class Engine:
             self.core.shutdown(error)
 
     async def _loop(self) -> None:
-        core, execute = self.core, self.executor.execute
+        core = self.core
         while True:
             self._drain_foreign_aborts()
             if not core.has_work:
+                core.flush()
                 await self._bell_recv.receive()  # idle: wait for a request
                 continue
             plan = core.plan()
             if not plan.scheduled:
                 # Everyone was preempted (admission resumes next step), or nothing fits.
+                core.flush()
                 await anyio.lowlevel.checkpoint()
                 continue
             try:
-                sampled = await anyio.to_thread.run_sync(execute, plan.batch)
+                sampled = await anyio.to_thread.run_sync(self._run_step, plan.batch)
             except ExecutorBrokenError:
                 raise
             except Exception as exc:  # the step failed; its requests fail, the rest go on
                 core.fail(plan, exc)
                 continue
             core.apply(plan, sampled)
+
+    def _run_step(self, batch: StepBatch) -> Sequence[int | None]:
+        """In the worker thread: release the previous step's outputs, then run this one.
+
+        Delivering outputs wakes every consumer; doing it from here, once the step has
+        reached its thread, lets them run while the executor works instead of before.
+        """
+        anyio.from_thread.run_sync(self.core.flush)
+        return self.executor.execute(batch)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -186,23 +194,18 @@ class Engine:
         if not self._is_running:
             raise EngineStoppedError("the engine is not running") from self._error
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        send, receive = anyio.create_memory_object_stream[_Item](math.inf)
-        try:
-            request = self.core.add_request(
-                prompt_token_ids,
-                params or SamplingParams(),
-                send,
-                request_id=request_id,
-                priority=priority,
-                extra_keys=() if cache_salt is None else (cache_salt,),
-            )
-        except BaseException:
-            send.close()
-            receive.close()
-            raise
+        channel = OutputChannel()
+        request = self.core.add_request(
+            prompt_token_ids,
+            params or SamplingParams(),
+            channel,
+            request_id=request_id,
+            priority=priority,
+            extra_keys=() if cache_salt is None else (cache_salt,),
+        )
         with contextlib.suppress(anyio.WouldBlock):  # a full bell: the loop is awake
             self._bell_send.send_nowait(None)
-        return RequestStream(request, receive, self)
+        return RequestStream(request, channel, self._abort_dropped)
 
     def abort(self, request_id: str) -> bool:
         """End a request with finish reason ``abort``; its pages are freed at once, or as
@@ -225,72 +228,4 @@ class Engine:
             self.core.end(self._foreign_aborts.popleft(), FinishReason.ABORT)
 
 
-class RequestStream:
-    """The async iterator of one request's outputs; closing or dropping it aborts.
-
-    The last output has ``finish_reason`` set. A failure of the request is raised by the
-    iterator. Leaving early (``break``, cancellation, ``aclose()``) aborts the request and
-    frees its pages at once.
-    """
-
-    __slots__ = ("_engine", "_is_done", "_receive", "_request")
-
-    def __init__(
-        self, request: Request, receive: MemoryObjectReceiveStream[_Item], engine: Engine
-    ) -> None:
-        self._request = request
-        self._receive = receive
-        self._engine = engine
-        self._is_done = False
-
-    @property
-    def request_id(self) -> str:
-        """The request's id."""
-        return self._request.request_id
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._is_done:
-            raise StopAsyncIteration
-        try:
-            item = await self._receive.receive()
-        except anyio.EndOfStream:
-            self._end()
-            raise StopAsyncIteration from None
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            self.close()
-            raise
-        if isinstance(item, BaseException):
-            self._end()
-            raise item
-        if item.finish_reason is not None:
-            self._end()
-        return item
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def aclose(self) -> None:
-        """Abort the request if it has not finished (same as :meth:`close`)."""
-        self.close()
-
-    def close(self) -> None:
-        """Abort the request if it has not finished, and release the stream."""
-        if not self._is_done:
-            self._end()
-            self._engine._abort_dropped(self._request)
-
-    def _end(self) -> None:
-        self._is_done = True
-        self._receive.close()
-
-    def __del__(self) -> None:
-        self.close()
-
-
-__all__ = ["Engine", "FinishReason", "RequestStream"]
+__all__ = ["Engine", "RequestStream"]

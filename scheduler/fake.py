@@ -15,6 +15,7 @@ preemption, chunking, prefix caching" a real test of the scheduler and the alloc
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Sequence
 
 from hybridkv.policies.errors import HybridKVError
@@ -66,7 +67,8 @@ class FakeExecutor:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.step_delay_s = step_delay_s
-        self._store = [[0] * (num_blocks * block_size) for _ in range(num_groups)]
+        # Flat per-group arrays (page * block_size + slot): compact, and unseen by the GC.
+        self._store = [array("Q", bytes(8 * num_blocks * block_size)) for _ in range(num_groups)]
         self.num_steps = 0
 
     @classmethod

@@ -54,6 +54,7 @@ def run_to_end(core: EngineCore, fake: FakeExecutor, max_steps: int = 1000) -> N
             return
         plan = core.plan()
         core.apply(plan, fake.execute(plan.batch))
+        core.flush()
     raise AssertionError("requests did not finish")
 
 
@@ -210,6 +211,7 @@ def test_failed_step_fails_its_requests_and_frees_their_pages() -> None:
     plan = core.plan()
     boom = RuntimeError("device fell over")
     core.fail(plan, boom)
+    core.flush()
     (error,) = first.items
     assert isinstance(error, RequestFailedError) and error.__cause__ is boom
     run_to_end(core, fake)

@@ -50,6 +50,7 @@ def add(
 def step(core: EngineCore, executor: FakeExecutor) -> StepPlan:
     plan = core.plan()
     core.apply(plan, executor.execute(plan.batch))
+    core.flush()
     return plan
 
 

@@ -89,6 +89,7 @@ class PlannerMachine(RuleBasedStateMachine):
             self.core.fail(plan, RuntimeError("step failed"))
         else:
             self.core.apply(plan, self.fake.execute(plan.batch))
+        self.core.flush()
 
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
@@ -138,6 +139,7 @@ class PlannerMachine(RuleBasedStateMachine):
             plan = self.core.plan()
             self.check_plan(plan)
             self.core.apply(plan, self.fake.execute(plan.batch))
+            self.core.flush()
         assert not self.core.has_work
         assert self.core.kv.num_free_blocks == self.core.kv.num_usable_blocks
         for prompt, params, sink in self.requests.values():
