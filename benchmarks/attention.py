@@ -14,6 +14,9 @@ cost of PagedMetadata.build plus the gather plan, paid once per step per KV grou
 
     python benchmarks/attention.py --device cpu --dtype float32 bfloat16 --repeats 10
 
+On a CPU machine shared with other work, ``--threads 1 --clock process`` measures CPU time
+rather than wall time and is much steadier.
+
 The last line printed is one JSON object with the ratios (paged / contiguous).
 """
 
@@ -42,7 +45,7 @@ def main() -> None:
     print(
         f"device={device} threads={torch.get_num_threads()} batch={args.batch} "
         f"context={args.context} kv_heads={NUM_KV_HEADS} q_heads={NUM_Q_HEADS} "
-        f"head_dim={HEAD_DIM} block={BLOCK_SIZE} repeats={args.repeats}"
+        f"head_dim={HEAD_DIM} block={BLOCK_SIZE} repeats={args.repeats} clock={args.clock}"
     )
     print(
         f"{'dtype':<9} {'mode':<20} {'paged ms':>9} {'contig ms':>9} {'ratio':>6} "
@@ -141,23 +144,30 @@ def bench(
         contig_attend()
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    meta_ms = timed([build], args.repeats, sync)[0]
-    attend = timed([paged_attend, contig_attend, lambda: contig_attend(False)], args.repeats, sync)
-    write = timed([paged_write_attend, contig_write_attend], args.repeats, sync)
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    meta_ms = timed([build], args.repeats, sync, clock)[0]
+    fns = [paged_attend, contig_attend, lambda: contig_attend(False)]
+    attend = timed(fns, args.repeats, sync, clock)
+    write = timed([paged_write_attend, contig_write_attend], args.repeats, sync, clock)
     return {"attend": (*attend, meta_ms), "write+attend": (*write, attend[2], meta_ms)}
 
 
-def timed(fns: list[Callable[[], None]], repeats: int, sync: Callable[[], None]) -> list[float]:
+def timed(
+    fns: list[Callable[[], None]],
+    repeats: int,
+    sync: Callable[[], None],
+    clock: Callable[[], float],
+) -> list[float]:
     """Median milliseconds of each function, calls interleaved so that noise hits all alike."""
     samples: list[list[float]] = [[] for _ in fns]
     for i in range(repeats + 1):
         for fn, out in zip(fns, samples, strict=True):
             sync()
-            start = time.perf_counter()
+            start = clock()
             fn()
             sync()
             if i:  # the first round warms up allocators and kernels
-                out.append((time.perf_counter() - start) * 1e3)
+                out.append((clock() - start) * 1e3)
     return [statistics.median(s) for s in samples]
 
 
@@ -177,6 +187,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "process"],
+        default="wall",
+        help="process: CPU time of this process, steadier on a shared CPU machine",
+    )
     return parser.parse_args()
 
 

@@ -76,7 +76,10 @@ def paged_attention(
         num_kv_heads=num_kv_heads, num_queries_per_kv=group, sliding_window=sliding_window
     )
     gathered = plan.buffer(kv_cache.dtype, head_dim)
-    torch.index_select(kv_cache.view(-1, head_dim), 0, plan.rows, out=gathered)
+    run_len = meta.block_size * head_dim
+    torch.index_select(kv_cache.view(-1, run_len), 0, plan.runs, out=gathered.view(-1, run_len))
+    if plan.zero_rows is not None:
+        gathered.index_fill_(0, plan.zero_rows, 0)
     out = torch.empty_like(query)
     for region in plan.regions:
         out[region.token_index] = _attend_region(
@@ -98,16 +101,14 @@ def _attend_region(
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     group = num_q_heads // num_kv_heads
     kv = gathered[region.row_offset : region.row_offset + region.num_rows]
-    kv = kv.view(batch, 2, num_kv_heads, key_len, head_dim)
+    kv = kv.view(2, batch, num_kv_heads, key_len, head_dim)
     # [B*Q, Hq, D] -> [B, Hkv, G*Q, D]; a pure view when Q == 1 (decodes).
     q = query.view(batch, num_queries, num_kv_heads, group, head_dim)
     q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * num_queries, head_dim)
     if softcap is None:
-        o = F.scaled_dot_product_attention(
-            q, kv[:, 0], kv[:, 1], attn_mask=region.mask, scale=scale
-        )
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=region.mask, scale=scale)
     else:
-        o = _softcapped_attention(q, kv[:, 0], kv[:, 1], region.mask, scale, softcap)
+        o = _softcapped_attention(q, kv[0], kv[1], region.mask, scale, softcap)
     o = o.view(batch, num_kv_heads, group, num_queries, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(batch * num_queries, num_q_heads, head_dim)
 

@@ -1,27 +1,31 @@
-"""Which cache rows one step's attention reads, and how its queries may see them.
+"""Which cache pages one step's attention reads, and how its queries may see them.
 
 A ``GatherPlan`` is built once per step for one (KV group, window, head geometry) and reused
-by every layer of that group. It turns block tables into one flat row index over the cache,
-so that each layer gathers the keys and values of the whole batch with a single
-``index_select`` into a buffer the plan owns, laid out the way SDPA wants them.
+by every layer of that group. It turns block tables into one flat index of page runs, so
+that each layer gathers the keys and values of the whole batch with a single
+``index_select`` into a buffer the plan owns, already laid out the way SDPA wants them.
 
-Rows. The cache of one layer is ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``;
-viewed as ``[num_blocks * 2 * num_kv_heads * block_size, head_dim]`` the row of
-(page, k-or-v, head, offset) is ``((page * 2 + kv) * num_kv_heads + head) * block_size +
-offset``.
+Runs. The cache of one layer is ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``;
+viewed as ``[num_blocks * 2 * num_kv_heads, block_size * head_dim]`` each row is one run:
+the ``block_size`` keys (or values) of one head in one page, contiguous in memory. Run
+``(page * 2 + kv) * num_kv_heads + head`` copied for consecutive pages of a request lands
+as consecutive positions of ``buffer[kv, request, head]``.
 
 Key range. Query token at position ``p`` reads keys ``k`` with ``p - W < k <= p``
 (``W`` = window, infinite for full attention). A request runs positions
 ``[context_len - query_len, context_len)``, so it reads keys
-``[key_start, context_len)`` with ``key_start = max(0, context_len - query_len - W + 1)``::
+``[key_start, context_len)`` with ``key_start = max(0, context_len - query_len - W + 1)``,
+gathered page-wise from the page holding ``key_start``::
 
     positions  0 1 2 3 | 4 5 6 7 | 8 9 . .     block_size=4, W=3, query_len=2, context_len=10
     table      [null ] | [ b7  ] | [ b2  ]     queries at 8, 9 read keys [6, 10)
-    gathered             . . 6 7 | 8 9         key_start=6: blocks before it are never read
+    gathered             z z 6 7 | 8 9 z z     pages from key_start's on: never the null block
+    mask                 - - x x | x x - -     z: zeroed after the gather
 
-Padding. Requests of one region share a padded key length. Pad slots re-read the
-request's last key (position ``context_len - 1``, written this step, so finite) and are
-masked out: a masked key must still be finite, since softmax weight 0 times NaN is NaN.
+Padding. Requests of one region share a padded page count; pad runs repeat the request's
+last page. Every gathered slot outside ``[key_start, context_len)`` (the first page's head,
+the last page's unwritten tail, pad runs) is zeroed after the gather and masked out: a
+masked key must still be finite, since softmax weight 0 times NaN is NaN.
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ import torch
 
 from hybridkv.kernels.errors import KernelInputError
 
+# Decodes share one SDPA call while padding stays under this fraction of the real keys.
+_PAD_SLACK = 1.25
+
 
 @attrs.frozen(eq=False, kw_only=True)
 class Region:
     """One SDPA call: ``num_requests`` requests with equal query count and padded key length.
 
-    The gathered keys live at ``buffer[row_offset : row_offset + num_rows]`` viewed as
-    ``[num_requests, 2, num_kv_heads, key_len, head_dim]``. ``mask`` (True = attend) is
+    Its keys and values are ``buffer[row_offset : row_offset + num_rows]`` viewed as
+    ``[2, num_requests, num_kv_heads, key_len, head_dim]``. ``mask`` (True = attend) is
     ``[num_requests, 1, 1, key_len]`` for decodes and ``[G * num_queries, key_len]`` for a
     prefill whose G = num_q_heads // num_kv_heads query heads are folded into its rows;
     ``None`` means every key is visible to every query.
@@ -56,17 +63,20 @@ class Region:
 
 @attrs.frozen(eq=False, kw_only=True)
 class GatherPlan:
-    """The flat row index and the regions of one step; see the module docstring."""
+    """The run index, the rows to zero and the regions of one step (see module docstring)."""
 
-    rows: torch.Tensor
+    runs: torch.Tensor
+    zero_rows: torch.Tensor | None
     regions: tuple[Region, ...]
+    block_size: int
     _buffers: dict[torch.dtype, torch.Tensor] = attrs.field(factory=dict, init=False)
 
     def buffer(self, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
         """The ``[num_rows, head_dim]`` gather target, allocated once and reused by layers."""
         buf = self._buffers.get(dtype)
         if buf is None or buf.shape[1] != head_dim:
-            buf = torch.empty(self.rows.numel(), head_dim, dtype=dtype, device=self.rows.device)
+            num_rows = self.runs.numel() * self.block_size
+            buf = torch.empty(num_rows, head_dim, dtype=dtype, device=self.runs.device)
             self._buffers[dtype] = buf
         return buf
 
@@ -83,7 +93,7 @@ class GatherPlan:
         sliding_window: int | None,
         device: torch.device,
     ) -> GatherPlan:
-        """Plan one step: all decodes (query_len 1) in one region, each prefill in its own."""
+        """Plan one step: decodes (query_len 1) batched by length, each prefill on its own."""
         if sliding_window is not None and sliding_window < 1:
             raise KernelInputError(f"sliding_window must be >= 1, got {sliding_window}")
         q_lens = torch.tensor(query_lens, dtype=torch.long)
@@ -91,95 +101,134 @@ class GatherPlan:
         key_start = torch.zeros_like(ctx_lens)
         if sliding_window is not None:
             key_start = (ctx_lens - q_lens - sliding_window + 1).clamp(min=0)
-        num_keys = ctx_lens - key_start
+        builder = _Builder(
+            block_table,
+            block_size,
+            num_kv_heads,
+            key_start,
+            ctx_lens,
+            num_queries_per_kv=num_queries_per_kv,
+            device=device,
+        )
         starts = [0, *torch.cumsum(q_lens, 0).tolist()]
-        geometry = _Geometry(block_table, block_size, num_kv_heads)
-
-        regions: list[Region] = []
-        row_chunks: list[torch.Tensor] = []
-        offset = 0
         decode_ids = [i for i, n in enumerate(query_lens) if n == 1]
-        if decode_ids:
-            ids = torch.tensor(decode_ids, dtype=torch.long)
-            rows, valid = geometry.rows(ids, key_start[ids], num_keys[ids])
-            mask = None if bool(valid.all()) else valid[:, None, None, :]
-            token_index = _token_index([starts[i] for i in decode_ids], device)
-            regions.append(
-                Region(
-                    token_index=token_index,
-                    num_requests=len(decode_ids),
-                    num_queries=1,
-                    key_len=valid.shape[1],
-                    row_offset=offset,
-                    num_rows=rows.numel(),
-                    mask=None if mask is None else mask.to(device),
-                )
-            )
-            row_chunks.append(rows.reshape(-1))
-            offset += rows.numel()
+        for ids in _group_by_pages(decode_ids, builder.num_pages.tolist()):
+            builder.add(ids, _token_index([starts[i] for i in ids]), None)
         for i, n in enumerate(query_lens):
-            if n == 1:
-                continue
-            ids = torch.tensor([i], dtype=torch.long)
-            rows, _ = geometry.rows(ids, key_start[ids], num_keys[ids])
-            q_pos = torch.arange(context_lens[i] - n, context_lens[i])
-            k_pos = torch.arange(int(key_start[i]), context_lens[i])
-            mask = k_pos[None, :] <= q_pos[:, None]
-            if sliding_window is not None:
-                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-            regions.append(
-                Region(
-                    token_index=slice(starts[i], starts[i] + n),
-                    num_requests=1,
-                    num_queries=n,
-                    key_len=k_pos.numel(),
-                    row_offset=offset,
-                    num_rows=rows.numel(),
-                    mask=mask.repeat(num_queries_per_kv, 1).to(device),
-                )
-            )
-            row_chunks.append(rows.reshape(-1))
-            offset += rows.numel()
-        all_rows = torch.cat(row_chunks).to(device)
-        return cls(rows=all_rows, regions=tuple(regions))
+            if n > 1:
+                q_pos = torch.arange(context_lens[i] - n, context_lens[i])
+                builder.add([i], slice(starts[i], starts[i] + n), q_pos, sliding_window)
+        return builder.finish()
 
 
-@attrs.frozen
-class _Geometry:
-    """Block tables and cache shape: turns (request, key position) into flat cache rows."""
+class _Builder:
+    """Accumulates the runs, zeroed rows and regions of a plan, one region at a time."""
 
-    block_table: torch.Tensor
-    block_size: int
-    num_kv_heads: int
+    def __init__(
+        self,
+        block_table: torch.Tensor,
+        block_size: int,
+        num_kv_heads: int,
+        key_start: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        *,
+        num_queries_per_kv: int,
+        device: torch.device,
+    ) -> None:
+        self.table, self.block_size, self.num_kv_heads = block_table, block_size, num_kv_heads
+        self.key_start, self.ctx_lens = key_start, ctx_lens
+        self.num_queries_per_kv, self.device = num_queries_per_kv, device
+        self.first_page = key_start // block_size
+        self.num_pages = (ctx_lens - 1) // block_size - self.first_page + 1
+        self.runs: list[torch.Tensor] = []
+        self.zero_rows: list[torch.Tensor] = []
+        self.regions: list[Region] = []
+        self.offset = 0
 
-    def rows(
-        self, request_ids: torch.Tensor, key_start: torch.Tensor, num_keys: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``[B, 2, num_kv_heads, L]`` and validity ``[B, L]`` for keys from key_start.
-
-        ``L`` is the largest ``num_keys``; slots past a request's own count re-read its last
-        key (see Padding in the module docstring) and are False in the validity mask.
-        """
-        key_len = int(num_keys.max())
-        j = torch.arange(key_len)
-        valid = j[None, :] < num_keys[:, None]
-        pos = key_start[:, None] + torch.minimum(j[None, :], num_keys[:, None] - 1)
-        pages = self.block_table[request_ids[:, None], pos // self.block_size]
+    def add(
+        self,
+        ids: list[int],
+        token_index: slice | list[int],
+        query_pos: torch.Tensor | None,
+        window: int | None = None,
+    ) -> None:
+        """Add one region; ``query_pos`` (prefills only) gives its causal/window mask."""
+        idx = torch.tensor(ids, dtype=torch.long)
+        first, num_pages = self.first_page[idx], self.num_pages[idx]
+        width = int(num_pages.max())
+        page_idx = first[:, None] + torch.minimum(torch.arange(width), num_pages[:, None] - 1)
+        pages = self.table[idx[:, None], page_idx]
         if bool((pages == 0).any()):
-            bad = int(request_ids[(pages == 0).any(dim=1)][0])
+            bad = ids[int((pages == 0).any(dim=1).nonzero()[0])]
             raise KernelInputError(
                 f"request {bad} reads the null block inside its attended key range; "
                 "only blocks before the window may be null"
             )
-        offsets = pos % self.block_size
-        kv = torch.arange(2)[None, :, None, None]
+        kv = torch.arange(2)[:, None, None, None]
         heads = torch.arange(self.num_kv_heads)[None, None, :, None]
-        base = (pages[:, None, None, :] * 2 + kv) * self.num_kv_heads + heads
-        return base * self.block_size + offsets[:, None, None, :], valid
+        self.runs.append(((pages[None, :, None, :] * 2 + kv) * self.num_kv_heads + heads).view(-1))
+        key_len = width * self.block_size
+        pos = first[:, None] * self.block_size + torch.arange(key_len)[None, :]
+        visible = (pos >= self.key_start[idx][:, None]) & (pos < self.ctx_lens[idx][:, None])
+        num_rows = 2 * len(ids) * self.num_kv_heads * key_len
+        if not bool(visible.all()):
+            hidden = (~visible)[None, :, None, :].expand(2, -1, self.num_kv_heads, -1)
+            self.zero_rows.append(hidden.reshape(-1).nonzero().view(-1) + self.offset)
+        if query_pos is None:
+            mask = None if bool(visible.all()) else visible[:, None, None, :]
+        else:
+            mask = pos[0][None, :] <= query_pos[:, None]
+            if window is not None:
+                mask &= pos[0][None, :] > query_pos[:, None] - window
+            mask = mask.repeat(self.num_queries_per_kv, 1)  # rows g * num_queries + i
+        if isinstance(token_index, list):
+            token_index = torch.tensor(token_index, dtype=torch.long, device=self.device)
+        self.regions.append(
+            Region(
+                token_index=token_index,
+                num_requests=len(ids),
+                num_queries=1 if query_pos is None else query_pos.numel(),
+                key_len=key_len,
+                row_offset=self.offset,
+                num_rows=num_rows,
+                mask=None if mask is None else mask.to(self.device),
+            )
+        )
+        self.offset += num_rows
+
+    def finish(self) -> GatherPlan:
+        """The plan of the regions added so far, its index tensors on the device."""
+        zero = torch.cat(self.zero_rows).to(self.device) if self.zero_rows else None
+        return GatherPlan(
+            runs=torch.cat(self.runs).to(self.device),
+            zero_rows=zero,
+            regions=tuple(self.regions),
+            block_size=self.block_size,
+        )
 
 
-def _token_index(token_ids: list[int], device: torch.device) -> slice | torch.Tensor:
-    """A slice when the tokens are consecutive (no index copy needed), else an index tensor."""
+def _group_by_pages(request_ids: list[int], num_pages: list[int]) -> list[list[int]]:
+    """Split decodes into groups whose padded page count stays within ``_PAD_SLACK``.
+
+    Longest first (stable, so equal lengths keep batch order); a group takes the next
+    request while ``len(group) * longest <= _PAD_SLACK * sum(pages of group)``.
+    """
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(request_ids, key=lambda r: -num_pages[r]):
+        if groups and (len(groups[-1]) + 1) * num_pages[groups[-1][0]] <= _PAD_SLACK * (
+            real + num_pages[i]
+        ):
+            groups[-1].append(i)
+            real += num_pages[i]
+        else:
+            groups.append([i])
+            real = num_pages[i]
+    return groups
+
+
+def _token_index(token_ids: list[int]) -> slice | list[int]:
+    """A slice when the tokens are consecutive (no index copy needed), else the ids."""
     if token_ids == list(range(token_ids[0], token_ids[0] + len(token_ids))):
         return slice(token_ids[0], token_ids[0] + len(token_ids))
-    return torch.tensor(token_ids, dtype=torch.long, device=device)
+    return token_ids
