@@ -1,0 +1,102 @@
+"""The block pool: eviction order, reference counts, the cache map."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.memory import BlockHash, BlockPool, LayoutError
+
+
+def h(name: str) -> BlockHash:
+    return BlockHash(name.encode())
+
+
+def test_fresh_pool_hands_out_pages_in_order_and_never_the_null_page() -> None:
+    """Page 0 is never allocated; the rest come in id order."""
+    pool = BlockPool(5, num_groups=1)
+    assert pool.allocate(4, group=0) == [1, 2, 3, 4]
+    assert pool.num_free == 0
+    pool.check_integrity()
+
+
+def test_unhashed_pages_are_reused_before_cached_ones() -> None:
+    """A freed page with no hash is taken before a freed cached page."""
+    pool = BlockPool(4, num_groups=1)
+    a, b, _ = pool.allocate(3, group=0)
+    pool.cache(a, h("a"), 0)
+    pool.release([a], 0)
+    pool.release([b], 0)
+    assert pool.allocate(1, 0) == [b]
+    assert pool.allocate(1, 0) == [a]  # the cached page goes last, evicting its hash
+    assert pool.lookup(h("a"), 0) is None
+    pool.check_integrity()
+
+
+def test_cached_pages_are_evicted_least_recently_freed_first() -> None:
+    """Cached free pages leave the queue in the order they were freed."""
+    pool = BlockPool(4, num_groups=1)
+    pages = pool.allocate(3, 0)
+    for page, name in zip(pages, "xyz", strict=True):
+        pool.cache(page, h(name), 0)
+    pool.release([3, 1, 2], 0)  # tail first as a request would, then another order
+    assert pool.allocate(3, 0) == [3, 1, 2]
+
+
+def test_take_pulls_a_cached_free_page_out_of_the_middle_of_the_queue() -> None:
+    """A prefix hit on a free cached page removes it from the free queue."""
+    pool = BlockPool(5, num_groups=2)
+    pages = pool.allocate(3, 1)
+    for page, name in zip(pages, "abc", strict=True):
+        pool.cache(page, h(name), 1)
+    pool.release(reversed(pages), 1)
+    page = pool.lookup(h("b"), 1)
+    assert page == 2
+    pool.take(2, 1)
+    assert pool.ref_count(2) == 1 and not pool.is_free(2)
+    assert pool.allocate(3, 0) == [4, 3, 1]
+    assert pool.num_used_per_group == [3, 1]
+    pool.check_integrity()
+
+
+def test_reference_counts_keep_shared_pages_in_use() -> None:
+    """A page freed by one of two holders stays in use."""
+    pool = BlockPool(3, num_groups=1)
+    (page,) = pool.allocate(1, 0)
+    pool.cache(page, h("p"), 0)
+    pool.take(page, 0)
+    pool.release([page], 0)
+    assert pool.ref_count(page) == 1 and not pool.is_free(page)
+    pool.release([page], 0)
+    assert pool.is_free(page) and pool.lookup(h("p"), 0) == page
+    pool.check_integrity()
+
+
+def test_the_same_hash_is_cached_once_per_group() -> None:
+    """Caching a duplicate block keeps the first page; groups have separate maps."""
+    pool = BlockPool(4, num_groups=2)
+    a, b = pool.allocate(2, 0)
+    (c,) = pool.allocate(1, 1)
+    pool.cache(a, h("k"), 0)
+    pool.cache(b, h("k"), 0)
+    pool.cache(c, h("k"), 1)
+    assert pool.lookup(h("k"), 0) == a and pool.lookup(h("k"), 1) == c
+    pool.check_integrity()
+
+
+def test_uncache_forgets_the_hash_and_makes_the_page_first_to_reuse() -> None:
+    """An uncached free page moves to the front of the queue."""
+    pool = BlockPool(4, num_groups=1)
+    pages = pool.allocate(3, 0)
+    for page, name in zip(pages, "abc", strict=True):
+        pool.cache(page, h(name), 0)
+    pool.release(pages, 0)
+    pool.uncache(3)
+    assert pool.lookup(h("c"), 0) is None
+    assert pool.allocate(1, 0) == [3]
+    pool.check_integrity()
+
+
+def test_a_pool_needs_a_page_besides_the_null_page() -> None:
+    """A one-page pool is rejected with the count in the message."""
+    with pytest.raises(LayoutError, match="got 1"):
+        BlockPool(1, num_groups=1)

@@ -1,0 +1,94 @@
+"""Built-in policies: live spans, derived block arithmetic, validation and the registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.policies import (
+    ChunkedLocal,
+    FullAttention,
+    MambaLike,
+    PolicyError,
+    SlidingWindow,
+    make_policy,
+    policy_names,
+)
+
+
+def test_live_spans_follow_the_design_table() -> None:
+    """Each policy's live tokens for position 10 match design.md's table."""
+    assert FullAttention().live_spans(10) == ((0, 10),)
+    assert SlidingWindow(window=5).live_spans(10) == ((6, 10),)
+    assert ChunkedLocal(chunk=4).live_spans(10) == ((8, 10),)
+    assert MambaLike().live_spans(10) == ((9, 10),)
+    assert FullAttention().live_spans(0) == ()
+
+
+def test_live_blocks_add_the_write_block() -> None:
+    """The block position n is written into is always held (bs=4, W=5, n=10 -> [1, 3))."""
+    assert SlidingWindow(window=5).live_block_spans(10, 4) == ((1, 3),)
+    assert SlidingWindow(window=1).live_block_spans(8, 4) == ((2, 3),)
+    assert MambaLike().live_block_spans(8, 4) == ((1, 3),)
+
+
+@pytest.mark.parametrize(
+    "policy", [FullAttention(), SlidingWindow(window=7), ChunkedLocal(chunk=6), MambaLike()]
+)
+def test_next_release_never_skips_a_death(policy) -> None:  # type: ignore[no-untyped-def]
+    """No block live at n is dead before the count next_release(n) returns."""
+    bs = 4
+    for n in range(60):
+        held = {i for a, b in policy.live_block_spans(n, bs) for i in range(a, b)}
+        for later in range(n + 1, min(policy.next_release(n, bs), 200)):
+            alive = {i for a, b in policy.live_block_spans(later, bs) for i in range(a, b)}
+            assert {i for i in held if i < later // bs} <= alive, (n, later)
+
+
+@pytest.mark.parametrize(
+    "policy", [SlidingWindow(window=7), ChunkedLocal(chunk=6), MambaLike(), FullAttention()]
+)
+def test_fast_hit_search_equals_the_generic_one(policy) -> None:  # type: ignore[no-untyped-def]
+    """An overridden longest_hit agrees with the generic downward search on every cache."""
+    from hybridkv.policies.base import MemoryPolicy
+
+    for mask in range(1 << 7):
+        cached = [bool(mask >> i & 1) for i in range(7)]
+        fast = policy.longest_hit(7, 4, cached.__getitem__)
+        slow = MemoryPolicy.longest_hit(policy, 7, 4, cached.__getitem__)
+        assert fast == slow, (cached, fast, slow)
+
+
+def test_max_live_blocks_bounds_window_requests() -> None:
+    """A window of W tokens holds at most cdiv(W-1, bs) + 1 blocks."""
+    assert SlidingWindow(window=5).max_live_blocks(1000, 4) == 2
+    assert SlidingWindow(window=6).max_live_blocks(1000, 4) == 3
+    assert FullAttention().max_live_blocks(10, 4) == 3
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_parameters_are_validated(bad) -> None:  # type: ignore[no-untyped-def]
+    """A window or chunk below 1 (or not an integer) is rejected, naming the value."""
+    with pytest.raises(PolicyError, match="window must be an integer >= 1"):
+        SlidingWindow(window=bad)
+
+
+def test_policies_are_immutable_values() -> None:
+    """Policies are frozen and compare by value, so groups can be keyed by them."""
+    assert SlidingWindow(window=4) == SlidingWindow(window=4)
+    assert len({SlidingWindow(window=4), SlidingWindow(window=4), FullAttention()}) == 2
+    with pytest.raises(AttributeError):
+        SlidingWindow(window=4).window = 5  # type: ignore[misc]
+
+
+def test_registry_builds_policies_by_name() -> None:
+    """Config names map to the built-in classes."""
+    assert {"full", "sliding_window", "chunked_local", "mamba"} <= set(policy_names())
+    assert make_policy("sliding_window", window=8) == SlidingWindow(window=8)
+
+
+def test_registry_errors_name_the_problem() -> None:
+    """Unknown names and wrong parameters raise PolicyError with the name."""
+    with pytest.raises(PolicyError, match="unknown memory policy 'paged'"):
+        make_policy("paged")
+    with pytest.raises(PolicyError, match="bad parameters for policy 'full'"):
+        make_policy("full", window=3)
