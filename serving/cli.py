@@ -30,7 +30,11 @@ if TYPE_CHECKING:
 
 #: Subcommand name -> ``"module:function"`` of its registrar, in ``--help`` order.
 SUBCOMMANDS: dict[str, str] = {
+    "demo": "hybridkv.serving.commands_demo:register_demo",
+    "serve": "hybridkv.serving.commands_serve:register_serve",
+    "generate": "hybridkv.serving.commands_serve:register_generate",
     "plan": "hybridkv.serving.cli:register_plan",
+    "bench": "hybridkv.serving.commands_demo:register_bench",
 }
 
 

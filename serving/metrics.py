@@ -1,0 +1,105 @@
+"""Prometheus metrics of one server: request counters, and the engine's state at scrape time.
+
+Each app gets its own ``CollectorRegistry`` (never the process-global one), so two apps
+in one process, as in tests, count separately. Counters the server owns are updated as
+requests go; the engine's queues and pages are read from ``engine.stats()`` when
+``/metrics`` is scraped, so they are never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hybridkv.scheduler.outputs import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's stats on every scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats], group_policies: Sequence[str]) -> None:
+        self._stats = stats
+        self._policies = tuple(group_policies)
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily("hybridkv_requests_waiting", "Requests waiting", s.num_waiting)
+        yield GaugeMetricFamily("hybridkv_requests_running", "Requests running", s.num_running)
+        yield GaugeMetricFamily(
+            "hybridkv_requests_preempted",
+            "Waiting requests that were preempted",
+            s.num_preempted,
+        )
+        yield CounterMetricFamily(
+            "hybridkv_preemptions", "Preemptions since start", s.num_preemptions
+        )
+        yield CounterMetricFamily("hybridkv_engine_steps", "Engine steps run", s.num_steps)
+        pages = GaugeMetricFamily(
+            "hybridkv_kv_pages_used", "KV pages held per group", labels=["group", "policy"]
+        )
+        for group, used in enumerate(s.blocks_used_per_group):
+            policy = self._policies[group] if group < len(self._policies) else ""
+            pages.add_metric([str(group), policy], used)
+        yield pages
+        yield GaugeMetricFamily("hybridkv_kv_pages_free", "Free KV pages", s.num_free_blocks)
+        yield GaugeMetricFamily(
+            "hybridkv_kv_pages_total", "KV pages in the pool (null page included)", s.num_blocks
+        )
+        yield GaugeMetricFamily(
+            "hybridkv_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache over those looked up",
+            s.prefix_hit_rate,
+        )
+        yield GaugeMetricFamily(
+            "hybridkv_tokens_per_second", "Tokens run per second, recent steps", s.tokens_per_second
+        )
+
+
+class ServerMetrics:
+    """The metrics of one app, in their own registry."""
+
+    def __init__(
+        self, stats: Callable[[], EngineStats], group_policies: Sequence[str] = ()
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "hybridkv_http_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "hybridkv_prompt_tokens", "Prompt tokens of admitted requests", registry=self.registry
+        )
+        self.cached_prompt_tokens = Counter(
+            "hybridkv_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "hybridkv_generation_tokens", "Tokens generated", registry=self.registry
+        )
+        self.finished = Counter(
+            "hybridkv_requests_finished",
+            "Generation requests ended, by finish reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "hybridkv_time_to_first_token_seconds",
+            "Seconds from arrival to the first generated token",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(stats, group_policies))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,114 @@
+"""Request parsing and checking: OpenAI bodies in, checked values or 4xx errors out."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.serving.protocol import APIError, parse_chat, parse_completion, parse_json
+
+
+def completion(**fields: object) -> dict[str, object]:
+    return {"model": "m", "prompt": "hello", **fields}
+
+
+def test_completion_defaults_to_sixteen_tokens() -> None:
+    """A completion without max_tokens gets OpenAI's default of 16."""
+    assert parse_completion(completion()).max_tokens == 16
+
+
+def test_chat_without_max_tokens_uses_the_context_left() -> None:
+    """A chat request without max_tokens may run to the end of the context."""
+    request = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert request.sampling_params(10, 100, None).max_tokens == 90
+
+
+def test_max_completion_tokens_takes_precedence() -> None:
+    """The newer max_completion_tokens field wins over max_tokens."""
+    request = parse_completion(completion(max_tokens=5, max_completion_tokens=7))
+    assert request.max_tokens == 7
+
+
+@pytest.mark.parametrize("value", [0, -3])
+def test_non_positive_max_tokens_is_refused(value: int) -> None:
+    """max_tokens <= 0 is a 400 naming the field."""
+    with pytest.raises(APIError, match="max_tokens must be >= 1") as info:
+        parse_completion(completion(max_tokens=value))
+    assert (info.value.status, info.value.param) == (400, "max_tokens")
+
+
+def test_max_tokens_beyond_the_context_is_refused() -> None:
+    """Prompt plus max_tokens over the context is a 400 saying how many fit."""
+    request = parse_completion(completion(max_tokens=50))
+    with pytest.raises(APIError, match="at most 20 fit") as info:
+        request.sampling_params(80, 100, None)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_prompt_filling_the_context_is_refused() -> None:
+    """A prompt that leaves no room to generate is a 400."""
+    with pytest.raises(APIError, match="the prompt has 100 tokens"):
+        parse_completion(completion()).sampling_params(100, 100, None)
+
+
+def test_malformed_json_is_refused() -> None:
+    """A body that is not JSON is a 400."""
+    with pytest.raises(APIError, match="not valid JSON"):
+        parse_json(b"{not json")
+
+
+def test_a_json_array_body_is_refused() -> None:
+    """A body must be a JSON object."""
+    with pytest.raises(APIError, match="must be a JSON object"):
+        parse_json(b"[1, 2]")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.5),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("max_tokens", 2.5),
+        ("stream", "yes"),
+        ("n", 2),
+        ("stop", [""]),
+        ("logprobs", 3),
+        ("echo", True),
+    ],
+)
+def test_bad_field_values_name_the_field(field: str, value: object) -> None:
+    """A wrong type or out-of-range value is a 400 whose param names the field."""
+    with pytest.raises(APIError) as info:
+        parse_completion(completion(**{field: value}))
+    assert info.value.param == field
+
+
+def test_token_id_prompts_are_accepted() -> None:
+    """A prompt may be a list of token ids (or a batch of one)."""
+    assert parse_completion(completion(prompt=[[5, 6, 7]])).prompt == (5, 6, 7)
+
+
+def test_batched_prompts_are_refused() -> None:
+    """Several prompts in one request are refused with a hint."""
+    with pytest.raises(APIError, match="one request per prompt"):
+        parse_completion(completion(prompt=["a", "b"]))
+
+
+def test_chat_text_parts_are_joined() -> None:
+    """Chat content given as text parts becomes one string."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    request = parse_chat({"model": "m", "messages": [{"role": "user", "content": parts}]})
+    assert request.messages == ({"role": "user", "content": "ab"},)
+
+
+def test_stop_string_becomes_a_tuple() -> None:
+    """A single stop string is accepted as well as a list."""
+    assert parse_completion(completion(stop="###")).stop == ("###",)
+
+
+def test_error_body_is_openai_shaped() -> None:
+    """Errors render as {"error": {message, type, param, code}}."""
+    body = APIError("nope", param="x", code="c").body()
+    assert body == {
+        "error": {"message": "nope", "type": "invalid_request_error", "param": "x", "code": "c"}
+    }
