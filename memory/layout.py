@@ -10,7 +10,9 @@ Memory picture (group_size = 2 slots, three groups sharing one pool of N pages):
     slot 1 tensor  [ page 0 | page 1 | page 2 | ... | page N-1 ]   layer full.1, sw.2, sw.3
 
 A page id belongs to one group at a time, and then holds one block of tokens of every
-layer of that group, layer j of the group in slot tensor j.
+layer of that group, each layer in its own slot tensor. With pipeline stages each stage
+(device) has its own slot tensors and numbers the slots of its layers from 0, so a stage
+holding one layer of each group needs a single slot tensor.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ LayerSpec = AttentionSpec | StateSpec
 
 @attrs.frozen(kw_only=True)
 class KVGroup:
-    """Layers that share one block table per request. Layer j uses slot tensor j."""
+    """Layers that share one block table per request (``layer_slots`` says where each lives)."""
 
     group_id: int
     policy: MemoryPolicy
@@ -76,8 +78,9 @@ class LayoutPlan:
         num_blocks: Pages in the pool, the null page 0 included.
         page_bytes: Bytes of one page in one slot tensor (after unifying page sizes).
         groups: The KV groups, ``group_id`` equal to the position.
-        group_size: Slots: layers per group, so slot tensors to allocate.
-        layer_slots: Layer name -> (group id, slot). Padded slots have no layer.
+        group_size: Slot tensors to allocate per device: the layers per group without
+            pipeline stages, the largest stage's count with them.
+        layer_slots: Layer name -> (group id, slot), the slot local to the layer's stage.
         budget_bytes: The budget the plan was made for.
         padding_bytes: Bytes lost to unified page sizes and empty slots, over the pool.
         uniform_num_blocks: Pages a uniform allocator (every layer as full attention in
