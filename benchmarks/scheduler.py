@@ -43,6 +43,7 @@ from hybridkv.scheduler.core import EngineCore
 
 VLLM_DECODE_STEP_US = 12_900.0
 BLOCK_SIZE = 16
+BUDGET = 8192  # max_num_batched_tokens of the synthetic workloads
 LAYOUTS: dict[str, tuple[MemoryPolicy, ...]] = {
     "full": (FullAttention(),),
     # One group per 1/6 of the layers, as the hybrid allocator groups a 5:1 model.
@@ -70,7 +71,7 @@ def workload_config(
         block_size=BLOCK_SIZE,
         max_model_len=total + 1,
         max_num_seqs=num_running,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=BUDGET,
     )
 
 
@@ -79,10 +80,10 @@ def drive_core(
     executor: Any,
     arrivals: Sequence[tuple[int, list[int], SamplingParams]] = (),
     max_steps: int = 1_000_000,
-) -> tuple[list[float], list[float]]:
-    """Step the core until idle; microseconds of plan + apply per step, all and decode-only."""
-    steps: list[float] = []
-    decode: list[float] = []
+) -> list[tuple[float, int, bool]]:
+    """Step the core until idle; per step: microseconds of plan + apply (outputs delivered
+    included), requests run, and whether every one of them only decoded."""
+    steps: list[tuple[float, int, bool]] = []
     pending = sorted(arrivals, key=lambda a: a[0])
     k = 0
     clock = time.perf_counter
@@ -95,35 +96,39 @@ def drive_core(
         plan = core.plan()
         t1 = clock()
         if not plan.scheduled:
-            steps.append(0.0)  # an empty step (everyone preempted): counts for arrivals
+            core.flush()
+            steps.append((0.0, 0, False))  # everyone preempted: a step for arrivals' sake
             continue
         sampled = executor.execute(plan.batch)
         t2 = clock()
         core.apply(plan, sampled)
-        us = (t1 - t0 + clock() - t2) * 1e6
-        steps.append(us)
-        if plan.num_tokens == len(plan.scheduled):
-            decode.append(us)
-    return steps, decode
+        core.flush()
+        num = len(plan.scheduled)
+        steps.append(((t1 - t0 + clock() - t2) * 1e6, num, plan.num_tokens == num))
+    return steps
 
 
 def bench_overhead(layout: str, num_running: int, args: argparse.Namespace) -> dict[str, Any]:
-    total = args.prompt_len + args.decode_steps
-    config = workload_config(LAYOUTS[layout], num_running, total)
-    params = SamplingParams(max_tokens=args.decode_steps, ignore_eos=True)
+    # Outputs long enough that every request still decodes once the last prompt is in:
+    # at least ``decode_steps`` steps run all ``num_running`` requests as decodes.
+    prefill_steps = cdiv(num_running * args.prompt_len, BUDGET)
+    max_tokens = args.decode_steps + prefill_steps
+    config = workload_config(LAYOUTS[layout], num_running, args.prompt_len + max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     prompts = [[(i * 7919 + j) % 32000 for j in range(args.prompt_len)] for i in range(num_running)]
     core = EngineCore(config)
     arrivals = [(0, p, params) for p in prompts]
-    steps, decode = drive_core(core, FakeExecutor.for_config(config), arrivals)
+    steps = drive_core(core, FakeExecutor.for_config(config), arrivals)
+    full_decode = [us for us, num, is_decode in steps if is_decode and num == num_running]
     steps_per_s = anyio.run(engine_steps_per_s, config, prompts, params)
     return {
         "layout": layout,
         "num_running": num_running,
         "num_groups": len(config.policies),
         "steps": len(steps),
-        "step_us_median": round(statistics.median(steps), 1),
-        "decode_step_us_median": round(statistics.median(decode), 1),
-        "decode_us_per_request": round(statistics.median(decode) / num_running, 2),
+        "step_us_median": round(statistics.median(us for us, _, _ in steps), 1),
+        "decode_step_us_median": round(statistics.median(full_decode), 1),
+        "decode_us_per_request": round(statistics.median(full_decode) / num_running, 2),
         "engine_steps_per_s": round(steps_per_s, 1),
     }
 
@@ -224,14 +229,15 @@ def bench_trace(path: Path) -> dict[str, Any]:
             ]
 
     core = EngineCore(config)
-    steps, decode = drive_core(core, TraceExecutor(), arrivals)
+    steps = drive_core(core, TraceExecutor(), arrivals)
+    decode = [us for us, num, is_decode in steps if is_decode]
     usage = core.kv.usage()
     summary = trace.get("summary", {})
     return {
         "trace": path.name,
         "requests": len(arrivals),
         "steps": len(steps),
-        "step_us_median": round(statistics.median(steps), 1),
+        "step_us_median": round(statistics.median(us for us, _, _ in steps), 1),
         "decode_step_us_median": round(statistics.median(decode), 1) if decode else None,
         "preemptions": core.num_preemptions,
         "prefix_hit_tokens": usage.prefix_hit_tokens,

@@ -126,10 +126,10 @@ class EngineCore:
         if not prompt:
             raise InvalidRequestError("the prompt is empty: at least one token is needed")
         low, high = min(prompt), max(prompt)
-        if low < 0 or (config.vocab_size is not None and high >= config.vocab_size):
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {config.vocab_size}), got {low}..{high}"
-            )
+        limit = config.vocab_size
+        if low < 0 or (limit is not None and high >= limit):
+            allowed = f"in [0, vocab_size={limit})" if limit is not None else ">= 0"
+            raise InvalidRequestError(f"prompt token ids must be {allowed}, got {low}..{high}")
         if len(prompt) >= config.max_model_len:
             raise PromptTooLongError(
                 f"prompt of {len(prompt)} tokens leaves no room to generate within "
@@ -204,7 +204,8 @@ class EngineCore:
         return plan
 
     def apply(self, plan: StepPlan, sampled: Sequence[int | None]) -> None:
-        """Apply the executor's sampled tokens: stream them, stop finished requests."""
+        """Apply the executor's sampled tokens: append them, end finished requests, and
+        gather the outputs for :meth:`flush`."""
         start = time.perf_counter()
         self._in_flight = None
         if len(sampled) != len(plan.scheduled):

@@ -17,7 +17,6 @@ the loop's thread, so requests never wait behind the step in flight to be accept
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import uuid
 from collections import deque
@@ -56,7 +55,8 @@ class Engine:
         self.config = config
         self.executor = executor
         self.core = EngineCore(config)
-        self._bell_send, self._bell_recv = anyio.create_memory_object_stream[None](1)
+        self._wakeup: anyio.Event | None = None  # set while the loop idles
+        self._has_served = False
         self._is_running = False
         self._error: BaseException | None = None
         self._loop_thread: int | None = None
@@ -108,14 +108,17 @@ class Engine:
         broken executor's error is not raised again here (see :attr:`error`). Any other
         exception is a bug: waiters get an :class:`EngineStoppedError` and it propagates.
         """
-        if self._is_running or self._error is not None:
+        if self._has_served:
             raise EngineStoppedError("an engine serves once; make a new one")
+        self._has_served = True
         self._loop_thread = threading.get_ident()
+        # Steps get their own worker thread, never queued behind the app's other threads.
+        limiter = anyio.CapacityLimiter(1)
         self._is_running = True
         error: HybridKVError | None = None
         task_status.started()
         try:
-            await self._loop()
+            await self._loop(limiter)
         except ExecutorBrokenError as exc:
             self._error = exc
             log.error("engine_broken", error=repr(exc))
@@ -128,18 +131,17 @@ class Engine:
             raise
         finally:
             self._is_running = False
-            self._bell_send.close()
-            self._bell_recv.close()
             # Synchronous: safe under cancellation, never needs shielding.
             self.core.shutdown(error)
 
-    async def _loop(self) -> None:
+    async def _loop(self, limiter: anyio.CapacityLimiter) -> None:
         core = self.core
         while True:
             self._drain_foreign_aborts()
             if not core.has_work:
                 core.flush()
-                await self._bell_recv.receive()  # idle: wait for a request
+                self._wakeup = anyio.Event()
+                await self._wakeup.wait()  # idle until generate() sets it
                 continue
             plan = core.plan()
             if not plan.scheduled:
@@ -148,7 +150,9 @@ class Engine:
                 await anyio.lowlevel.checkpoint()
                 continue
             try:
-                sampled = await anyio.to_thread.run_sync(self._run_step, plan.batch)
+                sampled = await anyio.to_thread.run_sync(
+                    self._run_step, plan.batch, limiter=limiter
+                )
             except ExecutorBrokenError:
                 raise
             except Exception as exc:  # the step failed; its requests fail, the rest go on
@@ -203,8 +207,9 @@ class Engine:
             priority=priority,
             extra_keys=() if cache_salt is None else (cache_salt,),
         )
-        with contextlib.suppress(anyio.WouldBlock):  # a full bell: the loop is awake
-            self._bell_send.send_nowait(None)
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            wakeup.set()
         return RequestStream(request, channel, self._abort_dropped)
 
     def abort(self, request_id: str) -> bool:

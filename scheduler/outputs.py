@@ -76,8 +76,9 @@ class EngineStats:
         num_free_blocks: Pages an allocation may take (cached free pages included).
         num_blocks: Pages of the pool, the null page included.
         prefix_hit_rate: Prompt tokens served from the prefix cache over those looked up.
-        tokens_per_second: Tokens run through the model per second, recent steps.
-        output_tokens_per_second: Tokens generated per second, recent steps.
+        tokens_per_second: Tokens run through the model per second, from the first step
+            of the last 10 seconds until now (so it falls to zero when idle).
+        output_tokens_per_second: Tokens generated per second, over the same span.
     """
 
     num_waiting: int

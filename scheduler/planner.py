@@ -7,11 +7,14 @@ on its own. Order of business::
     1. running requests, most urgent first: each gets its next chunk (1 token to decode,
        up to ``prefill_chunk`` of a prompt) within the step's token budget; when the pool
        cannot supply it, the least urgent running request (largest priority, latest
-       arrival) is preempted, repeatedly, possibly the request itself;
+       arrival) is preempted, repeatedly; a request that is itself the least urgent
+       halves its prefill chunk before it preempts itself;
     2. only if nobody was preempted: waiting requests, most urgent first, while the
        budget, ``max_num_seqs`` and the pool allow. Admission looks up the prefix cache
        and allocates every group at once; the first refusal ends admission (no
-       overtaking, so a large request is not starved by small ones).
+       overtaking, so a large request is not starved by small ones). Into an empty pool
+       the first chunk is halved until it fits: a window group holds all of a chunk's
+       pages until the next step, so a whole-prompt chunk can need more than the pool.
 
 The running list stays sorted by urgency, so the preemption victim is always its last
 entry and never a request already planned in this step.
@@ -40,8 +43,8 @@ class StepPlan:
         scheduled: The requests of the step, in batch order.
         admitted: Those of ``scheduled`` that were waiting before this step.
         preempted: Requests that lost their pages in this step (now waiting).
-        rejected: A waiting request that cannot run even in an empty pool (still queued:
-            the caller fails it).
+        rejected: Waiting requests that cannot run even in an empty pool (still queued:
+            the caller fails them). Admission checks make this a safety net.
         num_tokens: Tokens the step runs, over all requests.
     """
 

@@ -244,3 +244,25 @@ def test_stats_count_queues_and_pages() -> None:
     stats = core.stats()
     assert (stats.num_waiting, stats.num_running, stats.num_preempted) == (1, 1, 0)
     assert stats.blocks_used_per_group == (2, 2)  # 8 tokens, 4 per page
+
+
+def test_stats_report_recent_throughput() -> None:
+    """Tokens per second come from the steps of the last seconds, by the core's clock."""
+    now = [0.0]
+    core = EngineCore(
+        EngineConfig(policies=[FullAttention()], num_blocks=65, block_size=4, max_model_len=64),
+        clock=lambda: now[0],
+    )
+    fake = FakeExecutor.for_config(core.config)
+    core.add_request(
+        [1] * 10, SamplingParams(max_tokens=5, ignore_eos=True), ListSink(), request_id="a"
+    )
+    for _ in range(5):  # one prefill step of 10 tokens, then 4 decodes, 0.5 s apart
+        plan = core.plan()
+        core.apply(plan, fake.execute(plan.batch))
+        now[0] += 0.5
+    stats = core.stats()  # steps ended at 0, 0.5, ..., 2.0; the rate runs until now, 2.5
+    assert stats.output_tokens_per_second == 4 / 2.5
+    assert stats.tokens_per_second == 4 / 2.5
+    now[0] += 60
+    assert core.stats().tokens_per_second == 0.0

@@ -213,3 +213,18 @@ async def test_shared_system_prompt_is_served_from_the_prefix_cache() -> None:
     for i, stream in outs.items():
         assert stream[-1].num_cached_tokens == 64
         assert list(stream[-1].token_ids) == reference_tokens(system + [i] * 5, 4, VOCAB)
+
+
+@pytest.mark.asyncio
+async def test_cache_salt_separates_prefix_cache_entries() -> None:
+    """The same prompt under another cache salt gets no prefix hit."""
+    config = make_config()
+    prompt = prompt_for(5, 48)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with anyio.fail_after(10):
+        async with Engine(config, FakeExecutor.for_config(config)) as engine:
+            cached = {}
+            for salt in ("tenant-a", "tenant-a", "tenant-b"):
+                outs = [out async for out in engine.generate(prompt, params, cache_salt=salt)]
+                cached.setdefault(salt, []).append(outs[-1].num_cached_tokens)
+    assert cached == {"tenant-a": [0, 32], "tenant-b": [0]}
