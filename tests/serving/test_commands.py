@@ -1,0 +1,125 @@
+"""The serve, generate, demo and bench commands, run in-process on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+
+from hybridkv.serving.cli import main
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random two-layer Gemma 3 (one sliding, one full layer) with a word tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=2048,
+        eos_token_id=1,
+    )
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    Gemma3ForCausalLM(config).save_pretrained(folder)
+    vocab = {"[UNK]": 0, "<eos>": 1} | {f"w{i}": i for i in range(2, VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _isolate() -> Iterator[None]:
+    """One torch thread; undo the logging set-up the commands do, for the tests after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    structlog.reset_defaults()
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """`hybridkv --help` names demo, serve, generate, plan and bench."""
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    assert all(name in out for name in ("demo", "serve", "generate", "plan", "bench"))
+
+
+def test_serve_help_shows_the_engine_and_http_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`hybridkv serve --help` documents the KV budget, batching, threads, host and port."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--kv-memory", "--block-size", "--max-num-batched-tokens", "--max-num-seqs",
+                 "--no-prefix-caching", "--threads", "--host", "--port"):  # fmt: skip
+        assert flag in out
+
+
+def test_generate_streams_a_completion(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hybridkv generate MODEL PROMPT` prints the text and the counts."""
+    code = main(["generate", str(tiny_checkpoint), "w2 w3 w4", "--max-tokens", "5",
+                 "--ignore-eos", "--kv-memory", "1MiB", "--block-size", "4"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0
+    assert len(captured.out.split()) == 5
+    assert "3 prompt tokens, 5 generated (length)" in captured.err
+
+
+def test_demo_prints_the_summary(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`hybridkv demo` on a checkpoint ends with the summary table."""
+    code = main(["demo", str(tiny_checkpoint), "--requests", "4", "--rate", "1000",
+                 "--max-tokens", "4", "--kv-memory", "4MiB", "--block-size", "4"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    for row in ("requests", "prefix-cache hit rate", "pages per group at peak", "tokens/s"):
+        assert row in out
+    assert re.search(r"with a uniform allocator: \d+\.\d\dx", out)
+
+
+def test_bench_compares_layouts(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`hybridkv bench --compare-uniform` prints one row per layout."""
+    code = main(["bench", str(tiny_checkpoint), "--requests", "3", "--prompt-len", "20",
+                 "--output-len", "3", "--compare-uniform", "--kv-memory", "1MiB",
+                 "--block-size", "4"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()] == ["layout", "hybrid", "uniform"]
+
+
+def test_serve_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    """A port in use is a one-line error and exit status 2, before any model loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", "no-such-model", "--port", str(port)])
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A model that is neither a folder nor built in exits 2 naming the built-in models."""
+    code = main(["generate", "no-such-model", "w2"])
+    assert code == 2
+    assert "gemma-3-270m" in capsys.readouterr().err
