@@ -18,9 +18,7 @@ request of the step in flight keeps its pages until ``apply`` or ``fail``, even 
 from __future__ import annotations
 
 import itertools
-import operator
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -31,16 +29,15 @@ from hybridkv.memory.manager import KVCacheManager
 from hybridkv.policies.errors import HybridKVError
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
+from hybridkv.scheduler.meter import ThroughputMeter
 from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
 from hybridkv.scheduler.planner import StepPlan, plan_step
 from hybridkv.scheduler.queue import WaitingQueue
 from hybridkv.scheduler.request import OutputSink, Request, RequestStatus
+from hybridkv.scheduler.validation import check_request
 
 log = structlog.get_logger(__name__)
-
-#: Steps whose token counts feed the throughput figures of ``stats()``.
-_RATE_WINDOW_S = 10.0
 
 
 class EngineCore:
@@ -64,7 +61,7 @@ class EngineCore:
         # (request, item, is_last) deliveries gathered since the last flush.
         self._outbox: list[tuple[Request, RequestOutput | HybridKVError, bool]] = []
         self._plan_us = 0.0
-        self._recent: deque[tuple[float, int, int]] = deque(maxlen=4096)
+        self._meter = ThroughputMeter()
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_finished = 0
@@ -94,7 +91,7 @@ class EngineCore:
             PromptTooLongError: the sequence exceeds ``max_model_len`` or the whole pool.
             EngineOverloadedError: ``max_waiting`` requests wait already.
         """
-        prompt = self._check_prompt(prompt_token_ids, params)
+        prompt = check_request(prompt_token_ids, params, self.config, self.kv)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if len(self.waiting) >= self.config.max_waiting:
@@ -116,34 +113,6 @@ class EngineCore:
         self._requests[request_id] = request
         self.waiting.push(request)
         return request
-
-    def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        config = self.config
-        try:
-            prompt = list(map(operator.index, prompt_token_ids))
-        except TypeError as exc:
-            raise InvalidRequestError(f"prompt token ids must be integers: {exc}") from None
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty: at least one token is needed")
-        low, high = min(prompt), max(prompt)
-        limit = config.vocab_size
-        if low < 0 or (limit is not None and high >= limit):
-            allowed = f"in [0, vocab_size={limit})" if limit is not None else ">= 0"
-            raise InvalidRequestError(f"prompt token ids must be {allowed}, got {low}..{high}")
-        if len(prompt) >= config.max_model_len:
-            raise PromptTooLongError(
-                f"prompt of {len(prompt)} tokens leaves no room to generate within "
-                f"max_model_len={config.max_model_len}"
-            )
-        # The last sampled token is never computed, so positions up to total - 2 need pages.
-        total = min(len(prompt) + params.max_tokens, config.max_model_len)
-        needed = self.kv.num_blocks_needed(total - 1)
-        if needed > self.kv.num_usable_blocks:
-            raise PromptTooLongError(
-                f"{len(prompt)} prompt + {params.max_tokens} output tokens need {needed} pages, "
-                f"more than the pool's {self.kv.num_usable_blocks}"
-            )
-        return prompt
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a request now; its pages are freed now, or after the step running it.
@@ -250,7 +219,7 @@ class EngineCore:
             else:
                 self._finish(request, reason, new_token_ids=(token,))
         self.num_steps += 1
-        self._recent.append((now, plan.num_tokens, num_outputs))
+        self._meter.record(now, plan.num_tokens, num_outputs)
         apply_us = (time.perf_counter() - start) * 1e6
         log.debug(
             "step",
@@ -365,9 +334,7 @@ class EngineCore:
         """Counts of the queues and the pool, prefix hit rate, recent throughput."""
         self._prune_running()
         usage = self.kv.usage()
-        now = self._clock()
-        recent = [(t, n, o) for t, n, o in self._recent if now - t <= _RATE_WINDOW_S]
-        span = now - recent[0][0] if len(recent) > 1 else 0.0
+        tokens_per_second, output_tokens_per_second = self._meter.rates(self._clock())
         return EngineStats(
             num_waiting=len(self.waiting),
             num_running=len(self.running),
@@ -379,6 +346,6 @@ class EngineCore:
             num_free_blocks=usage.num_free_blocks,
             num_blocks=usage.num_blocks,
             prefix_hit_rate=usage.prefix_hit_rate,
-            tokens_per_second=sum(n for _, n, _ in recent[1:]) / span if span else 0.0,
-            output_tokens_per_second=sum(o for _, _, o in recent[1:]) / span if span else 0.0,
+            tokens_per_second=tokens_per_second,
+            output_tokens_per_second=output_tokens_per_second,
         )
