@@ -9,8 +9,10 @@ Rows: dtype x mode.
                                                                 end-aligned causal mask)
 The contiguous baseline calls SDPA exactly as the paged path does (GQA folded into query
 rows); "gqa ms" is the plain ``enable_gqa=True`` call on the same tensors, for reference.
-Timings interleave paged and contiguous calls and report medians; "meta ms" is the per-step
-cost of PagedMetadata.build plus the gather plan, paid once per step per KV group.
+Timings interleave paged and contiguous calls and report medians. "meta ms" is the per-step
+cost of PagedMetadata.build plus the gather plan, paid once per step per KV group, with a
+warm GatherWorkspace; "cold ms" is build plus one attend without a workspace, as the first
+layer of a step pays it when the executor passes none (fresh buffers fault in their pages).
 
     python benchmarks/attention.py --device cpu --dtype float32 bfloat16 --repeats 10
 
@@ -32,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
+from hybridkv.kernels import GatherWorkspace, PagedMetadata, paged_attention, write_kv
 
 NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 32, 128, 16
 
@@ -49,7 +51,7 @@ def main() -> None:
     )
     print(
         f"{'dtype':<9} {'mode':<20} {'paged ms':>9} {'contig ms':>9} {'ratio':>6} "
-        f"{'gqa ms':>8} {'meta ms':>8}"
+        f"{'gqa ms':>8} {'meta ms':>8} {'cold ms':>8}"
     )
     ratios: dict[str, float] = {}
     with torch.inference_mode():
@@ -57,20 +59,20 @@ def main() -> None:
             dtype = getattr(torch, name)
             for mode, prefill in (("decode", 0), ("mixed", args.prefill)):
                 rows = bench(args, device, dtype, prefill)
-                for sub, (paged, contig, gqa, meta) in rows.items():
+                for sub, (paged, contig, gqa, meta, cold) in rows.items():
                     label = f"{mode} {sub}"
                     ratio = paged / contig
                     ratios[f"{name} {label}"] = round(ratio, 3)
                     print(
                         f"{name:<9} {label:<20} {paged:9.2f} {contig:9.2f} {ratio:6.2f} "
-                        f"{gqa:8.2f} {meta:8.2f}"
+                        f"{gqa:8.2f} {meta:8.2f} {cold:8.2f}"
                     )
     print(json.dumps({"ratios": ratios}))
 
 
 def bench(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype, prefill: int
-) -> dict[str, tuple[float, float, float, float]]:
+) -> dict[str, tuple[float, float, float, float, float]]:
     """Time one batch: ``args.batch`` decodes at ``args.context``, plus an optional chunk."""
     batch, ctx = args.batch, args.context
     q_lens = [1] * batch + ([prefill] if prefill else [])
@@ -103,12 +105,19 @@ def bench(
         q_pos = torch.arange(ctx - prefill, ctx, device=device)[:, None]
         mask = (torch.arange(ctx, device=device)[None, :] <= q_pos).repeat(group, 1)
 
-    def build() -> PagedMetadata:
-        meta = PagedMetadata.build(q_lens, ctx_lens, tables, BLOCK_SIZE, device=device)
+    workspace = GatherWorkspace()
+
+    def build(ws: GatherWorkspace | None = workspace) -> PagedMetadata:
+        meta = PagedMetadata.build(
+            q_lens, ctx_lens, tables, BLOCK_SIZE, device=device, workspace=ws
+        )
         meta.plan(num_kv_heads=NUM_KV_HEADS, num_queries_per_kv=group, sliding_window=None)
         return meta
 
     meta = build()
+
+    def cold_attend() -> None:
+        paged_attention(query, cache, build(None), scale=scale)
 
     def paged_attend() -> None:
         paged_attention(query, cache, meta, scale=scale)
@@ -145,11 +154,14 @@ def bench(
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     clock = time.process_time if args.clock == "process" else time.perf_counter
-    meta_ms = timed([build], args.repeats, sync, clock)[0]
+    meta_ms, cold_ms = timed([build, cold_attend], args.repeats, sync, clock)
     fns = [paged_attend, contig_attend, lambda: contig_attend(False)]
     attend = timed(fns, args.repeats, sync, clock)
     write = timed([paged_write_attend, contig_write_attend], args.repeats, sync, clock)
-    return {"attend": (*attend, meta_ms), "write+attend": (*write, attend[2], meta_ms)}
+    return {
+        "attend": (*attend, meta_ms, cold_ms),
+        "write+attend": (*write, attend[2], meta_ms, cold_ms),
+    }
 
 
 def timed(

@@ -2,7 +2,9 @@
 
 This package imports nothing else of hybridkv: only torch and attrs.
 
-    meta = PagedMetadata.build(query_lens, context_lens, block_tables, block_size, device)
+    workspace = GatherWorkspace()                        # once per executor
+    meta = PagedMetadata.build(query_lens, context_lens, block_tables, block_size, device,
+                               workspace=workspace)      # once per step per KV group
     write_kv(kv_cache, key, value, meta)                 # every layer of the group
     out = paged_attention(query, kv_cache, meta, scale=head_dim**-0.5)
 """
@@ -13,5 +15,6 @@ from hybridkv.kernels.attention import paged_attention
 from hybridkv.kernels.cache_ops import write_kv
 from hybridkv.kernels.errors import KernelInputError
 from hybridkv.kernels.metadata import PagedMetadata
+from hybridkv.kernels.workspace import GatherWorkspace
 
-__all__ = ["KernelInputError", "PagedMetadata", "paged_attention", "write_kv"]
+__all__ = ["GatherWorkspace", "KernelInputError", "PagedMetadata", "paged_attention", "write_kv"]

@@ -3,7 +3,7 @@
 A ``GatherPlan`` is built once per step for one (KV group, window, head geometry) and reused
 by every layer of that group. It turns block tables into one flat index of page runs, so
 that each layer gathers the keys and values of the whole batch with a single
-``index_select`` into a buffer the plan owns, already laid out the way SDPA wants them.
+``index_select`` into a workspace buffer, already laid out the way SDPA wants them.
 
 Runs. The cache of one layer is ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``;
 viewed as ``[num_blocks * 2 * num_kv_heads, block_size * head_dim]`` each row is one run:
@@ -36,6 +36,7 @@ import attrs
 import torch
 
 from hybridkv.kernels.errors import KernelInputError
+from hybridkv.kernels.workspace import GatherWorkspace
 
 # Decodes share one SDPA call while padding stays under this fraction of the real keys.
 _PAD_SLACK = 1.25
@@ -69,16 +70,12 @@ class GatherPlan:
     zero_rows: torch.Tensor | None
     regions: tuple[Region, ...]
     block_size: int
-    _buffers: dict[torch.dtype, torch.Tensor] = attrs.field(factory=dict, init=False)
+    workspace: GatherWorkspace
 
     def buffer(self, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
-        """The ``[num_rows, head_dim]`` gather target, allocated once and reused by layers."""
-        buf = self._buffers.get(dtype)
-        if buf is None or buf.shape[1] != head_dim:
-            num_rows = self.runs.numel() * self.block_size
-            buf = torch.empty(num_rows, head_dim, dtype=dtype, device=self.runs.device)
-            self._buffers[dtype] = buf
-        return buf
+        """The ``[num_rows, head_dim]`` gather target, borrowed from the workspace."""
+        num_rows = self.runs.numel() * self.block_size
+        return self.workspace.get(num_rows * head_dim, dtype, self.runs.device).view(-1, head_dim)
 
     @classmethod
     def build(
@@ -92,6 +89,7 @@ class GatherPlan:
         num_queries_per_kv: int,
         sliding_window: int | None,
         device: torch.device,
+        workspace: GatherWorkspace,
     ) -> GatherPlan:
         """Plan one step: decodes (query_len 1) batched by length, each prefill on its own."""
         if sliding_window is not None and sliding_window < 1:
@@ -118,7 +116,7 @@ class GatherPlan:
             if n > 1:
                 q_pos = torch.arange(context_lens[i] - n, context_lens[i])
                 builder.add([i], slice(starts[i], starts[i] + n), q_pos, sliding_window)
-        return builder.finish()
+        return builder.finish(workspace)
 
 
 class _Builder:
@@ -196,7 +194,7 @@ class _Builder:
         )
         self.offset += num_rows
 
-    def finish(self) -> GatherPlan:
+    def finish(self, workspace: GatherWorkspace) -> GatherPlan:
         """The plan of the regions added so far, its index tensors on the device."""
         zero = torch.cat(self.zero_rows).to(self.device) if self.zero_rows else None
         return GatherPlan(
@@ -204,6 +202,7 @@ class _Builder:
             zero_rows=zero,
             regions=tuple(self.regions),
             block_size=self.block_size,
+            workspace=workspace,
         )
 
 

@@ -23,6 +23,7 @@ import torch
 
 from hybridkv.kernels.errors import KernelInputError
 from hybridkv.kernels.gather_plan import GatherPlan
+from hybridkv.kernels.workspace import GatherWorkspace
 
 PlanKey = tuple[int, int, int | None]
 
@@ -41,6 +42,7 @@ class PagedMetadata:
         write_pages: ``[num_tokens]`` ``slot_mapping // block_size``.
         write_offsets: ``[num_tokens]`` ``slot_mapping % block_size``.
         max_block_id: the largest page id any table names (checked against the cache).
+        workspace: where the layers' gather buffers come from.
     """
 
     query_lens: tuple[int, ...]
@@ -52,6 +54,7 @@ class PagedMetadata:
     write_pages: torch.Tensor
     write_offsets: torch.Tensor
     max_block_id: int
+    workspace: GatherWorkspace
     _plans: dict[PlanKey, GatherPlan] = attrs.field(factory=dict, init=False)
 
     @property
@@ -72,8 +75,13 @@ class PagedMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        *,
+        workspace: GatherWorkspace | None = None,
     ) -> PagedMetadata:
         """Validate one step's lengths and tables and compute the slot mapping.
+
+        Pass the same ``workspace`` every step (one per executor is enough, since layers
+        attend one at a time); without one, each step allocates fresh gather buffers.
 
         Raises:
             KernelInputError: lengths disagree, a query_len is < 1 or exceeds its
@@ -112,6 +120,7 @@ class PagedMetadata:
             write_pages=pages.to(dev),
             write_offsets=offsets.to(dev),
             max_block_id=int(table.max()),
+            workspace=GatherWorkspace() if workspace is None else workspace,
         )
 
     def plan(
@@ -130,6 +139,7 @@ class PagedMetadata:
                 num_queries_per_kv=num_queries_per_kv,
                 sliding_window=sliding_window,
                 device=self.device,
+                workspace=self.workspace,
             )
             self._plans[key] = plan
         return plan
