@@ -66,6 +66,7 @@ class ModelExecutor:
         model: The causal LM.
         config: Its parsed config.
         plan: The KV layout (groups, slots, pages) the caches follow.
+        specs: The per-layer specs the plan was made from, in layer order.
         kv_caches: Per layer, its paged view ``[num_blocks, 2, kv_heads, block_size, hd]``.
         tokenizer: The checkpoint's ``tokenizers.Tokenizer``, or None.
         eos_token_ids: End-of-sequence tokens.
@@ -89,6 +90,7 @@ class ModelExecutor:
         self.plan = plan
         self.device = device
         attention = _check_specs(self.config, specs)
+        self.specs = tuple(attention)
         self.kv_caches = allocate_kv_caches(plan, attention, _model_dtype(model), device)
         self._layer_groups = [plan.layer_slots[s.name][0] for s in attention]
         self.tokenizer = tokenizer
