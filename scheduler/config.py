@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -30,8 +31,8 @@ def _optional_at_least_one(
         _at_least(1)(instance, attribute, value)
 
 
-def _policies(value: object) -> tuple[MemoryPolicy, ...]:
-    policies = tuple(value)  # type: ignore[call-overload]
+def _policies(value: Iterable[MemoryPolicy]) -> tuple[MemoryPolicy, ...]:
+    policies = tuple(value)
     if not policies or not all(isinstance(p, MemoryPolicy) for p in policies):
         raise ConfigError(f"policies must be a non-empty sequence of MemoryPolicy, got {value!r}")
     return policies

@@ -45,15 +45,15 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     num_preemptions: int
-    # The request's append-only prompt + outputs; ``token_ids`` slices it only when read,
-    # so streaming a long output does not copy it once per token.
-    sequence: Sequence[int] = attrs.field(eq=False, repr=False, alias="sequence")
+    # The engine's append-only prompt + outputs of the request (private: never mutate
+    # it); ``token_ids`` slices it when read, so streaming does not copy it per token.
+    _sequence: Sequence[int] = attrs.field(eq=False, repr=False, alias="sequence")
 
     @property
     def token_ids(self) -> tuple[int, ...]:
         """Every token generated so far (cumulative), ``new_token_ids`` last."""
         start = self.num_prompt_tokens
-        return tuple(self.sequence[start : start + self.num_output_tokens])
+        return tuple(self._sequence[start : start + self.num_output_tokens])
 
     @property
     def is_finished(self) -> bool:
