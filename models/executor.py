@@ -201,12 +201,14 @@ class ModelExecutor:
                 return out
             ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
             logits = self.model.compute_logits(hidden[ends[rows]])
-        if self.logits_hook is not None:
-            for row, i in enumerate(rows):
-                self.logits_hook(requests[i].request_id, logits[row])
-        tokens = self.sampler.sample(
-            logits, [requests[i].params for i in rows], [requests[i].output_index for i in rows]
-        )
+            if self.logits_hook is not None:
+                for row, i in enumerate(rows):
+                    self.logits_hook(requests[i].request_id, logits[row])
+            tokens = self.sampler.sample(
+                logits,
+                [requests[i].params for i in rows],
+                [requests[i].output_index for i in rows],
+            )
         for i, token in zip(rows, tokens, strict=True):
             out[i] = token
         return out

@@ -106,3 +106,15 @@ def test_sequence_past_max_model_len_is_refused(make_driver):
     request = _request(start_position=510, block_tables=[[1] * 200])
     with pytest.raises(BatchError, match="max_model_len=512"):
         executor.execute(StepBatch((request,)))
+
+
+def test_min_tokens_withholds_eos_through_the_executor(make_driver, prompt_of):
+    """Under min_tokens the executor never samples an end token, even greedily."""
+    driver = make_driver("gemma3")
+    free = driver.add("free", prompt_of(10, 40))
+    driver.run(1)
+    eos = free.output[0]
+    driver.executor.sampler.eos_token_ids = (eos,)
+    held = driver.add("held", prompt_of(10, 40), SamplingParams(temperature=0.0, min_tokens=2))
+    driver.run(2)
+    assert held.output[0] != eos
