@@ -179,11 +179,14 @@ class _Builder:
             if window is not None:
                 mask &= pos[0][None, :] > query_pos[:, None] - window
             mask = mask.repeat(self.num_queries_per_kv, 1)  # rows g * num_queries + i
+        index: slice | torch.Tensor
         if isinstance(token_index, list):
-            token_index = torch.tensor(token_index, dtype=torch.long, device=self.device)
+            index = torch.tensor(token_index, dtype=torch.long, device=self.device)
+        else:
+            index = token_index
         self.regions.append(
             Region(
-                token_index=token_index,
+                token_index=index,
                 num_requests=len(ids),
                 num_queries=1 if query_pos is None else query_pos.numel(),
                 key_len=key_len,
