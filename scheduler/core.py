@@ -135,6 +135,7 @@ class EngineCore:
 
     def plan(self) -> StepPlan:
         """Plan the next step (see :func:`~hybridkv.scheduler.planner.plan_step`)."""
+        assert self._in_flight is None, "apply or fail the previous step first"
         start = time.perf_counter()
         self._prune_running()
         plan = plan_step(self.running, self.waiting, self.kv, self.config)

@@ -228,3 +228,39 @@ async def test_cache_salt_separates_prefix_cache_entries() -> None:
                 outs = [out async for out in engine.generate(prompt, params, cache_salt=salt)]
                 cached.setdefault(salt, []).append(outs[-1].num_cached_tokens)
     assert cached == {"tenant-a": [0, 32], "tenant-b": [0]}
+
+
+class SteppedExecutor:
+    """The fake executor, running one step per permit the test hands out."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.fake = FakeExecutor.for_config(config)
+        self.permits = threading.Semaphore(0)
+        self.num_entered = 0
+
+    def execute(self, batch: StepBatch) -> list[int | None]:
+        self.num_entered += 1
+        assert self.permits.acquire(timeout=20), "the test never released the step"
+        return self.fake.execute(batch)
+
+
+@pytest.mark.asyncio
+async def test_outputs_stream_and_requests_arrive_while_a_step_runs() -> None:
+    """While the executor is stuck in a step, the previous step's output streams and a new
+    request is accepted."""
+    config = make_config()
+    executor = SteppedExecutor(config)
+    with anyio.fail_after(10):
+        async with Engine(config, executor) as engine:
+            stream = engine.generate([3] * 5, SamplingParams(max_tokens=3, ignore_eos=True))
+            executor.permits.release()  # step 1 (the prompt) may run; step 2 may not
+            while executor.num_entered < 2:
+                await anyio.sleep(0.001)
+            first = await stream.__anext__()
+            assert first.new_token_ids == tuple(reference_tokens([3] * 5, 1, VOCAB))
+            late = engine.generate([4] * 5, SamplingParams(max_tokens=1))
+            assert engine.stats().num_waiting == 1
+            for _ in range(10):
+                executor.permits.release()
+            assert [o.num_output_tokens async for o in stream] == [2, 3]
+            assert [o.num_output_tokens async for o in late] == [1]
