@@ -146,7 +146,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel
 
 
 @attrs.define
-class Sequence_:
+class TrackedRequest:
     """A request as the KV cache manager sees it, plus what the driver tracks."""
 
     request_id: str
@@ -176,7 +176,7 @@ class Driver:
         self.kv = KVCacheManager(
             plan.policies, plan.num_blocks, plan.block_size, enable_prefix_caching=prefix_caching
         )
-        self.active: dict[str, Sequence_] = {}
+        self.active: dict[str, TrackedRequest] = {}
         self.logits: dict[str, list[torch.Tensor]] = {}
         executor.logits_hook = self._record
 
@@ -185,8 +185,8 @@ class Driver:
 
     def add(
         self, request_id: str, prompt: Sequence[int], params: SamplingParams = GREEDY
-    ) -> Sequence_:
-        seq = Sequence_(request_id, list(prompt), params)
+    ) -> TrackedRequest:
+        seq = TrackedRequest(request_id, list(prompt), params)
         self.active[request_id] = seq
         return seq
 
