@@ -102,13 +102,28 @@ def _attend_region(
     group = num_q_heads // num_kv_heads
     kv = gathered[region.row_offset : region.row_offset + region.num_rows]
     kv = kv.view(2, batch, num_kv_heads, key_len, head_dim)
+    if region.is_causal and softcap is None:
+        # A whole prompt: top-left causal is exact; GQA unfolded so SDPA can skip blocks.
+        o = F.scaled_dot_product_attention(
+            query.transpose(0, 1)[None],
+            kv[0],
+            kv[1],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        return o[0].transpose(0, 1)
     # [B*Q, Hq, D] -> [B, Hkv, G*Q, D]; a pure view when Q == 1 (decodes).
     q = query.view(batch, num_queries, num_kv_heads, group, head_dim)
     q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * num_queries, head_dim)
     if softcap is None:
         o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=region.mask, scale=scale)
     else:
-        o = _softcapped_attention(q, kv[0], kv[1], region.mask, scale, softcap)
+        mask = region.mask
+        if region.is_causal:
+            mask = torch.ones(num_queries, key_len, dtype=torch.bool, device=q.device).tril()
+            mask = mask.repeat(group, 1)
+        o = _softcapped_attention(q, kv[0], kv[1], mask, scale, softcap)
     o = o.view(batch, num_kv_heads, group, num_queries, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(batch * num_queries, num_q_heads, head_dim)
 

@@ -50,7 +50,10 @@ class Region:
     ``[2, num_requests, num_kv_heads, key_len, head_dim]``. ``mask`` (True = attend) is
     ``[num_requests, 1, 1, key_len]`` for decodes and ``[G * num_queries, key_len]`` for a
     prefill whose G = num_q_heads // num_kv_heads query heads are folded into its rows;
-    ``None`` means every key is visible to every query.
+    ``None`` means every key is visible to every query, or, with ``is_causal``, that the
+    region is a whole prompt in one step (positions from 0, no window reaching back past
+    position 0): SDPA's top-left ``is_causal`` is then exact, and lets it skip the masked
+    half. Padded slots at the end never pass a top-left causal mask.
     """
 
     token_index: slice | torch.Tensor
@@ -60,6 +63,7 @@ class Region:
     row_offset: int
     num_rows: int
     mask: torch.Tensor | None
+    is_causal: bool = False
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -174,6 +178,8 @@ class _Builder:
             self.zero_rows.append(hidden.reshape(-1).nonzero().view(-1) + self.offset)
         if query_pos is None:
             mask = None if bool(visible.all()) else visible[:, None, None, :]
+        elif int(query_pos[0]) == 0 and (window is None or window >= query_pos.numel()):
+            mask = None
         else:
             mask = pos[0][None, :] <= query_pos[:, None]
             if window is not None:
@@ -193,6 +199,7 @@ class _Builder:
                 row_offset=self.offset,
                 num_rows=num_rows,
                 mask=None if mask is None else mask.to(self.device),
+                is_causal=query_pos is not None and mask is None,
             )
         )
         self.offset += num_rows

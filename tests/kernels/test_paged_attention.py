@@ -141,7 +141,7 @@ def test_sliding_window_with_released_blocks(window: int) -> None:
 
 def test_softcap() -> None:
     """Soft-capped scores go through tanh before the softmax."""
-    check(Case(requests=((1, 9), (4, 10)), softcap=0.5))
+    check(Case(requests=((1, 9), (4, 10), (6, 6)), softcap=0.5))
 
 
 def test_softcap_with_sliding_window() -> None:
@@ -175,6 +175,16 @@ def test_plan_is_built_once_per_step() -> None:
     first = meta.plan(num_kv_heads=2, num_queries_per_kv=2, sliding_window=None)
     again = meta.plan(num_kv_heads=2, num_queries_per_kv=2, sliding_window=None)
     assert first is again
+
+
+@pytest.mark.parametrize(("window", "is_causal"), [(None, True), (6, True), (5, False)])
+def test_whole_prompt_uses_sdpa_causal_unless_the_window_cuts_it(
+    window: int | None, is_causal: bool
+) -> None:
+    """A prompt run whole maps onto SDPA's is_causal when no window reaches back past 0."""
+    meta = PagedMetadata.build([6, 3], [6, 9], [[1, 2], [3, 4, 5]], 4)
+    plan = meta.plan(num_kv_heads=1, num_queries_per_kv=2, sliding_window=window)
+    assert [r.is_causal for r in plan.regions] == [is_causal, False]
 
 
 def test_decodes_of_very_different_lengths_get_separate_calls() -> None:
