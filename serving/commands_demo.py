@@ -72,7 +72,9 @@ def run_demo(args: argparse.Namespace) -> int:
             return
         shown.add(record.kind)
         question = loaded.tokenizer.decode(list(prompts[record.request_id][-24:]))
-        answer = loaded.tokenizer.decode(record.output_token_ids).strip()
+        answer = loaded.tokenizer.decode(record.output_token_ids)
+        # A base model goes on to write the next turn itself; show only the answer.
+        answer = answer.split("\nCustomer:")[0].strip()
         write(f"\n[{record.request_id}, {record.kind} prompt of {record.num_prompt_tokens} tokens]")
         write(f"  ...{question.strip()}")
         write(f"  -> {answer}\n")

@@ -138,7 +138,8 @@ class GenerationService:
         header, texts = job.header, TextStream(self.tokenizer, job.request.stop)
         delta, last = "", None
         async with self._closing(job) as outputs:
-            yield sse(header.chunk("", first=True))
+            if header.is_chat:  # a chat stream opens with the assistant's role
+                yield sse(header.chunk("", first=True))
             try:
                 async for last in outputs:
                     self._observe(job, last)

@@ -74,11 +74,12 @@ def demo_workload(
     for i in range(num_requests):
         if long_every and i % long_every == long_every - 1:
             paragraphs = rng.sample(DOCUMENT_PARAGRAPHS, k=len(DOCUMENT_PARAGRAPHS))
-            body = "Summarise this trip report in two sentences.\n\n" + "\n\n".join(paragraphs)
-            kind = "long"
+            report = "\n\n".join(paragraphs)
+            turn = f"Here is my trip report.\n\n{report}\n\nCan you summarise it?"
+            prompt, kind = f"{SYSTEM_PROMPT}\n\nCustomer: {turn}\nAgent: In short,", "long"
         else:
-            body, kind = rng.choice(QUESTIONS), "short"
-        prompt = f"{SYSTEM_PROMPT}\n\nCustomer: {body}\nAgent:"
+            question = rng.choice(QUESTIONS)
+            prompt, kind = f"{SYSTEM_PROMPT}\n\nCustomer: {question}\nAgent:", "short"
         out.append(
             WorkloadRequest(
                 request_id=f"demo-{i}",

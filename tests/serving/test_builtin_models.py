@@ -89,7 +89,7 @@ def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
         description="",
         module="hybridkv_no_such_package",
         install_hint="pip install 'hybridkv[demo]'",
-        gguf_file=lambda module, scratch: scratch,
+        gguf_file=lambda package, scratch: scratch,
     )
     with pytest.raises(MissingExtraError, match=r"pip install 'hybridkv\[demo\]'"):
         convert_gguf(model, tmp_path, tmp_path / "out", progress=lambda _: None)
