@@ -67,6 +67,7 @@ class Engine:
     # -- lifetime ----------------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
+        self._check_unserved()
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         try:
@@ -108,8 +109,7 @@ class Engine:
         broken executor's error is not raised again here (see :attr:`error`). Any other
         exception is a bug: waiters get an :class:`EngineStoppedError` and it propagates.
         """
-        if self._has_served:
-            raise EngineStoppedError("an engine serves once; make a new one")
+        self._check_unserved()
         self._has_served = True
         self._loop_thread = threading.get_ident()
         # Steps get their own worker thread, never queued behind the app's other threads.
@@ -133,6 +133,10 @@ class Engine:
             self._is_running = False
             # Synchronous: safe under cancellation, never needs shielding.
             self.core.shutdown(error)
+
+    def _check_unserved(self) -> None:
+        if self._has_served:
+            raise EngineStoppedError("an engine serves once; make a new one")
 
     async def _loop(self, limiter: anyio.CapacityLimiter) -> None:
         core = self.core

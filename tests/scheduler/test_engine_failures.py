@@ -201,3 +201,18 @@ async def test_lifecycle_events_are_logged() -> None:
     finished = [e for e in logs if e["event"] == "request_finished"]
     assert len(finished) == 2
     assert all(e["num_output_tokens"] == 8 and e["duration_s"] >= 0 for e in finished)
+
+
+@pytest.mark.asyncio
+async def test_engine_serves_once_and_refuses_requests_outside_its_lifetime() -> None:
+    """``generate`` before start or after stop raises; a stopped engine cannot restart."""
+    config = make_config()
+    engine = Engine(config, FakeExecutor.for_config(config))
+    with pytest.raises(EngineStoppedError, match="not running"):
+        engine.generate([1])
+    with anyio.fail_after(10):
+        async with engine:
+            assert engine.is_running
+        with pytest.raises(EngineStoppedError, match="serves once"):
+            async with engine:
+                pass
