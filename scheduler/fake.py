@@ -1,4 +1,4 @@
-"""A deterministic stand-in for the model, for tests and the scheduling benchmark.
+"""Stand-ins for tests and the scheduling benchmark: a deterministic model, a list sink.
 
 The next token is a pure function of the sequence so far, like a greedy model, and it is
 computed the way a model would: through the paged KV cache. Each position's "K/V" is a
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from hybridkv.policies.errors import HybridKVError
 from hybridkv.scheduler.batch import StepBatch
 from hybridkv.scheduler.config import EngineConfig
+from hybridkv.scheduler.outputs import RequestOutput
 
 _SEED = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -118,3 +119,20 @@ class FakeExecutor:
                 f"(tables {[list(t[block : block + 1]) for t in tables]})"
             )
         return values.pop()
+
+
+class CollectingSink:
+    """An output sink that keeps every item, for driving the engine core without a loop."""
+
+    def __init__(self) -> None:
+        self.items: list[RequestOutput | HybridKVError] = []
+        self.is_closed = False
+
+    def send_nowait(self, item: RequestOutput | HybridKVError) -> None:
+        """Keep the item; nothing may follow the last one."""
+        assert not self.is_closed, "an item after the sink was closed"
+        self.items.append(item)
+
+    def close(self) -> None:
+        """Mark the end of the request's outputs."""
+        self.is_closed = True

@@ -18,22 +18,7 @@ from hybridkv.scheduler import (
     SamplingParams,
 )
 from hybridkv.scheduler.core import EngineCore
-from hybridkv.scheduler.fake import FakeExecutor, reference_tokens
-
-
-class ListSink:
-    """Collects a request's outputs."""
-
-    def __init__(self) -> None:
-        self.items: list[Any] = []
-        self.is_closed = False
-
-    def send_nowait(self, item: Any) -> None:
-        assert not self.is_closed
-        self.items.append(item)
-
-    def close(self) -> None:
-        self.is_closed = True
+from hybridkv.scheduler.fake import CollectingSink, FakeExecutor, reference_tokens
 
 
 def make_core(**options: Any) -> EngineCore:
@@ -58,7 +43,7 @@ def run_to_end(core: EngineCore, fake: FakeExecutor, max_steps: int = 1000) -> N
     raise AssertionError("requests did not finish")
 
 
-def generated(sink: ListSink) -> list[int]:
+def generated(sink: CollectingSink) -> list[int]:
     return [t for out in sink.items for t in out.new_token_ids]
 
 
@@ -81,7 +66,7 @@ def test_malformed_prompts_are_refused_at_once(prompt: list[Any], error: type[Ex
     """Empty prompts, ids outside the vocabulary, and over-long prompts raise before queueing."""
     core = make_core()
     with pytest.raises(error):
-        core.add_request(prompt, SamplingParams(), ListSink(), request_id="x")
+        core.add_request(prompt, SamplingParams(), CollectingSink(), request_id="x")
     assert not core.has_work
 
 
@@ -89,31 +74,31 @@ def test_request_larger_than_the_pool_is_refused() -> None:
     """A request whose prompt and output need more pages than the pool has fails at once."""
     core = make_core(num_blocks=9, max_model_len=1000)
     with pytest.raises(PromptTooLongError, match="more than the pool's 8"):
-        core.add_request([1] * 40, SamplingParams(max_tokens=10), ListSink(), request_id="x")
+        core.add_request([1] * 40, SamplingParams(max_tokens=10), CollectingSink(), request_id="x")
 
 
 def test_duplicate_request_ids_are_refused() -> None:
     """A live request id cannot be reused."""
     core = make_core()
-    core.add_request([1], SamplingParams(), ListSink(), request_id="x")
+    core.add_request([1], SamplingParams(), CollectingSink(), request_id="x")
     with pytest.raises(InvalidRequestError, match="'x'"):
-        core.add_request([1], SamplingParams(), ListSink(), request_id="x")
+        core.add_request([1], SamplingParams(), CollectingSink(), request_id="x")
 
 
 def test_waiting_queue_is_bounded() -> None:
     """Past ``max_waiting`` waiting requests, adding one raises EngineOverloadedError."""
     core = make_core(max_waiting=2)
     for rid in "ab":
-        core.add_request([1], SamplingParams(), ListSink(), request_id=rid)
+        core.add_request([1], SamplingParams(), CollectingSink(), request_id=rid)
     with pytest.raises(EngineOverloadedError, match="max_waiting=2"):
-        core.add_request([1], SamplingParams(), ListSink(), request_id="c")
+        core.add_request([1], SamplingParams(), CollectingSink(), request_id="c")
 
 
 def test_outputs_stream_one_token_per_step_and_match_the_reference() -> None:
     """Each step streams one new token; the final output carries the finish reason."""
     core = make_core()
     fake = FakeExecutor.for_config(core.config)
-    sink = ListSink()
+    sink = CollectingSink()
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]
     core.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True), sink, request_id="a")
     run_to_end(core, fake)
@@ -138,7 +123,7 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens() -> None:
     }
     core = make_core(eos_token_ids=[eos])
     fake = FakeExecutor.for_config(core.config)
-    sinks = {rid: ListSink() for rid in cases}
+    sinks = {rid: CollectingSink() for rid in cases}
     for rid, (params, _, _) in cases.items():
         core.add_request(prompt, params, sinks[rid], request_id=rid)
     run_to_end(core, fake)
@@ -156,7 +141,7 @@ def test_stop_token_ids_end_the_request() -> None:
     ref = reference_tokens(prompt, 8, 50)
     core = make_core()
     fake = FakeExecutor.for_config(core.config)
-    sink = ListSink()
+    sink = CollectingSink()
     params = SamplingParams(max_tokens=8, stop_token_ids=(ref[3],))
     core.add_request(prompt, params, sink, request_id="a")
     run_to_end(core, fake)
@@ -168,7 +153,7 @@ def test_max_model_len_ends_the_request() -> None:
     """A sequence reaching ``max_model_len`` tokens ends with LENGTH."""
     core = make_core(max_model_len=12)
     fake = FakeExecutor.for_config(core.config)
-    sink = ListSink()
+    sink = CollectingSink()
     core.add_request([1] * 10, SamplingParams(max_tokens=50, ignore_eos=True), sink, request_id="a")
     run_to_end(core, fake)
     assert (sink.items[-1].num_output_tokens, sink.items[-1].finish_reason) == (
@@ -181,7 +166,7 @@ def test_abort_during_a_step_frees_pages_after_it() -> None:
     """An abort while the step runs ends the stream at once but frees pages after the step."""
     core = make_core()
     fake = FakeExecutor.for_config(core.config)
-    sink = ListSink()
+    sink = CollectingSink()
     core.add_request([1] * 9, SamplingParams(max_tokens=8), sink, request_id="a")
     plan = core.plan()
     assert core.abort("a")
@@ -195,7 +180,7 @@ def test_abort_during_a_step_frees_pages_after_it() -> None:
 def test_abort_of_a_waiting_request_removes_it() -> None:
     """Aborting a queued request drops it from the queue; a second abort returns False."""
     core = make_core()
-    core.add_request([1], SamplingParams(), ListSink(), request_id="a")
+    core.add_request([1], SamplingParams(), CollectingSink(), request_id="a")
     assert core.abort("a") and not core.abort("a")
     assert len(core.waiting) == 0 and not core.has_work
     assert core.plan().scheduled == []
@@ -205,7 +190,7 @@ def test_failed_step_fails_its_requests_and_frees_their_pages() -> None:
     """When the executor raises, the step's requests fail with that cause; later ones run."""
     core = make_core(max_num_seqs=1)
     fake = FakeExecutor.for_config(core.config)
-    first, second = ListSink(), ListSink()
+    first, second = CollectingSink(), CollectingSink()
     core.add_request([1, 2, 3], SamplingParams(max_tokens=3), first, request_id="a")
     core.add_request([4, 5, 6], SamplingParams(max_tokens=3), second, request_id="b")
     plan = core.plan()
@@ -223,7 +208,7 @@ def test_shutdown_ends_every_request_and_frees_the_pool() -> None:
     """Shutdown ends waiting, running and in-step requests with SHUTDOWN and frees all pages."""
     core = make_core(max_num_seqs=2)
     fake = FakeExecutor.for_config(core.config)
-    sinks = [ListSink() for _ in range(3)]
+    sinks = [CollectingSink() for _ in range(3)]
     for i, sink in enumerate(sinks):
         core.add_request([i + 1] * 5, SamplingParams(max_tokens=9), sink, request_id=str(i))
     plan = core.plan()
@@ -238,8 +223,8 @@ def test_shutdown_ends_every_request_and_frees_the_pool() -> None:
 def test_stats_count_queues_and_pages() -> None:
     """``stats`` reports waiting and running requests and the pages held per group."""
     core = make_core(max_num_seqs=1)
-    core.add_request([1] * 8, SamplingParams(), ListSink(), request_id="a")
-    core.add_request([2] * 8, SamplingParams(), ListSink(), request_id="b")
+    core.add_request([1] * 8, SamplingParams(), CollectingSink(), request_id="a")
+    core.add_request([2] * 8, SamplingParams(), CollectingSink(), request_id="b")
     core.plan()
     stats = core.stats()
     assert (stats.num_waiting, stats.num_running, stats.num_preempted) == (1, 1, 0)
@@ -255,7 +240,7 @@ def test_stats_report_recent_throughput() -> None:
     )
     fake = FakeExecutor.for_config(core.config)
     core.add_request(
-        [1] * 10, SamplingParams(max_tokens=5, ignore_eos=True), ListSink(), request_id="a"
+        [1] * 10, SamplingParams(max_tokens=5, ignore_eos=True), CollectingSink(), request_id="a"
     )
     for _ in range(5):  # one prefill step of 10 tokens, then 4 decodes, 0.5 s apart
         plan = core.plan()

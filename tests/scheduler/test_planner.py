@@ -7,24 +7,9 @@ from typing import Any
 from hybridkv.policies import FullAttention
 from hybridkv.scheduler import EngineConfig, SamplingParams
 from hybridkv.scheduler.core import EngineCore
-from hybridkv.scheduler.fake import FakeExecutor
+from hybridkv.scheduler.fake import CollectingSink, FakeExecutor
 from hybridkv.scheduler.planner import StepPlan
 from hybridkv.scheduler.request import Request, RequestStatus
-
-
-class ListSink:
-    """Collects a request's outputs."""
-
-    def __init__(self) -> None:
-        self.items: list[Any] = []
-        self.is_closed = False
-
-    def send_nowait(self, item: Any) -> None:
-        assert not self.is_closed
-        self.items.append(item)
-
-    def close(self) -> None:
-        self.is_closed = True
 
 
 def make_core(**options: Any) -> EngineCore:
@@ -44,7 +29,7 @@ def add(
 ) -> Request:
     prompt = [(hash(rid) + i) % 1000 for i in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens)
-    return core.add_request(prompt, params, ListSink(), request_id=rid, priority=priority)
+    return core.add_request(prompt, params, CollectingSink(), request_id=rid, priority=priority)
 
 
 def step(core: EngineCore, executor: FakeExecutor) -> StepPlan:
@@ -172,9 +157,11 @@ def test_prefix_hit_starts_admission_after_the_cached_blocks() -> None:
     core = make_core()
     fake = FakeExecutor.for_config(core.config)
     prompt = list(range(20))
-    core.add_request(prompt, SamplingParams(max_tokens=2), ListSink(), request_id="a")
+    core.add_request(prompt, SamplingParams(max_tokens=2), CollectingSink(), request_id="a")
     step(core, fake)
-    b = core.add_request([*prompt, 7], SamplingParams(max_tokens=2), ListSink(), request_id="b")
+    b = core.add_request(
+        [*prompt, 7], SamplingParams(max_tokens=2), CollectingSink(), request_id="b"
+    )
     plan = core.plan()
     item = plan.batch.requests[-1]
     assert item.request_id == "b" and item.start_position == 20

@@ -8,8 +8,6 @@ fake model run without any cache.
 
 from __future__ import annotations
 
-from typing import Any
-
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -19,27 +17,12 @@ from hybridkv.policies import FullAttention, SlidingWindow, cdiv
 from hybridkv.scheduler import EngineConfig, FinishReason, RequestOutput, SamplingParams
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
-from hybridkv.scheduler.fake import FakeExecutor, reference_tokens
+from hybridkv.scheduler.fake import CollectingSink, FakeExecutor, reference_tokens
 from hybridkv.scheduler.planner import StepPlan
 from hybridkv.scheduler.request import RequestStatus
 
 VOCAB = 50
 PREFIXES = ([11] * 9, [12, 13] * 6)
-
-
-class ListSink:
-    """Collects a request's outputs."""
-
-    def __init__(self) -> None:
-        self.items: list[Any] = []
-        self.is_closed = False
-
-    def send_nowait(self, item: Any) -> None:
-        assert not self.is_closed, "output after the final one"
-        self.items.append(item)
-
-    def close(self) -> None:
-        self.is_closed = True
 
 
 class PlannerMachine(RuleBasedStateMachine):
@@ -58,7 +41,7 @@ class PlannerMachine(RuleBasedStateMachine):
         )
         self.core = EngineCore(self.config)
         self.fake = FakeExecutor.for_config(self.config)
-        self.requests: dict[str, tuple[list[int], SamplingParams, ListSink]] = {}
+        self.requests: dict[str, tuple[list[int], SamplingParams, CollectingSink]] = {}
 
     @rule(
         prompt_len=st.integers(1, 30),
@@ -71,7 +54,7 @@ class PlannerMachine(RuleBasedStateMachine):
         own = [(len(self.requests) * 7 + i) % VOCAB for i in range(prompt_len)]
         prompt = (PREFIXES[prefix] if prefix is not None else []) + own
         params = SamplingParams(max_tokens=max_tokens)
-        sink = ListSink()
+        sink = CollectingSink()
         try:
             self.core.add_request(prompt, params, sink, request_id=rid, priority=priority)
         except (PromptTooLongError, EngineOverloadedError):
