@@ -8,11 +8,13 @@
 
 Loop, one iteration per step::
 
-    plan (sync) --> executor.execute in a worker thread --> apply (sync) --> ...
-                    (meanwhile the loop accepts requests, aborts and streams outputs)
+    plan (sync) --> worker thread: deliver step k-1's outputs, execute step k --> apply
+                    (meanwhile the loop accepts requests, aborts, and consumers run)
 
 It waits only when idle. ``generate`` and ``abort`` are synchronous underneath and run on
-the loop's thread, so requests never wait behind the step in flight to be accepted.
+the loop's thread, so requests never wait behind the step in flight to be accepted. The
+previous step's outputs are released from the worker thread once the step has reached
+it, so waking hundreds of consumers never delays the executor.
 """
 
 from __future__ import annotations
