@@ -11,10 +11,8 @@ import attrs
 from hybridkv.serving.console import add_log_level_argument, configure_logging
 from hybridkv.serving.loading import add_engine_arguments, add_model_argument, engine_args
 
-Subparsers = argparse._SubParsersAction  # type: ignore[type-arg]
 
-
-def register_demo(subparsers: Subparsers) -> None:
+def register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``hybridkv demo``."""
     parser = subparsers.add_parser(
         "demo",
@@ -106,7 +104,7 @@ async def _run_with_bar(loaded: Any, requests: Any, show: Any) -> Any:
             return await run_workload(engine, requests, on_tokens=on_tokens, on_finish=on_finish)
 
 
-def register_bench(subparsers: Subparsers) -> None:
+def register_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``hybridkv bench``."""
     parser = subparsers.add_parser(
         "bench",

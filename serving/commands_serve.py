@@ -11,8 +11,6 @@ from typing import Any
 from hybridkv.serving.console import add_log_level_argument, configure_logging
 from hybridkv.serving.loading import add_engine_arguments, add_model_argument, engine_args
 
-Subparsers = argparse._SubParsersAction  # type: ignore[type-arg]
-
 _SERVE_EPILOG = """\
 examples:
   hybridkv serve                                  # the built-in Gemma 3 270M on :8000
@@ -26,7 +24,7 @@ endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
 """
 
 
-def register_serve(subparsers: Subparsers) -> None:
+def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``hybridkv serve [MODEL]``."""
     parser = subparsers.add_parser(
         "serve",
@@ -107,7 +105,7 @@ async def _serve(loaded: Any, sock: Any, options: Any, args: argparse.Namespace)
         await serve_http(app, sock, log_level=args.log_level)
 
 
-def register_generate(subparsers: Subparsers) -> None:
+def register_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``hybridkv generate [MODEL] PROMPT``."""
     parser = subparsers.add_parser(
         "generate",
