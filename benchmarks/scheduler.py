@@ -80,31 +80,34 @@ def drive_core(
     executor: Any,
     arrivals: Sequence[tuple[int, list[int], SamplingParams]] = (),
     max_steps: int = 1_000_000,
-) -> list[tuple[float, int, bool]]:
+) -> list[tuple[float, float, int, bool]]:
     """Step the core until idle; per step: microseconds of plan + apply (outputs delivered
-    included), requests run, and whether every one of them only decoded."""
-    steps: list[tuple[float, int, bool]] = []
+    included), in wall time and in this thread's CPU time (which a busy machine does not
+    inflate), requests run, and whether every one of them only decoded."""
+    steps: list[tuple[float, float, int, bool]] = []
     pending = sorted(arrivals, key=lambda a: a[0])
     k = 0
-    clock = time.perf_counter
+    clock, cpu = time.perf_counter, time.thread_time
     while (core.has_work or k < len(pending)) and len(steps) < max_steps:
         while k < len(pending) and pending[k][0] <= len(steps):
             _, prompt, params = pending[k]
             core.add_request(prompt, params, _Sink(), request_id=str(k))
             k += 1
-        t0 = clock()
+        t0, c0 = clock(), cpu()
         plan = core.plan()
-        t1 = clock()
+        t1, c1 = clock(), cpu()
         if not plan.scheduled:
             core.flush()
-            steps.append((0.0, 0, False))  # everyone preempted: a step for arrivals' sake
+            steps.append((0.0, 0.0, 0, False))  # all preempted: a step for arrivals' sake
             continue
         sampled = executor.execute(plan.batch)
-        t2 = clock()
+        t2, c2 = clock(), cpu()
         core.apply(plan, sampled)
         core.flush()
+        wall = (t1 - t0 + clock() - t2) * 1e6
+        used = (c1 - c0 + cpu() - c2) * 1e6
         num = len(plan.scheduled)
-        steps.append(((t1 - t0 + clock() - t2) * 1e6, num, plan.num_tokens == num))
+        steps.append((wall, used, num, plan.num_tokens == num))
     return steps
 
 
@@ -119,15 +122,17 @@ def bench_overhead(layout: str, num_running: int, args: argparse.Namespace) -> d
     core = EngineCore(config)
     arrivals = [(0, p, params) for p in prompts]
     steps = drive_core(core, FakeExecutor.for_config(config), arrivals)
-    full_decode = [us for us, num, is_decode in steps if is_decode and num == num_running]
+    full = [(us, cpu) for us, cpu, num, is_decode in steps if is_decode and num == num_running]
+    full_decode = [us for us, _ in full]
     steps_per_s = anyio.run(engine_steps_per_s, config, prompts, params)
     return {
         "layout": layout,
         "num_running": num_running,
         "num_groups": len(config.policies),
         "steps": len(steps),
-        "step_us_median": round(statistics.median(us for us, _, _ in steps), 1),
+        "step_us_median": round(statistics.median(s[0] for s in steps), 1),
         "decode_step_us_median": round(statistics.median(full_decode), 1),
+        "decode_step_cpu_us_median": round(statistics.median(cpu for _, cpu in full), 1),
         "decode_us_per_request": round(statistics.median(full_decode) / num_running, 2),
         "engine_steps_per_s": round(steps_per_s, 1),
     }
@@ -230,15 +235,16 @@ def bench_trace(path: Path) -> dict[str, Any]:
 
     core = EngineCore(config)
     steps = drive_core(core, TraceExecutor(), arrivals)
-    decode = [us for us, num, is_decode in steps if is_decode]
+    decode = [us for us, _, _, is_decode in steps if is_decode]
     usage = core.kv.usage()
     summary = trace.get("summary", {})
     return {
         "trace": path.name,
         "requests": len(arrivals),
         "steps": len(steps),
-        "step_us_median": round(statistics.median(us for us, _, _ in steps), 1),
+        "step_us_median": round(statistics.median(s[0] for s in steps), 1),
         "decode_step_us_median": round(statistics.median(decode), 1) if decode else None,
+        "step_cpu_us_median": round(statistics.median(s[1] for s in steps), 1),
         "preemptions": core.num_preemptions,
         "prefix_hit_tokens": usage.prefix_hit_tokens,
         "prefix_query_tokens": usage.prefix_query_tokens,
@@ -267,7 +273,7 @@ def main() -> None:
     print(f"prompt={args.prompt_len} decode_steps={args.decode_steps} block={BLOCK_SIZE}")
     print(
         f"{'layout':<11} {'running':>7} {'groups':>6} {'steps':>6} {'step us':>9} "
-        f"{'decode us':>10} {'us/req':>7} {'engine steps/s':>15}"
+        f"{'decode us':>10} {'(cpu)':>8} {'us/req':>7} {'engine steps/s':>15}"
     )
     rows = []
     for layout in LAYOUTS:
@@ -277,6 +283,7 @@ def main() -> None:
             print(
                 f"{layout:<11} {num_running:>7} {row['num_groups']:>6} {row['steps']:>6} "
                 f"{row['step_us_median']:>9.1f} {row['decode_step_us_median']:>10.1f} "
+                f"{row['decode_step_cpu_us_median']:>8.1f} "
                 f"{row['decode_us_per_request']:>7.2f} {row['engine_steps_per_s']:>15.1f}"
             )
     resp = anyio.run(bench_responsiveness, args)
@@ -293,6 +300,7 @@ def main() -> None:
             {
                 "step_us_median": head["step_us_median"],
                 "decode_step_us_median": head["decode_step_us_median"],
+                "decode_step_cpu_us_median": head["decode_step_cpu_us_median"],
                 "headline": f"{head['layout']} at {head['num_running']} running",
                 "vllm_decode_step_us": VLLM_DECODE_STEP_US,
                 "ratio_to_vllm": round(head["decode_step_us_median"] / VLLM_DECODE_STEP_US, 3),
