@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.kernels import GatherWorkspace, PagedMetadata, paged_attention, write_kv
+from hybridkv.kernels.geometry import CacheGeometry
 
 NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 32, 128, 16
 
@@ -111,7 +112,7 @@ def bench(
         meta = PagedMetadata.build(
             q_lens, ctx_lens, tables, BLOCK_SIZE, device=device, workspace=ws
         )
-        meta.plan(num_kv_heads=NUM_KV_HEADS, num_queries_per_kv=group, sliding_window=None)
+        meta.plan(CacheGeometry.of(cache), num_queries_per_kv=group, sliding_window=None)
         return meta
 
     meta = build()

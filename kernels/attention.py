@@ -1,8 +1,9 @@
 """Attention over paged KV caches for mixed batches, on torch SDPA.
 
-Each layer gathers the keys and values the step reads with one ``index_select`` (rows
-precomputed in the step's ``GatherPlan``) into a reused buffer, then runs one SDPA call per
-region: all decodes together, each prefill on its own.
+Each layer gathers the keys and values the step reads with one ``index_select`` of page
+runs (precomputed in the step's ``GatherPlan``) into a workspace buffer, then runs one SDPA
+call per region: decodes batched by length, each prefill on its own. A prompt run whole
+uses SDPA's ``is_causal``; everything else an explicit boolean mask.
 
 Masking invariant (True = attend). Query at position ``p`` sees key ``k`` iff
 ``p - W < k <= p``: causal aligned to the END of the context, not SDPA's top-left
@@ -56,8 +57,8 @@ def paged_attention(
     Raises:
         KernelInputError: shapes or dtypes disagree, or a table reads the null block.
     """
-    check_cache(kv_cache, meta)
-    num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[4]
+    geometry = check_cache(kv_cache, meta)
+    num_kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
     if query.dim() != 3 or query.shape[0] != meta.num_tokens or query.shape[2] != head_dim:
         raise KernelInputError(
             f"query {tuple(query.shape)} must be [num_tokens={meta.num_tokens}, "
@@ -72,12 +73,10 @@ def paged_attention(
     if softcap is not None and softcap <= 0:
         raise KernelInputError(f"softcap must be > 0, got {softcap}")
     group = query.shape[1] // num_kv_heads
-    plan = meta.plan(
-        num_kv_heads=num_kv_heads, num_queries_per_kv=group, sliding_window=sliding_window
-    )
-    gathered = plan.buffer(kv_cache.dtype, head_dim)
-    run_len = meta.block_size * head_dim
-    torch.index_select(kv_cache.view(-1, run_len), 0, plan.runs, out=gathered.view(-1, run_len))
+    plan = meta.plan(geometry, num_queries_per_kv=group, sliding_window=sliding_window)
+    gathered = plan.buffer(kv_cache.dtype)
+    runs = gathered.view(-1, geometry.run_len)
+    torch.index_select(geometry.rows_view(kv_cache), 0, plan.runs, out=runs)
     if plan.zero_rows is not None:
         gathered.index_fill_(0, plan.zero_rows, 0)
     out = torch.empty_like(query)

@@ -3,7 +3,7 @@
 Cache layout of one layer (head-major pages, so a page's keys for one head are contiguous)::
 
     kv_cache[page, 0 | 1, kv_head, offset, :]      0 = key, 1 = value
-    shape    [num_blocks, 2, num_kv_heads, block_size, head_dim]
+    shape    [num_blocks, 2, num_kv_heads, block_size, head_dim]   (pages may be strided)
 
 Token ``t`` of the batch goes to ``page = slot_mapping[t] // block_size`` and
 ``offset = slot_mapping[t] % block_size``; both are precomputed in ``PagedMetadata``.
@@ -14,26 +14,26 @@ from __future__ import annotations
 import torch
 
 from hybridkv.kernels.errors import KernelInputError
+from hybridkv.kernels.geometry import CacheGeometry
 from hybridkv.kernels.metadata import PagedMetadata
 
 
-def check_cache(kv_cache: torch.Tensor, meta: PagedMetadata) -> None:
-    """Raise ``KernelInputError`` unless ``kv_cache`` fits the layout and the block tables."""
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+def check_cache(kv_cache: torch.Tensor, meta: PagedMetadata) -> CacheGeometry:
+    """The geometry of ``kv_cache``, checked against the metadata's block size and tables.
+
+    Raises:
+        KernelInputError: the cache layout, block size or page count does not fit.
+    """
+    geometry = CacheGeometry.of(kv_cache)
+    if geometry.block_size != meta.block_size:
         raise KernelInputError(
-            "kv_cache must be [num_blocks, 2, num_kv_heads, block_size, head_dim], "
-            f"got {tuple(kv_cache.shape)}"
-        )
-    if kv_cache.shape[3] != meta.block_size:
-        raise KernelInputError(
-            f"kv_cache block size {kv_cache.shape[3]} != metadata block_size {meta.block_size}"
+            f"kv_cache block size {geometry.block_size} != metadata block_size {meta.block_size}"
         )
     if meta.max_block_id >= kv_cache.shape[0]:
         raise KernelInputError(
             f"block tables name page {meta.max_block_id}, cache has {kv_cache.shape[0]} pages"
         )
-    if not kv_cache.is_contiguous():
-        raise KernelInputError("kv_cache must be contiguous (pages are addressed as flat rows)")
+    return geometry
 
 
 def write_kv(
@@ -50,8 +50,8 @@ def write_kv(
     Raises:
         KernelInputError: shapes, dtypes or block tables do not fit the cache.
     """
-    check_cache(kv_cache, meta)
-    expected = (meta.num_tokens, kv_cache.shape[2], kv_cache.shape[4])
+    geometry = check_cache(kv_cache, meta)
+    expected = (meta.num_tokens, geometry.num_kv_heads, geometry.head_dim)
     if tuple(key.shape) != expected or tuple(value.shape) != expected:
         raise KernelInputError(
             f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be "

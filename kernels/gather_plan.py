@@ -5,11 +5,9 @@ by every layer of that group. It turns block tables into one flat index of page 
 that each layer gathers the keys and values of the whole batch with a single
 ``index_select`` into a workspace buffer, already laid out the way SDPA wants them.
 
-Runs. The cache of one layer is ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``;
-viewed as ``[num_blocks * 2 * num_kv_heads, block_size * head_dim]`` each row is one run:
-the ``block_size`` keys (or values) of one head in one page, contiguous in memory. Run
-``(page * 2 + kv) * num_kv_heads + head`` copied for consecutive pages of a request lands
-as consecutive positions of ``buffer[kv, request, head]``.
+Runs. A run is the ``block_size`` keys (or values) of one head in one page, contiguous in
+memory (see ``geometry``). Runs of consecutive pages of a request, copied one after the
+other, land as consecutive key positions of ``buffer[kv, request, head]``.
 
 Key range. Query token at position ``p`` reads keys ``k`` with ``p - W < k <= p``
 (``W`` = window, infinite for full attention). A request runs positions
@@ -36,6 +34,7 @@ import attrs
 import torch
 
 from hybridkv.kernels.errors import KernelInputError
+from hybridkv.kernels.geometry import CacheGeometry
 from hybridkv.kernels.workspace import GatherWorkspace
 
 # Decodes share one SDPA call while padding stays under this fraction of the real keys.
@@ -73,13 +72,14 @@ class GatherPlan:
     runs: torch.Tensor
     zero_rows: torch.Tensor | None
     regions: tuple[Region, ...]
-    block_size: int
+    geometry: CacheGeometry
     workspace: GatherWorkspace
 
-    def buffer(self, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+    def buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """The ``[num_rows, head_dim]`` gather target, borrowed from the workspace."""
-        num_rows = self.runs.numel() * self.block_size
-        return self.workspace.get(num_rows * head_dim, dtype, self.runs.device).view(-1, head_dim)
+        numel = self.runs.numel() * self.geometry.run_len
+        buf = self.workspace.get(numel, dtype, self.runs.device)
+        return buf.view(-1, self.geometry.head_dim)
 
     @classmethod
     def build(
@@ -88,8 +88,7 @@ class GatherPlan:
         query_lens: Sequence[int],
         context_lens: Sequence[int],
         block_table: torch.Tensor,
-        block_size: int,
-        num_kv_heads: int,
+        geometry: CacheGeometry,
         num_queries_per_kv: int,
         sliding_window: int | None,
         device: torch.device,
@@ -105,8 +104,7 @@ class GatherPlan:
             key_start = (ctx_lens - q_lens - sliding_window + 1).clamp(min=0)
         builder = _Builder(
             block_table,
-            block_size,
-            num_kv_heads,
+            geometry,
             key_start,
             ctx_lens,
             num_queries_per_kv=num_queries_per_kv,
@@ -129,19 +127,19 @@ class _Builder:
     def __init__(
         self,
         block_table: torch.Tensor,
-        block_size: int,
-        num_kv_heads: int,
+        geometry: CacheGeometry,
         key_start: torch.Tensor,
         ctx_lens: torch.Tensor,
         *,
         num_queries_per_kv: int,
         device: torch.device,
     ) -> None:
-        self.table, self.block_size, self.num_kv_heads = block_table, block_size, num_kv_heads
+        self.table, self.geometry = block_table, geometry
+        self.block_size, self.num_kv_heads = geometry.block_size, geometry.num_kv_heads
         self.key_start, self.ctx_lens = key_start, ctx_lens
         self.num_queries_per_kv, self.device = num_queries_per_kv, device
-        self.first_page = key_start // block_size
-        self.num_pages = (ctx_lens - 1) // block_size - self.first_page + 1
+        self.first_page = key_start // self.block_size
+        self.num_pages = (ctx_lens - 1) // self.block_size - self.first_page + 1
         self.runs: list[torch.Tensor] = []
         self.zero_rows: list[torch.Tensor] = []
         self.regions: list[Region] = []
@@ -166,9 +164,7 @@ class _Builder:
                 f"request {bad} reads the null block inside its attended key range; "
                 "only blocks before the window may be null"
             )
-        kv = torch.arange(2)[:, None, None, None]
-        heads = torch.arange(self.num_kv_heads)[None, None, :, None]
-        self.runs.append(((pages[None, :, None, :] * 2 + kv) * self.num_kv_heads + heads).view(-1))
+        self.runs.append(self.geometry.run_rows(pages).reshape(-1))
         key_len = width * self.block_size
         pos = first[:, None] * self.block_size + torch.arange(key_len)[None, :]
         visible = (pos >= self.key_start[idx][:, None]) & (pos < self.ctx_lens[idx][:, None])
@@ -211,7 +207,7 @@ class _Builder:
             runs=torch.cat(self.runs).to(self.device),
             zero_rows=zero,
             regions=tuple(self.regions),
-            block_size=self.block_size,
+            geometry=self.geometry,
             workspace=workspace,
         )
 

@@ -23,9 +23,10 @@ import torch
 
 from hybridkv.kernels.errors import KernelInputError
 from hybridkv.kernels.gather_plan import GatherPlan
+from hybridkv.kernels.geometry import CacheGeometry
 from hybridkv.kernels.workspace import GatherWorkspace
 
-PlanKey = tuple[int, int, int | None]
+PlanKey = tuple[CacheGeometry, int, int | None]
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -124,18 +125,17 @@ class PagedMetadata:
         )
 
     def plan(
-        self, *, num_kv_heads: int, num_queries_per_kv: int, sliding_window: int | None
+        self, geometry: CacheGeometry, *, num_queries_per_kv: int, sliding_window: int | None
     ) -> GatherPlan:
-        """The gather plan for this head geometry and window, built on first use."""
-        key = (num_kv_heads, num_queries_per_kv, sliding_window)
+        """The gather plan for this cache geometry, GQA group and window, built on first use."""
+        key = (geometry, num_queries_per_kv, sliding_window)
         plan = self._plans.get(key)
         if plan is None:
             plan = GatherPlan.build(
                 query_lens=self.query_lens,
                 context_lens=self.context_lens,
                 block_table=self.block_table,
-                block_size=self.block_size,
-                num_kv_heads=num_kv_heads,
+                geometry=geometry,
                 num_queries_per_kv=num_queries_per_kv,
                 sliding_window=sliding_window,
                 device=self.device,

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.kernels import KernelInputError, PagedMetadata, paged_attention, write_kv
+from hybridkv.kernels.geometry import CacheGeometry
 
 F32 = {"atol": 1e-5, "rtol": 1e-5}
 BF16 = {"atol": 2e-2, "rtol": 2e-2}
@@ -29,6 +30,7 @@ class Case:
     softcap: float | None = None
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    page_padding: int = 0  # extra elements per page: the cache is a view into a wider pool
 
 
 def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +40,9 @@ def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tenso
     needed = [-(-ctx // bs) for _, ctx in case.requests]
     num_blocks = sum(needed) + 3
     pages = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    cache = torch.full((num_blocks, 2, hkv, bs, d), float("nan"), dtype=case.dtype)
+    page_elems = 2 * hkv * bs * d
+    pool = torch.full((num_blocks, page_elems + case.page_padding), math.nan, dtype=case.dtype)
+    cache = pool[:, :page_elems].view(num_blocks, 2, hkv, bs, d)
     tables, keys, values, queries, new_k, new_v = [], [], [], [], [], []
     for (q_len, ctx), n in zip(case.requests, needed, strict=True):
         table, pages = pages[:n], pages[n:]
@@ -154,6 +158,36 @@ def test_bfloat16_mixed_batch() -> None:
     check(Case(requests=((1, 17), (7, 12), (1, 5)), dtype=torch.bfloat16, window=6))
 
 
+@pytest.mark.parametrize("page_padding", [64, 24])
+def test_cache_viewed_into_a_pool_of_wider_pages(page_padding: int) -> None:
+    """Pages further apart than their size (a shared pool) are read correctly, NaN gaps unread."""
+    check(Case(requests=((1, 9), (5, 14), (7, 7)), window=6, page_padding=page_padding))
+
+
+def test_cache_with_non_contiguous_pages_is_rejected() -> None:
+    """A cache whose pages are not contiguous cannot be gathered by runs."""
+    meta = PagedMetadata.build([1], [3], [[1]], 4)
+    cache = torch.zeros(2, 2, 1, 8, 4).transpose(3, 4)
+    with pytest.raises(KernelInputError, match="contiguous"):
+        paged_attention(torch.zeros(1, 1, 8), cache, meta, scale=1.0)
+
+
+def test_query_sliced_from_a_fused_projection() -> None:
+    """A non-contiguous query (a slice of a fused QKV output) gives the contiguous result."""
+    torch.manual_seed(0)
+    meta = PagedMetadata.build([1, 4, 1], [6, 4, 9], [[1, 2], [3], [4, 5, 6]], 4)
+    cache = torch.randn(7, 2, 2, 4, 8)
+    qkv = torch.randn(6, (4 + 2 * 2) * 8)
+    query = qkv[:, : 4 * 8].view(6, 4, 8)
+    assert not query.is_contiguous()
+    torch.testing.assert_close(
+        paged_attention(query, cache, meta, scale=0.3),
+        paged_attention(query.contiguous(), cache, meta, scale=0.3),
+        atol=0,
+        rtol=0,
+    )
+
+
 def test_null_block_in_attended_range_is_rejected() -> None:
     """A table naming the null block inside the attended range raises instead of reading it."""
     meta = PagedMetadata.build([1], [9], [[0, 1, 2]], 4)
@@ -172,8 +206,9 @@ def test_query_heads_not_multiple_of_kv_heads_is_rejected() -> None:
 def test_plan_is_built_once_per_step() -> None:
     """Layers of one group reuse the step's gather plan."""
     meta = PagedMetadata.build([1, 3], [5, 3], [[1, 2], [3]], 4)
-    first = meta.plan(num_kv_heads=2, num_queries_per_kv=2, sliding_window=None)
-    again = meta.plan(num_kv_heads=2, num_queries_per_kv=2, sliding_window=None)
+    geometry = CacheGeometry.of(torch.zeros(4, 2, 2, 4, 8))
+    first = meta.plan(geometry, num_queries_per_kv=2, sliding_window=None)
+    again = meta.plan(geometry, num_queries_per_kv=2, sliding_window=None)
     assert first is again
 
 
@@ -183,14 +218,16 @@ def test_whole_prompt_uses_sdpa_causal_unless_the_window_cuts_it(
 ) -> None:
     """A prompt run whole maps onto SDPA's is_causal when no window reaches back past 0."""
     meta = PagedMetadata.build([6, 3], [6, 9], [[1, 2], [3, 4, 5]], 4)
-    plan = meta.plan(num_kv_heads=1, num_queries_per_kv=2, sliding_window=window)
+    geometry = CacheGeometry.of(torch.zeros(6, 2, 1, 4, 8))
+    plan = meta.plan(geometry, num_queries_per_kv=2, sliding_window=window)
     assert [r.is_causal for r in plan.regions] == [is_causal, False]
 
 
 def test_decodes_of_very_different_lengths_get_separate_calls() -> None:
     """A long decode does not pad a batch of short ones to its length."""
     meta = PagedMetadata.build([1, 1, 1], [4, 400, 3], [[1], list(range(1, 101)), [2]], 4)
-    plan = meta.plan(num_kv_heads=1, num_queries_per_kv=1, sliding_window=None)
+    geometry = CacheGeometry.of(torch.zeros(101, 2, 1, 4, 8))
+    plan = meta.plan(geometry, num_queries_per_kv=1, sliding_window=None)
     assert sorted(r.key_len for r in plan.regions) == [4, 400]
 
 

@@ -1,0 +1,84 @@
+"""The layout of one layer's paged cache, and its pages as flat rows of page runs.
+
+A layer's cache is ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``, each page
+contiguous (head-major: one head's ``block_size`` keys are one run of
+``block_size * head_dim`` elements). Pages may sit further apart than their size, when the
+cache is a view into a shared pool whose pages are larger (``page_stride`` elements)::
+
+    pool page p   [ K h0 | K h1 | ... | V h0 | V h1 | ... | (other layers' bytes) ]
+                  ^ p * page_stride, each cell one run of block_size * head_dim
+
+The gather reads runs as rows of one 2-D view of the storage whose row starts are
+``row_stride = gcd(page_stride, run_len)`` apart (rows may overlap; they are only read).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+from hybridkv.kernels.errors import KernelInputError
+
+
+@attrs.frozen
+class CacheGeometry:
+    """Shape and page stride of one layer's cache, as the gather addresses it."""
+
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    page_stride: int
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor) -> CacheGeometry:
+        """Read the geometry of ``kv_cache``, checking that each page is contiguous.
+
+        Raises:
+            KernelInputError: not 5-D with a K/V axis of 2, or a page is not contiguous.
+        """
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            raise KernelInputError(
+                "kv_cache must be [num_blocks, 2, num_kv_heads, block_size, head_dim], "
+                f"got {tuple(kv_cache.shape)}"
+            )
+        _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+        page_elems = 2 * num_kv_heads * block_size * head_dim
+        inner = (num_kv_heads * block_size * head_dim, block_size * head_dim, head_dim, 1)
+        if kv_cache.stride()[1:] != inner or kv_cache.stride(0) < page_elems:
+            raise KernelInputError(
+                f"kv_cache strides {kv_cache.stride()} must keep each page contiguous "
+                f"(inner strides {inner}, page stride >= {page_elems})"
+            )
+        return cls(num_kv_heads, block_size, head_dim, kv_cache.stride(0))
+
+    @property
+    def run_len(self) -> int:
+        """Elements of one run: one head's keys (or values) in one page."""
+        return self.block_size * self.head_dim
+
+    @property
+    def row_stride(self) -> int:
+        """Elements between consecutive rows of the run view."""
+        return math.gcd(self.page_stride, self.run_len)
+
+    def run_rows(self, pages: torch.Tensor) -> torch.Tensor:
+        """Rows ``[2, *pages.shape[:-1], num_kv_heads, pages.shape[-1]]`` of the runs.
+
+        Index ``[kv, ..., head, j]`` is the run of ``pages[..., j]`` for key (kv=0) or
+        value (kv=1) and ``head``, as a row of ``rows_view``.
+        """
+        kv = torch.arange(2).view(2, *([1] * pages.dim()), 1)
+        heads = torch.arange(self.num_kv_heads)[:, None]
+        offset = pages[None, ..., None, :] * self.page_stride
+        offset = offset + (kv * self.num_kv_heads + heads) * self.run_len
+        return offset // self.row_stride
+
+    def rows_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``kv_cache``'s storage as ``[num_rows, run_len]`` rows ``row_stride`` apart."""
+        span = (kv_cache.shape[0] - 1) * self.page_stride + 2 * self.num_kv_heads * self.run_len
+        num_rows = (span - self.run_len) // self.row_stride + 1
+        return kv_cache.as_strided(
+            (num_rows, self.run_len), (self.row_stride, 1), kv_cache.storage_offset()
+        )
