@@ -32,7 +32,9 @@ class GatherWorkspace:
         """A 1-D tensor of ``num_elements`` whose contents are undefined."""
         key = (dtype, torch.device(device))
         buf = self._buffers.get(key)
-        if buf is None or buf.numel() < num_elements:
+        # A buffer made under inference_mode cannot be written outside it: remake it then.
+        stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+        if buf is None or buf.numel() < num_elements or stale:
             del buf  # drop the old buffer before allocating its replacement
             self._buffers.pop(key, None)
             buf = torch.empty(int(num_elements * self._headroom), dtype=dtype, device=device)

@@ -41,6 +41,14 @@ def test_dtypes_get_separate_buffers() -> None:
     assert ws.nbytes == 0
 
 
+def test_buffer_made_in_inference_mode_is_usable_outside() -> None:
+    """A step outside inference_mode after one inside it still gets a writable buffer."""
+    ws = GatherWorkspace()
+    with torch.inference_mode():
+        ws.get(8, torch.float32, torch.device("cpu"))
+    ws.get(8, torch.float32, torch.device("cpu")).fill_(1.0)
+
+
 def test_headroom_below_one_is_rejected() -> None:
     """A workspace never allocates less than asked for."""
     with pytest.raises(KernelInputError, match="headroom"):
