@@ -20,7 +20,7 @@ import attrs
 import structlog
 import torch
 
-from hybridkv.kernels import PagedMetadata
+from hybridkv.kernels import GatherWorkspace, PagedMetadata
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan
 from hybridkv.memory.planner import plan_layout
 from hybridkv.models.checkpoint import Checkpoint
@@ -98,6 +98,9 @@ class ModelExecutor:
         self.max_model_len = self.config.max_position_embeddings
         self.sampler = sampler or Sampler(eos_token_ids=self.eos_token_ids)
         self.logits_hook = logits_hook
+        # Gather buffers reused by every step and layer: a fresh one per step pays page
+        # faults on its first layer (3x slower decode attention in benchmarks/attention.py).
+        self._workspace = GatherWorkspace()
 
     @classmethod
     def from_pretrained(
@@ -186,6 +189,7 @@ class ModelExecutor:
                 [r.block_tables[group.group_id] for r in requests],
                 self.plan.block_size,
                 device=self.device,
+                workspace=self._workspace,
             )
             for group in self.plan.groups
         ]
