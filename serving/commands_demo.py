@@ -72,9 +72,9 @@ def run_demo(args: argparse.Namespace) -> int:
         question = loaded.tokenizer.decode(list(prompts[record.request_id][-24:]))
         answer = loaded.tokenizer.decode(record.output_token_ids)
         # A base model goes on to write the next turn itself; show only the answer.
-        answer = answer.split("\nCustomer:")[0].strip()
+        answer = " ".join(answer.split("\nCustomer:")[0].split())
         write(f"\n[{record.request_id}, {record.kind} prompt of {record.num_prompt_tokens} tokens]")
-        write(f"  ...{question.strip()}")
+        write(f"  ...{' '.join(question.split())}")
         write(f"  -> {answer}\n")
 
     result = anyio.run(_run_with_bar, loaded, requests, show)
