@@ -28,18 +28,23 @@ from hybridkv.memory.errors import LayoutError
 
 BlockHash = NewType("BlockHash", bytes)
 
-_HASHES: dict[str, Callable[[bytes], bytes]] = {
-    "sha256": lambda data: hashlib.sha256(data).digest(),
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _xxh3_128() -> Callable[[bytes], bytes]:
+    import xxhash
+
+    fn: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
+    return fn
+
+
+# Name -> factory of the hash function (factories keep imports lazy).
+_HASHES: dict[str, Callable[[], Callable[[bytes], bytes]]] = {
+    "sha256": lambda: _sha256,
+    "xxh3_128": _xxh3_128,
 }
-
-
-def _xxh3_128(data: bytes) -> bytes:
-    import xxhash  # optional: only needed when chosen
-
-    return bytes(xxhash.xxh3_128_digest(data))
-
-
-_HASHES["xxh3_128"] = _xxh3_128
 
 
 def hash_names() -> tuple[str, ...]:
@@ -51,11 +56,11 @@ class BlockHasher:
     """Extends a request's list of block hashes as its tokens arrive."""
 
     def __init__(self, block_size: int, hash_name: str = "sha256") -> None:
-        fn = _HASHES.get(hash_name)
-        if fn is None:
+        factory = _HASHES.get(hash_name)
+        if factory is None:
             raise LayoutError(f"unknown hash {hash_name!r}; known: {', '.join(hash_names())}")
         self.block_size = block_size
-        self._fn = fn
+        self._fn = factory()
 
     def root(self, extra_keys: tuple[object, ...]) -> BlockHash:
         """The parent hash of a request's first block."""
@@ -71,7 +76,10 @@ class BlockHasher:
         """Append the hashes of the blocks that are full within ``token_ids[:num_tokens]``."""
         bs, fn = self.block_size, self._fn
         parent = hashes[-1] if hashes else root
-        for start in range(len(hashes) * bs, num_tokens - bs + 1, bs):
-            block = array("I", token_ids[start : start + bs]).tobytes()
-            parent = BlockHash(fn(parent + block))
+        start = len(hashes) * bs
+        stop = start + max(0, num_tokens - start) // bs * bs
+        # One conversion for all new blocks: per block it cost as much as the hash.
+        data, step = array("I", token_ids[start:stop]).tobytes(), 4 * bs
+        for offset in range(0, len(data), step):
+            parent = BlockHash(fn(parent + data[offset : offset + step]))
             hashes.append(parent)
