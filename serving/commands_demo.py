@@ -28,9 +28,11 @@ def register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     work.add_argument(
         "--rate", type=float, default=4.0, metavar="R", help="mean arrivals per second (4)"
     )
-    work.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (32)")
-    work.add_argument("--samples", type=int, default=2, help="answers to print (2)")
-    work.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    work.add_argument(
+        "--max-tokens", type=int, default=32, metavar="N", help="tokens per answer (32)"
+    )
+    work.add_argument("--samples", type=int, default=2, metavar="N", help="answers to print (2)")
+    work.add_argument("--seed", type=int, default=0, metavar="N", help="workload seed (0)")
     add_log_level_argument(parser, "warning")
     add_engine_arguments(parser)
     parser.set_defaults(handler=run_demo)

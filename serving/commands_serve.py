@@ -29,8 +29,8 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     parser = subparsers.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Load a model and serve it over an OpenAI-compatible HTTP API, with "
-        "streaming, Prometheus metrics at /metrics, and continuous batching over one "
+        description="Load a model and serve it over an OpenAI-compatible HTTP API, with\n"
+        "streaming, Prometheus metrics at /metrics, and continuous batching over one\n"
         "shared KV pool.",
         epilog=_SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -117,7 +117,9 @@ def register_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     add_model_argument(parser)
     parser.add_argument("prompt", metavar="PROMPT", help="the text to continue")
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (64)")
+    sampling.add_argument(
+        "--max-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)"
+    )
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1)")
     sampling.add_argument("--top-k", type=int, default=0, help="keep the k best tokens (0: all)")

@@ -65,7 +65,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         metavar="SIZE",
         help=f"bytes of KV cache, shared by every layer group: 512MiB, 2GiB ({kv_memory})",
     )
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV page (16)")
+    group.add_argument(
+        "--block-size", type=int, default=16, metavar="N", help="tokens per KV page (16)"
+    )
     group.add_argument(
         "--max-num-batched-tokens",
         "--token-budget",
