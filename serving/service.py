@@ -125,6 +125,7 @@ class GenerationService:
                     if texts.is_stopped:
                         break  # leaving the iterator aborts the request
             except HybridKVError as exc:
+                self._count(job, "error")
                 raise APIError(
                     f"generation failed: {exc}", status=500, error_type="server_error"
                 ) from exc
@@ -149,6 +150,7 @@ class GenerationService:
                     if delta:
                         yield sse(header.chunk(delta))
             except HybridKVError as exc:
+                self._count(job, "error")
                 yield sse(APIError(f"generation failed: {exc}", error_type="server_error").body())
                 yield SSE_DONE
                 return
@@ -187,8 +189,8 @@ class GenerationService:
             async with aclosing(job.stream):
                 yield job.stream
         finally:
-            if not job.is_counted:  # the client left, or the request failed
-                self.metrics.finished.labels(reason="abort").inc()
+            if not job.is_counted:  # the client left before the end
+                self._count(job, "abort")
 
     def _observe(self, job: Submitted, out: RequestOutput) -> None:
         if out.new_token_ids and out.num_output_tokens == len(out.new_token_ids):
@@ -196,10 +198,13 @@ class GenerationService:
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
 
     def _finish(self, job: Submitted, last: RequestOutput, texts: TextStream) -> None:
-        job.is_counted = True
         self.metrics.prompt_tokens.inc(last.num_prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(last.num_cached_tokens)
-        self.metrics.finished.labels(reason=_reason(last, texts) or "unknown").inc()
+        self._count(job, _reason(last, texts) or "unknown")
+
+    def _count(self, job: Submitted, reason: str) -> None:
+        job.is_counted = True
+        self.metrics.finished.labels(reason=reason).inc()
 
 
 def _reason(last: RequestOutput, texts: TextStream) -> str | None:

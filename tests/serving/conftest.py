@@ -126,10 +126,14 @@ def make_server() -> Iterator[Callable[..., LiveServer]]:
         stops: list[Callable[[], None]] = []
 
         def start(
-            *, step_delay_s: float = 0.0, options: ServerOptions | None = None, **config: Any
+            *,
+            step_delay_s: float = 0.0,
+            options: ServerOptions | None = None,
+            executor_class: type[FakeExecutor] = FakeExecutor,
+            **config: Any,
         ) -> LiveServer:
             engine_config = _engine_config(**config)
-            executor = FakeExecutor.for_config(engine_config, step_delay_s=step_delay_s)
+            executor = executor_class.for_config(engine_config, step_delay_s=step_delay_s)
             future, (engine, app, server, port) = portal.start_task(
                 _run, engine_config, executor, options or ServerOptions()
             )

@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from hybridkv.scheduler import FakeExecutor, StepBatch
 from hybridkv.serving.app import ServerOptions
 
 MODEL = "fake-model"
@@ -106,3 +107,33 @@ def test_server_keeps_serving_after_bad_requests(client: Any, server: Any) -> No
     out = client.completions.create(model=MODEL, prompt="w2 w3", max_tokens=3)
     assert out.usage.completion_tokens >= 1
     server.wait_until_free()
+
+
+class FailingExecutor(FakeExecutor):
+    """Fails every step that runs a position past 8: long requests fail, short ones pass."""
+
+    def execute(self, batch: StepBatch) -> list[int | None]:
+        if any(r.start_position + r.num_tokens > 8 for r in batch.requests):
+            raise RuntimeError("the model crashed")
+        return super().execute(batch)
+
+
+def test_failed_generation_is_a_server_error(make_server: Any) -> None:
+    """A request whose step fails gets a 500 error body; a short one then succeeds."""
+    server = make_server(executor_class=FailingExecutor)
+    body = {"model": MODEL, "prompt": "w2 w3", "max_tokens": 20, "ignore_eos": True}
+    failed = post(server, "/v1/completions", body)
+    assert (failed.status_code, failed.json()["error"]["type"]) == (500, "server_error")
+    ok = post(server, "/v1/completions", {**body, "max_tokens": 3})
+    assert ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_failed_stream_ends_with_an_error_event(make_server: Any) -> None:
+    """A streamed request whose step fails ends with an error event the client raises."""
+    server = make_server(executor_class=FailingExecutor)
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as client:
+        stream = client.completions.create(
+            model=MODEL, prompt="w2 w3", max_tokens=20, stream=True, extra_body={"ignore_eos": True}
+        )
+        with pytest.raises(openai.APIError, match="the model crashed"):
+            list(stream)
