@@ -13,9 +13,10 @@ $(VENV)/.demo: pyproject.toml | $(VENV)/bin/python
 	$(PIP) -e '.[demo]'
 	touch $@
 
+# The test extra plus demo's converters: the slow test checks the built-in model.
 $(VENV)/.test: pyproject.toml | $(VENV)/bin/python
 	$(PIP) $(TORCH)
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,demo]'
 	touch $@
 
 .PHONY: run test lint typecheck

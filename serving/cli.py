@@ -111,13 +111,21 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
 
     if model in BUILTIN_CONFIGS:
         return model, BUILTIN_CONFIGS[model]
+    from hybridkv.policies.errors import HybridKVError
+    from hybridkv.serving.builtin_models import BUILTIN_MODELS, resolve_model
+
+    if model in BUILTIN_MODELS and not Path(model).exists():
+        try:
+            model = str(resolve_model(model)[1])  # converted once, on first use
+        except HybridKVError as exc:
+            raise UsageError(str(exc)) from None
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise UsageError(
             f"model {model!r} is neither a config.json, a folder with one, nor a built-in "
-            f"name ({', '.join(BUILTIN_CONFIGS)})"
+            f"name ({', '.join([*BUILTIN_CONFIGS, *BUILTIN_MODELS])})"
         )
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
