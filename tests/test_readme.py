@@ -16,7 +16,7 @@ def _python_blocks() -> list[str]:
 
 def test_the_embedding_example_runs(tmp_path: Path) -> None:
     """The engine example streams tokens and prints stats."""
-    (block,) = [b for b in _python_blocks() if "async def main" in b]
+    (block,) = [b for b in _python_blocks() if "FakeExecutor" in b]
     done = subprocess.run(
         [sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
@@ -36,3 +36,11 @@ def test_the_policy_example_defines_a_working_policy(tmp_path: Path) -> None:
         [sys.executable, "-c", block + check], cwd=tmp_path, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_server_example_names_real_functions() -> None:
+    """The HTTP embedding example compiles and every name it imports exists."""
+    (block,) = [b for b in _python_blocks() if "serve_http" in b]
+    compile(block, "README.md", "exec")
+    imports = "\n".join(line for line in block.splitlines() if line.startswith(("from", "import")))
+    exec(imports, {})
