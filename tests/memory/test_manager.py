@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.memory import KVCacheManager, StaleHitError
-from hybridkv.policies import FullAttention, MambaLike, SlidingWindow
+from hybridkv.policies import ChunkedLocal, FullAttention, MambaLike, SlidingWindow
 
 FULL = FullAttention()
 
@@ -208,3 +208,36 @@ def test_blocks_needed_counts_every_group_at_its_peak() -> None:
     mgr = KVCacheManager([FULL, SlidingWindow(window=5), MambaLike()], 100, 4)
     # full: cdiv(40, 4) = 10; window: cdiv(4, 4) + 1 = 2; mamba: 2
     assert mgr.num_blocks_needed(40) == 14
+
+
+def test_chunked_local_drops_the_previous_chunk_at_a_chunk_start(make_request) -> None:
+    """With C=8, bs=4, computing position 16 starts a chunk: blocks 0..3 are released."""
+    mgr = KVCacheManager([ChunkedLocal(chunk=8)], num_blocks=10, block_size=4)
+    req = make_request("r", list(range(15)))
+    assert mgr.allocate(req, 15) == ([1, 2, 3, 4],)
+    decode(mgr, req, 40)  # position 15: chunk [8, 16) -> blocks 0, 1 dead
+    assert mgr.block_tables("r") == [[0, 0, 3, 4]]
+    decode(mgr, req, 41)  # position 16: a new chunk reads nothing before it
+    assert mgr.block_tables("r") == [[0, 0, 0, 0, 5]]
+    mgr.check_integrity()
+
+
+def test_a_chunk_start_needs_no_cached_block(make_request) -> None:
+    """Chunks of a chunked-local-only model are independent: resuming at a chunk start
+    needs nothing cached, so lookup reports that prefix as a hit (a full-attention group
+    beside it bounds the hit to what is really cached)."""
+    alone = KVCacheManager([ChunkedLocal(chunk=8)], num_blocks=10, block_size=4)
+    assert alone.lookup(make_request("a", list(range(15)))).num_tokens == 8
+    mixed = KVCacheManager([FULL, ChunkedLocal(chunk=8)], num_blocks=10, block_size=4)
+    assert mixed.lookup(make_request("a", list(range(15)))).num_tokens == 0
+
+
+def test_mamba_hit_needs_only_the_state_at_the_boundary(make_request) -> None:
+    """A mamba group resumes from the cached page of the last hit block alone."""
+    mgr = KVCacheManager([MambaLike()], num_blocks=10, block_size=4)
+    a = make_request("a", list(range(13)))
+    admit(mgr, a)
+    mgr.free("a")
+    hit = mgr.lookup(make_request("b", [*range(12), 99]))
+    assert hit.num_tokens == 12
+    assert hit.pages == ((0, 0, 3),)
