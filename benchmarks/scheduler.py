@@ -13,13 +13,32 @@ Three parts:
                 (format "kvcm-trace/1", see the traces README) replayed through the core,
                 so that other schedulers can be run on the same workload.
 
-Reference: vLLM's own scheduler measured about 12.9 ms per decode step at 256 running
-requests (about 50 us per request per step) on full + sliding window; the goal is half.
+With ``--reference-src DIR`` (an unpacked vLLM source tree, see ``_vllm_source.py``),
+vLLM's own Scheduler runs the same overhead workloads (or the trace) side by side, in
+lockstep with ours (who steps first alternates), so both see the same machine load. What
+each side's time per step includes, measured the same way (synchronously, no event loop,
+``perf_counter`` and thread CPU time around the scheduler's calls only):
+  hybridkv      ``EngineCore.plan()`` (admission, prefix lookup and prompt hashing,
+                allocation of every group, batch building) + ``apply()`` + ``flush()``
+                (append the sampled token, stop checks, output objects handed to a sink).
+  vLLM          ``Scheduler.schedule()`` (admission, prefix lookup, ``allocate_slots``,
+                ``SchedulerOutput``) + ``update_from_output()`` (append the token and hash
+                filled blocks, stop checks, ``EngineCoreOutputs``, freeing finished ones).
+Neither includes the fake model (our FakeExecutor; for vLLM, building the
+``ModelRunnerOutput``) or adding requests; vLLM hashes a prompt's blocks when its request
+is built, untimed, while ours hashes at admission, timed (prefill steps only). vLLM runs
+with its defaults (sync scheduling, prefix caching with sha256, no stats, the V2 model
+runner's output layout) and samples the same tokens as our FakeExecutor.
 
-    python benchmarks/scheduler.py                  # overhead + responsiveness
-    python benchmarks/scheduler.py TRACE.json       # replay a trace's requests
+Issue 3 quotes vLLM's scheduler at about 12.9 ms per decode step at 256 running requests
+(about 50 us per request per step) on full + sliding window; the goal is half of that,
+measured side by side.
 
-The last line printed is one JSON object (``step_us_median``, ``decode_step_us_median``).
+    python benchmarks/scheduler.py [--reference-src DIR]            # overhead + responsiveness
+    python benchmarks/scheduler.py TRACE.json [--reference-src DIR]  # replay a trace's requests
+
+The last line printed is one JSON object (``step_us_median``, ``decode_step_us_median``,
+and with a reference ``reference_decode_step_us_median`` and ``ratio``, ours over vLLM's).
 """
 
 from __future__ import annotations
@@ -29,45 +48,51 @@ import json
 import logging
 import random
 import statistics
+import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import structlog
+from _scheduler_lockstep import (
+    Arrival,
+    CoreSide,
+    ReferenceSide,
+    Side,
+    check_same_work,
+    decode_stats,
+    drive,
+    with_reference,
+)
 
 from hybridkv.policies import FullAttention, MemoryPolicy, SlidingWindow, cdiv
 from hybridkv.scheduler import Engine, EngineConfig, FakeExecutor, SamplingParams, StepBatch
-from hybridkv.scheduler.core import EngineCore
+from hybridkv.scheduler.fake import reference_tokens
 
 VLLM_DECODE_STEP_US = 12_900.0
 BLOCK_SIZE = 16
 BUDGET = 8192  # max_num_batched_tokens of the synthetic workloads
-LAYOUTS: dict[str, tuple[MemoryPolicy, ...]] = {
-    "full": (FullAttention(),),
+Group = dict[str, Any]  # {"type": "full"} or {"type": "sliding_window", "sliding_window": W}
+LAYOUTS: dict[str, list[Group]] = {
+    "full": [{"type": "full"}],
     # One group per 1/6 of the layers, as the hybrid allocator groups a 5:1 model.
-    "swa5:full1": (FullAttention(),) + (SlidingWindow(window=256),) * 5,
+    "swa5:full1": [{"type": "full"}] + [{"type": "sliding_window", "sliding_window": 256}] * 5,
 }
 
 
-class _Sink:
-    """Discards outputs (the core-driven runs have no consumer)."""
-
-    def send_nowait(self, item: object) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def policies_for(groups: list[Group]) -> tuple[MemoryPolicy, ...]:
+    return tuple(
+        FullAttention() if g["type"] == "full" else SlidingWindow(window=g["sliding_window"])
+        for g in groups
+    )
 
 
-def workload_config(
-    policies: tuple[MemoryPolicy, ...], num_running: int, total: int
-) -> EngineConfig:
+def workload_config(groups: list[Group], num_running: int, total: int) -> EngineConfig:
     pages = cdiv(total, BLOCK_SIZE) + 1
     return EngineConfig(
-        policies=policies,
-        num_blocks=num_running * pages * len(policies) + 1,
+        policies=policies_for(groups),
+        num_blocks=num_running * pages * len(groups) + 1,
         block_size=BLOCK_SIZE,
         max_model_len=total + 1,
         max_num_seqs=num_running,
@@ -75,67 +100,43 @@ def workload_config(
     )
 
 
-def drive_core(
-    core: EngineCore,
-    executor: Any,
-    arrivals: Sequence[tuple[int, list[int], SamplingParams]] = (),
-    max_steps: int = 1_000_000,
-) -> list[tuple[float, float, int, bool]]:
-    """Step the core until idle; per step: microseconds of plan + apply (outputs delivered
-    included), in wall time and in this thread's CPU time (which a busy machine does not
-    inflate), requests run, and whether every one of them only decoded."""
-    steps: list[tuple[float, float, int, bool]] = []
-    pending = sorted(arrivals, key=lambda a: a[0])
-    k = 0
-    clock, cpu = time.perf_counter, time.thread_time
-    while (core.has_work or k < len(pending)) and len(steps) < max_steps:
-        while k < len(pending) and pending[k][0] <= len(steps):
-            _, prompt, params = pending[k]
-            core.add_request(prompt, params, _Sink(), request_id=str(k))
-            k += 1
-        t0, c0 = clock(), cpu()
-        plan = core.plan()
-        t1, c1 = clock(), cpu()
-        if not plan.scheduled:
-            core.flush()
-            steps.append((0.0, 0.0, 0, False))  # all preempted: a step for arrivals' sake
-            continue
-        sampled = executor.execute(plan.batch)
-        t2, c2 = clock(), cpu()
-        core.apply(plan, sampled)
-        core.flush()
-        wall = (t1 - t0 + clock() - t2) * 1e6
-        used = (c1 - c0 + cpu() - c2) * 1e6
-        num = len(plan.scheduled)
-        steps.append((wall, used, num, plan.num_tokens == num))
-    return steps
+def fake_outputs(request_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The tokens our FakeExecutor samples for ``prompt`` (its vocabulary of 32000)."""
+    return reference_tokens(prompt, params.max_tokens, 32000)
 
 
-def bench_overhead(layout: str, num_running: int, args: argparse.Namespace) -> dict[str, Any]:
+def bench_overhead(
+    layout: str, num_running: int, args: argparse.Namespace, vllm: Any
+) -> dict[str, Any]:
     # Outputs long enough that every request still decodes once the last prompt is in:
     # at least ``decode_steps`` steps run all ``num_running`` requests as decodes.
     prefill_steps = cdiv(num_running * args.prompt_len, BUDGET)
     max_tokens = args.decode_steps + prefill_steps
-    config = workload_config(LAYOUTS[layout], num_running, args.prompt_len + max_tokens)
+    groups = LAYOUTS[layout]
+    config = workload_config(groups, num_running, args.prompt_len + max_tokens)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     prompts = [[(i * 7919 + j) % 32000 for j in range(args.prompt_len)] for i in range(num_running)]
-    core = EngineCore(config)
-    arrivals = [(0, p, params) for p in prompts]
-    steps = drive_core(core, FakeExecutor.for_config(config), arrivals)
-    full = [(us, cpu) for us, cpu, num, is_decode in steps if is_decode and num == num_running]
-    full_decode = [us for us, _ in full]
-    steps_per_s = anyio.run(engine_steps_per_s, config, prompts, params)
-    return {
+    ours = CoreSide(config, FakeExecutor.for_config(config))
+    ref = ReferenceSide.for_config(vllm, groups, config, fake_outputs) if vllm is not None else None
+    sides: list[Side] = [ours] if ref is None else [ours, ref]
+    arrivals: list[Arrival] = [(0, str(i), p, params) for i, p in enumerate(prompts)]
+    logs = drive(sides, arrivals)
+    stats = decode_stats(logs[0], num_running)
+    row = {
         "layout": layout,
         "num_running": num_running,
-        "num_groups": len(config.policies),
-        "steps": len(steps),
-        "step_us_median": round(statistics.median(s[0] for s in steps), 1),
-        "decode_step_us_median": round(statistics.median(full_decode), 1),
-        "decode_step_cpu_us_median": round(statistics.median(cpu for _, cpu in full), 1),
-        "decode_us_per_request": round(statistics.median(full_decode) / num_running, 2),
-        "engine_steps_per_s": round(steps_per_s, 1),
+        "num_groups": len(groups),
+        "steps": stats["steps"],
+        "step_us_median": stats["step_us_median"],
+        "decode_step_us_median": stats["decode_step_us_median"],
+        "decode_step_cpu_us_median": stats["decode_step_cpu_us_median"],
+        "decode_us_per_request": round(stats["decode_step_us_median"] / num_running, 2),
+        "engine_steps_per_s": round(anyio.run(engine_steps_per_s, config, prompts, params), 1),
     }
+    if ref is not None:
+        check_same_work(ours, ref, num_running * max_tokens)
+        with_reference(row, decode_stats(logs[1], num_running))
+    return row
 
 
 async def engine_steps_per_s(
@@ -197,16 +198,12 @@ async def bench_responsiveness(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def bench_trace(path: Path) -> dict[str, Any]:
+def bench_trace(path: Path, vllm: Any) -> dict[str, Any]:
     """Replay a trace's requests (arrivals by step, prompts, output lengths) through the core."""
     trace = json.loads(path.read_text())
     cfg = trace["config"]
-    policies = tuple(
-        FullAttention() if g["type"] == "full" else SlidingWindow(window=g["sliding_window"])
-        for g in cfg["groups"]
-    )
     config = EngineConfig(
-        policies=policies,
+        policies=policies_for(cfg["groups"]),
         num_blocks=cfg["num_blocks"],
         block_size=cfg["block_size"],
         max_model_len=cfg["max_model_len"],
@@ -215,14 +212,14 @@ def bench_trace(path: Path) -> dict[str, Any]:
         enable_prefix_caching=cfg["enable_prefix_caching"],
         max_waiting=len(trace["requests"]) + 1,
     )
-    arrivals = []
+    arrivals: list[Arrival] = []
     output_starts: dict[str, int] = {}
     for i, req in enumerate(trace["requests"]):
         prompt = [t for start, length in req["prompt"] for t in range(start, start + length)]
         out_start, out_len = req["output"]
         output_starts[str(i)] = out_start
         params = SamplingParams(max_tokens=out_len, ignore_eos=True)
-        arrivals.append((req["arrival_step"], prompt, params))
+        arrivals.append((req["arrival_step"], str(i), prompt, params))
 
     class TraceExecutor:
         """Samples the trace's own output tokens: output j of request i is start_i + j."""
@@ -233,23 +230,48 @@ def bench_trace(path: Path) -> dict[str, Any]:
                 for r in batch.requests
             ]
 
-    core = EngineCore(config)
-    steps = drive_core(core, TraceExecutor(), arrivals)
-    decode = [us for us, _, _, is_decode in steps if is_decode]
-    usage = core.kv.usage()
+    def trace_outputs(request_id: str, prompt: list[int], params: SamplingParams) -> range:
+        start = output_starts[request_id]
+        return range(start, start + params.max_tokens)
+
+    ours = CoreSide(config, TraceExecutor())
+    ref = ReferenceSide.for_config(vllm, cfg["groups"], config, trace_outputs) if vllm else None
+    sides: list[Side] = [ours] if ref is None else [ours, ref]
+    logs = drive(sides, arrivals)
+    stats = decode_stats(logs[0])
+    usage = ours.core.kv.usage()
     summary = trace.get("summary", {})
-    return {
+    result = {
         "trace": path.name,
         "requests": len(arrivals),
-        "steps": len(steps),
-        "step_us_median": round(statistics.median(s[0] for s in steps), 1),
-        "decode_step_us_median": round(statistics.median(decode), 1) if decode else None,
-        "step_cpu_us_median": round(statistics.median(s[1] for s in steps), 1),
-        "preemptions": core.num_preemptions,
+        "steps": stats["steps"],
+        "step_us_median": stats["step_us_median"],
+        "decode_step_us_median": stats["decode_step_us_median"],
+        "step_cpu_us_median": stats["step_cpu_us_median"],
+        "preemptions": ours.core.num_preemptions,
         "prefix_hit_tokens": usage.prefix_hit_tokens,
         "prefix_query_tokens": usage.prefix_query_tokens,
         "reference": {k: summary.get(k) for k in ("steps", "preemptions", "prefix_hit_tokens")},
     }
+    if ref is not None:
+        check_same_work(ours, ref, sum(a[3].max_tokens for a in arrivals))
+        with_reference(result, decode_stats(logs[1]))
+    return result
+
+
+def print_row(row: dict[str, Any], with_ref: bool) -> None:
+    cells = (
+        f"{row['layout']:<11} {row['num_running']:>7} {row['num_groups']:>6} {row['steps']:>6} "
+        f"{row['step_us_median']:>9.1f} {row['decode_step_us_median']:>10.1f} "
+        f"{row['decode_step_cpu_us_median']:>8.1f} "
+        f"{row['decode_us_per_request']:>7.2f} {row['engine_steps_per_s']:>15.1f}"
+    )
+    if with_ref:
+        cells += (
+            f" {row['reference_decode_step_us_median']:>10.1f}"
+            f" {row['reference_decode_step_cpu_us_median']:>8.1f} {row['ratio']:>9.3f}"
+        )
+    print(cells)
 
 
 def main() -> None:
@@ -257,8 +279,15 @@ def main() -> None:
     # The library never configures logging; this script does, so per-request events cost
     # what a production filter costs rather than console rendering.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    vllm = None
+    if args.reference_src:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _vllm_scheduler
+
+        vllm = _vllm_scheduler.load(args.reference_src)
+        print(f"reference: vLLM {vllm.version} Scheduler from {args.reference_src}")
     if args.trace is not None:
-        result = bench_trace(args.trace)
+        result = bench_trace(args.trace, vllm)
         print(json.dumps(result, indent=1))
         print(
             json.dumps(
@@ -274,18 +303,14 @@ def main() -> None:
     print(
         f"{'layout':<11} {'running':>7} {'groups':>6} {'steps':>6} {'step us':>9} "
         f"{'decode us':>10} {'(cpu)':>8} {'us/req':>7} {'engine steps/s':>15}"
+        + (f" {'vllm us':>10} {'(cpu)':>8} {'ours/vllm':>9}" if vllm else "")
     )
     rows = []
     for layout in LAYOUTS:
         for num_running in args.running:
-            row = bench_overhead(layout, num_running, args)
+            row = bench_overhead(layout, num_running, args, vllm)
             rows.append(row)
-            print(
-                f"{layout:<11} {num_running:>7} {row['num_groups']:>6} {row['steps']:>6} "
-                f"{row['step_us_median']:>9.1f} {row['decode_step_us_median']:>10.1f} "
-                f"{row['decode_step_cpu_us_median']:>8.1f} "
-                f"{row['decode_us_per_request']:>7.2f} {row['engine_steps_per_s']:>15.1f}"
-            )
+            print_row(row, vllm is not None)
     resp = anyio.run(bench_responsiveness, args)
     print(
         f"responsiveness: {resp['step_ms']:.0f} ms steps, a new request waits "
@@ -295,20 +320,23 @@ def main() -> None:
     head = next(
         (r for r in rows if r["layout"] == "swa5:full1" and r["num_running"] == 256), rows[-1]
     )
-    print(
-        json.dumps(
-            {
-                "step_us_median": head["step_us_median"],
-                "decode_step_us_median": head["decode_step_us_median"],
-                "decode_step_cpu_us_median": head["decode_step_cpu_us_median"],
-                "headline": f"{head['layout']} at {head['num_running']} running",
-                "vllm_decode_step_us": VLLM_DECODE_STEP_US,
-                "ratio_to_vllm": round(head["decode_step_us_median"] / VLLM_DECODE_STEP_US, 3),
-                **resp,
-                "rows": rows,
-            }
+    summary = {
+        "step_us_median": head["step_us_median"],
+        "decode_step_us_median": head["decode_step_us_median"],
+        "decode_step_cpu_us_median": head["decode_step_cpu_us_median"],
+        "headline": f"{head['layout']} at {head['num_running']} running",
+        "vllm_decode_step_us": VLLM_DECODE_STEP_US,
+        "ratio_to_vllm": round(head["decode_step_us_median"] / VLLM_DECODE_STEP_US, 3),
+    }
+    if vllm is not None:
+        summary.update(
+            reference=f"vLLM {vllm.version}",
+            reference_decode_step_us_median=head["reference_decode_step_us_median"],
+            reference_decode_step_cpu_us_median=head["reference_decode_step_cpu_us_median"],
+            ratio=head["ratio"],
+            max_ratio=max(r["ratio"] for r in rows),
         )
-    )
+    print(json.dumps({**summary, **resp, "rows": rows}))
 
 
 def parse_args() -> argparse.Namespace:
@@ -318,6 +346,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--probes", type=int, default=30)
+    parser.add_argument("--reference-src", help="vLLM source tree (holding vllm/) to compare")
     return parser.parse_args()
 
 
