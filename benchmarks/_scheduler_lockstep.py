@@ -189,14 +189,21 @@ def decode_stats(steps: list[Step], num_running: int | None = None) -> dict[str,
 
 
 def with_reference(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    """Add the reference's medians to ``row``, and ``ratio``: ours over vLLM's decode step."""
-    ours, theirs = row["decode_step_us_median"], ref["decode_step_us_median"]
+    """Add the reference's medians to ``row``, ``ratio`` (ours over vLLM's median decode
+    step, wall time) and ``cpu_ratio`` (the same in thread CPU time, which other load on
+    the machine disturbs less)."""
+
+    def ratio(key: str) -> float | None:
+        ours, theirs = row.get(key), ref[key]
+        return round(ours / theirs, 3) if ours and theirs else None
+
     row.update(
         reference_steps=ref["steps"],
         reference_step_us_median=ref["step_us_median"],
-        reference_decode_step_us_median=theirs,
+        reference_decode_step_us_median=ref["decode_step_us_median"],
         reference_decode_step_cpu_us_median=ref["decode_step_cpu_us_median"],
-        ratio=round(ours / theirs, 3) if ours and theirs else None,
+        ratio=ratio("decode_step_us_median"),
+        cpu_ratio=ratio("decode_step_cpu_us_median"),
     )
     return row
 
