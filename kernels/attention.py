@@ -1,9 +1,14 @@
 """Attention over paged KV caches for mixed batches, on torch SDPA.
 
 Each layer gathers the keys and values the step reads with one ``index_select`` of page
-runs (precomputed in the step's ``GatherPlan``) into a workspace buffer, then runs one SDPA
-call per region: decodes batched by length, each prefill on its own. A prompt run whole
-uses SDPA's ``is_causal``; everything else an explicit boolean mask.
+runs (precomputed in the step's ``GatherPlan``) into a workspace buffer, then attends one
+region at a time: decodes batched by length, each prefill on its own. Prefills run SDPA (a
+prompt run whole with its ``is_causal``, everything else an explicit boolean mask).
+
+Decodes gather only their keys: scores and softmax are explicit, and ``P @ V`` is one
+``embedding_bag(mode="sum", per_sample_weights=P)`` over the cache's value rows in place,
+so values are read once and never copied. On a CPU this is what brings paged decode
+attention near SDPA over contiguous K/V (``benchmarks/attention.py``).
 
 Masking invariant (True = attend). Query at position ``p`` sees key ``k`` iff
 ``p - W < k <= p``: causal aligned to the END of the context, not SDPA's top-left
@@ -81,10 +86,49 @@ def paged_attention(
         gathered.index_fill_(0, plan.zero_rows, 0)
     out = torch.empty_like(query)
     for region in plan.regions:
-        out[region.token_index] = _attend_region(
-            query[region.token_index], gathered, region, num_kv_heads, scale, softcap
-        )
+        q = query[region.token_index]
+        if region.value_bags is not None:
+            values = geometry.token_rows_view(kv_cache)
+            o = _attend_decodes(q, gathered, values, region, scale, softcap)
+        else:
+            o = _attend_region(q, gathered, region, num_kv_heads, scale, softcap)
+        out[region.token_index] = o
     return out
+
+
+def _attend_decodes(
+    query: torch.Tensor,
+    gathered: torch.Tensor,
+    values: torch.Tensor,
+    region: Region,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decodes of one region: gathered keys, values read in place by ``embedding_bag``.
+
+    In float32, CPU BLAS runs ``keys @ queries`` (a matrix times G columns) about twice as
+    fast as the transposed product; in bfloat16 the transposed product is the faster one.
+    """
+    bags = region.value_bags
+    assert bags is not None
+    batch, key_len = region.num_requests, region.key_len
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    keys = gathered[region.row_offset : region.row_offset + region.num_rows]
+    keys = keys.view(batch, -1, key_len, head_dim)
+    q = query.view(batch, keys.shape[1], -1, head_dim) * scale
+    if query.dtype == torch.float32:
+        scores = torch.matmul(keys, q.transpose(-1, -2)).transpose(-1, -2)
+    else:
+        scores = torch.matmul(q, keys.transpose(-1, -2))
+    if softcap is not None:
+        scores = torch.tanh(scores.float() / softcap) * softcap
+    if region.mask is not None:
+        scores = scores.masked_fill(~region.mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype).reshape(-1)
+    if bags.keep is not None:
+        weights = weights[bags.keep]
+    out = F.embedding_bag(bags.rows, values, bags.offsets, mode="sum", per_sample_weights=weights)
+    return out.view(batch, num_q_heads, head_dim)
 
 
 def _attend_region(

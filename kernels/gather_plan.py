@@ -20,6 +20,10 @@ gathered page-wise from the page holding ``key_start``::
     gathered             z z 6 7 | 8 9 z z     pages from key_start's on: never the null block
     mask                 - - x x | x x - -     z: zeroed after the gather
 
+Decodes. A decode region gathers keys only, when every token's value starts a row of the
+cache's token-row view (``CacheGeometry.has_token_rows``): its ``ValueBags`` name, per
+(request, query head), the value rows attention reads in place.
+
 Padding. Requests of one region share a padded page count; pad runs repeat the request's
 last page. Every gathered slot outside ``[key_start, context_len)`` (the first page's head,
 the last page's unwritten tail, pad runs) is zeroed after the gather and masked out: a
@@ -42,11 +46,28 @@ _PAD_SLACK = 1.25
 
 
 @attrs.frozen(eq=False, kw_only=True)
+class ValueBags:
+    """Where a decode region's values are read in place, as ``embedding_bag`` inputs.
+
+    Bag ``(request, kv_head, g)`` holds the rows (of ``CacheGeometry.token_rows_view``) of
+    the values its query sees, in key order, starting at ``offsets[bag]``. Hidden keys
+    (outside ``[key_start, context_len)``) are left out, so their rows are never read;
+    ``keep`` then picks the visible entries of the flattened ``[B, Hkv, G, key_len]``
+    softmax weights (``None``: every key is visible).
+    """
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    keep: torch.Tensor | None
+
+
+@attrs.frozen(eq=False, kw_only=True)
 class Region:
     """One SDPA call: ``num_requests`` requests with equal query count and padded key length.
 
     Its keys and values are ``buffer[row_offset : row_offset + num_rows]`` viewed as
-    ``[2, num_requests, num_kv_heads, key_len, head_dim]``. ``mask`` (True = attend) is
+    ``[2, num_requests, num_kv_heads, key_len, head_dim]``, or keys only (``[1, ...]``) when
+    ``value_bags`` says where to read the values in place. ``mask`` (True = attend) is
     ``[num_requests, 1, 1, key_len]`` for decodes and ``[G * num_queries, key_len]`` for a
     prefill whose G = num_q_heads // num_kv_heads query heads are folded into its rows;
     ``None`` means every key is visible to every query, or, with ``is_causal``, that the
@@ -63,6 +84,7 @@ class Region:
     num_rows: int
     mask: torch.Tensor | None
     is_causal: bool = False
+    value_bags: ValueBags | None = None
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -164,13 +186,18 @@ class _Builder:
                 f"request {bad} reads the null block inside its attended key range; "
                 "only blocks before the window may be null"
             )
-        self.runs.append(self.geometry.run_rows(pages).reshape(-1))
         key_len = width * self.block_size
         pos = first[:, None] * self.block_size + torch.arange(key_len)[None, :]
         visible = (pos >= self.key_start[idx][:, None]) & (pos < self.ctx_lens[idx][:, None])
-        num_rows = 2 * len(ids) * self.num_kv_heads * key_len
+        # Decodes read values in place (embedding_bag over token rows): gather keys only.
+        value_bags = None
+        if query_pos is None and self.geometry.has_token_rows:
+            value_bags = self._value_bags(pages, visible)
+        num_kv = 1 if value_bags is not None else 2
+        self.runs.append(self.geometry.run_rows(pages)[:num_kv].reshape(-1))
+        num_rows = num_kv * len(ids) * self.num_kv_heads * key_len
         if not bool(visible.all()):
-            hidden = (~visible)[None, :, None, :].expand(2, -1, self.num_kv_heads, -1)
+            hidden = (~visible)[None, :, None, :].expand(num_kv, -1, self.num_kv_heads, -1)
             self.zero_rows.append(hidden.reshape(-1).nonzero().view(-1) + self.offset)
         if query_pos is None:
             mask = None if bool(visible.all()) else visible[:, None, None, :]
@@ -196,9 +223,27 @@ class _Builder:
                 num_rows=num_rows,
                 mask=None if mask is None else mask.to(self.device),
                 is_causal=query_pos is not None and mask is None,
+                value_bags=value_bags,
             )
         )
         self.offset += num_rows
+
+    def _value_bags(self, pages: torch.Tensor, visible: torch.Tensor) -> ValueBags:
+        """One bag of visible value rows per (request, query head), in key order."""
+        group = self.num_queries_per_kv
+        rows = self.geometry.value_token_rows(pages)[:, :, None, :]  # [B, Hkv, 1, key_len]
+        seen = visible[:, None, None, :].expand(-1, self.num_kv_heads, group, -1)
+        counts = seen.sum(dim=-1).reshape(-1)
+        offsets = torch.cumsum(counts, 0) - counts
+        keep = None if bool(visible.all()) else seen.reshape(-1).nonzero().view(-1)
+        rows = rows.expand(-1, -1, group, -1).reshape(-1)
+        if keep is not None:
+            rows = rows[keep]
+        return ValueBags(
+            rows=rows.to(self.device),
+            offsets=offsets.to(self.device),
+            keep=None if keep is None else keep.to(self.device),
+        )
 
     def finish(self, workspace: GatherWorkspace) -> GatherPlan:
         """The plan of the regions added so far, its index tensors on the device."""

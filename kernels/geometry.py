@@ -75,6 +75,30 @@ class CacheGeometry:
         offset = offset + (kv * self.num_kv_heads + heads) * self.run_len
         return offset // self.row_stride
 
+    @property
+    def has_token_rows(self) -> bool:
+        """Whether every token's key or value starts a row of ``token_rows_view``."""
+        return self.page_stride % self.head_dim == 0
+
+    def value_token_rows(self, pages: torch.Tensor) -> torch.Tensor:
+        """Rows ``[*pages.shape[:-1], num_kv_heads, pages.shape[-1] * block_size]`` of values.
+
+        Index ``[..., head, j * block_size + o]`` is the value of ``head`` at offset ``o`` of
+        ``pages[..., j]``, as a row of ``token_rows_view`` (needs ``has_token_rows``).
+        """
+        heads = torch.arange(self.num_kv_heads)[:, None, None]
+        offset = pages[..., None, :, None] * self.page_stride
+        offset = offset + (self.num_kv_heads + heads) * self.run_len
+        offset = offset + torch.arange(self.block_size) * self.head_dim
+        return (offset // self.head_dim).flatten(-2)
+
+    def token_rows_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``kv_cache``'s storage as ``[num_rows, head_dim]`` rows, one per key or value."""
+        span = (kv_cache.shape[0] - 1) * self.page_stride + 2 * self.num_kv_heads * self.run_len
+        return kv_cache.as_strided(
+            (span // self.head_dim, self.head_dim), (self.head_dim, 1), kv_cache.storage_offset()
+        )
+
     def rows_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """``kv_cache``'s storage as ``[num_rows, run_len]`` rows ``row_stride`` apart."""
         span = (kv_cache.shape[0] - 1) * self.page_stride + 2 * self.num_kv_heads * self.run_len
