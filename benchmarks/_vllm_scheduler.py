@@ -15,7 +15,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from _vllm_source import load
+from _vllm_source import kv_cache_config, load, request_block_hasher
 
 __all__ = ["ReferenceScheduler", "load"]
 
@@ -141,22 +141,7 @@ class ReferenceScheduler:
         enable_prefix_caching: bool = True,
         hash_name: str = "sha256",
     ) -> None:
-        import torch
-
-        spec = vllm.spec
-        group_specs = []
-        for index, group in enumerate(groups):
-            common = dict(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float16)
-            if group["type"] == "full":
-                kv_spec = spec.FullAttentionSpec(**common)
-            elif group["type"] == "sliding_window":
-                kv_spec = spec.SlidingWindowSpec(**common, sliding_window=group["sliding_window"])
-            else:
-                raise ValueError(f"unsupported group type {group['type']!r}")
-            group_specs.append(spec.KVCacheGroupSpec([f"layer.{index}"], kv_spec))
-        kv_config = spec.KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=group_specs
-        )
+        kv_config = kv_cache_config(vllm, groups, num_blocks=num_blocks, block_size=block_size)
         config = _vllm_config(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -171,9 +156,7 @@ class ReferenceScheduler:
         self._vllm = vllm
         self._hasher = None
         if enable_prefix_caching:  # as vLLM's engine core sets it up
-            hash_fn = vllm.hashing.get_hash_fn_by_name(hash_name)
-            vllm.kv_utils.init_none_hash(hash_fn)
-            self._hasher = vllm.kv_utils.get_request_block_hasher(block_size, hash_fn)
+            self._hasher = request_block_hasher(vllm, block_size, hash_name)
         self._outputs: dict[str, Sequence[int]] = {}
         self.num_finished = 0
         self.num_output_tokens = 0

@@ -2,7 +2,10 @@
 
 ``load(DIR)``, where DIR holds the ``vllm`` package sources (the ``vllm/`` folder of a vLLM
 wheel, unpacked), imports the modules straight from DIR: nothing of vLLM is installed or
-copied. ``_vllm_scheduler.py`` builds and steps the scheduler.
+copied. Both side-by-side adapters load vLLM here: ``_vllm_scheduler.py`` builds and steps
+the scheduler, ``_vllm_reference.py`` drives the KV cache manager alone. Both build vLLM's
+KV cache config from a trace's groups with :func:`kv_cache_config` and its prefix hasher
+with :func:`request_block_hasher`.
 
 What runs is vLLM's code: ``Scheduler`` (schedule, update_from_output), its
 ``KVCacheManager`` and block pool, ``Request``, ``SamplingParams``, the scheduler output
@@ -34,7 +37,7 @@ import logging
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +213,7 @@ def load(src: str | Path) -> types.SimpleNamespace:
     version = importlib.import_module("vllm._version")
     return types.SimpleNamespace(
         scheduler=importlib.import_module("vllm.v1.core.sched.scheduler"),
+        manager=importlib.import_module("vllm.v1.core.kv_cache_manager"),
         request=importlib.import_module("vllm.v1.request"),
         sampling=importlib.import_module("vllm.sampling_params"),
         outputs=importlib.import_module("vllm.v1.outputs"),
@@ -218,3 +222,47 @@ def load(src: str | Path) -> types.SimpleNamespace:
         hashing=importlib.import_module("vllm.utils.hashing"),
         version=f"{version.__version__} ({version.__commit_id__})",
     )
+
+
+def kv_cache_config(
+    vllm: types.SimpleNamespace,
+    groups: Sequence[dict[str, Any]],
+    *,
+    num_blocks: int,
+    block_size: int,
+) -> Any:
+    """vLLM's ``KVCacheConfig`` for a trace's groups, one layer per group.
+
+    Args:
+        vllm: What :func:`load` returned.
+        groups: ``{"type": "full"}`` or ``{"type": "sliding_window", "sliding_window": W}``.
+        num_blocks: Pool size, the null block included.
+        block_size: Tokens per block.
+    """
+    import torch
+
+    spec = vllm.spec
+    group_specs = []
+    for index, group in enumerate(groups):
+        # Head shape and dtype size only vLLM's tensors, and no tensor is allocated here.
+        common = dict(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float16)
+        if group["type"] == "full":
+            kv_spec = spec.FullAttentionSpec(**common)
+        elif group["type"] == "sliding_window":
+            kv_spec = spec.SlidingWindowSpec(**common, sliding_window=group["sliding_window"])
+        else:
+            raise ValueError(f"unsupported group type {group['type']!r}")
+        group_specs.append(spec.KVCacheGroupSpec([f"layer.{index}"], kv_spec))
+    return spec.KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=group_specs
+    )
+
+
+def request_block_hasher(
+    vllm: types.SimpleNamespace, block_size: int, hash_name: str
+) -> Callable[[Any], list[Any]]:
+    """vLLM's per-request block hasher for ``hash_name`` ("sha256", ...), with the root
+    hash seeded first, as vLLM's engine core sets it up."""
+    hash_fn = vllm.hashing.get_hash_fn_by_name(hash_name)
+    vllm.kv_utils.init_none_hash(hash_fn)
+    return vllm.kv_utils.get_request_block_hasher(block_size, hash_fn)

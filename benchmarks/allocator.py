@@ -4,8 +4,9 @@ A trace (format "kvcm-trace/1", see ``shared/traces/README.md``) records every c
 engine made to its KV cache allocator. The replay makes the same calls on hybridkv's
 ``KVCacheManager``, timing each step (``perf_counter_ns`` around that step's operations
 only), and reports where its answers (hits, pages, refusals) differ from the recorded ones.
-With ``--reference-src DIR`` (a vLLM source tree, see ``_vllm_reference.py``) vLLM's own
-KVCacheManager replays the same steps in lockstep, so both run under the same load.
+With ``--reference-src DIR`` (a vLLM source tree loaded by ``_vllm_source.py``, which needs
+msgspec; see ``_vllm_reference.py``) vLLM's own KVCacheManager replays the same steps in
+lockstep, so both run under the same load.
 
 Without ``--trace`` it replays ``shared/traces`` and generated workloads: 64/256/1024
 concurrent requests, full attention and a Gemma-3-like 5:1 sliding-window:full layout, with
@@ -274,7 +275,7 @@ def hash_bench(reference: Any) -> dict[str, float]:
         hasher = BlockHasher(16, name)
         out[name] = best(lambda h=hasher: h.extend([], h.root(()), tokens, len(tokens)))
     if reference is not None:  # vLLM's own chained hash (pickle + sha256), for comparison
-        utils, fn = reference.utils, reference.hashing.get_hash_fn_by_name("sha256")
+        utils, fn = reference.kv_utils, reference.hashing.get_hash_fn_by_name("sha256")
         utils.init_none_hash(fn)
 
         def chain() -> None:
