@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
-from hybridkv.kernels import PagedMetadata
+from hybridkv.kernels import PagedMetadata, gather_plan
 from hybridkv.kernels.gather_plan import GatherPlan
 from hybridkv.kernels.geometry import CacheGeometry
+
+
+@pytest.fixture
+def _in_place() -> Iterator[None]:
+    saved = gather_plan.VALUE_BAGS_MIN_ELEMENTS
+    gather_plan.VALUE_BAGS_MIN_ELEMENTS = 0
+    yield
+    gather_plan.VALUE_BAGS_MIN_ELEMENTS = saved
 
 
 def _plan(page_stride: int) -> GatherPlan:
@@ -16,6 +27,7 @@ def _plan(page_stride: int) -> GatherPlan:
     return meta.plan(geometry, num_queries_per_kv=2, sliding_window=None)
 
 
+@pytest.mark.usefixtures("_in_place")
 def test_decode_bags_name_only_visible_value_rows() -> None:
     """Each (request, query head) bag lists the token rows of its visible values in order."""
     (region,) = _plan(page_stride=16).regions
@@ -29,6 +41,14 @@ def test_decode_bags_name_only_visible_value_rows() -> None:
     assert bags.keep is not None and bags.keep.numel() == 22
 
 
+def test_small_decodes_gather_values() -> None:
+    """Decodes whose values are fewer than VALUE_BAGS_MIN_ELEMENTS gather them for SDPA."""
+    (region,) = _plan(page_stride=16).regions
+    assert region.value_bags is None
+    assert region.num_rows == 2 * 2 * 1 * 8
+
+
+@pytest.mark.usefixtures("_in_place")
 def test_pages_not_aligned_to_head_dim_gather_values() -> None:
     """A page stride that is no multiple of head_dim falls back to gathering values."""
     (region,) = _plan(page_stride=17).regions
