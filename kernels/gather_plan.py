@@ -124,6 +124,55 @@ class GatherPlan:
         workspace: GatherWorkspace,
     ) -> GatherPlan:
         """Plan one step: decodes (query_len 1) batched by length, each prefill on its own."""
+        layout = GatherLayout.build(
+            query_lens=query_lens,
+            context_lens=context_lens,
+            geometry=geometry,
+            num_queries_per_kv=num_queries_per_kv,
+            sliding_window=sliding_window,
+            device=device,
+        )
+        return layout.bind(block_table, workspace)
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class _RegionLayout:
+    """A region before its pages are known: which table cells it reads, and its shape."""
+
+    region: Region
+    ids: torch.Tensor  # [B, 1] rows of the block table
+    page_idx: torch.Tensor  # [B, width] columns of the block table
+    num_kv: int  # 1: keys only (values read in place), 2: keys and values
+    bag_offsets: torch.Tensor | None
+    bag_keep: torch.Tensor | None
+
+
+@attrs.frozen(eq=False, kw_only=True)
+class GatherLayout:
+    """Everything of a ``GatherPlan`` that depends on lengths only, not on page ids.
+
+    KV groups of one policy run the same lengths every step, so they share one layout and
+    each binds it to its own block table (``bind``): only the page lookups are per group.
+    """
+
+    regions: tuple[_RegionLayout, ...]
+    zero_rows: torch.Tensor | None
+    geometry: CacheGeometry
+    num_queries_per_kv: int
+    device: torch.device
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        geometry: CacheGeometry,
+        num_queries_per_kv: int,
+        sliding_window: int | None,
+        device: torch.device,
+    ) -> GatherLayout:
+        """Lay out one step: decodes (query_len 1) batched by length, each prefill alone."""
         if sliding_window is not None and sliding_window < 1:
             raise KernelInputError(f"sliding_window must be >= 1, got {sliding_window}")
         q_lens = torch.tensor(query_lens, dtype=torch.long)
@@ -132,7 +181,6 @@ class GatherPlan:
         if sliding_window is not None:
             key_start = (ctx_lens - q_lens - sliding_window + 1).clamp(min=0)
         builder = _Builder(
-            block_table,
             geometry,
             key_start,
             ctx_lens,
@@ -147,15 +195,62 @@ class GatherPlan:
             if n > 1:
                 q_pos = torch.arange(context_lens[i] - n, context_lens[i])
                 builder.add([i], slice(starts[i], starts[i] + n), q_pos, sliding_window)
-        return builder.finish(workspace)
+        zero = torch.cat(builder.zero_rows).to(device) if builder.zero_rows else None
+        return cls(
+            regions=tuple(builder.regions),
+            zero_rows=zero,
+            geometry=geometry,
+            num_queries_per_kv=num_queries_per_kv,
+            device=device,
+        )
+
+    def bind(self, block_table: torch.Tensor, workspace: GatherWorkspace) -> GatherPlan:
+        """The plan of this layout over one group's ``[num_requests, max_blocks]`` table.
+
+        Raises:
+            KernelInputError: a table names the null block inside an attended key range.
+        """
+        runs, regions = [], []
+        for layout in self.regions:
+            pages = block_table[layout.ids, layout.page_idx]
+            if bool((pages == 0).any()):
+                bad = int(layout.ids[int((pages == 0).any(dim=1).nonzero()[0])])
+                raise KernelInputError(
+                    f"request {bad} reads the null block inside its attended key range; "
+                    "only blocks before the window may be null"
+                )
+            runs.append(self.geometry.run_rows(pages)[: layout.num_kv].reshape(-1))
+            region = layout.region
+            if layout.bag_offsets is not None:
+                region = attrs.evolve(region, value_bags=self._value_bags(pages, layout))
+            regions.append(region)
+        return GatherPlan(
+            runs=torch.cat(runs).to(self.device),
+            zero_rows=self.zero_rows,
+            regions=tuple(regions),
+            geometry=self.geometry,
+            workspace=workspace,
+        )
+
+    def _value_bags(self, pages: torch.Tensor, layout: _RegionLayout) -> ValueBags:
+        """One bag of visible value rows per (request, query head), in key order."""
+        assert layout.bag_offsets is not None
+        rows = self.geometry.value_token_rows(pages)[:, :, None, :]  # [B, Hkv, 1, key_len]
+        rows = rows.expand(-1, -1, self.num_queries_per_kv, -1).reshape(-1)
+        if layout.bag_keep is not None:
+            rows = rows[layout.bag_keep]
+        return ValueBags(
+            rows=rows.to(self.device),
+            offsets=layout.bag_offsets.to(self.device),
+            keep=None if layout.bag_keep is None else layout.bag_keep.to(self.device),
+        )
 
 
 class _Builder:
-    """Accumulates the runs, zeroed rows and regions of a plan, one region at a time."""
+    """Accumulates the region layouts and zeroed rows of a step, one region at a time."""
 
     def __init__(
         self,
-        block_table: torch.Tensor,
         geometry: CacheGeometry,
         key_start: torch.Tensor,
         ctx_lens: torch.Tensor,
@@ -163,15 +258,14 @@ class _Builder:
         num_queries_per_kv: int,
         device: torch.device,
     ) -> None:
-        self.table, self.geometry = block_table, geometry
+        self.geometry = geometry
         self.block_size, self.num_kv_heads = geometry.block_size, geometry.num_kv_heads
         self.key_start, self.ctx_lens = key_start, ctx_lens
         self.num_queries_per_kv, self.device = num_queries_per_kv, device
         self.first_page = key_start // self.block_size
         self.num_pages = (ctx_lens - 1) // self.block_size - self.first_page + 1
-        self.runs: list[torch.Tensor] = []
         self.zero_rows: list[torch.Tensor] = []
-        self.regions: list[Region] = []
+        self.regions: list[_RegionLayout] = []
         self.offset = 0
 
     def add(
@@ -186,33 +280,32 @@ class _Builder:
         first, num_pages = self.first_page[idx], self.num_pages[idx]
         width = int(num_pages.max())
         page_idx = first[:, None] + torch.minimum(torch.arange(width), num_pages[:, None] - 1)
-        pages = self.table[idx[:, None], page_idx]
-        if bool((pages == 0).any()):
-            bad = ids[int((pages == 0).any(dim=1).nonzero()[0])]
-            raise KernelInputError(
-                f"request {bad} reads the null block inside its attended key range; "
-                "only blocks before the window may be null"
-            )
         key_len = width * self.block_size
         pos = first[:, None] * self.block_size + torch.arange(key_len)[None, :]
         visible = (pos >= self.key_start[idx][:, None]) & (pos < self.ctx_lens[idx][:, None])
+        all_visible = bool(visible.all())
         # Decodes read values in place (embedding_bag over token rows): gather keys only.
-        value_bags = None
         per_request = key_len * self.num_kv_heads * self.geometry.head_dim
-        if (
+        in_place = (
             query_pos is None
             and self.geometry.has_token_rows
             and per_request >= VALUE_BAGS_MIN_ELEMENTS
-        ):
-            value_bags = self._value_bags(pages, visible)
-        num_kv = 1 if value_bags is not None else 2
-        self.runs.append(self.geometry.run_rows(pages)[:num_kv].reshape(-1))
+        )
+        bag_offsets = bag_keep = None
+        if in_place:
+            seen = visible[:, None, None, :].expand(
+                -1, self.num_kv_heads, self.num_queries_per_kv, -1
+            )
+            counts = seen.sum(dim=-1).reshape(-1)
+            bag_offsets = torch.cumsum(counts, 0) - counts
+            bag_keep = None if all_visible else seen.reshape(-1).nonzero().view(-1)
+        num_kv = 1 if in_place else 2
         num_rows = num_kv * len(ids) * self.num_kv_heads * key_len
-        if not bool(visible.all()):
+        if not all_visible:
             hidden = (~visible)[None, :, None, :].expand(num_kv, -1, self.num_kv_heads, -1)
             self.zero_rows.append(hidden.reshape(-1).nonzero().view(-1) + self.offset)
         if query_pos is None:
-            mask = None if bool(visible.all()) else visible[:, None, None, :]
+            mask = None if all_visible else visible[:, None, None, :]
         elif int(query_pos[0]) == 0 and (window is None or window >= query_pos.numel()):
             mask = None
         else:
@@ -225,48 +318,27 @@ class _Builder:
             index = torch.tensor(token_index, dtype=torch.long, device=self.device)
         else:
             index = token_index
+        region = Region(
+            token_index=index,
+            num_requests=len(ids),
+            num_queries=1 if query_pos is None else query_pos.numel(),
+            key_len=key_len,
+            row_offset=self.offset,
+            num_rows=num_rows,
+            mask=None if mask is None else mask.to(self.device),
+            is_causal=query_pos is not None and mask is None,
+        )
         self.regions.append(
-            Region(
-                token_index=index,
-                num_requests=len(ids),
-                num_queries=1 if query_pos is None else query_pos.numel(),
-                key_len=key_len,
-                row_offset=self.offset,
-                num_rows=num_rows,
-                mask=None if mask is None else mask.to(self.device),
-                is_causal=query_pos is not None and mask is None,
-                value_bags=value_bags,
+            _RegionLayout(
+                region=region,
+                ids=idx[:, None],
+                page_idx=page_idx,
+                num_kv=num_kv,
+                bag_offsets=bag_offsets,
+                bag_keep=bag_keep,
             )
         )
         self.offset += num_rows
-
-    def _value_bags(self, pages: torch.Tensor, visible: torch.Tensor) -> ValueBags:
-        """One bag of visible value rows per (request, query head), in key order."""
-        group = self.num_queries_per_kv
-        rows = self.geometry.value_token_rows(pages)[:, :, None, :]  # [B, Hkv, 1, key_len]
-        seen = visible[:, None, None, :].expand(-1, self.num_kv_heads, group, -1)
-        counts = seen.sum(dim=-1).reshape(-1)
-        offsets = torch.cumsum(counts, 0) - counts
-        keep = None if bool(visible.all()) else seen.reshape(-1).nonzero().view(-1)
-        rows = rows.expand(-1, -1, group, -1).reshape(-1)
-        if keep is not None:
-            rows = rows[keep]
-        return ValueBags(
-            rows=rows.to(self.device),
-            offsets=offsets.to(self.device),
-            keep=None if keep is None else keep.to(self.device),
-        )
-
-    def finish(self, workspace: GatherWorkspace) -> GatherPlan:
-        """The plan of the regions added so far, its index tensors on the device."""
-        zero = torch.cat(self.zero_rows).to(self.device) if self.zero_rows else None
-        return GatherPlan(
-            runs=torch.cat(self.runs).to(self.device),
-            zero_rows=zero,
-            regions=tuple(self.regions),
-            geometry=self.geometry,
-            workspace=workspace,
-        )
 
 
 def _group_by_pages(request_ids: list[int], num_pages: list[int]) -> list[list[int]]:

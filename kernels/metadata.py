@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from hybridkv.kernels.errors import KernelInputError
-from hybridkv.kernels.gather_plan import GatherPlan
+from hybridkv.kernels.gather_plan import GatherLayout, GatherPlan
 from hybridkv.kernels.geometry import CacheGeometry
 from hybridkv.kernels.workspace import GatherWorkspace
 
@@ -39,11 +39,14 @@ class PagedMetadata:
         block_size: tokens per page.
         device: where the index tensors live (the cache's device).
         block_table: ``[num_requests, max_blocks]`` int64 on the CPU, right-padded with 0.
+        positions: ``[num_tokens]`` int64 on ``device``, each token's position in its request.
         slot_mapping: ``[num_tokens]`` int64 on ``device``, ``page * block_size + offset``.
         write_pages: ``[num_tokens]`` ``slot_mapping // block_size``.
         write_offsets: ``[num_tokens]`` ``slot_mapping % block_size``.
         max_block_id: the largest page id any table names (checked against the cache).
         workspace: where the layers' gather buffers come from.
+        layouts: the lengths-only part of the gather plans, shared by every group built
+            together by ``build_groups`` (their lengths are the same).
     """
 
     query_lens: tuple[int, ...]
@@ -51,11 +54,13 @@ class PagedMetadata:
     block_size: int
     device: torch.device
     block_table: torch.Tensor
+    positions: torch.Tensor
     slot_mapping: torch.Tensor
     write_pages: torch.Tensor
     write_offsets: torch.Tensor
     max_block_id: int
     workspace: GatherWorkspace
+    layouts: dict[PlanKey, GatherLayout] = attrs.field(factory=dict)
     _plans: dict[PlanKey, GatherPlan] = attrs.field(factory=dict, init=False)
 
     @property
@@ -89,13 +94,30 @@ class PagedMetadata:
                 context_len, a table is too short for its context, or a new token would be
                 written into the null block.
         """
-        _check_lengths(query_lens, context_lens, block_tables, block_size)
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        table = torch.zeros(len(block_tables), max(max_blocks, 1), dtype=torch.long)
-        for i, row in enumerate(block_tables):
-            table[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
-        if bool((table < 0).any()):
-            raise KernelInputError("block tables hold a negative page id; the null block is 0")
+        (meta,) = cls.build_groups(
+            query_lens, context_lens, [block_tables], block_size, device, workspace=workspace
+        )
+        return meta
+
+    @classmethod
+    def build_groups(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        group_tables: Sequence[Sequence[Sequence[int]]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        workspace: GatherWorkspace | None = None,
+    ) -> list[PagedMetadata]:
+        """One metadata per KV group of a step: ``group_tables[g]`` is group g's tables.
+
+        Positions and the lengths-only part of the gather plans are computed once and
+        shared; each group only looks up its own pages. Raises as ``build`` does.
+        """
+        for tables in group_tables:
+            _check_lengths(query_lens, context_lens, tables, block_size)
+        dev = torch.device(device)
         q_lens = torch.tensor(list(query_lens), dtype=torch.long)
         ctx_lens = torch.tensor(list(context_lens), dtype=torch.long)
         request_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
@@ -105,24 +127,36 @@ class PagedMetadata:
             - first_token[request_of_token]
             + (ctx_lens - q_lens)[request_of_token]
         )
-        pages = table[request_of_token, positions // block_size]
-        if bool((pages == 0).any()):
-            bad = int(request_of_token[pages == 0][0])
-            raise KernelInputError(f"request {bad} would write a new token into the null block")
-        offsets = positions % block_size
-        dev = torch.device(device)
-        return cls(
-            query_lens=tuple(int(n) for n in query_lens),
-            context_lens=tuple(int(n) for n in context_lens),
-            block_size=block_size,
-            device=dev,
-            block_table=table,
-            slot_mapping=(pages * block_size + offsets).to(dev),
-            write_pages=pages.to(dev),
-            write_offsets=offsets.to(dev),
-            max_block_id=int(table.max()),
-            workspace=GatherWorkspace() if workspace is None else workspace,
-        )
+        columns, offsets = positions // block_size, positions % block_size
+        offsets_dev, positions_dev = offsets.to(dev), positions.to(dev)
+        q_tuple = tuple(int(n) for n in query_lens)
+        ctx_tuple = tuple(int(n) for n in context_lens)
+        layouts: dict[PlanKey, GatherLayout] = {}
+        shared = GatherWorkspace() if workspace is None else workspace
+        out = []
+        for tables in group_tables:
+            table = _table(tables)
+            pages = table[request_of_token, columns]
+            if bool((pages == 0).any()):
+                bad = int(request_of_token[pages == 0][0])
+                raise KernelInputError(f"request {bad} would write a new token into the null block")
+            out.append(
+                cls(
+                    query_lens=q_tuple,
+                    context_lens=ctx_tuple,
+                    block_size=block_size,
+                    device=dev,
+                    block_table=table,
+                    positions=positions_dev,
+                    slot_mapping=(pages * block_size + offsets).to(dev),
+                    write_pages=pages.to(dev),
+                    write_offsets=offsets_dev,
+                    max_block_id=int(table.max()),
+                    workspace=shared,
+                    layouts=layouts,
+                )
+            )
+        return out
 
     def plan(
         self, geometry: CacheGeometry, *, num_queries_per_kv: int, sliding_window: int | None
@@ -131,18 +165,29 @@ class PagedMetadata:
         key = (geometry, num_queries_per_kv, sliding_window)
         plan = self._plans.get(key)
         if plan is None:
-            plan = GatherPlan.build(
-                query_lens=self.query_lens,
-                context_lens=self.context_lens,
-                block_table=self.block_table,
-                geometry=geometry,
-                num_queries_per_kv=num_queries_per_kv,
-                sliding_window=sliding_window,
-                device=self.device,
-                workspace=self.workspace,
-            )
+            layout = self.layouts.get(key)
+            if layout is None:
+                layout = GatherLayout.build(
+                    query_lens=self.query_lens,
+                    context_lens=self.context_lens,
+                    geometry=geometry,
+                    num_queries_per_kv=num_queries_per_kv,
+                    sliding_window=sliding_window,
+                    device=self.device,
+                )
+                self.layouts[key] = layout
+            plan = layout.bind(self.block_table, self.workspace)
             self._plans[key] = plan
         return plan
+
+
+def _table(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``[num_requests, max(max_blocks, 1)]`` int64, rows right-padded with the null block."""
+    width = max(1, max((len(t) for t in block_tables), default=0))
+    table = torch.tensor([[*row, *([0] * (width - len(row)))] for row in block_tables])
+    if bool((table < 0).any()):
+        raise KernelInputError("block tables hold a negative page id; the null block is 0")
+    return table.to(torch.long)
 
 
 def _check_lengths(

@@ -176,23 +176,15 @@ class ModelExecutor:
         input_ids = torch.tensor(
             [t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device
         )
-        positions = torch.cat(
-            [
-                torch.arange(r.start_position, end)
-                for r, end in zip(requests, context_lens, strict=True)
-            ]
-        ).to(self.device)
-        metadata = [
-            PagedMetadata.build(
-                query_lens,
-                context_lens,
-                [r.block_tables[group.group_id] for r in requests],
-                self.plan.block_size,
-                device=self.device,
-                workspace=self._workspace,
-            )
-            for group in self.plan.groups
-        ]
+        metadata = PagedMetadata.build_groups(
+            query_lens,
+            context_lens,
+            [[r.block_tables[group.group_id] for r in requests] for group in self.plan.groups],
+            self.plan.block_size,
+            device=self.device,
+            workspace=self._workspace,
+        )
+        positions = metadata[0].positions
         caches = [
             (cache, metadata[group])
             for cache, group in zip(self.kv_caches, self._layer_groups, strict=True)
