@@ -28,6 +28,7 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import BatchError, ModelConfigError
 from hybridkv.models.sampler import Sampler
 from hybridkv.models.specs import layer_specs_from_config
+from hybridkv.models.torch_thread import TorchThread
 from hybridkv.models.transformer import CausalLM
 from hybridkv.policies.base import cdiv
 from hybridkv.policies.builtin import FullAttention
@@ -84,14 +85,19 @@ class ModelExecutor:
         tokenizer: object | None = None,
         sampler: Sampler | None = None,
         logits_hook: LogitsHook | None = None,
+        torch_thread: TorchThread | None = None,
     ) -> None:
+        # Every torch call of this executor runs on one thread (see models/torch_thread.py).
+        self.torch_thread = torch_thread or TorchThread()
         self.model = model
         self.config: ModelConfig = model.config
         self.plan = plan
         self.device = device
         attention = _check_specs(self.config, specs)
         self.specs = tuple(attention)
-        self.kv_caches = allocate_kv_caches(plan, attention, _model_dtype(model), device)
+        self.kv_caches = self.torch_thread.run(
+            allocate_kv_caches, plan, attention, _model_dtype(model), device
+        )
         self._layer_groups = [plan.layer_slots[s.name][0] for s in attention]
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
@@ -132,10 +138,16 @@ class ModelExecutor:
         """
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        thread = TorchThread(num_threads)
         checkpoint = Checkpoint.open(path)
         target = torch.device(device)
-        weights = checkpoint.load_weights(dtype, target)
-        model = CausalLM.from_weights(checkpoint.config, checkpoint.architecture, weights, target)
+
+        def load() -> CausalLM:
+            weights = checkpoint.load_weights(dtype, target)
+            config, architecture = checkpoint.config, checkpoint.architecture
+            return CausalLM.from_weights(config, architecture, weights, target)
+
+        model = thread.run(load)
         itemsize = torch.empty((), dtype=dtype).element_size()
         specs = layer_specs_from_config(dict(checkpoint.hf_config), itemsize)
         if uniform_layout:
@@ -158,14 +170,24 @@ class ModelExecutor:
             tokenizer=checkpoint.load_tokenizer(),
             sampler=Sampler(eos_token_ids=checkpoint.eos_token_ids, seed=seed),
             logits_hook=logits_hook,
+            torch_thread=thread,
         )
+
+    def close(self) -> None:
+        """End the executor's torch thread; later steps run on the caller's thread."""
+        self.torch_thread.close()
 
     def execute(self, batch: StepBatch) -> list[int | None]:
         """Write and attend every request's tokens in one forward pass; sample where asked.
 
+        Runs on the executor's torch thread.
+
         Raises:
             BatchError: a request's block tables do not match the layout.
         """
+        return self.torch_thread.run(self._execute, batch)
+
+    def _execute(self, batch: StepBatch) -> list[int | None]:
         requests = batch.requests
         if not requests:
             return []
