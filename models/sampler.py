@@ -75,10 +75,21 @@ class Sampler:
             output_indices: Per row, tokens the request generated before this one.
         """
         rows = logits.detach().to("cpu", torch.float32)
-        return [
-            self._sample_row(rows[i], p, index)
-            for i, (p, index) in enumerate(zip(params, output_indices, strict=True))
+        # Greedy rows with nothing to ban share one argmax; the others go row by row.
+        plain = [
+            p.is_greedy and index >= p.min_tokens
+            for p, index in zip(params, output_indices, strict=True)
         ]
+        out = [0] * len(plain)
+        greedy = [i for i, ok in enumerate(plain) if ok]
+        if greedy:
+            tokens = torch.argmax(rows[greedy] if len(greedy) < len(plain) else rows, dim=-1)
+            for i, token in zip(greedy, tokens.tolist(), strict=True):
+                out[i] = token
+        for i, ok in enumerate(plain):
+            if not ok:
+                out[i] = self._sample_row(rows[i], params[i], output_indices[i])
+        return out
 
     def _sample_row(self, row: torch.Tensor, params: SamplingParams, output_index: int) -> int:
         if output_index < params.min_tokens:
