@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -38,9 +40,10 @@ def test_the_policy_example_defines_a_working_policy(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_the_server_example_names_real_functions() -> None:
-    """The HTTP embedding example compiles and every name it imports exists."""
-    (block,) = [b for b in _python_blocks() if "serve_http" in b]
+@pytest.mark.parametrize("marker", ["serve_http", "ModelExecutor.from_pretrained"])
+def test_the_model_examples_name_real_functions(marker: str) -> None:
+    """The examples that need a real model compile, and every name they import exists."""
+    (block,) = [b for b in _python_blocks() if marker in b]
     compile(block, "README.md", "exec")
     imports = "\n".join(line for line in block.splitlines() if line.startswith(("from", "import")))
     exec(imports, {})
