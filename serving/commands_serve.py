@@ -74,9 +74,10 @@ def run_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
     )
     sock = open_socket(args.host, args.port)  # fail fast, before the model loads
-    loaded = load_model(engine_args(args))
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way to stop
-        anyio.run(_serve, loaded, sock, options, args)
+    with sock:  # closed too when the model fails to load
+        loaded = load_model(engine_args(args))
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way to stop
+            anyio.run(_serve, loaded, sock, options, args)
     return 0
 
 

@@ -30,8 +30,12 @@ def open_socket(host: str, port: int) -> socket.socket:
     """A bound TCP socket for ``host``:``port`` (port 0: any free port).
 
     Raises:
-        ListenError: the address is in use, unknown, or not ours to bind.
+        ListenError: the port is out of range, or the address is in use, unknown, or
+            not ours to bind.
     """
+    if not 0 <= port <= 65535:
+        # bind() would silently take the port modulo 65536.
+        raise ListenError(f"cannot listen on {host}:{port}: port {port} is not in [0, 65535]")
     try:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM)

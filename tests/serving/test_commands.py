@@ -123,3 +123,10 @@ def test_unknown_model_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -
     code = main(["generate", "no-such-model", "w2"])
     assert code == 2
     assert "gemma-3-270m" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    """A port above 65535 is a one-line error, not a silent bind to the port modulo 65536."""
+    code = main(["serve", "no-such-model", "--port", "70000"])
+    assert code == 2
+    assert "port 70000" in capsys.readouterr().err
