@@ -49,7 +49,9 @@ class ServerOptions:
     """
 
     max_body_bytes: int = attrs.field(default=4 * 2**20, validator=attrs.validators.ge(1))
-    default_max_tokens: int | None = None
+    default_max_tokens: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
+    )
 
 
 class _ClosingStreamingResponse(StreamingResponse):

@@ -64,11 +64,13 @@ def run_serve(args: argparse.Namespace) -> int:
     import anyio
 
     from hybridkv.serving.app import ServerOptions
-    from hybridkv.serving.cli import parse_size
+    from hybridkv.serving.cli import UsageError, parse_size
     from hybridkv.serving.loading import load_model
     from hybridkv.serving.server import open_socket
 
     configure_logging(args.log_level)
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     options = ServerOptions(
         max_body_bytes=parse_size(args.max_body_size),
         default_max_tokens=args.default_max_tokens,

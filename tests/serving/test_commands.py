@@ -130,3 +130,12 @@ def test_serve_refuses_a_port_out_of_range(capsys: pytest.CaptureFixture[str]) -
     code = main(["serve", "no-such-model", "--port", "70000"])
     assert code == 2
     assert "port 70000" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_non_positive_default_max_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--default-max-tokens 0 exits 2 at start instead of failing every chat request with 500."""
+    code = main(["serve", "no-such-model", "--port", "0", "--default-max-tokens", "0"])
+    assert code == 2
+    assert "--default-max-tokens must be >= 1, got 0" in capsys.readouterr().err
