@@ -30,7 +30,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     Tokens cut away get ``-inf``; the most likely token always survives.
     """
-    logits = logits / params.temperature
+    # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf
+    # instead of overflowing them all to inf (NaN probabilities failing the whole step).
+    logits = (logits - logits.max()) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

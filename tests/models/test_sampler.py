@@ -82,3 +82,10 @@ def test_min_tokens_withholds_eos():
     params = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=5)
     assert sampler.sample(logits, [params], [2])[0] != 2
     assert sampler.sample(logits, [params], [3])[0] == 2
+
+
+def test_tiny_temperature_samples_the_top_token():
+    """A temperature small enough to overflow float32 logits still draws the argmax."""
+    logits = _logits(2)
+    tiny = SamplingParams(temperature=1e-40, seed=7)
+    assert Sampler(seed=0).sample(logits, [tiny] * 2, [0, 0]) == logits.argmax(-1).tolist()
