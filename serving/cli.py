@@ -52,6 +52,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HybridKVError as exc:
         print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BaseExceptionGroup as group:
+        # A task group (the engine's) wraps what its body raised; unwrap our errors.
+        errors, rest = group.split(HybridKVError)
+        if errors is None or rest is not None:
+            raise
+        for exc in _leaves(errors):
+            print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -139,3 +139,13 @@ def test_serve_refuses_a_non_positive_default_max_tokens(
     code = main(["serve", "no-such-model", "--port", "0", "--default-max-tokens", "0"])
     assert code == 2
     assert "--default-max-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_generate_prompt_over_the_limit_is_a_one_line_error(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prompt filling --max-model-len exits 2 with the engine's message, not a traceback."""
+    code = main(["generate", str(tiny_checkpoint), "w2 w3", "--max-model-len", "2",
+                 "--kv-memory", "1MiB", "--block-size", "4"])  # fmt: skip
+    assert code == 2
+    assert "leaves no room to generate within max_model_len=2" in capsys.readouterr().err
