@@ -57,8 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors, rest = group.split(HybridKVError)
         if errors is None or rest is not None:
             raise
-        for exc in _leaves(errors):
-            print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)
+        for error in _leaves(errors):
+            print(f"hybridkv {args.command}: error: {error}", file=sys.stderr)
         return 2
 
 
