@@ -141,6 +141,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level)
     _check_positive(args, "requests", "prompt_len", "output_len")
+    if args.rate is not None:  # None sends every request at once
+        _check_positive(args, "rate")
     if not 0 <= args.shared_prefix <= args.prompt_len:
         from hybridkv.serving.cli import UsageError
 

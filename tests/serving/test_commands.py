@@ -149,3 +149,10 @@ def test_generate_prompt_over_the_limit_is_a_one_line_error(
                  "--kv-memory", "1MiB", "--block-size", "4"])  # fmt: skip
     assert code == 2
     assert "leaves no room to generate within max_model_len=2" in capsys.readouterr().err
+
+
+def test_bench_refuses_a_non_positive_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench --rate 0` exits 2 naming the flag instead of dividing by zero."""
+    code = main(["bench", "no-such-model", "--rate", "0"])
+    assert code == 2
+    assert "--rate must be > 0, got 0.0" in capsys.readouterr().err
