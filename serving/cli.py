@@ -57,8 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors, rest = group.split(HybridKVError)
         if errors is None or rest is not None:
             raise
-        for error in _leaves(errors):
-            print(f"hybridkv {args.command}: error: {error}", file=sys.stderr)
+        # Requests failing alike (a bench where every prompt is too long) print one line.
+        for message in dict.fromkeys(str(error) for error in _leaves(errors)):
+            print(f"hybridkv {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -156,3 +156,14 @@ def test_bench_refuses_a_non_positive_rate(capsys: pytest.CaptureFixture[str]) -
     code = main(["bench", "no-such-model", "--rate", "0"])
     assert code == 2
     assert "--rate must be > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_bench_prompt_over_the_limit_is_reported_once(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every bench request failing the same way prints the error once and exits 2."""
+    code = main(["bench", str(tiny_checkpoint), "--requests", "2", "--prompt-len", "20",
+                 "--output-len", "2", "--max-model-len", "10", "--kv-memory", "1MiB",
+                 "--block-size", "4"])  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err.count("leaves no room to generate") == 1
