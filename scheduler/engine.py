@@ -62,7 +62,7 @@ class Engine:
         self._is_running = False
         self._error: BaseException | None = None
         self._loop_thread: int | None = None
-        # Aborts from iterators dropped on another thread (a GC pass in a worker thread).
+        # Aborts from dropped iterators, queued: their finalizers may run on any thread.
         self._foreign_aborts: deque[Request] = deque()
         self._task_group: anyio.abc.TaskGroup | None = None
 
@@ -203,6 +203,7 @@ class Engine:
         """
         if not self._is_running:
             raise EngineStoppedError("the engine is not running") from self._error
+        self._drain_foreign_aborts()  # a dropped iterator's request id is free again
         request_id = uuid.uuid4().hex if request_id is None else request_id
         channel = OutputChannel()
         request = self.core.add_request(
@@ -221,20 +222,25 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """End a request with finish reason ``abort``; its pages are freed at once, or as
         soon as the step running it returns. Returns False if it is not live."""
+        self._drain_foreign_aborts()
         return self.core.abort(request_id)
 
     def stats(self) -> EngineStats:
         """Queue lengths, pages used per group, prefix hit rate, recent throughput."""
+        self._drain_foreign_aborts()
         return self.core.stats()
 
-    def _abort_dropped(self, request: Request) -> None:
-        """Abort for an iterator that was closed or dropped (possibly on another thread)."""
-        if threading.get_ident() == self._loop_thread:
+    def _abort_dropped(self, request: Request, is_finalizer: bool) -> None:
+        """Abort for an iterator that was closed, or dropped (by a finalizer, which may run
+        on another thread or in the middle of the loop's own code: queued for the loop)."""
+        if not is_finalizer and threading.get_ident() == self._loop_thread:
             self.core.end(request, FinishReason.ABORT)
         else:
             self._foreign_aborts.append(request)
 
     def _drain_foreign_aborts(self) -> None:
+        """End the requests of dropped iterators. The loop and every public method call it
+        before they read or change the core, so a drop still reads as an abort at once."""
         while self._foreign_aborts:
             self.core.end(self._foreign_aborts.popleft(), FinishReason.ABORT)
 

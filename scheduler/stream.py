@@ -77,7 +77,7 @@ class RequestStream:
     __slots__ = ("_abort", "_channel", "_is_done", "_request")
 
     def __init__(
-        self, request: Request, channel: OutputChannel, abort: Callable[[Request], None]
+        self, request: Request, channel: OutputChannel, abort: Callable[[Request, bool], None]
     ) -> None:
         self._request = request
         self._channel = channel
@@ -124,7 +124,11 @@ class RequestStream:
         """Abort the request if it has not finished."""
         if not self._is_done:
             self._is_done = True
-            self._abort(self._request)
+            self._abort(self._request, False)
 
     def __del__(self) -> None:
-        self.close()
+        # A finalizer can run anywhere, even inside the engine's planning (a GC pass on
+        # the loop thread): it only queues the abort, never changes the engine's state.
+        if not self._is_done:
+            self._is_done = True
+            self._abort(self._request, True)

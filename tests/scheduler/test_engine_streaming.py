@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import anyio
+import attrs
 import pytest
 
 from hybridkv.policies import FullAttention, SlidingWindow
+from hybridkv.policies.base import IsCached
 from hybridkv.scheduler import (
     Engine,
     EngineConfig,
@@ -264,3 +268,40 @@ async def test_outputs_stream_and_requests_arrive_while_a_step_runs() -> None:
                 executor.permits.release()
             assert [o.num_output_tokens async for o in stream] == [2, 3]
             assert [o.num_output_tokens async for o in late] == [1]
+
+
+_PLANNING_HOOKS: list[Callable[[], object]] = []
+
+
+@attrs.frozen
+class HookedFullAttention(FullAttention):
+    """Full attention that runs the queued hooks when the planner looks up a prefix."""
+
+    name: ClassVar[str] = "hooked_full"
+
+    def longest_hit(self, max_blocks: int, block_size: int, is_cached: IsCached) -> int:
+        while _PLANNING_HOOKS:
+            _PLANNING_HOOKS.pop()()
+        return super().longest_hit(max_blocks, block_size, is_cached)
+
+
+@pytest.mark.asyncio
+async def test_iterator_collected_while_the_engine_plans_leaves_other_requests_alone() -> None:
+    """A dropped iterator finalized by the GC in the middle of planning loses no other request."""
+    config = make_config(policies=[HookedFullAttention()], num_blocks=65, block_size=4)
+    gc.disable()  # the cycle below is collected only by the hook, mid-plan
+    try:
+        with anyio.fail_after(10):
+            async with Engine(config, FakeExecutor.for_config(config)) as engine:
+                dropped = engine.generate([1] * 9, SamplingParams(max_tokens=3))
+                cycle: list[object] = [dropped]
+                cycle.append(cycle)
+                del dropped, cycle
+                _PLANNING_HOOKS.append(gc.collect)
+                params = SamplingParams(max_tokens=3, ignore_eos=True)
+                outs = [out async for out in engine.generate([2] * 9, params)]
+                assert [o.num_output_tokens for o in outs] == [1, 2, 3]
+                await wait_pool_full(engine)
+    finally:
+        _PLANNING_HOOKS.clear()
+        gc.enable()
