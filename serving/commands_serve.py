@@ -71,8 +71,11 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    max_body_bytes = parse_size(args.max_body_size)
+    if max_body_bytes < 1:
+        raise UsageError(f"--max-body-size must be at least 1 byte, got {args.max_body_size!r}")
     options = ServerOptions(
-        max_body_bytes=parse_size(args.max_body_size),
+        max_body_bytes=max_body_bytes,
         default_max_tokens=args.default_max_tokens,
     )
     sock = open_socket(args.host, args.port)  # fail fast, before the model loads

@@ -167,3 +167,10 @@ def test_bench_prompt_over_the_limit_is_reported_once(
                  "--block-size", "4"])  # fmt: skip
     assert code == 2
     assert capsys.readouterr().err.count("leaves no room to generate") == 1
+
+
+def test_serve_refuses_a_zero_max_body_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve --max-body-size 0` is a one-line error and exit status 2, not a traceback."""
+    code = main(["serve", "no-such-model", "--port", "0", "--max-body-size", "0"])
+    assert code == 2
+    assert "--max-body-size must be at least 1 byte, got '0'" in capsys.readouterr().err
