@@ -62,6 +62,10 @@ class EngineCore:
         self._outbox: list[tuple[Request, RequestOutput | HybridKVError, bool]] = []
         self._plan_us = 0.0
         self._meter = ThroughputMeter()
+        # Prompt tokens served from the prefix cache at first admission, and looked up:
+        # a preempted request's recomputation hits its own pages and is not counted.
+        self._num_hit_tokens = 0
+        self._num_query_tokens = 0
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_finished = 0
@@ -161,6 +165,9 @@ class EngineCore:
             is_first = request.first_scheduled_time is None
             if is_first:
                 request.first_scheduled_time = now
+                if self.config.enable_prefix_caching:
+                    self._num_hit_tokens += request.num_cached_tokens
+                    self._num_query_tokens += request.num_prompt_tokens
             request.log.info(
                 "request_admitted",
                 num_prompt_tokens=request.num_prompt_tokens,
@@ -336,6 +343,7 @@ class EngineCore:
         self._prune_running()
         usage = self.kv.usage()
         tokens_per_second, output_tokens_per_second = self._meter.rates(self._clock())
+        queries = self._num_query_tokens
         return EngineStats(
             num_waiting=len(self.waiting),
             num_running=len(self.running),
@@ -346,7 +354,7 @@ class EngineCore:
             blocks_used_per_group=usage.blocks_used_per_group,
             num_free_blocks=usage.num_free_blocks,
             num_blocks=usage.num_blocks,
-            prefix_hit_rate=usage.prefix_hit_rate,
+            prefix_hit_rate=self._num_hit_tokens / queries if queries else 0.0,
             tokens_per_second=tokens_per_second,
             output_tokens_per_second=output_tokens_per_second,
         )

@@ -75,7 +75,8 @@ class EngineStats:
         blocks_used_per_group: Pages held per KV group.
         num_free_blocks: Pages an allocation may take (cached free pages included).
         num_blocks: Pages of the pool, the null page included.
-        prefix_hit_rate: Prompt tokens served from the prefix cache over those looked up.
+        prefix_hit_rate: Prompt tokens served from the prefix cache over those looked up,
+            at each request's first admission (recomputation after preemption excluded).
         tokens_per_second: Tokens run through the model per second, from the first step
             of the last 10 seconds until now (so it falls to zero when idle).
         output_tokens_per_second: Tokens generated per second, over the same span.

@@ -251,3 +251,16 @@ def test_stats_report_recent_throughput() -> None:
     assert stats.tokens_per_second == 4 / 2.5
     now[0] += 60
     assert core.stats().tokens_per_second == 0.0
+
+
+def test_prefix_hit_rate_ignores_the_recomputation_of_preempted_requests() -> None:
+    """Prompts that share nothing give a hit rate of 0, even when preemption recomputes them."""
+    core = make_core(policies=[FullAttention()], num_blocks=9, max_model_len=32)
+    fake = FakeExecutor.for_config(core.config)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i in range(2):
+        core.add_request([i + 1] * 10, params, CollectingSink(), request_id=str(i))
+    run_to_end(core, fake)
+    stats = core.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_hit_rate == 0.0
