@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import attrs
 
 from hybridkv.policies.errors import HybridKVError
@@ -16,8 +18,23 @@ def _check(ok: bool, message: str) -> None:
         raise InvalidRequestError(message)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _as_int_tuple(value: object) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)  # type: ignore[attr-defined]
+    # A bad parameter must fail here, not in the executor, where it fails the whole step.
+    try:
+        items = tuple(value)  # type: ignore[call-overload]
+    except TypeError:
+        items = None
+    if items is None or not all(_is_int(v) for v in items):
+        raise InvalidRequestError(f"stop_token_ids must be a sequence of ints, got {value!r}")
+    return tuple(int(v) for v in items)
 
 
 @attrs.frozen(kw_only=True)
@@ -46,6 +63,15 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __attrs_post_init__(self) -> None:
+        for name in ("max_tokens", "min_tokens", "top_k", "seed"):
+            value = getattr(self, name)
+            _check(
+                _is_int(value) or (name == "seed" and value is None),
+                f"{name} must be an int, got {value!r}",
+            )
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            _check(_is_real(value), f"{name} must be a number, got {value!r}")
         _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         _check(
             0 <= self.min_tokens <= self.max_tokens,

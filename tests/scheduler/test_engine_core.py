@@ -70,6 +70,28 @@ def test_malformed_prompts_are_refused_at_once(prompt: list[Any], error: type[Ex
     assert not core.has_work
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "5"),
+        ("max_tokens", 2.5),
+        ("max_tokens", True),
+        ("min_tokens", None),
+        ("temperature", "hot"),
+        ("top_p", None),
+        ("top_k", 1.5),
+        ("seed", "x"),
+        ("stop_token_ids", 5),
+        ("stop_token_ids", ["a"]),
+        ("stop_token_ids", [1.5]),
+    ],
+)
+def test_sampling_params_of_the_wrong_type_are_refused(field: str, value: object) -> None:
+    """A parameter of the wrong type raises InvalidRequestError naming it, not a TypeError."""
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**{field: value})
+
+
 def test_request_larger_than_the_pool_is_refused() -> None:
     """A request whose prompt and output need more pages than the pool has fails at once."""
     core = make_core(num_blocks=9, max_model_len=1000)
