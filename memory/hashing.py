@@ -28,6 +28,9 @@ from hybridkv.memory.errors import LayoutError
 
 BlockHash = NewType("BlockHash", bytes)
 
+#: Token ids are hashed as unsigned 32-bit integers: every id must be below this.
+TOKEN_ID_LIMIT = 1 << 32
+
 
 def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()

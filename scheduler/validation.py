@@ -11,6 +11,7 @@ import operator
 from collections.abc import Sequence
 
 from hybridkv.memory.errors import PromptTooLongError
+from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
@@ -37,8 +38,10 @@ def check_request(
         raise InvalidRequestError("the prompt is empty: at least one token is needed")
     low, high = min(prompt), max(prompt)
     limit = config.vocab_size
-    if low < 0 or (limit is not None and high >= limit):
-        allowed = f"in [0, vocab_size={limit})" if limit is not None else ">= 0"
+    if low < 0 or high >= (TOKEN_ID_LIMIT if limit is None else limit):
+        allowed = (
+            f"in [0, vocab_size={limit})" if limit is not None else f"in [0, {TOKEN_ID_LIMIT})"
+        )
         raise InvalidRequestError(f"prompt token ids must be {allowed}, got {low}..{high}")
     if len(prompt) >= config.max_model_len:
         raise PromptTooLongError(

@@ -70,6 +70,14 @@ def test_malformed_prompts_are_refused_at_once(prompt: list[Any], error: type[Ex
     assert not core.has_work
 
 
+def test_token_ids_too_large_to_hash_are_refused_without_a_vocabulary() -> None:
+    """With no vocab_size, an id past 32 bits raises at once instead of breaking the planner."""
+    core = make_core(vocab_size=None)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        core.add_request([2**32, 1, 1, 1, 1], SamplingParams(), CollectingSink(), request_id="x")
+    assert not core.has_work
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
