@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import ClassVar
 
@@ -95,8 +96,10 @@ class ChunkedLocal(MemoryPolicy):
         return (num_tokens // self.chunk + 1) * self.chunk  # blocks die at chunk starts
 
     def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
-        # A chunk that starts mid-block spans one block more than C / bs.
-        bound = cdiv(self.chunk, block_size) + (1 if self.chunk % block_size else 0)
+        # Chunks start at multiples of gcd(C, bs) within a block, so the latest a chunk
+        # starts in its first block is bs - gcd; its C positions then span this many blocks.
+        latest = block_size - math.gcd(self.chunk, block_size)
+        bound = (latest + self.chunk - 1) // block_size + 1
         return min(bound, cdiv(max(num_tokens, 1), block_size))
 
 

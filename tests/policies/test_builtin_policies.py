@@ -65,6 +65,31 @@ def test_max_live_blocks_bounds_window_requests() -> None:
     assert FullAttention().max_live_blocks(10, 4) == 3
 
 
+def _peak_blocks(policy, num_tokens: int, bs: int) -> int:  # type: ignore[no-untyped-def]
+    return max(
+        sum(stop - start for start, stop in policy.live_block_spans(q, bs))
+        for q in range(num_tokens)
+    )
+
+
+def test_chunked_local_max_live_blocks_never_undercounts() -> None:
+    """ChunkedLocal's bound is at least the most blocks any position before n holds."""
+    for chunk in range(1, 13):
+        for bs in range(1, 9):
+            policy = ChunkedLocal(chunk=chunk)
+            for n in range(1, 60):
+                assert policy.max_live_blocks(n, bs) >= _peak_blocks(policy, n, bs), (chunk, bs, n)
+
+
+def test_chunked_local_max_live_blocks_is_tight_for_long_requests() -> None:
+    """For a long request the bound equals the peak (chunk 5, bs 4: two blocks, not three)."""
+    assert ChunkedLocal(chunk=5).max_live_blocks(1000, 4) == 2
+    for chunk in range(1, 13):
+        for bs in range(1, 9):
+            policy = ChunkedLocal(chunk=chunk)
+            assert policy.max_live_blocks(200, bs) == _peak_blocks(policy, 200, bs), (chunk, bs)
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_parameters_are_validated(bad) -> None:  # type: ignore[no-untyped-def]
     """A window or chunk below 1 (or not an integer) is rejected, naming the value."""
