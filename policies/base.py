@@ -8,7 +8,7 @@ tables. A new kind of layer is a subclass that writes :meth:`MemoryPolicy.live_s
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import attrs
@@ -17,6 +17,9 @@ from hybridkv.policies.errors import PolicyError
 
 #: A half-open interval ``[start, end)`` of token positions or block indices.
 Span = tuple[int, int]
+
+#: How many block starts the generic ``max_live_blocks`` scans at each end of a request.
+_SCAN_BLOCKS = 2048
 
 #: Tells whether block i of a request's prefix is cached (for a given group).
 IsCached = Callable[[int], bool]
@@ -108,11 +111,22 @@ class MemoryPolicy(abc.ABC):
     def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
         """Most blocks a request of ``num_tokens`` holds at once (for admission checks).
 
-        The generic answer counts the blocks live at the last position, plus the blocks of a
-        one-token step; policies with a bound independent of length override it.
+        Within one block of positions the held set only shrinks (no resurrection, and the
+        write block stays), so the peak is at a position that starts a block::
+
+            tokens   0 1 2 3 | 4 5 6 7 | 8 9       bs=4: held(8) >= held(9), held(4) >= held(7)
+
+        The generic answer scans those positions, the first and the last
+        ``_SCAN_BLOCKS`` of them for a long request, where a window-like policy has its
+        transition and its steady state. Policies with a closed form override it.
         """
-        n = max(num_tokens - 1, 0)
-        return sum(stop - start for start, stop in self.live_block_spans(n, block_size))
+        starts: Sequence[int] = range(0, max(num_tokens, 1), block_size)
+        if len(starts) > 2 * _SCAN_BLOCKS:
+            starts = [*starts[:_SCAN_BLOCKS], *starts[-_SCAN_BLOCKS:]]
+        return max(
+            sum(stop - start for start, stop in self.live_block_spans(p, block_size))
+            for p in starts
+        )
 
     def is_hit_usable(self, num_tokens: int, block_size: int, is_cached: IsCached) -> bool:
         """Whether a cached prefix of ``num_tokens`` (a block multiple) can be resumed.

@@ -26,6 +26,9 @@ class FullAttention(MemoryPolicy):
     def next_release(self, num_tokens: int, block_size: int) -> int:
         return sys.maxsize  # nothing is ever released before the request ends
 
+    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
+        return cdiv(max(num_tokens, 1), block_size)
+
     def longest_hit(self, max_blocks: int, block_size: int, is_cached: IsCached) -> int:
         # Every block of the prefix is needed: the hit ends at the first miss.
         for i in range(max_blocks):

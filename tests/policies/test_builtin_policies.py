@@ -117,3 +117,29 @@ def test_registry_errors_name_the_problem() -> None:
         make_policy("paged")
     with pytest.raises(PolicyError, match="bad parameters for policy 'full'"):
         make_policy("full", window=3)
+
+
+def _held_peak(policy, num_tokens: int, bs: int) -> int:  # type: ignore[no-untyped-def]
+    """Brute force: the most blocks held while computing any position below num_tokens."""
+    return max(
+        sum(b - a for a, b in policy.live_block_spans(p, bs)) for p in range(max(num_tokens, 1))
+    )
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [FullAttention(), SlidingWindow(window=7), SlidingWindow(window=1), ChunkedLocal(chunk=5)],
+)
+@pytest.mark.parametrize("bs", [1, 3, 4, 16])
+def test_max_live_blocks_bounds_the_peak_tightly(policy, bs: int) -> None:  # type: ignore[no-untyped-def]
+    """Each built-in admission bound never undercounts, and is exact for long requests."""
+    for n in range(1, 90):
+        bound, peak = policy.max_live_blocks(n, bs), _held_peak(policy, n, bs)
+        assert bound >= peak, n
+        assert bound == peak or n < 40, n
+
+
+def test_mamba_max_live_blocks_bounds_the_peak() -> None:
+    """MambaLike's two pages (state plus the one being written) bound every position."""
+    for n in range(1, 60):
+        assert MambaLike().max_live_blocks(n, 4) >= _held_peak(MambaLike(), n, 4)

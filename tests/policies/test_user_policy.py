@@ -78,3 +78,12 @@ def test_live_spans_keep_the_no_resurrection_invariant(n: int) -> None:
     for later in range(n, n + 20):
         later_live = {p for a, b in POLICY.live_spans(later) for p in range(a, b)}
         assert later_live <= live | set(range(n, later))
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 8])
+def test_generic_max_live_blocks_finds_the_peak_before_the_end(block_size: int) -> None:
+    """A sink + window request holds most blocks mid-way; the generic bound finds that peak."""
+    policy = SinkWindow(sinks=4, window=6)
+    for n in range(1, 70):
+        peak = max(sum(b - a for a, b in policy.live_block_spans(p, block_size)) for p in range(n))
+        assert policy.max_live_blocks(n, block_size) == peak, n
