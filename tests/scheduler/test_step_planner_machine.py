@@ -8,12 +8,21 @@ fake model run without any cache.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hybridkv.memory.errors import PromptTooLongError
-from hybridkv.policies import FullAttention, SlidingWindow, cdiv
+from hybridkv.policies import (
+    ChunkedLocal,
+    FullAttention,
+    MambaLike,
+    MemoryPolicy,
+    SlidingWindow,
+    cdiv,
+)
 from hybridkv.scheduler import EngineConfig, FinishReason, RequestOutput, SamplingParams
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
@@ -26,10 +35,12 @@ PREFIXES = ([11] * 9, [12, 13] * 6)
 
 
 class PlannerMachine(RuleBasedStateMachine):
+    POLICIES: ClassVar[tuple[MemoryPolicy, ...]] = (FullAttention(), SlidingWindow(window=6))
+
     def __init__(self) -> None:
         super().__init__()
         self.config = EngineConfig(
-            policies=[FullAttention(), SlidingWindow(window=6)],
+            policies=self.POLICIES,
             num_blocks=29,
             block_size=4,
             max_model_len=48,
@@ -138,5 +149,13 @@ class PlannerMachine(RuleBasedStateMachine):
                 assert len(got) == min(params.max_tokens, self.config.max_model_len - len(prompt))
 
 
+class RecurrentPlannerMachine(PlannerMachine):
+    """The same machine over mamba-like, chunked-local and full groups."""
+
+    POLICIES = (MambaLike(), ChunkedLocal(chunk=5), FullAttention())
+
+
 TestPlannerMachine = PlannerMachine.TestCase
 TestPlannerMachine.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+TestRecurrentPlannerMachine = RecurrentPlannerMachine.TestCase
+TestRecurrentPlannerMachine.settings = TestPlannerMachine.settings
