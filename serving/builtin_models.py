@@ -40,6 +40,10 @@ class ModelNotFoundError(HybridKVError, ValueError):
     """A model name is neither a checkpoint folder nor a built-in model."""
 
 
+class CacheDirError(HybridKVError, OSError):
+    """The cache folder for converted built-in models cannot be written."""
+
+
 class MissingExtraError(HybridKVError, RuntimeError):
     """A built-in model needs packages that are not installed."""
 
@@ -171,7 +175,13 @@ def ensure_converted(
     target = cache_dir() / model.name
     if is_converted(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CacheDirError(
+            f"cannot create the model cache {str(target.parent)!r} ({exc.strerror}); "
+            "set HYBRIDKV_CACHE_DIR to a writable folder"
+        ) from None
     started = time.monotonic()
     progress(f"First use of {model.name}: converting it once into {target} (about a minute)")
     with tempfile.TemporaryDirectory(prefix=f".{model.name}-", dir=target.parent) as tmp:

