@@ -13,9 +13,7 @@ import attrs
 
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.rope import RopeSpec
-
-FULL = "full_attention"
-SLIDING = "sliding_attention"
+from hybridkv.models.specs import FULL, SLIDING
 
 
 @attrs.frozen(kw_only=True)
@@ -141,8 +139,3 @@ def activation_of(name: str) -> str:
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
         return "gelu_tanh"
     raise ModelConfigError(f"activation {name!r} is not supported; supported: silu, gelu_tanh")
-
-
-def pattern_layer_types(num_layers: int, every: int) -> tuple[str, ...]:
-    """Layer types for configs without ``layer_types``: every ``every``-th layer is full."""
-    return tuple(FULL if (i + 1) % every == 0 else SLIDING for i in range(num_layers))

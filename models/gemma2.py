@@ -9,16 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.models.config import (
-    FULL,
-    SLIDING,
-    ModelConfig,
-    activation_of,
-    common_fields,
-    pattern_layer_types,
-)
+from hybridkv.models.config import ModelConfig, activation_of, common_fields
 from hybridkv.models.layers import GatedMLP, LayerInputs, PagedAttention, RMSNorm
 from hybridkv.models.rope import rope_from_hf
+from hybridkv.models.specs import FULL, SLIDING, pattern_layer_types
 from hybridkv.models.transformer import Architecture
 
 

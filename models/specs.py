@@ -34,6 +34,15 @@ from hybridkv.policies import MemoryPolicy, make_policy
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+def pattern_layer_types(num_layers: int, every: int) -> tuple[str, ...]:
+    """Layer types for configs without ``layer_types``: every ``every``-th layer is full."""
+    return tuple(FULL if (i + 1) % every == 0 else SLIDING for i in range(num_layers))
+
+
 def layer_specs_from_config(config: Mapping[str, Any], dtype_bytes: int = 2) -> list[LayerSpec]:
     """One spec per KV layer of a Hugging Face config dict, in layer order.
 
@@ -54,16 +63,12 @@ def layer_specs_from_config(config: Mapping[str, Any], dtype_bytes: int = 2) -> 
     if cfg.get("layer_types") is not None:
         kinds = [str(k) for k in cfg["layer_types"]]
     elif model_type in ("llama", "mistral", "mixtral"):
-        kind = "sliding_attention" if cfg.get("sliding_window") else "full_attention"
+        kind = SLIDING if cfg.get("sliding_window") else FULL
         kinds = [kind] * num_layers
     elif model_type == "gemma2":
-        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        kinds = list(pattern_layer_types(num_layers, 2))
     elif model_type in ("gemma3", "gemma3_text"):
-        every = _int(cfg, "sliding_window_pattern")
-        kinds = [
-            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
-            for i in range(num_layers)
-        ]
+        kinds = list(pattern_layer_types(num_layers, _int(cfg, "sliding_window_pattern")))
     elif model_type == "jamba":
         return _jamba_specs(cfg, num_layers, dtype_bytes)
     else:
