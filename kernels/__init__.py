@@ -1,6 +1,6 @@
 """Paged KV writes and paged attention on torch SDPA.
 
-This package imports nothing else of hybridkv: only torch and attrs.
+This package imports nothing else of hybridkv but ``hybridkv.errors``: torch and attrs.
 
     workspace = GatherWorkspace()                        # once per executor
     meta = PagedMetadata.build(query_lens, context_lens, block_tables, block_size, device,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridkv.policies.errors import CapacityError, HybridKVError
+from hybridkv.errors import CapacityError, HybridKVError
 
 
 class LayoutError(HybridKVError, ValueError):

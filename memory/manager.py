@@ -21,11 +21,11 @@ from typing import Protocol
 
 import attrs
 
+from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.hashing import BlockHash, BlockHasher
 from hybridkv.memory.pool import NULL_BLOCK, BlockPool
 from hybridkv.policies.base import MemoryPolicy, cdiv
-from hybridkv.policies.errors import HybridKVError
 
 
 class StaleHitError(HybridKVError):

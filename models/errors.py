@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 
 
 class CheckpointError(HybridKVError, ValueError):

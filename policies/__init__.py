@@ -1,8 +1,9 @@
 """Memory policies: which earlier tokens each kind of layer must keep resident."""
 
+from hybridkv.errors import CapacityError, HybridKVError
 from hybridkv.policies.base import MemoryPolicy, Span, cdiv
 from hybridkv.policies.builtin import ChunkedLocal, FullAttention, MambaLike, SlidingWindow
-from hybridkv.policies.errors import CapacityError, HybridKVError, PolicyError
+from hybridkv.policies.errors import PolicyError
 from hybridkv.policies.registry import make_policy, policy_names, register_policy
 
 __all__ = [

@@ -4,7 +4,7 @@
 ``generate`` streams :class:`RequestOutput` values. See design.md (Scheduler).
 """
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.batch import Executor, ExecutorBrokenError, StepBatch, StepRequest
 from hybridkv.scheduler.config import ConfigError, EngineConfig
 from hybridkv.scheduler.engine import Engine, RequestStream

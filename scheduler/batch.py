@@ -7,7 +7,7 @@ from typing import Protocol
 
 import attrs
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.params import SamplingParams
 
 

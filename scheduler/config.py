@@ -7,9 +7,9 @@ from typing import Any
 
 import attrs
 
+from hybridkv.errors import HybridKVError
 from hybridkv.memory.layout import LayoutPlan
 from hybridkv.policies.base import MemoryPolicy
-from hybridkv.policies.errors import HybridKVError
 
 
 class ConfigError(HybridKVError, ValueError):

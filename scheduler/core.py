@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 import anyio
 import structlog
 
+from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import PromptTooLongError
 from hybridkv.memory.manager import KVCacheManager
-from hybridkv.policies.errors import HybridKVError
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
 from hybridkv.scheduler.meter import ThroughputMeter

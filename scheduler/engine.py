@@ -29,7 +29,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.batch import Executor, ExecutorBrokenError, StepBatch
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.core import EngineCore

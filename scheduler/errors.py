@@ -6,8 +6,8 @@ of a running request are raised by its output iterator.
 
 from __future__ import annotations
 
+from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import CapacityError, PromptTooLongError
-from hybridkv.policies.errors import HybridKVError
 from hybridkv.scheduler.batch import ExecutorBrokenError
 from hybridkv.scheduler.params import InvalidRequestError
 

@@ -18,7 +18,7 @@ import time
 from array import array
 from collections.abc import Sequence
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.batch import StepBatch
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.outputs import RequestOutput

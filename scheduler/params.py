@@ -6,7 +6,7 @@ import numbers
 
 import attrs
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 
 
 class InvalidRequestError(HybridKVError, ValueError):

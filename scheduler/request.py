@@ -17,7 +17,7 @@ import enum
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.outputs import FinishReason, RequestOutput
 from hybridkv.scheduler.params import SamplingParams
 

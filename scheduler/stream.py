@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import anyio
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.outputs import RequestOutput
 from hybridkv.scheduler.request import Request
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import attrs
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 
 #: The model ``hybridkv demo``, ``serve`` and ``generate`` use when none is named.
 DEFAULT_MODEL = "gemma-3-270m"

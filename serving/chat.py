@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 
 # Used when the checkpoint has none: readable by a base model, and unambiguous.
 PLAIN_TEMPLATE = (

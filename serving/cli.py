@@ -22,7 +22,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 
 if TYPE_CHECKING:
     from hybridkv.memory.layout import LayoutPlan
@@ -127,7 +127,7 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
 
     if model in BUILTIN_CONFIGS:
         return model, BUILTIN_CONFIGS[model]
-    from hybridkv.policies.errors import HybridKVError
+    from hybridkv.errors import HybridKVError
     from hybridkv.serving.builtin_models import BUILTIN_MODELS, resolve_model
 
     if model in BUILTIN_MODELS and not Path(model).exists():

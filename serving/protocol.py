@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.params import SamplingParams
 
 

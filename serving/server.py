@@ -19,7 +19,7 @@ import anyio.abc
 import uvicorn
 from starlette.types import ASGIApp
 
-from hybridkv.policies.errors import HybridKVError
+from hybridkv.errors import HybridKVError
 
 
 class ListenError(HybridKVError, OSError):

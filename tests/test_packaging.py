@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("scheduler", "policies", "memory", "kernels", "models", "serving")
+FOLDERS = ("errors", "scheduler", "policies", "memory", "kernels", "models", "serving")
 
 
 def _pyproject() -> dict:  # type: ignore[type-arg]
