@@ -62,5 +62,5 @@ def write_kv(
             f"key {key.dtype} / value {value.dtype} must match kv_cache dtype {kv_cache.dtype}"
         )
     # Advanced indices around a slice: the indexed view is [num_tokens, num_kv_heads, head_dim].
-    kv_cache[:, 0][meta.write_pages, :, meta.write_offsets] = key
-    kv_cache[:, 1][meta.write_pages, :, meta.write_offsets] = value
+    kv_cache[:, 0][meta.write_blocks, :, meta.write_offsets] = key
+    kv_cache[:, 1][meta.write_blocks, :, meta.write_offsets] = value

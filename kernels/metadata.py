@@ -41,7 +41,7 @@ class PagedMetadata:
         block_table: ``[num_requests, max_blocks]`` int64 on the CPU, right-padded with 0.
         positions: ``[num_tokens]`` int64 on ``device``, each token's position in its request.
         slot_mapping: ``[num_tokens]`` int64 on ``device``, ``page * block_size + offset``.
-        write_pages: ``[num_tokens]`` ``slot_mapping // block_size``.
+        write_blocks: ``[num_tokens]`` ``slot_mapping // block_size``.
         write_offsets: ``[num_tokens]`` ``slot_mapping % block_size``.
         max_block_id: the largest page id any table names (checked against the cache).
         workspace: where the layers' gather buffers come from.
@@ -56,7 +56,7 @@ class PagedMetadata:
     block_table: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    write_pages: torch.Tensor
+    write_blocks: torch.Tensor
     write_offsets: torch.Tensor
     max_block_id: int
     workspace: GatherWorkspace
@@ -149,7 +149,7 @@ class PagedMetadata:
                     block_table=table,
                     positions=positions_dev,
                     slot_mapping=(pages * block_size + offsets).to(dev),
-                    write_pages=pages.to(dev),
+                    write_blocks=pages.to(dev),
                     write_offsets=offsets_dev,
                     max_block_id=int(table.max()),
                     workspace=shared,

@@ -39,7 +39,7 @@ class AttentionSpec:
     head_dim: int = attrs.field(validator=_at_least_one)
     dtype_bytes: int = attrs.field(validator=_at_least_one)
 
-    def page_bytes(self, block_size: int) -> int:
+    def block_bytes(self, block_size: int) -> int:
         """Bytes of one page of this layer: K and V of ``block_size`` tokens."""
         return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes * block_size
 
@@ -52,7 +52,7 @@ class StateSpec:
     policy: MemoryPolicy
     state_bytes: int = attrs.field(validator=_at_least_one)
 
-    def page_bytes(self, block_size: int) -> int:
+    def block_bytes(self, block_size: int) -> int:
         """Bytes of one page of this layer: one state."""
         return self.state_bytes
 
@@ -76,7 +76,7 @@ class LayoutPlan:
     Attributes:
         block_size: Tokens per block (every group uses the same).
         num_blocks: Pages in the pool, the null page 0 included.
-        page_bytes: Bytes of one page in one slot tensor (after unifying page sizes).
+        block_bytes: Bytes of one page in one slot tensor (after unifying page sizes).
         groups: The KV groups, ``group_id`` equal to the position.
         group_size: Slot tensors to allocate per device: the layers per group without
             pipeline stages, the largest stage's count with them.
@@ -90,7 +90,7 @@ class LayoutPlan:
 
     block_size: int
     num_blocks: int
-    page_bytes: int
+    block_bytes: int
     groups: tuple[KVGroup, ...]
     group_size: int
     layer_slots: dict[str, tuple[int, int]]
@@ -107,4 +107,4 @@ class LayoutPlan:
     @property
     def pool_bytes(self) -> int:
         """Bytes the KV tensors take: every slot tensor holds every page."""
-        return self.num_blocks * self.group_size * self.page_bytes
+        return self.num_blocks * self.group_size * self.block_bytes

@@ -52,13 +52,13 @@ class PrefixHit:
     Attributes:
         num_tokens: Cached tokens, a multiple of the block size; at least one prompt token
             is always left to compute.
-        pages: Per group, the table of the hit: pages of the blocks the policy needs to
+        block_tables: Per group, the table of the hit: the blocks the policy needs to
             resume, the null block elsewhere.
         hashes: The request's block hashes computed so far (kept, not recomputed).
     """
 
     num_tokens: int
-    pages: tuple[tuple[int, ...], ...]
+    block_tables: tuple[tuple[int, ...], ...]
     hashes: list[BlockHash] = attrs.field(eq=False, repr=False)
 
 
@@ -197,7 +197,7 @@ class KVCacheManager:
             start = num
             for policy, groups in self._kinds:
                 for group in groups:
-                    cached = self.pool.cached_pages(group)
+                    cached = self.pool.cached_blocks(group)
 
                     def is_cached(i: int, cached: Mapping[BlockHash, int] = cached) -> bool:
                         return hashes[i] in cached
@@ -210,7 +210,7 @@ class KVCacheManager:
         pages: list[tuple[int, ...]] = []
         for group, policy in enumerate(self.policies):
             table: list[int] = [NULL_BLOCK] * num
-            cached = self.pool.cached_pages(group)
+            cached = self.pool.cached_blocks(group)
             for first, stop in policy.live_block_spans(num * bs, bs):
                 for i in range(first, min(stop, num)):
                     table[i] = cached[hashes[i]]
@@ -280,7 +280,7 @@ class KVCacheManager:
         hashes = hit.hashes if hit is not None else []
         if hit is not None and num_hit:
             self._check_hit(hit)
-            num_hit_free = sum(1 for t in hit.pages for p in t if p and pool.is_free(p))
+            num_hit_free = sum(1 for t in hit.block_tables for p in t if p and pool.is_free(p))
         else:
             num_hit_free = 0
         if num_new * self.num_groups + num_hit_free > pool.num_free:
@@ -288,7 +288,7 @@ class KVCacheManager:
         # Commit: claim every group's cached pages before any group takes a fresh one.
         tables: list[list[int]] = []
         for group in range(self.num_groups):
-            table = list(hit.pages[group]) if hit is not None and num_hit else []
+            table = list(hit.block_tables[group]) if hit is not None and num_hit else []
             for page in table:
                 if page:
                     pool.take(page, group)
@@ -317,7 +317,7 @@ class KVCacheManager:
         return new_pages
 
     def _check_hit(self, hit: PrefixHit) -> None:
-        for group, table in enumerate(hit.pages):
+        for group, table in enumerate(hit.block_tables):
             for i, page in enumerate(table):
                 if page and self.pool.lookup(hit.hashes[i], group) != page:
                     raise StaleHitError(

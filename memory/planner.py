@@ -20,7 +20,7 @@ Steps, in order:
 5. **Slots and N.** ``budget_bytes`` is the KV memory of one device. Each pipeline stage
    gives its layers of a group slots 0, 1, ... and allocates one slot tensor per slot it
    uses; ``group_size`` of the plan is the largest stage's count (the layers per group
-   without stages). ``num_blocks = budget // (group_size * page_bytes)``, page 0 being
+   without stages). ``num_blocks = budget // (group_size * block_bytes)``, page 0 being
    the null block, and it must be at least 1 + the number of groups.
 
 An attention-free model (no specs) gets a plan with no groups, ``group_size`` 0 and
@@ -75,34 +75,34 @@ def plan_layout(
     stage_names = _check_stages(names, stages)
     if not specs:
         return LayoutPlan(
-            block_size=block_size, num_blocks=0, page_bytes=0, groups=(), group_size=0,
+            block_size=block_size, num_blocks=0, block_bytes=0, groups=(), group_size=0,
             layer_slots={}, budget_bytes=budget_bytes, padding_bytes=0,
             uniform_num_blocks=0, stages=stage_names,
         )  # fmt: skip
     block_size = _unified_block_size(specs, block_size, max_block_size)
-    page_bytes = max(s.page_bytes(block_size) for s in specs)
+    block_bytes = max(s.block_bytes(block_size) for s in specs)
     groups = _build_groups(specs)
     stage_of = {n: i for i, stage in enumerate(stage_names) for n in stage}
     layer_slots, stage_slots = _assign_slots(groups, stage_of, len(stage_names))
     group_size = max(stage_slots)
-    num_blocks = budget_bytes // (group_size * page_bytes)
+    num_blocks = budget_bytes // (group_size * block_bytes)
     if num_blocks < 1 + len(groups):
-        need = (1 + len(groups)) * group_size * page_bytes
+        need = (1 + len(groups)) * group_size * block_bytes
         raise LayoutError(
             f"budget_bytes={budget_bytes} holds {num_blocks} blocks of {group_size} slots x "
-            f"{page_bytes} bytes; {len(groups)} groups need at least {1 + len(groups)} "
+            f"{block_bytes} bytes; {len(groups)} groups need at least {1 + len(groups)} "
             f"blocks (the null block included), so at least {need} bytes"
         )
     by_name = {s.name: s for s in specs}
-    slot_bytes = sum(stage_slots) * page_bytes  # one page id, over every stage's tensors
-    worst = max(slot_bytes - sum(by_name[n].page_bytes(block_size) for n in g.layer_names)
+    slot_bytes = sum(stage_slots) * block_bytes  # one page id, over every stage's tensors
+    worst = max(slot_bytes - sum(by_name[n].block_bytes(block_size) for n in g.layer_names)
                 for g in groups)  # fmt: skip
     # A uniform allocator gives every layer of a stage a page for every block.
-    uniform_need = max(sum(by_name[n].page_bytes(block_size) for n in st) for st in stage_names)
+    uniform_need = max(sum(by_name[n].block_bytes(block_size) for n in st) for st in stage_names)
     return LayoutPlan(
         block_size=block_size,
         num_blocks=num_blocks,
-        page_bytes=page_bytes,
+        block_bytes=block_bytes,
         groups=groups,
         group_size=group_size,
         layer_slots=layer_slots,
@@ -162,7 +162,7 @@ def _unified_block_size(specs: Sequence[LayerSpec], block_size: int, limit: int)
     if not states or not attention:
         return block_size
     state = max(states, key=lambda s: s.state_bytes)
-    attn_page = max(s.page_bytes(block_size) for s in attention)
+    attn_page = max(s.block_bytes(block_size) for s in attention)
     # Attention pages grow linearly with the block; states do not.
     unified = block_size * cdiv(state.state_bytes, attn_page)
     if unified > limit:
@@ -235,7 +235,7 @@ class GroupReport:
     policy: str
     num_layers: int
     blocks_per_request: int
-    padding_bytes_per_page: int
+    padding_bytes_per_block: int
 
 
 @attrs.frozen(kw_only=True)
@@ -295,15 +295,15 @@ def describe(plan: LayoutPlan, specs: Sequence[LayerSpec], request_tokens: int) 
     stage_slots = tuple(
         max((plan.layer_slots[n][1] + 1 for n in stage), default=0) for stage in plan.stages
     )
-    slot_bytes = sum(stage_slots) * plan.page_bytes
+    slot_bytes = sum(stage_slots) * plan.block_bytes
     groups = tuple(
         GroupReport(
             group_id=g.group_id,
             policy=policy_label(g.policy),
             num_layers=len(g.layer_names),
             blocks_per_request=g.policy.max_live_blocks(request_tokens, bs),
-            padding_bytes_per_page=slot_bytes
-            - sum(by_name[n].page_bytes(bs) for n in g.layer_names),
+            padding_bytes_per_block=slot_bytes
+            - sum(by_name[n].block_bytes(bs) for n in g.layer_names),
         )
         for g in plan.groups
     )
@@ -323,7 +323,7 @@ def describe(plan: LayoutPlan, specs: Sequence[LayerSpec], request_tokens: int) 
     uniform = FullAttention()
     uniform_need = uniform.max_live_blocks(request_tokens, bs) if plan.groups else 0
     used = sum(r.blocks_per_request for r in groups) * slot_bytes
-    wasted = sum(r.blocks_per_request * r.padding_bytes_per_page for r in groups)
+    wasted = sum(r.blocks_per_request * r.padding_bytes_per_block for r in groups)
 
     def hybrid_blocks(n: int) -> int:
         return sum(g.policy.max_live_blocks(n, bs) for g in plan.groups)

@@ -62,7 +62,7 @@ class BlockPool:
         """The page caching ``block_hash`` for ``group``, free or in use, or None."""
         return self._cached[group].get(block_hash)
 
-    def cached_pages(self, group: int) -> Mapping[BlockHash, int]:
+    def cached_blocks(self, group: int) -> Mapping[BlockHash, int]:
         """The prefix-cache map of ``group``: block hash -> page (read-only)."""
         return self._cached[group]
 

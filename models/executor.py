@@ -45,7 +45,7 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One zeroed tensor per slot, and per layer (in ``specs`` order) its paged view."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    page_elems = plan.page_bytes // itemsize
+    page_elems = plan.block_bytes // itemsize
     # Zeros, not empty: a masked read of garbage NaN would still poison the output.
     slots = [
         torch.zeros(plan.num_blocks, page_elems, dtype=dtype, device=device)
@@ -55,7 +55,7 @@ def allocate_kv_caches(
     for spec in specs:
         _, slot = plan.layer_slots[spec.name]
         shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
-        layer_elems = spec.page_bytes(plan.block_size) // itemsize
+        layer_elems = spec.block_bytes(plan.block_size) // itemsize
         views.append(slots[slot][:, :layer_elems].view(shape))
     return views
 

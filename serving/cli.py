@@ -230,14 +230,14 @@ def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
     out = [
         f"pool    {_count(len(plan.groups), 'group')}, "
         f"{_count(plan.group_size, 'slot tensor')} per device, page "
-        f"{_bytes(plan.page_bytes)}, {plan.num_blocks} blocks (the null block included)",
+        f"{_bytes(plan.block_bytes)}, {plan.num_blocks} blocks (the null block included)",
         "",
     ]
-    slot_bytes = sum(report.stage_slots) * plan.page_bytes
+    slot_bytes = sum(report.stage_slots) * plan.block_bytes
     out += _table(
         ["group", "policy", "layers", "blocks/request", "padding/page"],
         [[g.group_id, g.policy, g.num_layers, g.blocks_per_request,
-          _share(g.padding_bytes_per_page, slot_bytes)] for g in report.groups],
+          _share(g.padding_bytes_per_block, slot_bytes)] for g in report.groups],
     )  # fmt: skip
     total = report.blocks_per_request
     out.append("")

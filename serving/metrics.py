@@ -42,15 +42,15 @@ class _EngineCollector(Collector):
         )
         yield CounterMetricFamily("hybridkv_engine_steps", "Engine steps run", s.num_steps)
         pages = GaugeMetricFamily(
-            "hybridkv_kv_pages_used", "KV pages held per group", labels=["group", "policy"]
+            "hybridkv_kv_blocks_used", "KV pages held per group", labels=["group", "policy"]
         )
         for group, used in enumerate(s.blocks_used_per_group):
             policy = self._policies[group] if group < len(self._policies) else ""
             pages.add_metric([str(group), policy], used)
         yield pages
-        yield GaugeMetricFamily("hybridkv_kv_pages_free", "Free KV pages", s.num_free_blocks)
+        yield GaugeMetricFamily("hybridkv_kv_blocks_free", "Free KV pages", s.num_free_blocks)
         yield GaugeMetricFamily(
-            "hybridkv_kv_pages_total", "KV pages in the pool (null page included)", s.num_blocks
+            "hybridkv_kv_blocks_total", "KV pages in the pool (null page included)", s.num_blocks
         )
         yield GaugeMetricFamily(
             "hybridkv_prefix_cache_hit_rate",

@@ -106,7 +106,7 @@ def test_sliding_window_hits_after_its_early_blocks_were_evicted(make_request) -
     mgr.allocate(make_request("x", [9, 9, 9, 9]), 4)  # takes a page, evicting one
     hit = mgr.lookup(make_request("b", [*range(16), 5]))
     assert hit.num_tokens == 16
-    assert hit.pages == ((0, 0, 0, 4),)
+    assert hit.block_tables == ((0, 0, 0, 4),)
     mgr.check_integrity()
 
 
@@ -120,7 +120,7 @@ def test_the_common_hit_is_the_fixed_point_over_groups(make_request) -> None:
     mgr.free("a")
     hit = mgr.lookup(make_request("b", list(range(14))))
     assert hit.num_tokens == 8
-    assert hit.pages == ((1, 2), (0, 6))
+    assert hit.block_tables == ((1, 2), (0, 6))
 
 
 def test_a_failed_allocation_changes_nothing(make_request) -> None:
@@ -136,7 +136,7 @@ def test_a_failed_allocation_changes_nothing(make_request) -> None:
             [t[:] for t in mgr.block_tables("r")],
             [pool.ref_count(p) for p in range(6)],
             [p for p in range(6) if pool.is_free(p)],
-            [dict(pool.cached_pages(g)) for g in range(2)],
+            [dict(pool.cached_blocks(g)) for g in range(2)],
         )
 
     before = snapshot()
@@ -240,4 +240,4 @@ def test_mamba_hit_needs_only_the_state_at_the_boundary(make_request) -> None:
     mgr.free("a")
     hit = mgr.lookup(make_request("b", [*range(12), 99]))
     assert hit.num_tokens == 12
-    assert hit.pages == ((0, 0, 3),)
+    assert hit.block_tables == ((0, 0, 3),)

@@ -60,7 +60,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             {rid: [t[:] for t in self.mgr.block_tables(rid)] for rid in self.running},
             [pool.ref_count(p) for p in pages],
             [p for p in pages if pool.is_free(p)],
-            [dict(pool.cached_pages(g)) for g in range(len(self.POLICIES))],
+            [dict(pool.cached_blocks(g)) for g in range(len(self.POLICIES))],
         )
 
     def allocate(self, req: Req, num: int, admit: bool) -> bool:
@@ -68,7 +68,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if admit:
             hit = self.mgr.lookup(req)
             num = min(num, len(req.all_token_ids) - hit.num_tokens)
-            self.check_hit_content(req, hit.pages)
+            self.check_hit_content(req, hit.block_tables)
             start = hit.num_tokens
             new = self.mgr.allocate(req, num, hit)
         else:

@@ -75,7 +75,7 @@ def test_gemma3_like_groups_four_layers_with_strided_sliding_groups() -> None:
     plan = plan_layout(specs, 1 << 30)
     sliding = [s.name for s in specs if s.policy == SW]
     assert plan.group_size == 4
-    assert plan.page_bytes == PAGE
+    assert plan.block_bytes == PAGE
     assert [g.layer_names for g in plan.groups[:6]] == [tuple(sliding[i::6]) for i in range(6)]
     assert [len(g.layer_names) for g in plan.groups] == [4, 4, 4, 4, 3, 3, 4]
     assert plan.groups[6].layer_names == ("l5", "l11", "l17", "l23")
@@ -114,7 +114,7 @@ def test_padding_fraction_weighs_groups_by_pages_held() -> None:
     report = describe(plan_layout(specs, 100 * 3 * PAGE), specs, 160)
     # The full group holds 10 pages with one empty slot of 3, the window group 3 full pages.
     assert [g.blocks_per_request for g in report.groups] == [10, 3]
-    assert [g.padding_bytes_per_page for g in report.groups] == [PAGE, 0]
+    assert [g.padding_bytes_per_block for g in report.groups] == [PAGE, 0]
     assert report.padding_fraction == pytest.approx(10 / (13 * 3))
 
 
@@ -123,8 +123,8 @@ def test_smaller_attention_pages_are_padded_to_the_largest() -> None:
     specs = [attn("f0"), attn("s0", SW, head_dim=128)]
     plan = plan_layout(specs, 1 << 20)
     report = describe(plan, specs, 16)
-    assert plan.page_bytes == PAGE
-    assert [g.padding_bytes_per_page for g in report.groups] == [0, PAGE // 2]
+    assert plan.block_bytes == PAGE
+    assert [g.padding_bytes_per_block for g in report.groups] == [0, PAGE // 2]
     assert plan.padding_bytes == plan.num_blocks * PAGE // 2
 
 
@@ -137,8 +137,8 @@ def test_state_larger_than_attention_page_raises_block_size() -> None:
     plan = plan_layout(specs, 1 << 20, block_size=16)
     report = describe(plan, specs, 96)
     assert plan.block_size == 48
-    assert plan.page_bytes == 3 * PAGE
-    assert [g.padding_bytes_per_page for g in report.groups] == [0, 8 * 1024]
+    assert plan.block_bytes == 3 * PAGE
+    assert [g.padding_bytes_per_block for g in report.groups] == [0, 8 * 1024]
     assert plan.padding_bytes == plan.num_blocks * 8 * 1024
 
 
@@ -149,7 +149,7 @@ def test_state_smaller_than_attention_page_is_padded() -> None:
         StateSpec(name="m0", policy=MambaLike(), state_bytes=1000),
     ]
     plan = plan_layout(specs, 1 << 20)
-    assert (plan.block_size, plan.page_bytes) == (16, PAGE)
+    assert (plan.block_size, plan.block_bytes) == (16, PAGE)
     assert plan.padding_bytes == plan.num_blocks * (PAGE - 1000)
 
 

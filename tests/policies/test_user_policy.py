@@ -66,7 +66,7 @@ def test_prefix_hit_needs_only_sinks_and_window(make_request) -> None:
     b = make_request("b", [*range(20), 1])
     hit = mgr.lookup(b)
     assert hit.num_tokens == 20
-    assert hit.pages == ((1, 0, 0, 0, 5),)  # live at 20: sinks [0, 4) and window [16, 20)
+    assert hit.block_tables == ((1, 0, 0, 0, 5),)  # live at 20: sinks [0, 4) and window [16, 20)
     assert mgr.allocate(b, 1, hit) == ([4],)
     mgr.check_integrity()
 

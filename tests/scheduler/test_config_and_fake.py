@@ -49,7 +49,7 @@ def test_config_from_layout_plan_takes_the_pool_shape() -> None:
     plan = LayoutPlan(
         block_size=16,
         num_blocks=321,
-        page_bytes=4096,
+        block_bytes=4096,
         groups=groups,
         group_size=1,
         layer_slots={"l0": (0, 0), "l1": (1, 0)},

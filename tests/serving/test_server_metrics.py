@@ -48,9 +48,9 @@ def test_engine_state_is_exported(server: Any) -> None:
     assert samples[("hybridkv_requests_waiting", ())] == 0
     assert samples[("hybridkv_requests_running", ())] == 0
     assert samples[("hybridkv_preemptions_total", ())] == 0
-    assert samples[("hybridkv_kv_pages_used", (("group", "0"), ("policy", "full")))] == 0
-    assert samples[("hybridkv_kv_pages_used", (("group", "1"), ("policy", "sliding_window")))] == 0
-    assert samples[("hybridkv_kv_pages_total", ())] == 256
+    assert samples[("hybridkv_kv_blocks_used", (("group", "0"), ("policy", "full")))] == 0
+    assert samples[("hybridkv_kv_blocks_used", (("group", "1"), ("policy", "sliding_window")))] == 0
+    assert samples[("hybridkv_kv_blocks_total", ())] == 256
     assert ("hybridkv_prefix_cache_hit_rate", ()) in samples
 
 
