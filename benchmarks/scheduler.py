@@ -70,7 +70,14 @@ from _scheduler_lockstep import (
 )
 
 from hybridkv.policies import FullAttention, MemoryPolicy, SlidingWindow, cdiv
-from hybridkv.scheduler import Engine, EngineConfig, FakeExecutor, SamplingParams, StepBatch
+from hybridkv.scheduler import (
+    Engine,
+    EngineConfig,
+    FakeExecutor,
+    SamplingParams,
+    StepBatch,
+    StepResult,
+)
 from hybridkv.scheduler.fake import reference_tokens
 
 VLLM_DECODE_STEP_US = 12_900.0
@@ -165,7 +172,7 @@ class _StampingExecutor(FakeExecutor):
         super().__init__(*args, **kwargs)
         self.first_seen: dict[str, float] = {}
 
-    def execute(self, batch: StepBatch) -> list[int | None]:
+    def execute(self, batch: StepBatch) -> StepResult:
         now = time.perf_counter()
         for request in batch.requests:
             self.first_seen.setdefault(request.request_id, now)
@@ -227,11 +234,15 @@ def bench_trace(path: Path, vllm: Any) -> dict[str, Any]:
     class TraceExecutor:
         """Samples the trace's own output tokens: output j of request i is start_i + j."""
 
-        def execute(self, batch: StepBatch) -> list[int | None]:
-            return [
-                output_starts[r.request_id] + r.output_index if r.sample else None
-                for r in batch.requests
-            ]
+        pool = config.pool
+
+        def execute(self, batch: StepBatch) -> StepResult:
+            return StepResult.from_token_ids(
+                [
+                    output_starts[r.request_id] + r.output_index if r.sample else None
+                    for r in batch.requests
+                ]
+            )
 
     def trace_outputs(request_id: str, prompt: list[int], params: SamplingParams) -> range:
         start = output_starts[request_id]

@@ -40,7 +40,7 @@ import torch
 
 from hybridkv.memory.planner import describe
 from hybridkv.models.executor import ModelExecutor
-from hybridkv.scheduler import Engine, EngineConfig, SamplingParams, StepBatch
+from hybridkv.scheduler import Engine, EngineConfig, PoolSpec, SamplingParams, StepBatch, StepResult
 
 WINDOW = 128
 BLOCK_SIZE = 16
@@ -102,7 +102,11 @@ class CountingExecutor:
         self.peak_requests = 0
         self.num_steps = 0
 
-    def execute(self, batch: StepBatch) -> Sequence[int | None]:
+    @property
+    def pool(self) -> PoolSpec:
+        return self.inner.pool
+
+    def execute(self, batch: StepBatch) -> StepResult:
         self.peak_requests = max(self.peak_requests, len(batch.requests))
         self.num_steps += 1
         return self.inner.execute(batch)

@@ -60,6 +60,24 @@ class StateSpec:
 LayerSpec = AttentionSpec | StateSpec
 
 
+@attrs.frozen
+class PoolSpec:
+    """The shape of the shared block pool: what the engine and its executor must agree on.
+
+    The executor allocates its caches for it and reports it; the engine's KV cache
+    manager is built from the same value, so the two cannot describe different pools.
+
+    Attributes:
+        policies: The memory policy of each KV group, in group order.
+        num_blocks: Blocks in the pool, the null block 0 included.
+        block_size: Tokens per block, the same for every group.
+    """
+
+    policies: tuple[MemoryPolicy, ...] = attrs.field(converter=tuple)
+    num_blocks: int
+    block_size: int
+
+
 @attrs.frozen(kw_only=True)
 class KVGroup:
     """Layers that share one block table per request (``layer_slots`` says where each lives)."""
@@ -103,6 +121,11 @@ class LayoutPlan:
     def policies(self) -> tuple[MemoryPolicy, ...]:
         """The policy of each group, in group order (what the KV cache manager takes)."""
         return tuple(g.policy for g in self.groups)
+
+    @property
+    def pool(self) -> PoolSpec:
+        """The pool this plan sized."""
+        return PoolSpec(self.policies, self.num_blocks, self.block_size)
 
     @property
     def pool_bytes(self) -> int:

@@ -21,7 +21,7 @@ import structlog
 import torch
 
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
-from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan
+from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan, PoolSpec
 from hybridkv.memory.planner import plan_layout
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.config import ModelConfig
@@ -32,7 +32,7 @@ from hybridkv.models.torch_thread import TorchThread
 from hybridkv.models.transformer import CausalLM
 from hybridkv.policies.base import cdiv
 from hybridkv.policies.builtin import FullAttention
-from hybridkv.scheduler.batch import StepBatch, StepRequest
+from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -177,7 +177,12 @@ class ModelExecutor:
         """End the executor's torch thread; later steps run on the caller's thread."""
         self.torch_thread.close()
 
-    def execute(self, batch: StepBatch) -> list[int | None]:
+    @property
+    def pool(self) -> PoolSpec:
+        """The block pool the KV caches are laid out for."""
+        return self.plan.pool
+
+    def execute(self, batch: StepBatch) -> StepResult:
         """Write and attend every request's tokens in one forward pass; sample where asked.
 
         Runs on the executor's torch thread.
@@ -185,7 +190,7 @@ class ModelExecutor:
         Raises:
             BatchError: a request's block tables do not match the layout.
         """
-        return self.torch_thread.run(self._execute, batch)
+        return StepResult.from_token_ids(self.torch_thread.run(self._execute, batch))
 
     def _execute(self, batch: StepBatch) -> list[int | None]:
         requests = batch.requests

@@ -1,11 +1,20 @@
 """The async engine and everything a user of hybridkv touches.
 
 ``Engine`` runs continuous batching over an ``Executor`` and one shared paged KV pool;
-``generate`` streams :class:`RequestOutput` values. See design.md (Scheduler).
+``generate`` streams :class:`RequestOutput` values. See docs/architecture.md.
 """
 
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler.batch import Executor, ExecutorBrokenError, StepBatch, StepRequest
+from hybridkv.memory.layout import PoolSpec
+from hybridkv.scheduler.batch import (
+    Executor,
+    ExecutorBrokenError,
+    PipelinedExecutor,
+    RequestResult,
+    StepBatch,
+    StepRequest,
+    StepResult,
+)
 from hybridkv.scheduler.config import ConfigError, EngineConfig
 from hybridkv.scheduler.engine import Engine, RequestStream
 from hybridkv.scheduler.errors import (
@@ -17,7 +26,7 @@ from hybridkv.scheduler.errors import (
     RequestFailedError,
 )
 from hybridkv.scheduler.fake import FakeExecutor
-from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput
+from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import SamplingParams
 
 __all__ = [
@@ -34,11 +43,16 @@ __all__ = [
     "FinishReason",
     "HybridKVError",
     "InvalidRequestError",
+    "PipelinedExecutor",
+    "PoolSpec",
     "PromptTooLongError",
     "RequestFailedError",
     "RequestOutput",
+    "RequestResult",
     "RequestStream",
     "SamplingParams",
     "StepBatch",
     "StepRequest",
+    "StepResult",
+    "TokenLogprobs",
 ]

@@ -1,13 +1,16 @@
-"""What one engine step hands to the executor, and the executor protocol itself."""
+"""What one engine step hands to the executor, what it hands back, and the protocol."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 import attrs
 
 from hybridkv.errors import HybridKVError
+from hybridkv.memory.layout import PoolSpec
+from hybridkv.scheduler.outputs import TokenLogprobs
 from hybridkv.scheduler.params import SamplingParams
 
 
@@ -34,6 +37,10 @@ class StepRequest:
         params: The request's sampling parameters.
         output_index: How many tokens the request has generated before this step; with
             ``params.seed`` it seeds the sampler, so recomputation samples the same tokens.
+        prompt_logprob_token_ids: With ``params.prompt_logprobs``, the prompt tokens at
+            positions ``start_position + 1 ..`` that this chunk's positions predict (the
+            last prompt position predicts an output token, so a prompt's last chunk has
+            one fewer); empty otherwise.
     """
 
     request_id: str
@@ -43,6 +50,7 @@ class StepRequest:
     sample: bool
     params: SamplingParams
     output_index: int
+    prompt_logprob_token_ids: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -62,17 +70,77 @@ class StepBatch:
         return sum(len(r.token_ids) for r in self.requests)
 
 
-class Executor(Protocol):
-    """Runs one step. The engine calls it from a worker thread, one step at a time.
+@attrs.frozen(kw_only=True)
+class RequestResult:
+    """What a step produced for one request.
 
-    Contract: for every request of the batch, write the K/V of its ``token_ids`` into the
-    pages of its block tables, then compute attention (all writes of a layer happen before
-    any attention of that layer, so a request may read a page another request of the same
-    step fills). Return one entry per request: the sampled token id where ``sample`` is
-    true, else ``None``. Raise any exception to fail the step's requests (the engine goes
-    on), or :class:`ExecutorBrokenError` when no later step can succeed.
+    Attributes:
+        token_id: The sampled token where the request's ``sample`` was true, else None.
+        logprobs: With ``params.logprobs``, the sampled token's log-probabilities.
+        prompt_logprobs: With ``params.prompt_logprobs``, one entry per token of the
+            request's ``prompt_logprob_token_ids``, in order.
+        error: Set when this request, and only it, failed in the step (its other fields
+            are then ignored); the engine fails the request and goes on with the others.
     """
 
-    def execute(self, batch: StepBatch) -> Sequence[int | None]:
-        """Run the batch and return the sampled tokens."""
+    token_id: int | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    error: HybridKVError | None = None
+
+
+@attrs.frozen
+class StepResult:
+    """What one step produced: ``requests[i]`` belongs to ``batch.requests[i]``."""
+
+    requests: tuple[RequestResult, ...]
+
+    @classmethod
+    def from_token_ids(cls, token_ids: Sequence[int | None]) -> StepResult:
+        """A result of sampled tokens only (None where a request sampled nothing)."""
+        return cls(tuple(RequestResult(token_id=t) for t in token_ids))
+
+
+class Executor(Protocol):
+    """Runs steps over the pool it reports. The engine calls it from a worker thread.
+
+    Contract: for every request of the batch, write the K/V of its ``token_ids`` into the
+    blocks of its block tables, then compute attention (all writes of a layer happen
+    before any attention of that layer, so a request may read a block another request of
+    the same step fills). Return a :class:`StepResult` with one entry per request. Raise
+    any exception to fail the step's requests (the engine goes on), or
+    :class:`ExecutorBrokenError` when no later step can succeed.
+
+    ``pool`` is the block pool the executor's caches are laid out for; the engine refuses
+    a config that describes another.
+    """
+
+    @property
+    def pool(self) -> PoolSpec:
+        """The block pool the executor's caches hold."""
+        ...
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Run the batch and return what it produced."""
+        ...
+
+
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that takes several steps at once (pipeline stages), in order.
+
+    The engine calls :meth:`submit` from its event-loop thread, in step order, with up to
+    ``max_steps_in_flight`` steps unfinished, and waits for the futures in the same order.
+    Steps must reach every layer in submission order: step k's writes to a layer happen
+    before step k+1 reads it (a step may read a block that an earlier step in flight
+    fills, through a prefix hit). A request is in at most one step in flight, and the
+    blocks of a step in flight are never freed.
+    """
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        """How many submitted steps may be unfinished at once (>= 1)."""
+        ...
+
+    def submit(self, batch: StepBatch) -> Future[StepResult]:
+        """Start the batch without blocking; the future holds its result or error."""
         ...

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from hybridkv.errors import HybridKVError
-from hybridkv.memory.layout import LayoutPlan
+from hybridkv.memory.layout import LayoutPlan, PoolSpec
 from hybridkv.policies.base import MemoryPolicy
 
 
@@ -86,6 +86,11 @@ class EngineConfig:
             max_model_len=max_model_len,
             **options,
         )
+
+    @property
+    def pool(self) -> PoolSpec:
+        """The block pool this config describes."""
+        return PoolSpec(self.policies, self.num_blocks, self.block_size)
 
     @property
     def prefill_chunk(self) -> int:

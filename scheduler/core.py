@@ -27,6 +27,7 @@ import structlog
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import PromptTooLongError
 from hybridkv.memory.manager import KVCacheManager
+from hybridkv.scheduler.batch import StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
 from hybridkv.scheduler.meter import ThroughputMeter
@@ -180,11 +181,12 @@ class EngineCore:
         self._plan_us = (time.perf_counter() - start) * 1e6
         return plan
 
-    def apply(self, plan: StepPlan, sampled: Sequence[int | None]) -> None:
+    def apply(self, plan: StepPlan, result: StepResult) -> None:
         """Apply the executor's sampled tokens: append them, end finished requests, and
         gather the outputs for :meth:`flush`."""
         start = time.perf_counter()
         self._in_flight = None
+        sampled = [r.token_id for r in result.requests]
         if len(sampled) != len(plan.scheduled):
             error = HybridKVError(
                 f"executor returned {len(sampled)} results for {len(plan.scheduled)} requests"

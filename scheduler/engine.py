@@ -30,7 +30,7 @@ import anyio.abc
 import structlog
 
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler.batch import Executor, ExecutorBrokenError, StepBatch
+from hybridkv.scheduler.batch import Executor, ExecutorBrokenError, StepBatch, StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineStoppedError
@@ -166,7 +166,7 @@ class Engine:
                 continue
             core.apply(plan, sampled)
 
-    def _run_step(self, batch: StepBatch) -> Sequence[int | None]:
+    def _run_step(self, batch: StepBatch) -> StepResult:
         """In the worker thread: release the previous step's outputs, then run this one.
 
         Delivering outputs wakes every consumer; doing it from here, once the step has

@@ -19,7 +19,8 @@ from array import array
 from collections.abc import Sequence
 
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler.batch import StepBatch
+from hybridkv.memory.layout import PoolSpec
+from hybridkv.scheduler.batch import StepBatch, StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.outputs import RequestOutput
 
@@ -49,27 +50,22 @@ class FakeExecutor:
     """Runs steps on rolling hashes stored in pages: no model, exact cache semantics.
 
     Args:
-        num_blocks: Pages of the pool.
-        block_size: Tokens per page.
-        num_groups: KV groups (each keeps its own pages, all are written and checked).
+        pool: The block pool (each KV group keeps its own blocks; all are written and
+            checked).
         vocab_size: Tokens are drawn from ``[0, vocab_size)``.
         step_delay_s: Seconds each step sleeps, to stand for model time.
     """
 
     def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        num_groups: int = 1,
-        *,
-        vocab_size: int = 32000,
-        step_delay_s: float = 0.0,
+        self, pool: PoolSpec, *, vocab_size: int = 32000, step_delay_s: float = 0.0
     ) -> None:
-        self.block_size = block_size
+        self.pool = pool
+        self.block_size = pool.block_size
         self.vocab_size = vocab_size
         self.step_delay_s = step_delay_s
-        # Flat per-group arrays (page * block_size + slot): compact, and unseen by the GC.
-        self._store = [array("Q", bytes(8 * num_blocks * block_size)) for _ in range(num_groups)]
+        # Flat per-group arrays (block * block_size + slot): compact, and unseen by the GC.
+        size = 8 * pool.num_blocks * pool.block_size
+        self._store = [array("Q", bytes(size)) for _ in pool.policies]
         self.num_steps = 0
 
     @classmethod
@@ -78,15 +74,17 @@ class FakeExecutor:
     ) -> FakeExecutor:
         """A fake sized for an engine's pool (vocabulary: the config's, else 32000)."""
         return cls(
-            config.num_blocks,
-            config.block_size,
-            len(config.policies),
+            config.pool,
             vocab_size=vocab_size or config.vocab_size or 32000,
             step_delay_s=step_delay_s,
         )
 
-    def execute(self, batch: StepBatch) -> list[int | None]:
-        """Write each token's hash into its page, then sample from the last hash."""
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Write each token's hash into its block, then sample from the last hash."""
+        return StepResult.from_token_ids(self.sample(batch))
+
+    def sample(self, batch: StepBatch) -> list[int | None]:
+        """The tokens :meth:`execute` samples, as a list (None where none is due)."""
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.num_steps += 1

@@ -24,6 +24,28 @@ class FinishReason(enum.StrEnum):
 
 
 @attrs.frozen(kw_only=True)
+class TokenLogprobs:
+    """Log-probabilities at one position of a sequence, from the model's raw logits.
+
+    They are the log-softmax of the logits the model computed (soft-capped where the
+    model does so), before temperature, top-k or top-p: what the model thinks of the
+    token, whatever the sampler then did (vLLM's default, ``raw_logprobs``).
+
+    Attributes:
+        token_id: The token at this position (sampled, or the prompt's).
+        logprob: Its log-probability.
+        rank: Its rank among all tokens, 1 for the most likely.
+        top: The most likely tokens as ``(token_id, logprob)``, most likely first; as many
+            as the request asked for (``logprobs`` or ``prompt_logprobs``), maybe none.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
 class RequestOutput:
     """One streamed update of a request: the tokens sampled by one step.
 
@@ -36,6 +58,11 @@ class RequestOutput:
         num_output_tokens: Tokens generated so far, ``new_token_ids`` included.
         num_cached_tokens: Prompt tokens served from the prefix cache at first admission.
         num_preemptions: Times the request was preempted and recomputed.
+        logprobs: With ``SamplingParams.logprobs``, one entry per token of
+            ``new_token_ids``; else None.
+        prompt_logprobs: With ``SamplingParams.prompt_logprobs``, in the request's first
+            output only: one entry per prompt token, None for the first (nothing predicts
+            it); else None.
     """
 
     request_id: str
@@ -45,6 +72,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     num_preemptions: int
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     # The engine's append-only prompt + outputs of the request (private: never mutate
     # it); ``token_ids`` slices it when read, so streaming does not copy it per token.
     _sequence: Sequence[int] = attrs.field(eq=False, repr=False, alias="sequence")

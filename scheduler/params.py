@@ -13,6 +13,10 @@ class InvalidRequestError(HybridKVError, ValueError):
     """A request was malformed: bad sampling parameters, empty or oversized prompt."""
 
 
+#: Most top log-probabilities a request may ask for, per position (as vLLM's default).
+MAX_LOGPROBS = 20
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidRequestError(message)
@@ -51,6 +55,11 @@ class SamplingParams:
             the batch and whether or not the request was preempted and recomputed.
         stop_token_ids: Tokens that end the request (included in the output).
         ignore_eos: Keep generating past the model's end-of-sequence token.
+        logprobs: Return each sampled token's log-probability and the ``logprobs`` most
+            likely tokens at its position (0: the sampled token's only); None: none.
+        prompt_logprobs: Return each prompt token's log-probability and the
+            ``prompt_logprobs`` most likely tokens at its position; None: none. Such a
+            request computes its whole prompt: it takes no prefix-cache hit.
     """
 
     max_tokens: int = 16
@@ -61,13 +70,22 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_int_tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        for name in ("max_tokens", "min_tokens", "top_k", "seed"):
+        optional = ("seed", "logprobs", "prompt_logprobs")
+        for name in ("max_tokens", "min_tokens", "top_k", *optional):
             value = getattr(self, name)
             _check(
-                _is_int(value) or (name == "seed" and value is None),
+                _is_int(value) or (name in optional and value is None),
                 f"{name} must be an int, got {value!r}",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or 0 <= value <= MAX_LOGPROBS,
+                f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}",
             )
         for name in ("temperature", "top_p"):
             value = getattr(self, name)

@@ -223,7 +223,8 @@ class Driver:
                 )
             )
             seqs.append(seq)
-        tokens = self.executor.execute(StepBatch(tuple(requests)))
+        result = self.executor.execute(StepBatch(tuple(requests)))
+        tokens = [r.token_id for r in result.requests]
         for seq, request, token in zip(seqs, requests, tokens, strict=True):
             seq.num_computed += request.num_tokens
             if token is not None:

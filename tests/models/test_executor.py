@@ -6,7 +6,7 @@ import pytest
 
 from hybridkv.models.errors import BatchError
 from hybridkv.policies.builtin import FullAttention, SlidingWindow
-from hybridkv.scheduler.batch import StepBatch, StepRequest
+from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.params import SamplingParams
 
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=4321, max_tokens=64)
@@ -76,13 +76,14 @@ def test_seeded_sampling_survives_preemption(make_driver, prompt_of):
 
 def test_empty_batch_returns_nothing(make_driver):
     """A step with no request runs nothing."""
-    assert make_driver("gemma3").executor.execute(StepBatch(())) == []
+    assert make_driver("gemma3").executor.execute(StepBatch(())) == StepResult(())
 
 
 def test_unsampled_chunk_returns_none(make_driver):
     """A prefill chunk that is not the prompt's last returns None for its request."""
     executor = make_driver("gemma3").executor
-    assert executor.execute(StepBatch((_request(sample=False),))) == [None]
+    result = executor.execute(StepBatch((_request(sample=False),)))
+    assert result == StepResult.from_token_ids([None])
 
 
 def test_wrong_number_of_block_tables_is_refused(make_driver):

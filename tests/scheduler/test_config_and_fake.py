@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from hybridkv.memory.layout import KVGroup, LayoutPlan
+from hybridkv.memory.layout import KVGroup, LayoutPlan, PoolSpec
 from hybridkv.policies import FullAttention, SlidingWindow
 from hybridkv.scheduler import ConfigError, EngineConfig, StepBatch, StepRequest
 from hybridkv.scheduler.fake import FakeExecutor, FakeKVMismatchError, reference_tokens
@@ -77,17 +77,17 @@ def item(start: int, tokens: list[int], tables: list[list[int]], sample: bool) -
 
 def test_fake_executor_samples_the_reference_through_chunks_and_pages() -> None:
     """Chunked through scattered pages, the fake samples what the uncached reference does."""
-    fake = FakeExecutor(num_blocks=16, block_size=4, num_groups=2, vocab_size=97)
+    fake = FakeExecutor(PoolSpec((FullAttention(),) * 2, 16, 4), vocab_size=97)
     prompt = list(range(10))
     tables = [[5, 9, 2], [7, 3, 11]]
-    assert fake.execute(StepBatch((item(0, prompt[:6], tables, False),))) == [None]
-    (token,) = fake.execute(StepBatch((item(6, prompt[6:], tables, True),)))
+    assert fake.sample(StepBatch((item(0, prompt[:6], tables, False),))) == [None]
+    (token,) = fake.sample(StepBatch((item(6, prompt[6:], tables, True),)))
     assert token == reference_tokens(prompt, 1, 97)[0]
 
 
 def test_fake_executor_detects_a_wrong_block_table() -> None:
     """Reading a position from pages the groups disagree on raises FakeKVMismatchError."""
-    fake = FakeExecutor(num_blocks=16, block_size=4, num_groups=2)
-    fake.execute(StepBatch((item(0, [1, 2, 3, 4, 5], [[1, 2], [3, 4]], False),)))
+    fake = FakeExecutor(PoolSpec((FullAttention(),) * 2, 16, 4))
+    fake.sample(StepBatch((item(0, [1, 2, 3, 4, 5], [[1, 2], [3, 4]], False),)))
     with pytest.raises(FakeKVMismatchError, match="position 4"):
-        fake.execute(StepBatch((item(5, [6], [[1, 2], [3, 5]], True),)))
+        fake.sample(StepBatch((item(5, [6], [[1, 2], [3, 5]], True),)))

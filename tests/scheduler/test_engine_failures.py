@@ -18,11 +18,13 @@ from hybridkv.scheduler import (
     ExecutorBrokenError,
     FakeExecutor,
     FinishReason,
+    PoolSpec,
     PromptTooLongError,
     RequestFailedError,
     RequestOutput,
     SamplingParams,
     StepBatch,
+    StepResult,
 )
 from hybridkv.scheduler.fake import reference_tokens
 
@@ -52,7 +54,11 @@ class ScriptedExecutor:
         self.gate = threading.Event()
         self.gate.set()
 
-    def execute(self, batch: StepBatch) -> list[int | None]:
+    @property
+    def pool(self) -> PoolSpec:
+        return self.fake.pool
+
+    def execute(self, batch: StepBatch) -> StepResult:
         self.started.set()
         assert self.gate.wait(timeout=20), "the test never opened the gate"
         if self.breaks:

@@ -18,9 +18,11 @@ from hybridkv.scheduler import (
     EngineConfig,
     FakeExecutor,
     FinishReason,
+    PoolSpec,
     RequestOutput,
     SamplingParams,
     StepBatch,
+    StepResult,
 )
 from hybridkv.scheduler.fake import reference_tokens
 
@@ -48,7 +50,11 @@ class GatedExecutor:
         self.started = threading.Event()
         self.gate = threading.Event()
 
-    def execute(self, batch: StepBatch) -> list[int | None]:
+    @property
+    def pool(self) -> PoolSpec:
+        return self.fake.pool
+
+    def execute(self, batch: StepBatch) -> StepResult:
         self.started.set()
         assert self.gate.wait(timeout=20), "the test never opened the gate"
         return self.fake.execute(batch)
@@ -242,7 +248,11 @@ class SteppedExecutor:
         self.permits = threading.Semaphore(0)
         self.num_entered = 0
 
-    def execute(self, batch: StepBatch) -> list[int | None]:
+    @property
+    def pool(self) -> PoolSpec:
+        return self.fake.pool
+
+    def execute(self, batch: StepBatch) -> StepResult:
         self.num_entered += 1
         assert self.permits.acquire(timeout=20), "the test never released the step"
         return self.fake.execute(batch)

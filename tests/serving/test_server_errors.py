@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from hybridkv.scheduler import FakeExecutor, StepBatch
+from hybridkv.scheduler import FakeExecutor, StepBatch, StepResult
 from hybridkv.serving.app import ServerOptions
 
 MODEL = "fake-model"
@@ -112,7 +112,7 @@ def test_server_keeps_serving_after_bad_requests(client: Any, server: Any) -> No
 class FailingExecutor(FakeExecutor):
     """Fails every step that runs a position past 8: long requests fail, short ones pass."""
 
-    def execute(self, batch: StepBatch) -> list[int | None]:
+    def execute(self, batch: StepBatch) -> StepResult:
         if any(r.start_position + r.num_tokens > 8 for r in batch.requests):
             raise RuntimeError("the model crashed")
         return super().execute(batch)
