@@ -182,6 +182,11 @@ class ModelExecutor:
         """The block pool the KV caches are laid out for."""
         return self.plan.pool
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head: sampled token ids are below it."""
+        return self.config.vocab_size
+
     def execute(self, batch: StepBatch) -> StepResult:
         """Write and attend every request's tokens in one forward pass; sample where asked.
 

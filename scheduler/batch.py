@@ -18,6 +18,11 @@ class ExecutorBrokenError(HybridKVError):
     """Raised by an executor that cannot run any further step; the engine shuts down."""
 
 
+class ExecutorResultError(HybridKVError):
+    """An executor's step result does not fit its batch (a token out of the vocabulary, a
+    missing entry): the step's requests fail, the engine goes on."""
+
+
 @attrs.frozen(kw_only=True)
 class StepRequest:
     """One request's share of a step.

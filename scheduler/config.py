@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.layout import LayoutPlan, PoolSpec
 from hybridkv.policies.base import MemoryPolicy
+
+if TYPE_CHECKING:
+    from hybridkv.scheduler.batch import Executor
 
 
 class ConfigError(HybridKVError, ValueError):
@@ -85,6 +88,32 @@ class EngineConfig:
             block_size=plan.block_size,
             max_model_len=max_model_len,
             **options,
+        )
+
+    @classmethod
+    def for_executor(cls, executor: Executor, **options: Any) -> EngineConfig:
+        """Build a config for an executor: its pool, and its model limits as defaults.
+
+        The pool (policies, blocks, block size) is the executor's; ``max_model_len``,
+        ``eos_token_ids`` and ``vocab_size`` default to the executor's attributes of those
+        names where it has them (``ModelExecutor`` does).
+
+        Args:
+            executor: The executor the engine will run.
+            **options: Any other field of :class:`EngineConfig` (not the pool's).
+        """
+        pool = executor.pool
+        fields = {
+            name: getattr(executor, name)
+            for name in ("max_model_len", "eos_token_ids", "vocab_size")
+            if getattr(executor, name, None) is not None
+        }
+        fields.update(options)
+        return cls(
+            policies=pool.policies,
+            num_blocks=pool.num_blocks,
+            block_size=pool.block_size,
+            **fields,
         )
 
     @property

@@ -2,23 +2,28 @@
 
 The async :class:`~hybridkv.scheduler.engine.Engine` drives it from one event-loop thread::
 
-    add_request / abort          any time, from the loop thread (also while a step runs)
-    plan()  -> StepPlan          between steps: admit, preempt, allocate (planner.py)
-    apply(plan, sampled)         after the executor returned: append tokens, stop requests
-    fail(plan, error)            after the executor raised: fail the step's requests
+    add_request / abort          any time, from the loop thread (also while steps run)
+    plan()  -> StepPlan          admit, preempt, allocate (planner.py); may be called again
+                                 while earlier plans are in flight (pipeline stages)
+    apply(plan, result)          the executor returned: append tokens, stop requests
+    fail(plan, error)            the executor raised: fail the step's requests
     flush()                      deliver the outputs gathered by apply/fail to the sinks
-    shutdown(error)              end every request, free every page
+    shutdown(error)              end every live request, free every block
+
+Steps in flight form a queue: ``apply`` and ``fail`` take the oldest, in order. A request
+is in at most one step in flight (the planner skips requests whose step has not been
+applied), and it keeps its blocks until that step is applied or failed, even if aborted.
 
 ``apply`` and ``fail`` only gather outputs; the engine flushes them once the next step is
 on its way, so consumers run while the executor does. ``abort`` and ``shutdown`` flush at
-once. Nothing here awaits, so tests drive it directly, without a loop. Safety rule: a
-request of the step in flight keeps its pages until ``apply`` or ``fail``, even if aborted.
+once. Nothing here awaits, so tests drive it directly, without a loop.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -26,12 +31,13 @@ import structlog
 
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import PromptTooLongError
+from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
-from hybridkv.scheduler.batch import StepResult
+from hybridkv.scheduler.batch import ExecutorResultError, RequestResult, StepRequest, StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
 from hybridkv.scheduler.meter import ThroughputMeter
-from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput
+from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
 from hybridkv.scheduler.planner import StepPlan, plan_step
 from hybridkv.scheduler.queue import WaitingQueue
@@ -58,9 +64,12 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._clock = clock
         self._has_finished_running = False
-        self._in_flight: StepPlan | None = None
+        self._in_flight: deque[StepPlan] = deque()
         # (request, item, is_last) deliveries gathered since the last flush.
         self._outbox: list[tuple[Request, RequestOutput | HybridKVError, bool]] = []
+        # Requests of steps in flight whose prefix hit an earlier, failed step may have
+        # been meant to fill: failed when their own step returns.
+        self._stale_hits: set[Request] = set()
         self._plan_us = 0.0
         self._meter = ThroughputMeter()
         # Prompt tokens served from the prefix cache at first admission, and looked up:
@@ -78,6 +87,11 @@ class EngineCore:
         """Whether a step could run something."""
         self._prune_running()
         return bool(self.running) or bool(self.waiting)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Planned steps whose results have not been applied (or failed) yet."""
+        return len(self._in_flight)
 
     def add_request(
         self,
@@ -139,8 +153,11 @@ class EngineCore:
     # -- steps -------------------------------------------------------------------------
 
     def plan(self) -> StepPlan:
-        """Plan the next step (see :func:`~hybridkv.scheduler.planner.plan_step`)."""
-        assert self._in_flight is None, "apply or fail the previous step first"
+        """Plan the next step (see :func:`~hybridkv.scheduler.planner.plan_step`).
+
+        A plan that schedules anything is in flight until :meth:`apply` or :meth:`fail`
+        takes it; requests of earlier steps in flight are not in it.
+        """
         start = time.perf_counter()
         self._prune_running()
         plan = plan_step(self.running, self.waiting, self.kv, self.config)
@@ -177,39 +194,45 @@ class EngineCore:
                 waited_s=round(now - request.arrival_time, 6) if is_first else None,
                 is_resumed=not is_first,
             )
-        self._in_flight = plan
+        if plan.scheduled:
+            self._in_flight.append(plan)
         self._plan_us = (time.perf_counter() - start) * 1e6
         return plan
 
     def apply(self, plan: StepPlan, result: StepResult) -> None:
-        """Apply the executor's sampled tokens: append them, end finished requests, and
-        gather the outputs for :meth:`flush`."""
+        """Apply the oldest step's result: append tokens, end finished requests, and
+        gather the outputs for :meth:`flush`. A malformed result fails the step."""
         start = time.perf_counter()
-        self._in_flight = None
-        sampled = [r.token_id for r in result.requests]
-        if len(sampled) != len(plan.scheduled):
-            error = HybridKVError(
-                f"executor returned {len(sampled)} results for {len(plan.scheduled)} requests"
-            )
-            self.fail(plan, error)
+        problem = _check_result(plan, result, self.config.vocab_size or TOKEN_ID_LIMIT)
+        if problem is not None:
+            self.fail(plan, ExecutorResultError(problem))
             return
+        self._pop_in_flight(plan)
         now = self._clock()
         eos = self.config.eos_token_ids
         max_len = self.config.max_model_len
         kv_free = self.kv.free
         num_outputs = 0
-        for request, item, token in zip(plan.scheduled, plan.batch.requests, sampled, strict=True):
+        items = plan.batch.requests
+        for request, item, entry in zip(plan.scheduled, items, result.requests, strict=True):
             request.in_step = False
             if request.status is RequestStatus.FINISHED:  # aborted while the step ran
                 kv_free(request.request_id)
                 continue
+            if entry.error is not None or request in self._stale_hits:
+                self._stale_hits.discard(request)
+                error = entry.error or ExecutorResultError(
+                    "an earlier step in flight, which filled its cached prefix, failed"
+                )
+                self._fail_request(request, error, computed=False)
+                continue
             request.num_computed_tokens += len(item.token_ids)
+            if entry.prompt_logprobs:
+                _gather_prompt_logprobs(request, item, entry)
             if not item.sample:
                 continue
-            if token is None:
-                error = HybridKVError("executor sampled no token where one was due")
-                self._fail_request(request, error, computed=True)
-                continue
+            token = entry.token_id
+            assert token is not None  # _check_result
             tokens = request.all_token_ids
             tokens.append(token)
             num_outputs += 1
@@ -224,10 +247,11 @@ class EngineCore:
                 reason = FinishReason.STOP
             elif num_output >= params.max_tokens or len(tokens) >= max_len:
                 reason = FinishReason.LENGTH
+            logprobs = None if entry.logprobs is None else (entry.logprobs,)
             if reason is None:
-                self._outbox.append((request, request.output((token,), None), False))
+                self._outbox.append((request, request.output((token,), None, logprobs), False))
             else:
-                self._finish(request, reason, new_token_ids=(token,))
+                self._finish(request, reason, new_token_ids=(token,), logprobs=logprobs)
         self.num_steps += 1
         self._meter.record(now, plan.num_tokens, num_outputs)
         apply_us = (time.perf_counter() - start) * 1e6
@@ -237,13 +261,18 @@ class EngineCore:
             num_tokens=plan.num_tokens,
             num_admitted=len(plan.admitted),
             num_preempted=len(plan.preempted),
+            num_in_flight=len(self._in_flight),
             plan_us=round(self._plan_us, 1),
             apply_us=round(apply_us, 1),
         )
 
     def fail(self, plan: StepPlan, error: BaseException) -> None:
-        """The executor raised: fail every request of the step and free its pages."""
-        self._in_flight = None
+        """The executor raised for the oldest step: fail its requests, free their blocks.
+
+        Requests of later steps in flight that were admitted on a prefix-cache hit fail
+        too when their step returns: the hit may name blocks this step was to fill.
+        """
+        self._pop_in_flight(plan)
         log.warning("step_failed", num_requests=len(plan.scheduled), error=repr(error))
         for request in plan.scheduled:
             request.in_step = False
@@ -251,7 +280,13 @@ class EngineCore:
                 self.kv.free(request.request_id, computed=False)
             else:
                 self._fail_request(request, error, computed=False)
+        for later in self._in_flight:
+            self._stale_hits.update(r for r in later.admitted if r.num_computed_tokens)
         self.num_steps += 1
+
+    def _pop_in_flight(self, plan: StepPlan) -> None:
+        oldest = self._in_flight.popleft() if self._in_flight else None
+        assert oldest is plan, "steps are applied (or failed) in the order they were planned"
 
     def shutdown(self, error: HybridKVError | None = None) -> None:
         """End every live request (with ``error``, or finish reason SHUTDOWN).
@@ -259,11 +294,12 @@ class EngineCore:
         Call it only when the executor is not running a step: a planned step whose result
         was never applied counts as not run.
         """
-        plan, self._in_flight = self._in_flight, None
-        for request in plan.scheduled if plan else ():
-            if request.in_step:
-                request.in_step = False
-                self.kv.free(request.request_id, computed=False)
+        while self._in_flight:
+            for request in self._in_flight.popleft().scheduled:
+                if request.in_step:
+                    request.in_step = False
+                    self.kv.free(request.request_id, computed=False)
+        self._stale_hits.clear()
         for request in list(self._requests.values()):
             self._finish(request, None if error else FinishReason.SHUTDOWN, error=error)
         self._prune_running()
@@ -296,6 +332,7 @@ class EngineCore:
         *,
         error: HybridKVError | None = None,
         new_token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprobs, ...] | None = None,
         computed: bool = True,
     ) -> None:
         """End a live request: leave its queue, free its pages unless a step holds them.
@@ -317,7 +354,7 @@ class EngineCore:
         request.finish_reason = reason
         del self._requests[request.request_id]
         self.num_finished += 1
-        item = error if error is not None else request.output(new_token_ids, reason)
+        item = error if error is not None else request.output(new_token_ids, reason, logprobs)
         self._outbox.append((request, item, True))
         now = self._clock()
         first = request.first_token_time
@@ -360,3 +397,40 @@ class EngineCore:
             tokens_per_second=tokens_per_second,
             output_tokens_per_second=output_tokens_per_second,
         )
+
+
+def _check_result(plan: StepPlan, result: object, vocab_size: int) -> str | None:
+    """Why an executor's result cannot be applied to ``plan``, or None if it can."""
+    if not isinstance(result, StepResult):
+        return f"executor returned {type(result).__name__}, not a StepResult"
+    items = plan.batch.requests
+    if len(result.requests) != len(items):
+        return f"executor returned {len(result.requests)} results for {len(items)} requests"
+    for item, entry in zip(items, result.requests, strict=True):
+        name = item.request_id
+        if not isinstance(entry, RequestResult):
+            return f"executor returned a {type(entry).__name__} for {name!r}, not a RequestResult"
+        if entry.error is not None:
+            continue
+        token = entry.token_id
+        # type() is int: neither a bool nor a numpy or torch scalar slips through.
+        if item.sample and (type(token) is not int or not 0 <= token < vocab_size):
+            return f"executor sampled {token!r} for {name!r}, not a token id in [0, {vocab_size})"
+        if item.sample and item.params.logprobs is not None and entry.logprobs is None:
+            return f"executor returned no logprobs for {name!r}, which asked for them"
+        if len(entry.prompt_logprobs) not in (0, len(item.prompt_logprob_token_ids)):
+            return (
+                f"executor returned {len(entry.prompt_logprobs)} prompt logprobs for "
+                f"{name!r}, expected {len(item.prompt_logprob_token_ids)}"
+            )
+    return None
+
+
+def _gather_prompt_logprobs(request: Request, item: StepRequest, entry: RequestResult) -> None:
+    """Append the chunk's prompt logprobs not gathered yet (a recomputation repeats some)."""
+    gathered = request.prompt_logprobs
+    if gathered is None:
+        return
+    for offset, logprobs in enumerate(entry.prompt_logprobs):
+        if item.start_position + 1 + offset == len(gathered):
+            gathered.append(logprobs)

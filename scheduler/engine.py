@@ -11,6 +11,10 @@ Loop, one iteration per step::
     plan (sync) --> worker thread: deliver step k-1's outputs, execute step k --> apply
                     (meanwhile the loop accepts requests, aborts, and consumers run)
 
+With a :class:`~hybridkv.scheduler.batch.PipelinedExecutor` that takes D steps at once,
+the loop submits up to D planned steps (each without the requests of the others), then
+applies results in step order as they come back, planning again as soon as one returns.
+
 It waits only when idle. ``generate`` and ``abort`` are synchronous underneath and run on
 the loop's thread, so requests never wait behind the step in flight to be accepted. The
 previous step's outputs are released from the worker thread once the step has reached
@@ -23,6 +27,8 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from types import TracebackType
 
 import anyio
@@ -30,12 +36,19 @@ import anyio.abc
 import structlog
 
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler.batch import Executor, ExecutorBrokenError, StepBatch, StepResult
-from hybridkv.scheduler.config import EngineConfig
+from hybridkv.scheduler.batch import (
+    Executor,
+    ExecutorBrokenError,
+    PipelinedExecutor,
+    StepBatch,
+    StepResult,
+)
+from hybridkv.scheduler.config import ConfigError, EngineConfig
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineStoppedError
 from hybridkv.scheduler.outputs import EngineStats, FinishReason
 from hybridkv.scheduler.params import SamplingParams
+from hybridkv.scheduler.planner import StepPlan
 from hybridkv.scheduler.request import Request
 from hybridkv.scheduler.stream import OutputChannel, RequestStream
 
@@ -47,13 +60,19 @@ class Engine:
 
     Args:
         config: Pool shape, batch limits, queue bound and stopping tokens.
-        executor: Runs one step at a time, in a worker thread.
+        executor: Runs steps over the pool it reports (``executor.pool``), which must be
+            the pool ``config`` describes: build the config from it
+            (``EngineConfig.for_executor``), or the executor from the config.
+
+    Raises:
+        ConfigError: the config describes another pool than the executor's.
 
     Use it as an async context manager (or start :meth:`serve` in your own task group).
     All methods must be called from the thread of the event loop that runs it.
     """
 
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        _check_pool(config, executor)
         self.config = config
         self.executor = executor
         self.core = EngineCore(config)
@@ -65,6 +84,12 @@ class Engine:
         # Aborts from dropped iterators, queued: their finalizers may run on any thread.
         self._foreign_aborts: deque[Request] = deque()
         self._task_group: anyio.abc.TaskGroup | None = None
+        depth = getattr(executor, "max_steps_in_flight", 1)
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"executor.max_steps_in_flight must be an int >= 1, got {depth!r}")
+        self._depth: int = depth
+        # Steps submitted to a pipelined executor, oldest first.
+        self._pending: deque[tuple[StepPlan, Future[StepResult]]] = deque()
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -120,7 +145,10 @@ class Engine:
         error: HybridKVError | None = None
         task_status.started()
         try:
-            await self._loop(limiter)
+            if self._depth == 1:
+                await self._loop(limiter)
+            else:
+                await self._pipelined_loop(limiter)
         except ExecutorBrokenError as exc:
             self._error = exc
             log.error("engine_broken", error=repr(exc))
@@ -133,6 +161,11 @@ class Engine:
             raise
         finally:
             self._is_running = False
+            if self._pending:
+                # Submitted steps still use their blocks: wait them out before freeing.
+                with anyio.CancelScope(shield=True):
+                    futures = [future for _, future in self._pending]
+                    await anyio.to_thread.run_sync(wait_futures, futures, limiter=limiter)
             # Synchronous: safe under cancellation, never needs shielding.
             self.core.shutdown(error)
 
@@ -165,6 +198,38 @@ class Engine:
                 core.fail(plan, exc)
                 continue
             core.apply(plan, sampled)
+
+    async def _pipelined_loop(self, limiter: anyio.CapacityLimiter) -> None:
+        """Keep up to ``max_steps_in_flight`` steps submitted; apply results in order."""
+        core, pending = self.core, self._pending
+        executor: PipelinedExecutor = self.executor  # type: ignore[assignment]
+        while True:
+            self._drain_foreign_aborts()
+            if len(pending) < self._depth and core.has_work:
+                plan = core.plan()
+                if plan.scheduled:
+                    pending.append((plan, executor.submit(plan.batch)))
+                    core.flush()  # consumers run while the step does
+                    continue
+            core.flush()
+            if pending:
+                plan, future = pending[0]
+                await anyio.to_thread.run_sync(wait_futures, [future], limiter=limiter)
+                pending.popleft()
+                error = future.exception()
+                if isinstance(error, ExecutorBrokenError):
+                    core.fail(plan, error)
+                    raise error
+                if error is not None:
+                    core.fail(plan, error)
+                else:
+                    core.apply(plan, future.result())
+            elif core.has_work:
+                # Everyone was preempted (admission resumes next step), or nothing fits.
+                await anyio.lowlevel.checkpoint()
+            else:
+                self._wakeup = anyio.Event()
+                await self._wakeup.wait()  # idle until generate() sets it
 
     def _run_step(self, batch: StepBatch) -> StepResult:
         """In the worker thread: release the previous step's outputs, then run this one.
@@ -243,6 +308,18 @@ class Engine:
         before they read or change the core, so a drop still reads as an abort at once."""
         while self._foreign_aborts:
             self.core.end(self._foreign_aborts.popleft(), FinishReason.ABORT)
+
+
+def _check_pool(config: EngineConfig, executor: Executor) -> None:
+    """Refuse a config whose pool is not the executor's, naming both values."""
+    pool = executor.pool
+    for field in ("block_size", "num_blocks", "policies"):
+        ours, theirs = getattr(config, field), getattr(pool, field)
+        if ours != theirs:
+            raise ConfigError(
+                f"EngineConfig.{field}={ours!r} but the executor's pool has {field}={theirs!r}; "
+                "build the config with EngineConfig.for_executor(executor)"
+            )
 
 
 __all__ = ["Engine", "RequestStream"]

@@ -8,7 +8,9 @@ on its own. Order of business::
        up to ``prefill_chunk`` of a prompt) within the step's token budget; when the pool
        cannot supply it, the least urgent running request (largest priority, latest
        arrival) is preempted, repeatedly; a request that is itself the least urgent
-       halves its prefill chunk before it preempts itself;
+       halves its prefill chunk before it preempts itself. Requests of a step still in
+       flight (``in_step``) are neither planned nor preempted: their step has not been
+       applied, and their blocks are in use;
     2. only if nobody was preempted: waiting requests, most urgent first, while the
        budget, ``max_num_seqs`` and the pool allow. Admission looks up the prefix cache
        and allocates every group at once; the first refusal ends admission (no
@@ -16,8 +18,8 @@ on its own. Order of business::
        the first chunk is halved until it fits: a window group holds all of a chunk's
        pages until the next step, so a whole-prompt chunk can need more than the pool.
 
-The running list stays sorted by urgency, so the preemption victim is always its last
-entry and never a request already planned in this step.
+The running list stays sorted by urgency, so the preemption victim is its last entry
+that is in no step: never a request already planned in this step or in flight.
 """
 
 from __future__ import annotations
@@ -75,19 +77,19 @@ def plan_step(
     i = 0
     while i < len(running) and budget > 0:
         request = running[i]
+        if request.in_step:  # its step is still in flight
+            i += 1
+            continue
         num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget, chunk)
         while allocate(request, num_new) is None:
-            if running[-1] is not request:
-                victim = running.pop()
-                _preempt(victim, kv, waiting)
-                preempted.append(victim)
+            victim = _victim(running, i)
+            if victim != i:
+                _preempt(running.pop(victim), kv, waiting, preempted)
             elif num_new > 1:
-                # Alone at the tail: a smaller prefill chunk beats preempting itself.
+                # The least urgent one left: a smaller prefill chunk beats preempting itself.
                 num_new //= 2
             else:
-                running.pop()
-                _preempt(request, kv, waiting)
-                preempted.append(request)
+                _preempt(running.pop(i), kv, waiting, preempted)
                 break
         else:
             items.append(_step_item(request, num_new, kv))
@@ -132,7 +134,9 @@ def _admit(
         request = waiting.peek()
         if request is None:
             break
-        hit = kv.lookup(request)
+        # Prompt logprobs need every prompt position computed: no prefix hit (as vLLM).
+        computes_all = request.params.prompt_logprobs is not None
+        hit = PrefixHit(0, (), []) if computes_all else kv.lookup(request)
         num_new = _first_chunk(request, hit, min(budget, chunk), kv, is_alone=not num_running)
         if num_new is None:
             if not num_running:  # the whole pool could not take one token: never will
@@ -173,6 +177,9 @@ def _step_item(request: Request, num_new: int, kv: KVCacheManager) -> StepReques
     start = request.num_computed_tokens
     end = start + num_new
     request.in_step = True
+    targets: Sequence[int] = ()
+    if request.params.prompt_logprobs is not None and start + 1 < request.num_prompt_tokens:
+        targets = tokens[start + 1 : min(end + 1, request.num_prompt_tokens)]
     return StepRequest(
         request_id=request.request_id,
         token_ids=tokens[start:end],
@@ -181,6 +188,7 @@ def _step_item(request: Request, num_new: int, kv: KVCacheManager) -> StepReques
         sample=end == len(tokens),
         params=request.params,
         output_index=len(tokens) - request.num_prompt_tokens,
+        prompt_logprob_token_ids=targets,
     )
 
 
@@ -188,8 +196,21 @@ def _urgency(request: Request) -> tuple[int, int]:
     return (request.priority, request.arrival_seq)
 
 
-def _preempt(request: Request, kv: KVCacheManager, waiting: WaitingQueue) -> None:
-    """Free a running request's pages and queue it for recomputation from its tokens."""
+def _victim(running: list[Request], first: int) -> int:
+    """Index of the least urgent running request in no step, at ``first`` or after it.
+
+    ``running[first]`` itself is in no step (it is being planned), so one always exists.
+    """
+    i = len(running) - 1
+    while running[i].in_step:
+        i -= 1
+    return i
+
+
+def _preempt(
+    request: Request, kv: KVCacheManager, waiting: WaitingQueue, preempted: list[Request]
+) -> None:
+    """Free a running request's blocks and queue it for recomputation from its tokens."""
     # The victim comes after every request planned so far, so its pages were last
     # allocated by a step that has run: their cached blocks hold real K/V and stay cached.
     kv.free(request.request_id)
@@ -198,3 +219,4 @@ def _preempt(request: Request, kv: KVCacheManager, waiting: WaitingQueue) -> Non
     request.is_preempted = True
     request.status = RequestStatus.WAITING
     waiting.push(request)
+    preempted.append(request)

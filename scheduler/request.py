@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler.outputs import FinishReason, RequestOutput
+from hybridkv.scheduler.outputs import FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import SamplingParams
 
 
@@ -57,7 +57,10 @@ class Request:
         num_cached_tokens: Prompt tokens served from the prefix cache at first admission.
         num_preemptions: Times the request lost its pages to a more urgent one.
         is_preempted: Waiting again after a preemption.
-        in_step: Part of the step the executor runs now: its pages may not be freed.
+        in_step: Part of a step in flight (planned, not yet applied): its blocks may not be
+            freed, and it is in no other step until that one is applied.
+        prompt_logprobs: With ``params.prompt_logprobs``, the prompt positions' log-
+            probabilities gathered so far (None for position 0); else None.
         sink: Where its outputs go.
         arrival_time, first_scheduled_time, first_token_time: Monotonic clock readings.
     """
@@ -79,6 +82,7 @@ class Request:
         "num_prompt_tokens",
         "params",
         "priority",
+        "prompt_logprobs",
         "request_id",
         "sink",
         "status",
@@ -116,6 +120,9 @@ class Request:
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
 
     def __repr__(self) -> str:
         return (
@@ -134,9 +141,20 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def output(
-        self, new_token_ids: tuple[int, ...], finish_reason: FinishReason | None
+        self,
+        new_token_ids: tuple[int, ...],
+        finish_reason: FinishReason | None,
+        logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> RequestOutput:
-        """The output to stream after the request's latest tokens."""
+        """The output to stream after the request's latest tokens.
+
+        The prompt's log-probabilities, if asked for, go with the first output only.
+        """
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and len(self.all_token_ids) - 1 == (
+            self.num_prompt_tokens
+        ):
+            prompt_logprobs = tuple(self.prompt_logprobs)
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=new_token_ids,
@@ -145,5 +163,7 @@ class Request:
             num_output_tokens=len(self.all_token_ids) - self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             sequence=self.all_token_ids,
         )
