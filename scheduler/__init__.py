@@ -25,7 +25,7 @@ from hybridkv.scheduler.errors import (
     PromptTooLongError,
     RequestFailedError,
 )
-from hybridkv.scheduler.fake import FakeExecutor
+from hybridkv.scheduler.fake import FakeExecutor, PipelinedFakeExecutor
 from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import SamplingParams
 
@@ -44,6 +44,7 @@ __all__ = [
     "HybridKVError",
     "InvalidRequestError",
     "PipelinedExecutor",
+    "PipelinedFakeExecutor",
     "PoolSpec",
     "PromptTooLongError",
     "RequestFailedError",

@@ -10,19 +10,31 @@ give; a step reads the hash of the position before its first token back from the
 So a block table that points at a wrong, stale or reused page changes the output (or
 raises :class:`FakeKVMismatchError`), which is what makes "same output with and without
 preemption, chunking, prefix caching" a real test of the scheduler and the allocator.
+
+Log-probabilities follow one made-up distribution (:func:`fake_logprobs`): after the hash
+``h``, token ``a = (h >> 17) mod vocab`` is the most likely, and token ``t`` has
+probability ``2 ** -(j + 1)`` with ``j = (t - a) mod vocab``, rank ``j + 1``.
+
+:class:`PipelinedFakeExecutor` runs the fake behind a chain of stage threads, so that the
+engine keeps several steps in flight as it would with pipeline-parallel stages.
 """
 
 from __future__ import annotations
 
+import math
+import queue
+import threading
 import time
 from array import array
 from collections.abc import Sequence
+from concurrent.futures import Future
+from types import TracebackType
 
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.layout import PoolSpec
-from hybridkv.scheduler.batch import StepBatch, StepResult
+from hybridkv.scheduler.batch import RequestResult, StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.config import EngineConfig
-from hybridkv.scheduler.outputs import RequestOutput
+from hybridkv.scheduler.outputs import RequestOutput, TokenLogprobs
 
 _SEED = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -44,6 +56,18 @@ def reference_tokens(prompt: Sequence[int], num_tokens: int, vocab_size: int) ->
         out.append(token)
         h = ((h ^ token) * _PRIME) & _MASK
     return out
+
+
+def fake_logprobs(h: int, token_id: int, num_top: int, vocab_size: int) -> TokenLogprobs:
+    """The fake's log-probabilities of ``token_id`` after hash ``h``, with ``num_top`` top."""
+    top = (h >> 17) % vocab_size
+    rank = (token_id - top) % vocab_size + 1
+    return TokenLogprobs(
+        token_id=token_id,
+        logprob=-rank * math.log(2),
+        rank=rank,
+        top=tuple(((top + i) % vocab_size, -(i + 1) * math.log(2)) for i in range(num_top)),
+    )
 
 
 class FakeExecutor:
@@ -81,27 +105,40 @@ class FakeExecutor:
 
     def execute(self, batch: StepBatch) -> StepResult:
         """Write each token's hash into its block, then sample from the last hash."""
-        return StepResult.from_token_ids(self.sample(batch))
-
-    def sample(self, batch: StepBatch) -> list[int | None]:
-        """The tokens :meth:`execute` samples, as a list (None where none is due)."""
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.num_steps += 1
+        return StepResult(tuple(self._run(request) for request in batch.requests))
+
+    def sample(self, batch: StepBatch) -> list[int | None]:
+        """The tokens :meth:`execute` samples, as a list (None where none is due)."""
+        return [result.token_id for result in self.execute(batch).requests]
+
+    def _run(self, request: StepRequest) -> RequestResult:
         bs, vocab, store = self.block_size, self.vocab_size, self._store
-        out: list[int | None] = []
-        for request in batch.requests:
-            tables = request.block_tables
-            position = request.start_position
-            h = _SEED if position == 0 else self._read(tables, position - 1)
-            for token in request.token_ids:
-                h = ((h ^ token) * _PRIME) & _MASK
-                block, slot = divmod(position, bs)
-                for group, table in enumerate(tables):
-                    store[group][table[block] * bs + slot] = h
-                position += 1
-            out.append((h >> 17) % vocab if request.sample else None)
-        return out
+        tables = request.block_tables
+        position = request.start_position
+        h = _SEED if position == 0 else self._read(tables, position - 1)
+        targets = request.prompt_logprob_token_ids
+        prompt_logprobs = []
+        for i, token in enumerate(request.token_ids):
+            h = ((h ^ token) * _PRIME) & _MASK
+            block, slot = divmod(position, bs)
+            for group, table in enumerate(tables):
+                store[group][table[block] * bs + slot] = h
+            position += 1
+            if i < len(targets):
+                num_top = request.params.prompt_logprobs or 0
+                prompt_logprobs.append(fake_logprobs(h, targets[i], num_top, vocab))
+        if not request.sample:
+            return RequestResult(prompt_logprobs=tuple(prompt_logprobs))
+        token_id = (h >> 17) % vocab
+        num_top = request.params.logprobs
+        return RequestResult(
+            token_id=token_id,
+            logprobs=None if num_top is None else fake_logprobs(h, token_id, num_top, vocab),
+            prompt_logprobs=tuple(prompt_logprobs),
+        )
 
     def _read(self, tables: Sequence[Sequence[int]], position: int) -> int:
         """The hash at ``position``, from every group that still holds its page."""
@@ -117,6 +154,95 @@ class FakeExecutor:
                 f"(tables {[list(t[block : block + 1]) for t in tables]})"
             )
         return values.pop()
+
+
+class PipelinedFakeExecutor:
+    """The fake behind ``num_stages`` stage threads: several steps in flight, in order.
+
+    Each stage takes steps from its queue in submission order, sleeps ``stage_delay_s``
+    (its share of the model) and hands the step on; the last stage runs the fake. Steps
+    therefore reach the blocks in the order they were submitted, as with real pipeline
+    stages, and up to ``num_stages`` steps overlap. Close it (or use ``with``) to end the
+    threads.
+    """
+
+    def __init__(
+        self, fake: FakeExecutor, *, num_stages: int = 2, stage_delay_s: float = 0.0
+    ) -> None:
+        self.fake = fake
+        self.max_steps_in_flight = num_stages
+        self.stage_delay_s = stage_delay_s
+        self.peak_steps_in_flight = 0  # most steps submitted and unfinished at once
+        self._num_in_flight = 0
+        self._lock = threading.Lock()
+        self._queues: list[queue.SimpleQueue[tuple[StepBatch, Future[StepResult]] | None]] = [
+            queue.SimpleQueue() for _ in range(num_stages)
+        ]
+        self._threads = [
+            threading.Thread(target=self._stage, args=(i,), name=f"fake-stage-{i}", daemon=True)
+            for i in range(num_stages)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def pool(self) -> PoolSpec:
+        """The fake's pool."""
+        return self.fake.pool
+
+    def submit(self, batch: StepBatch) -> Future[StepResult]:
+        """Queue the step at the first stage; its future completes after the last."""
+        future: Future[StepResult] = Future()
+        with self._lock:
+            self._num_in_flight += 1
+            self.peak_steps_in_flight = max(self.peak_steps_in_flight, self._num_in_flight)
+        self._queues[0].put((batch, future))
+        return future
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step through every stage and wait for it."""
+        return self.submit(batch).result()
+
+    def close(self) -> None:
+        """End the stage threads once the steps already submitted are done."""
+        self._queues[0].put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> PipelinedFakeExecutor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _stage(self, index: int) -> None:
+        is_last = index == len(self._queues) - 1
+        while (item := self._queues[index].get()) is not None:
+            if self.stage_delay_s:
+                time.sleep(self.stage_delay_s)
+            if not is_last:
+                self._queues[index + 1].put(item)
+                continue
+            batch, future = item
+            try:
+                result = self.fake.execute(batch)
+            except BaseException as exc:  # handed to the engine, which fails the step
+                self._done()
+                future.set_exception(exc)
+            else:
+                self._done()
+                future.set_result(result)
+        if not is_last:
+            self._queues[index + 1].put(None)
+
+    def _done(self) -> None:
+        with self._lock:
+            self._num_in_flight -= 1
 
 
 class CollectingSink:
