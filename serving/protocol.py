@@ -4,6 +4,10 @@ Parsing is strict about types and ranges (a wrong value is a 400 naming the fiel
 lenient about unknown fields (ignored, as OpenAI clients send many optional ones).
 Values that depend on the prompt's length (``max_tokens`` against the context) are
 checked by :meth:`GenerationRequest.sampling_params` once the prompt is tokenized.
+
+Log-probabilities: completions take ``logprobs`` (an int) and ``echo``; chat takes
+``logprobs`` (a bool) and ``top_logprobs``; both take vLLM's ``prompt_logprobs``. Each
+becomes one count in :class:`GenerationRequest` (None: not asked).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 import attrs
 
 from hybridkv.errors import HybridKVError
-from hybridkv.scheduler.params import SamplingParams
+from hybridkv.scheduler.params import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(HybridKVError):
@@ -54,6 +58,12 @@ class GenerationRequest:
     """A parsed ``/v1/completions`` or ``/v1/chat/completions`` body.
 
     Exactly one of ``prompt`` (a string or token ids) and ``messages`` is set.
+
+    Attributes:
+        logprobs: Top tokens to report beside each generated token's logprob (completions'
+            ``logprobs``, chat's ``top_logprobs`` once ``logprobs`` is true); None: none.
+        prompt_logprobs: vLLM's ``prompt_logprobs``: the same for each prompt token.
+        echo: The prompt leads the text (and the logprobs lists, with ``logprobs``).
     """
 
     model: str
@@ -70,6 +80,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
 
     @property
     def is_chat(self) -> bool:
@@ -114,14 +127,18 @@ class GenerationRequest:
             seed=self.seed,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            prompt_logprobs=self._engine_prompt_logprobs(),
         )
+
+    def _engine_prompt_logprobs(self) -> int | None:
+        # Echo with logprobs reports the prompt tokens too, so the engine must compute them.
+        counts = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        return max((c for c in counts if c is not None), default=None)
 
 
 #: Fields we do not implement, and the values that ask for nothing (so are accepted).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "best_of": (None, 1),
     "tools": (None, []),
 }
@@ -140,12 +157,34 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
     """A ``/v1/completions`` body (``max_tokens`` defaults to 16, as OpenAI's does)."""
-    return GenerationRequest(prompt=_prompt(body), **_common(body, default_max_tokens=16))
+    return GenerationRequest(
+        prompt=_prompt(body),
+        logprobs=_num_logprobs(body, "logprobs"),
+        echo=_bool(body, "echo", False),
+        **_common(body, default_max_tokens=16),
+    )
 
 
 def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     """A ``/v1/chat/completions`` body."""
-    return GenerationRequest(messages=_messages(body), **_common(body, default_max_tokens=None))
+    if body.get("echo") not in (None, False):
+        raise APIError("'echo' is not supported by this server for chat", param="echo")
+    top_logprobs = _num_logprobs(body, "top_logprobs")
+    if not _bool(body, "logprobs", False):
+        # OpenAI's rule; 0 asks for nothing, so vLLM accepts it alone, and so do we.
+        if top_logprobs:
+            raise APIError(
+                f"top_logprobs={top_logprobs} needs 'logprobs' set to true",
+                param="top_logprobs",
+            )
+        top_logprobs = None
+    elif top_logprobs is None:
+        top_logprobs = 0
+    return GenerationRequest(
+        messages=_messages(body),
+        logprobs=top_logprobs,
+        **_common(body, default_max_tokens=None),
+    )
 
 
 def _common(body: Mapping[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
@@ -168,6 +207,13 @@ def _common(body: Mapping[str, Any], default_max_tokens: int | None) -> dict[str
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError("'stream_options' must be an object", param="stream_options")
+    stream = _bool(body, "stream", False)
+    prompt_logprobs = _num_logprobs(body, "prompt_logprobs")
+    if stream and prompt_logprobs is not None:
+        # As vLLM: they would arrive only once the whole prompt has run.
+        raise APIError(
+            "'prompt_logprobs' is not available with stream=true", param="prompt_logprobs"
+        )
     return {
         "model": model,
         "max_tokens": max_tokens,
@@ -179,8 +225,9 @@ def _common(body: Mapping[str, Any], default_max_tokens: int | None) -> dict[str
         "stop": _stop(body),
         "stop_token_ids": tuple(_int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
         "ignore_eos": _bool(body, "ignore_eos", False),
-        "stream": _bool(body, "stream", False),
+        "stream": stream,
         "include_usage": _bool(options, "include_usage", False),
+        "prompt_logprobs": prompt_logprobs,
     }
 
 
@@ -243,6 +290,13 @@ def _top_k(body: Mapping[str, Any]) -> int:
     if top_k < -1:
         raise APIError(f"top_k must be >= 0 (0 or -1 keep all), got {top_k}", param="top_k")
     return max(top_k, 0)
+
+
+def _num_logprobs(body: Mapping[str, Any], name: str) -> int | None:
+    value = _optional_int(body, name)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+    return value
 
 
 def _optional_int(body: Mapping[str, Any], name: str) -> int | None:

@@ -38,32 +38,63 @@ class ResponseHeader:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
-        """The whole response of a non-streamed request."""
+    def full(
+        self,
+        text: str,
+        finish_reason: str | None,
+        usage: Usage,
+        *,
+        logprobs: dict[str, Any] | None = None,
+        prompt_logprobs: list[Any] | None = None,
+    ) -> dict[str, Any]:
+        """The whole response of a non-streamed request.
+
+        ``prompt_logprobs`` (vLLM's extension) goes where vLLM puts it: in the choice of a
+        completion, at the top of a chat response; it is left out when None.
+        """
         if self.is_chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             body = self._base("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             body = self._base("text_completion")
-        return {**body, "choices": [choice], "usage": usage.body()}
+        body = {**body, "choices": [choice], "usage": usage.body()}
+        if prompt_logprobs is not None:
+            (body if self.is_chat else choice)["prompt_logprobs"] = prompt_logprobs
+        return body
 
     def chunk(
-        self, text: str, finish_reason: str | None = None, *, first: bool = False
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        *,
+        first: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk carrying a text delta (and the finish reason in the last)."""
+        """One streamed chunk: a text delta, the logprobs of its tokens, the finish reason
+        in the last."""
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._base("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from hybridkv.scheduler import (
     SamplingParams,
 )
 from hybridkv.serving.chat import ChatTemplate
+from hybridkv.serving.logprobs import LogprobsStream, TokenTexts
 from hybridkv.serving.metrics import ServerMetrics
 from hybridkv.serving.protocol import APIError, GenerationRequest
 from hybridkv.serving.responses import SSE_DONE, ResponseHeader, Usage, sse
@@ -46,6 +47,8 @@ class Submitted:
     header: ResponseHeader
     stream: RequestStream
     arrival: float
+    logprobs: LogprobsStream | None = None  # None: the request asks for none
+    echo_text: str = ""  # the prompt's text, with echo
     is_counted: bool = False  # its end went into the metrics
 
 
@@ -81,6 +84,7 @@ class GenerationService:
         self.chat_template = chat_template
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
+        self.token_texts = TokenTexts(tokenizer)
 
     def submit(self, request: GenerationRequest) -> Submitted:
         """Check, tokenize and queue ``request``.
@@ -110,7 +114,14 @@ class GenerationService:
             created=int(time.time()),
             is_chat=request.is_chat,
         )
-        return Submitted(request=request, header=header, stream=stream, arrival=time.monotonic())
+        return Submitted(
+            request=request,
+            header=header,
+            stream=stream,
+            arrival=time.monotonic(),
+            logprobs=LogprobsStream.for_request(request, prompt_ids, self.token_texts),
+            echo_text=self._echo_text(request, prompt_ids),
+        )
 
     async def complete(self, job: Submitted) -> dict[str, object]:
         """Run a request to its end and return the whole response body."""
@@ -122,6 +133,8 @@ class GenerationService:
                 async for last in outputs:
                     self._observe(job, last)
                     parts.append(texts.push(last.new_token_ids))
+                    if job.logprobs is not None:
+                        job.logprobs.push(last)
                     if texts.is_stopped:
                         break  # leaving the iterator aborts the request
             except HybridKVError as exc:
@@ -132,23 +145,35 @@ class GenerationService:
             assert last is not None, "the engine ends every request with an output"
             self._finish(job, last, texts)
         parts.append(texts.finish())
-        return job.header.full("".join(parts), _reason(last, texts), _usage(last))
+        logprobs, prompt_logprobs = None, None
+        if job.logprobs is not None:
+            logprobs, prompt_logprobs = job.logprobs.take(), job.logprobs.prompt_logprobs
+        return job.header.full(
+            job.echo_text + "".join(parts),
+            _reason(last, texts),
+            _usage(last),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     async def stream(self, job: Submitted) -> AsyncIterator[bytes]:
         """The server-sent events of a streamed request, ``data: [DONE]`` last."""
         header, texts = job.header, TextStream(self.tokenizer, job.request.stop)
-        delta, last = "", None
+        delta, last, head = "", None, job.echo_text
         async with self._closing(job) as outputs:
             if header.is_chat:  # a chat stream opens with the assistant's role
                 yield sse(header.chunk("", first=True))
             try:
                 async for last in outputs:
                     self._observe(job, last)
-                    delta = texts.push(last.new_token_ids)
+                    # The echoed prompt leads the first chunk, beside its logprobs.
+                    delta, head = head + texts.push(last.new_token_ids), ""
+                    if job.logprobs is not None:
+                        job.logprobs.push(last)
                     if last.is_finished or texts.is_stopped:
                         break
-                    if delta:
-                        yield sse(header.chunk(delta))
+                    if delta:  # tokens without text yet keep their logprobs for later
+                        yield sse(header.chunk(delta, logprobs=_take(job)))
             except HybridKVError as exc:
                 self._count(job, "error")
                 yield sse(APIError(f"generation failed: {exc}", error_type="server_error").body())
@@ -156,7 +181,7 @@ class GenerationService:
                 return
             assert last is not None, "the engine ends every request with an output"
             self._finish(job, last, texts)
-        yield sse(header.chunk(delta + texts.finish(), _reason(last, texts)))
+        yield sse(header.chunk(delta + texts.finish(), _reason(last, texts), logprobs=_take(job)))
         if job.request.include_usage:
             yield sse(header.usage_chunk(_usage(last)))
         yield SSE_DONE
@@ -173,6 +198,13 @@ class GenerationService:
             return self.tokenizer.encode(request.prompt).ids
         assert request.prompt is not None
         return list(request.prompt)
+
+    def _echo_text(self, request: GenerationRequest, prompt_ids: list[int]) -> str:
+        if not request.echo:
+            return ""
+        if isinstance(request.prompt, str):
+            return request.prompt
+        return self.tokenizer.decode(prompt_ids)
 
     def _generate(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> RequestStream:
         try:
@@ -205,6 +237,10 @@ class GenerationService:
     def _count(self, job: Submitted, reason: str) -> None:
         job.is_counted = True
         self.metrics.finished.labels(reason=reason).inc()
+
+
+def _take(job: Submitted) -> dict[str, object] | None:
+    return None if job.logprobs is None else job.logprobs.take()
 
 
 def _reason(last: RequestOutput, texts: TextStream) -> str | None:

@@ -72,8 +72,13 @@ def test_a_json_array_body_is_refused() -> None:
         ("stream", "yes"),
         ("n", 2),
         ("stop", [""]),
-        ("logprobs", 3),
-        ("echo", True),
+        ("echo", "yes"),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logprobs", True),
+        ("logprobs", 1.5),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", "2"),
     ],
 )
 def test_bad_field_values_name_the_field(field: str, value: object) -> None:
@@ -81,6 +86,52 @@ def test_bad_field_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(APIError) as info:
         parse_completion(completion(**{field: value}))
     assert info.value.param == field
+
+
+def test_logprobs_reach_the_sampling_params() -> None:
+    """A completion's logprobs become the engine's count of top tokens per position."""
+    params = parse_completion(completion(logprobs=3)).sampling_params(5, 100, None)
+    assert (params.logprobs, params.prompt_logprobs) == (3, None)
+
+
+def test_echo_with_logprobs_asks_for_prompt_logprobs() -> None:
+    """Echo with logprobs needs the prompt's logprobs too, at the larger of the two counts."""
+    request = parse_completion(completion(logprobs=3, echo=True, prompt_logprobs=1))
+    assert request.sampling_params(5, 100, None).prompt_logprobs == 3
+
+
+def test_streamed_prompt_logprobs_are_refused() -> None:
+    """vLLM's prompt_logprobs are refused with stream=true, as vLLM does."""
+    with pytest.raises(APIError, match="not available with stream") as info:
+        parse_completion(completion(prompt_logprobs=1, stream=True))
+    assert info.value.param == "prompt_logprobs"
+
+
+def chat(**fields: object) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_chat_logprobs_without_top_logprobs_lists_none() -> None:
+    """Chat logprobs=true alone asks for each token's logprob and no top tokens."""
+    assert parse_chat(chat(logprobs=True)).logprobs == 0
+
+
+def test_chat_top_logprobs_need_logprobs() -> None:
+    """Chat top_logprobs > 0 without logprobs=true is a 400 naming top_logprobs."""
+    with pytest.raises(APIError, match="needs 'logprobs' set to true") as info:
+        parse_chat(chat(top_logprobs=2))
+    assert info.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("logprobs", 1), ("top_logprobs", 21), ("top_logprobs", -1), ("echo", True)],
+)
+def test_bad_chat_logprob_fields_name_the_field(field: str, value: object) -> None:
+    """A chat logprob field of the wrong type or range is a 400 naming it."""
+    with pytest.raises(APIError) as info:
+        parse_chat(chat(**{"logprobs": True, field: value}))
+    assert (info.value.status, info.value.param) == (400, field)
 
 
 def test_token_id_prompts_are_accepted() -> None:
