@@ -26,13 +26,15 @@ from hybridkv.memory.planner import plan_layout
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import BatchError, ModelConfigError
+from hybridkv.models.logprobs import prompt_logprobs, token_logprobs
 from hybridkv.models.sampler import Sampler
 from hybridkv.models.specs import layer_specs_from_config
 from hybridkv.models.torch_thread import TorchThread
 from hybridkv.models.transformer import CausalLM
 from hybridkv.policies.base import cdiv
 from hybridkv.policies.builtin import FullAttention
-from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
+from hybridkv.scheduler.batch import RequestResult, StepBatch, StepRequest, StepResult
+from hybridkv.scheduler.outputs import TokenLogprobs
 
 log = structlog.get_logger(__name__)
 
@@ -195,12 +197,12 @@ class ModelExecutor:
         Raises:
             BatchError: a request's block tables do not match the layout.
         """
-        return StepResult.from_token_ids(self.torch_thread.run(self._execute, batch))
+        return self.torch_thread.run(self._execute, batch)
 
-    def _execute(self, batch: StepBatch) -> list[int | None]:
+    def _execute(self, batch: StepBatch) -> StepResult:
         requests = batch.requests
         if not requests:
-            return []
+            return StepResult(())
         for request in requests:
             self._check_request(request)
         query_lens = [r.num_tokens for r in requests]
@@ -221,24 +223,60 @@ class ModelExecutor:
             (cache, metadata[group])
             for cache, group in zip(self.kv_caches, self._layer_groups, strict=True)
         ]
-        rows = [i for i, r in enumerate(requests) if r.sample]
-        out: list[int | None] = [None] * len(requests)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, caches)
-            if not rows:
-                return out
-            ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-            logits = self.model.compute_logits(hidden[ends[rows]])
-            if self.logits_hook is not None:
-                for row, i in enumerate(rows):
-                    self.logits_hook(requests[i].request_id, logits[row])
-            tokens = self.sampler.sample(
-                logits,
-                [requests[i].params for i in rows],
-                [requests[i].output_index for i in rows],
+            prompt = self._prompt_logprobs(requests, hidden, query_lens)
+            tokens, logprobs = self._sample(requests, hidden, query_lens)
+        return StepResult(
+            tuple(
+                RequestResult(token_id=t, logprobs=lp, prompt_logprobs=p)
+                for t, lp, p in zip(tokens, logprobs, prompt, strict=True)
             )
-        for i, token in zip(rows, tokens, strict=True):
-            out[i] = token
+        )
+
+    def _sample(
+        self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
+    ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """Per request, the token sampled after its last position (where ``sample``), and
+        that token's log-probabilities (where ``params.logprobs`` asks)."""
+        tokens: list[int | None] = [None] * len(requests)
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        rows = [i for i, r in enumerate(requests) if r.sample]
+        if not rows:
+            return tokens, logprobs
+        ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[ends[rows]])
+        if self.logits_hook is not None:
+            for row, i in enumerate(rows):
+                self.logits_hook(requests[i].request_id, logits[row])
+        params = [requests[i].params for i in rows]
+        sampled = self.sampler.sample(logits, params, [requests[i].output_index for i in rows])
+        for i, token in zip(rows, sampled, strict=True):
+            tokens[i] = token
+        asked = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if asked:
+            found = token_logprobs(
+                logits[asked],
+                [sampled[row] for row in asked],
+                [params[row].logprobs or 0 for row in asked],
+            )
+            for row, entry in zip(asked, found, strict=True):
+                logprobs[rows[row]] = entry
+        return tokens, logprobs
+
+    def _prompt_logprobs(
+        self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
+    ) -> list[tuple[TokenLogprobs, ...]]:
+        """Per request, the log-probabilities of its ``prompt_logprob_token_ids``."""
+        out: list[tuple[TokenLogprobs, ...]] = [()] * len(requests)
+        first = 0
+        for i, (request, num_tokens) in enumerate(zip(requests, query_lens, strict=True)):
+            targets = request.prompt_logprob_token_ids
+            if targets:
+                rows = hidden[first : first + len(targets)]
+                num_top = request.params.prompt_logprobs or 0
+                out[i] = prompt_logprobs(rows, targets, num_top, self.model.compute_logits)
+            first += num_tokens
         return out
 
     def _check_request(self, request: StepRequest) -> None:
