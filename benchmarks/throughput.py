@@ -115,9 +115,8 @@ class CountingExecutor:
 async def _run_engine(
     executor: ModelExecutor, requests: list[tuple[list[int], int]], max_num_seqs: int
 ) -> dict[str, Any]:
-    config = EngineConfig.from_plan(
-        executor.plan,
-        max_model_len=executor.max_model_len,
+    config = EngineConfig.for_executor(
+        executor,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=1024,
         max_prefill_chunk=512,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from hybridkv.errors import HybridKVError
-from hybridkv.memory.layout import LayoutPlan, PoolSpec
+from hybridkv.memory.layout import PoolSpec
 from hybridkv.policies.base import MemoryPolicy
 
 if TYPE_CHECKING:
@@ -72,23 +72,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
     vocab_size: int | None = attrs.field(default=None, validator=_optional_at_least_one)
-
-    @classmethod
-    def from_plan(cls, plan: LayoutPlan, *, max_model_len: int, **options: Any) -> EngineConfig:
-        """Build a config whose pool is the one a layout plan sized.
-
-        Args:
-            plan: The layout plan the executor allocated its KV tensors from.
-            max_model_len: Most tokens of a sequence (the model's limit).
-            **options: Any other field of :class:`EngineConfig`.
-        """
-        return cls(
-            policies=plan.policies,
-            num_blocks=plan.num_blocks,
-            block_size=plan.block_size,
-            max_model_len=max_model_len,
-            **options,
-        )
 
     @classmethod
     def for_executor(cls, executor: Executor, **options: Any) -> EngineConfig:

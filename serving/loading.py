@@ -186,7 +186,7 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         "eos_token_ids": executor.eos_token_ids,
         "vocab_size": executor.config.vocab_size,
     }
-    config = EngineConfig.from_plan(executor.plan, max_model_len=limit, **options)
+    config = EngineConfig.for_executor(executor, max_model_len=limit, **options)
     itemsize = torch.empty((), dtype=dtype).element_size()
     hf_config = _read_json(folder / "config.json")
     return LoadedModel(

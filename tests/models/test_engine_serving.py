@@ -26,8 +26,8 @@ async def test_engine_outputs_match_transformers_under_preemption(tiny_models, p
     """Three concurrent greedy requests in a pool too small for all match transformers."""
     model = tiny_models["gemma3"]
     executor = ModelExecutor.from_pretrained(model.path, kv_cache_bytes=SMALL_POOL, block_size=4)
-    config = EngineConfig.from_plan(
-        executor.plan, max_model_len=64, max_num_batched_tokens=16, max_prefill_chunk=8
+    config = EngineConfig.for_executor(
+        executor, max_model_len=64, max_num_batched_tokens=16, max_prefill_chunk=8
     )
     prompts = [prompt_of(n, 30 + n) for n in (14, 19, 23)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

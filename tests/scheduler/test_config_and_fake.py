@@ -40,8 +40,9 @@ def test_config_rejects_out_of_range_values(field: str, value: object) -> None:
         EngineConfig(**{**BASE, field: value})
 
 
-def test_config_from_layout_plan_takes_the_pool_shape() -> None:
-    """``from_plan`` copies the groups' policies, the pool size and the block size."""
+def test_config_for_an_executor_takes_its_layout_plans_pool() -> None:
+    """A layout plan's pool is its groups' policies, block count and block size, and
+    ``for_executor`` copies it from the executor that holds the plan."""
     groups = (
         KVGroup(group_id=0, policy=FullAttention(), layer_names=("l0",)),
         KVGroup(group_id=1, policy=SlidingWindow(window=32), layer_names=("l1",)),
@@ -57,7 +58,9 @@ def test_config_from_layout_plan_takes_the_pool_shape() -> None:
         padding_bytes=0,
         uniform_num_blocks=321,
     )
-    config = EngineConfig.from_plan(plan, max_model_len=2048, eos_token_ids=[2])
+    config = EngineConfig.for_executor(
+        FakeExecutor(plan.pool), max_model_len=2048, eos_token_ids=[2]
+    )
     assert config.policies == (FullAttention(), SlidingWindow(window=32))
     assert (config.num_blocks, config.block_size, config.max_model_len) == (321, 16, 2048)
     assert config.eos_token_ids == frozenset({2})

@@ -61,9 +61,7 @@ async def ours(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
     from hybridkv.models.executor import ModelExecutor
 
     executor = ModelExecutor.from_pretrained(folder, kv_cache_bytes=64 << 20, block_size=16)
-    config = EngineConfig.from_plan(
-        executor.plan, max_model_len=4096, eos_token_ids=executor.eos_token_ids
-    )
+    config = EngineConfig.for_executor(executor, max_model_len=4096)
     results: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int, ids: list[int]) -> None:
