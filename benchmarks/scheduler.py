@@ -183,9 +183,7 @@ async def bench_responsiveness(args: argparse.Namespace) -> dict[str, Any]:
     """Admission wait of probes submitted at random moments while 20 ms steps run."""
     step_s = 0.02
     config = workload_config(LAYOUTS["full"], 65, 2000)
-    executor = _StampingExecutor(
-        config.num_blocks, BLOCK_SIZE, 1, vocab_size=32000, step_delay_s=step_s
-    )
+    executor = _StampingExecutor(config.pool, vocab_size=32000, step_delay_s=step_s)
     background = SamplingParams(max_tokens=1500, ignore_eos=True)
     rng = random.Random(0)
     waits: list[float] = []
