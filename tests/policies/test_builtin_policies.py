@@ -16,7 +16,7 @@ from hybridkv.policies import (
 
 
 def test_live_spans_follow_the_design_table() -> None:
-    """Each policy's live tokens for position 10 match design.md's table."""
+    """Each policy's live tokens for position 10 match the table of docs/architecture.md."""
     assert FullAttention().live_spans(10) == ((0, 10),)
     assert SlidingWindow(window=5).live_spans(10) == ((6, 10),)
     assert ChunkedLocal(chunk=4).live_spans(10) == ((8, 10),)
