@@ -235,8 +235,8 @@ def bench_trace(path: Path, vllm: Any) -> dict[str, Any]:
         pool = config.pool
 
         def execute(self, batch: StepBatch) -> StepResult:
-            return StepResult.from_token_ids(
-                [
+            return StepResult(
+                token_ids=[
                     output_starts[r.request_id] + r.output_index if r.sample else None
                     for r in batch.requests
                 ]

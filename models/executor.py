@@ -1,14 +1,8 @@
 """The model executor: owns the KV tensors, runs one engine step, samples.
 
-Memory picture (a Gemma-3-like model, plan.group_size = 2 slots, N pages per slot)::
-
-    slot 0  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 0 of every group
-    slot 1  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 1 of every group
-
-Each layer views its slot tensor as ``[N, 2, kv_heads, block_size, head_dim]``. A page id
-belongs to one group at a time, so the layers sharing a slot never collide. Per step and
-per group, one :class:`PagedMetadata` is built from the requests' block tables of that
-group, and every layer of the group reads it.
+The KV tensors follow the layout plan (``hybridkv.models.kv_caches`` has the memory
+picture). Per step and per group, one :class:`PagedMetadata` is built from the requests'
+block tables of that group, and every layer of the group reads it.
 """
 
 from __future__ import annotations
@@ -21,45 +15,26 @@ import structlog
 import torch
 
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
-from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan, PoolSpec
+from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
 from hybridkv.memory.planner import plan_layout
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.errors import BatchError, ModelConfigError
+from hybridkv.models.errors import BatchError
+from hybridkv.models.kv_caches import allocate_kv_caches, kept_specs
 from hybridkv.models.logprobs import prompt_logprobs, token_logprobs
 from hybridkv.models.sampler import Sampler
-from hybridkv.models.specs import layer_specs_from_config
+from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.torch_thread import TorchThread
 from hybridkv.models.transformer import CausalLM
 from hybridkv.policies.base import cdiv
 from hybridkv.policies.builtin import FullAttention
-from hybridkv.scheduler.batch import RequestResult, StepBatch, StepRequest, StepResult
+from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
 
 log = structlog.get_logger(__name__)
 
 #: Called with (request id, float32 logits of its last position) for each sampled request.
 LogitsHook = Callable[[str, torch.Tensor], None]
-
-
-def allocate_kv_caches(
-    plan: LayoutPlan, specs: Sequence[AttentionSpec], dtype: torch.dtype, device: torch.device
-) -> list[torch.Tensor]:
-    """One zeroed tensor per slot, and per layer (in ``specs`` order) its paged view."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    page_elems = plan.block_bytes // itemsize
-    # Zeros, not empty: a masked read of garbage NaN would still poison the output.
-    slots = [
-        torch.zeros(plan.num_blocks, page_elems, dtype=dtype, device=device)
-        for _ in range(plan.group_size)
-    ]
-    views = []
-    for spec in specs:
-        _, slot = plan.layer_slots[spec.name]
-        shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
-        layer_elems = spec.block_bytes(plan.block_size) // itemsize
-        views.append(slots[slot][:, :layer_elems].view(shape))
-    return views
 
 
 class ModelExecutor:
@@ -69,7 +44,8 @@ class ModelExecutor:
         model: The causal LM.
         config: Its parsed config.
         plan: The KV layout (groups, slots, pages) the caches follow.
-        specs: The per-layer specs the plan was made from, in layer order.
+        specs: Per layer, in layer order, its spec with the policy its KV group keeps
+            (the specs the plan was made from).
         kv_caches: Per layer, its paged view ``[num_blocks, 2, kv_heads, block_size, hd]``.
         tokenizer: The checkpoint's ``tokenizers.Tokenizer``, or None.
         eos_token_ids: End-of-sequence tokens.
@@ -80,7 +56,6 @@ class ModelExecutor:
         self,
         model: CausalLM,
         plan: LayoutPlan,
-        specs: Sequence[LayerSpec],
         *,
         device: torch.device,
         eos_token_ids: Sequence[int] = (),
@@ -95,12 +70,10 @@ class ModelExecutor:
         self.config: ModelConfig = model.config
         self.plan = plan
         self.device = device
-        attention = _check_specs(self.config, specs)
-        self.specs = tuple(attention)
-        self.kv_caches = self.torch_thread.run(
-            allocate_kv_caches, plan, attention, _model_dtype(model), device
-        )
-        self._layer_groups = [plan.layer_slots[s.name][0] for s in attention]
+        dtype = _model_dtype(model)
+        self.specs = tuple(kept_specs(self.config, plan, dtype))
+        self.kv_caches = self.torch_thread.run(allocate_kv_caches, plan, self.specs, dtype, device)
+        self._layer_groups = [plan.layer_slots[s.name][0] for s in self.specs]
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = self.config.max_position_embeddings
@@ -122,9 +95,16 @@ class ModelExecutor:
         num_threads: int | None = None,
         seed: int | None = None,
         uniform_layout: bool = False,
+        policies: PolicyChoices | None = None,
         logits_hook: LogitsHook | None = None,
     ) -> ModelExecutor:
         """Load a checkpoint folder and lay out ``kv_cache_bytes`` of KV cache for it.
+
+        Each layer keeps and attends what its memory policy says: the config's (full
+        attention, its sliding window), or the one ``policies`` chooses for its kind::
+
+            ModelExecutor.from_pretrained(path, kv_cache_bytes=1 << 30,
+                                          policies={"full_attention": SinkWindow(4, 64)})
 
         Args:
             path: Folder with config.json and safetensors weights (tokenizer.json optional).
@@ -136,12 +116,22 @@ class ModelExecutor:
             seed: Seed of the sampler's generator for unseeded requests.
             uniform_layout: Give every layer full-attention memory (sliding layers keep
                 every token's K/V), the baseline allocator; attention math is unchanged.
+            policies: Per layer kind of config.json (``full_attention``,
+                ``sliding_attention``, ...), the memory policy its layers keep and attend
+                instead of the config's; the planner groups layers by it.
             logits_hook: Called with each sampled request's last-position logits.
+
+        Raises:
+            CheckpointError: a folder without config.json or safetensors weights.
+            ModelConfigError: a config we cannot run, or ``policies`` naming a layer kind
+                the model has no attention layers of.
+            PolicyError: a value of ``policies`` that is not a MemoryPolicy.
         """
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         thread = TorchThread(num_threads)
-        checkpoint = Checkpoint.open(path)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        checkpoint = Checkpoint.open(path, dtype_bytes=itemsize, policies=policies)
         target = torch.device(device)
 
         def load() -> CausalLM:
@@ -150,9 +140,10 @@ class ModelExecutor:
             return CausalLM.from_weights(config, architecture, weights, target)
 
         model = thread.run(load)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        specs = layer_specs_from_config(dict(checkpoint.hf_config), itemsize)
+        specs: Sequence[LayerSpec] = checkpoint.config.layers
         if uniform_layout:
+            # Only what is kept changes: each layer still attends by its own policy, a
+            # subset of every position.
             specs = [attrs.evolve(s, policy=FullAttention()) for s in specs]
         plan = plan_layout(specs, kv_cache_bytes, block_size)
         log.info(
@@ -166,7 +157,6 @@ class ModelExecutor:
         return cls(
             model,
             plan,
-            specs,
             device=target,
             eos_token_ids=checkpoint.eos_token_ids,
             tokenizer=checkpoint.load_tokenizer(),
@@ -202,7 +192,7 @@ class ModelExecutor:
     def _execute(self, batch: StepBatch) -> StepResult:
         requests = batch.requests
         if not requests:
-            return StepResult(())
+            return StepResult(token_ids=())
         for request in requests:
             self._check_request(request)
         query_lens = [r.num_tokens for r in requests]
@@ -227,23 +217,17 @@ class ModelExecutor:
             hidden = self.model(input_ids, positions, caches)
             prompt = self._prompt_logprobs(requests, hidden, query_lens)
             tokens, logprobs = self._sample(requests, hidden, query_lens)
-        return StepResult(
-            tuple(
-                RequestResult(token_id=t, logprobs=lp, prompt_logprobs=p)
-                for t, lp, p in zip(tokens, logprobs, prompt, strict=True)
-            )
-        )
+        return StepResult(token_ids=tuple(tokens), logprobs=logprobs, prompt_logprobs=prompt)
 
     def _sample(
         self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
-    ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+    ) -> tuple[list[int | None], tuple[TokenLogprobs | None, ...] | None]:
         """Per request, the token sampled after its last position (where ``sample``), and
-        that token's log-probabilities (where ``params.logprobs`` asks)."""
+        that token's log-probabilities (where ``params.logprobs`` asks; None if nowhere)."""
         tokens: list[int | None] = [None] * len(requests)
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.sample]
         if not rows:
-            return tokens, logprobs
+            return tokens, None
         ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[ends[rows]])
         if self.logits_hook is not None:
@@ -254,20 +238,25 @@ class ModelExecutor:
         for i, token in zip(rows, sampled, strict=True):
             tokens[i] = token
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
-        if asked:
-            found = token_logprobs(
-                logits[asked],
-                [sampled[row] for row in asked],
-                [params[row].logprobs or 0 for row in asked],
-            )
-            for row, entry in zip(asked, found, strict=True):
-                logprobs[rows[row]] = entry
-        return tokens, logprobs
+        if not asked:
+            return tokens, None
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        found = token_logprobs(
+            logits[asked],
+            [sampled[row] for row in asked],
+            [params[row].logprobs or 0 for row in asked],
+        )
+        for row, entry in zip(asked, found, strict=True):
+            logprobs[rows[row]] = entry
+        return tokens, tuple(logprobs)
 
     def _prompt_logprobs(
         self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
-    ) -> list[tuple[TokenLogprobs, ...]]:
-        """Per request, the log-probabilities of its ``prompt_logprob_token_ids``."""
+    ) -> tuple[tuple[TokenLogprobs, ...], ...] | None:
+        """Per request, the log-probabilities of its ``prompt_logprob_token_ids`` (None
+        when no request of the step asks)."""
+        if not any(r.prompt_logprob_token_ids for r in requests):
+            return None
         out: list[tuple[TokenLogprobs, ...]] = [()] * len(requests)
         first = 0
         for i, (request, num_tokens) in enumerate(zip(requests, query_lens, strict=True)):
@@ -277,7 +266,7 @@ class ModelExecutor:
                 num_top = request.params.prompt_logprobs or 0
                 out[i] = prompt_logprobs(rows, targets, num_top, self.model.compute_logits)
             first += num_tokens
-        return out
+        return tuple(out)
 
     def _check_request(self, request: StepRequest) -> None:
         end = request.start_position + request.num_tokens
@@ -307,20 +296,3 @@ class ModelExecutor:
 
 def _model_dtype(model: CausalLM) -> torch.dtype:
     return model.model.embed_tokens.weight.dtype
-
-
-def _check_specs(config: ModelConfig, specs: Sequence[LayerSpec]) -> list[AttentionSpec]:
-    """The specs as attention specs, one per layer, matching the model's KV shapes."""
-    attention = [s for s in specs if isinstance(s, AttentionSpec)]
-    if len(attention) != len(specs) or len(specs) != config.num_layers:
-        raise ModelConfigError(
-            f"{len(specs)} layer specs ({len(attention)} attention) for a model of "
-            f"{config.num_layers} attention layers"
-        )
-    for spec in attention:
-        if (spec.num_kv_heads, spec.head_dim) != (config.num_kv_heads, config.head_dim):
-            raise ModelConfigError(
-                f"layer spec {spec.name!r} has {spec.num_kv_heads} KV heads of {spec.head_dim}, "
-                f"the model {config.num_kv_heads} of {config.head_dim}"
-            )
-    return attention

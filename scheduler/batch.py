@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -76,34 +76,28 @@ class StepBatch:
 
 
 @attrs.frozen(kw_only=True)
-class RequestResult:
-    """What a step produced for one request.
+class StepResult:
+    """What one step produced, by request: entry ``i`` of each column belongs to
+    ``batch.requests[i]``.
+
+    Columns rather than one object per request: a decode step of hundreds of requests
+    returns one tuple of ints, which the engine checks and applies at C speed.
 
     Attributes:
-        token_id: The sampled token where the request's ``sample`` was true, else None.
-        logprobs: With ``params.logprobs``, the sampled token's log-probabilities.
-        prompt_logprobs: With ``params.prompt_logprobs``, one entry per token of the
-            request's ``prompt_logprob_token_ids``, in order.
-        error: Set when this request, and only it, failed in the step (its other fields
-            are then ignored); the engine fails the request and goes on with the others.
+        token_ids: The sampled token where the request's ``sample`` was true, else None.
+        logprobs: Where ``params.logprobs`` asked, the sampled token's log-probabilities
+            (None elsewhere); None as a whole when no request of the step asked.
+        prompt_logprobs: Where ``params.prompt_logprobs`` asked, one entry per token of
+            the request's ``prompt_logprob_token_ids``, in order; None as a whole when no
+            request of the step asked.
+        errors: Request id -> the error that failed that request, and only it, in this
+            step (its other entries are ignored); the engine fails it and goes on.
     """
 
-    token_id: int | None = None
-    logprobs: TokenLogprobs | None = None
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
-    error: HybridKVError | None = None
-
-
-@attrs.frozen
-class StepResult:
-    """What one step produced: ``requests[i]`` belongs to ``batch.requests[i]``."""
-
-    requests: tuple[RequestResult, ...]
-
-    @classmethod
-    def from_token_ids(cls, token_ids: Sequence[int | None]) -> StepResult:
-        """A result of sampled tokens only (None where a request sampled nothing)."""
-        return cls(tuple(RequestResult(token_id=t) for t in token_ids))
+    token_ids: tuple[int | None, ...] = attrs.field(converter=tuple)
+    logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    prompt_logprobs: tuple[tuple[TokenLogprobs, ...], ...] | None = None
+    errors: Mapping[str, HybridKVError] = attrs.field(factory=dict)
 
 
 class Executor(Protocol):

@@ -33,7 +33,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import PromptTooLongError
 from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
-from hybridkv.scheduler.batch import ExecutorResultError, RequestResult, StepRequest, StepResult
+from hybridkv.scheduler.batch import ExecutorResultError, StepRequest, StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
 from hybridkv.scheduler.meter import ThroughputMeter
@@ -214,31 +214,46 @@ class EngineCore:
         kv_free = self.kv.free
         num_outputs = 0
         items = plan.batch.requests
-        for request, item, entry in zip(plan.scheduled, items, result.requests, strict=True):
+        stale = self._stale_hits
+        # This loop runs once per request per step: absent columns are repeat(None), and
+        # _check_result has matched every present column's length to the batch.
+        has_failures = bool(result.errors or stale)
+        for request, item, token, prompt_found, found in zip(
+            plan.scheduled,
+            items,
+            result.token_ids,
+            result.prompt_logprobs or itertools.repeat(None),
+            result.logprobs or itertools.repeat(None),
+            strict=False,
+        ):
             request.in_step = False
             if request.status is RequestStatus.FINISHED:  # aborted while the step ran
                 kv_free(request.request_id)
                 continue
-            if entry.error is not None or request in self._stale_hits:
-                self._stale_hits.discard(request)
-                error = entry.error or ExecutorResultError(
-                    "an earlier step in flight, which filled its cached prefix, failed"
-                )
-                self._fail_request(request, error, computed=False)
-                continue
+            if has_failures or token is None:
+                error = _failure(item, result, token, request in stale)
+                if error is not None:
+                    stale.discard(request)
+                    self._fail_request(request, error, computed=False)
+                    continue
             request.num_computed_tokens += len(item.token_ids)
-            if entry.prompt_logprobs:
-                _gather_prompt_logprobs(request, item, entry)
-            if not item.sample:
+            if prompt_found:
+                _gather_prompt_logprobs(request, item, prompt_found)
+            if token is None:
                 continue
-            token = entry.token_id
-            assert token is not None  # _check_result
+            params = request.params
+            logprobs = None
+            if params.logprobs is not None:
+                if found is None:
+                    error = ExecutorResultError("the executor returned no logprobs for it")
+                    self._fail_request(request, error, computed=True)
+                    continue
+                logprobs = (found,)
             tokens = request.all_token_ids
             tokens.append(token)
             num_outputs += 1
             if request.first_token_time is None:
                 request.first_token_time = now
-            params = request.params
             num_output = len(tokens) - request.num_prompt_tokens
             reason = None
             if num_output >= params.min_tokens and (
@@ -247,7 +262,6 @@ class EngineCore:
                 reason = FinishReason.STOP
             elif num_output >= params.max_tokens or len(tokens) >= max_len:
                 reason = FinishReason.LENGTH
-            logprobs = None if entry.logprobs is None else (entry.logprobs,)
             if reason is None:
                 self._outbox.append((request, request.output((token,), None, logprobs), False))
             else:
@@ -402,46 +416,58 @@ class EngineCore:
 def _check_result(plan: StepPlan, result: object, vocab_size: int) -> str | None:
     """Why an executor's result cannot be applied to ``plan``, or None if it can.
 
-    On the hot path of every step: the common entry (a sampled token, no logprobs) costs
-    two type checks and a range check.
+    Checks the columns as wholes (their types and lengths, every token id in range): on
+    the hot path of every step, so the common decode step costs C-speed passes only.
+    A request whose own entry is missing fails alone, when it is applied.
     """
     if type(result) is not StepResult:
         return f"executor returned {type(result).__name__}, not a StepResult"
-    items = plan.batch.requests
-    entries = result.requests
-    if len(entries) != len(items):
-        return f"executor returned {len(entries)} results for {len(items)} requests"
-    for item, entry in zip(items, entries, strict=True):
-        if type(entry) is not RequestResult:
-            name = type(entry).__name__
-            return f"executor returned a {name} for {item.request_id!r}, not a RequestResult"
-        if entry.error is not None:
-            continue
-        if item.sample:
-            token = entry.token_id
-            # type() is int: neither a bool nor a numpy or torch scalar slips through.
-            if type(token) is not int or not 0 <= token < vocab_size:
-                return (
-                    f"executor sampled {token!r} for {item.request_id!r}, not a token id "
-                    f"in [0, {vocab_size})"
-                )
-            if entry.logprobs is None and item.params.logprobs is not None:
-                return f"executor returned no logprobs for {item.request_id!r}, which asked"
-        if entry.prompt_logprobs and len(entry.prompt_logprobs) != len(
-            item.prompt_logprob_token_ids
-        ):
-            return (
-                f"executor returned {len(entry.prompt_logprobs)} prompt logprobs for "
-                f"{item.request_id!r}, expected {len(item.prompt_logprob_token_ids)}"
-            )
+    num = len(plan.batch.requests)
+    tokens = result.token_ids
+    if len(tokens) != num:
+        return f"executor returned {len(tokens)} token ids for {num} requests"
+    kinds = set(map(type, tokens))
+    # type() is int: neither a bool nor a numpy or torch scalar slips through.
+    if not kinds <= _TOKEN_TYPES:
+        bad = next(t for t in tokens if type(t) not in _TOKEN_TYPES)
+        return f"executor sampled {bad!r}, not a token id"
+    ints = tokens if type(None) not in kinds else [t for t in tokens if t is not None]
+    if ints and not (min(ints) >= 0 and max(ints) < vocab_size):  # type: ignore[type-var]
+        bad = next(t for t in ints if not 0 <= t < vocab_size)  # type: ignore[operator]
+        return f"executor sampled {bad!r}, not a token id in [0, {vocab_size})"
+    for name in ("logprobs", "prompt_logprobs"):
+        column = getattr(result, name)
+        if column is not None and len(column) != num:
+            return f"executor returned {len(column)} {name} entries for {num} requests"
     return None
 
 
-def _gather_prompt_logprobs(request: Request, item: StepRequest, entry: RequestResult) -> None:
+_TOKEN_TYPES = frozenset({int, type(None)})
+
+
+def _failure(
+    item: StepRequest, result: StepResult, token: int | None, is_stale: bool
+) -> HybridKVError | None:
+    """Why this one request of an applicable result fails, or None."""
+    error = result.errors.get(item.request_id)
+    if error is not None:
+        return error
+    if item.sample and token is None:
+        return ExecutorResultError("the executor sampled no token where one was due")
+    if is_stale:
+        return ExecutorResultError(
+            "an earlier step in flight, which filled its cached prefix, failed"
+        )
+    return None
+
+
+def _gather_prompt_logprobs(
+    request: Request, item: StepRequest, found: tuple[TokenLogprobs, ...]
+) -> None:
     """Append the chunk's prompt logprobs not gathered yet (a recomputation repeats some)."""
     gathered = request.prompt_logprobs
     if gathered is None:
         return
-    for offset, logprobs in enumerate(entry.prompt_logprobs):
+    for offset, logprobs in enumerate(found):
         if item.start_position + 1 + offset == len(gathered):
             gathered.append(logprobs)

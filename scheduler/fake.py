@@ -32,7 +32,7 @@ from types import TracebackType
 
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.layout import PoolSpec
-from hybridkv.scheduler.batch import RequestResult, StepBatch, StepRequest, StepResult
+from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.outputs import RequestOutput, TokenLogprobs
 
@@ -108,18 +108,38 @@ class FakeExecutor:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.num_steps += 1
-        return StepResult(tuple(self._run(request) for request in batch.requests))
+        vocab = self.vocab_size
+        tokens: list[int | None] = []
+        logprobs: list[TokenLogprobs | None] = []
+        prompt_logprobs: list[tuple[TokenLogprobs, ...]] = []
+        for request in batch.requests:
+            h, prompt = self._run(request)
+            token = (h >> 17) % vocab if request.sample else None
+            tokens.append(token)
+            num_top = request.params.logprobs
+            if token is None or num_top is None:
+                logprobs.append(None)
+            else:
+                logprobs.append(fake_logprobs(h, token, num_top, vocab))
+            prompt_logprobs.append(prompt)
+        return StepResult(
+            token_ids=tuple(tokens),
+            logprobs=tuple(logprobs) if any(logprobs) else None,
+            prompt_logprobs=tuple(prompt_logprobs) if any(prompt_logprobs) else None,
+        )
 
     def sample(self, batch: StepBatch) -> list[int | None]:
         """The tokens :meth:`execute` samples, as a list (None where none is due)."""
-        return [result.token_id for result in self.execute(batch).requests]
+        return list(self.execute(batch).token_ids)
 
-    def _run(self, request: StepRequest) -> RequestResult:
+    def _run(self, request: StepRequest) -> tuple[int, tuple[TokenLogprobs, ...]]:
+        """Write the request's hashes; the last hash, and its prompt logprobs if asked."""
         bs, vocab, store = self.block_size, self.vocab_size, self._store
         tables = request.block_tables
         position = request.start_position
         h = _SEED if position == 0 else self._read(tables, position - 1)
         targets = request.prompt_logprob_token_ids
+        num_top = request.params.prompt_logprobs or 0
         prompt_logprobs = []
         for i, token in enumerate(request.token_ids):
             h = ((h ^ token) * _PRIME) & _MASK
@@ -128,17 +148,8 @@ class FakeExecutor:
                 store[group][table[block] * bs + slot] = h
             position += 1
             if i < len(targets):
-                num_top = request.params.prompt_logprobs or 0
                 prompt_logprobs.append(fake_logprobs(h, targets[i], num_top, vocab))
-        if not request.sample:
-            return RequestResult(prompt_logprobs=tuple(prompt_logprobs))
-        token_id = (h >> 17) % vocab
-        num_top = request.params.logprobs
-        return RequestResult(
-            token_id=token_id,
-            logprobs=None if num_top is None else fake_logprobs(h, token_id, num_top, vocab),
-            prompt_logprobs=tuple(prompt_logprobs),
-        )
+        return h, tuple(prompt_logprobs)
 
     def _read(self, tables: Sequence[Sequence[int]], position: int) -> int:
         """The hash at ``position``, from every group that still holds its page."""

@@ -224,7 +224,7 @@ class Driver:
             )
             seqs.append(seq)
         result = self.executor.execute(StepBatch(tuple(requests)))
-        tokens = [r.token_id for r in result.requests]
+        tokens = result.token_ids
         for seq, request, token in zip(seqs, requests, tokens, strict=True):
             seq.num_computed += request.num_tokens
             if token is not None:

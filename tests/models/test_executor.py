@@ -76,14 +76,14 @@ def test_seeded_sampling_survives_preemption(make_driver, prompt_of):
 
 def test_empty_batch_returns_nothing(make_driver):
     """A step with no request runs nothing."""
-    assert make_driver("gemma3").executor.execute(StepBatch(())) == StepResult(())
+    assert make_driver("gemma3").executor.execute(StepBatch(())) == StepResult(token_ids=())
 
 
 def test_unsampled_chunk_returns_none(make_driver):
     """A prefill chunk that is not the prompt's last returns None for its request."""
     executor = make_driver("gemma3").executor
     result = executor.execute(StepBatch((_request(sample=False),)))
-    assert result == StepResult.from_token_ids([None])
+    assert result == StepResult(token_ids=(None,))
 
 
 def test_wrong_number_of_block_tables_is_refused(make_driver):

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import anyio
+import attrs
 import pytest
 
 from hybridkv.policies import FullAttention, SlidingWindow
@@ -18,7 +19,6 @@ from hybridkv.scheduler import (
     PoolSpec,
     RequestFailedError,
     RequestOutput,
-    RequestResult,
     SamplingParams,
     StepBatch,
     StepResult,
@@ -64,14 +64,20 @@ class Rewriting(FakeExecutor):
         return self.rewrite(batch, super().execute(batch))  # type: ignore[no-any-return]
 
 
+def _tokens(value: object) -> Any:
+    return lambda b, r: StepResult(token_ids=[value] * len(b.requests))
+
+
 BAD_RESULTS = {
-    "out of the vocabulary": lambda b, r: StepResult.from_token_ids([VOCAB] * len(b.requests)),
-    "negative": lambda b, r: StepResult.from_token_ids([-1] * len(b.requests)),
-    "a bool": lambda b, r: StepResult.from_token_ids([True] * len(b.requests)),
-    "a float": lambda b, r: StepResult.from_token_ids([1.0] * len(b.requests)),
-    "missing": lambda b, r: StepResult.from_token_ids([None] * len(b.requests)),
-    "too few": lambda b, r: StepResult(()),
-    "a list": lambda b, r: [t.token_id for t in r.requests],
+    "out of the vocabulary": _tokens(VOCAB),
+    "negative": _tokens(-1),
+    "a bool": _tokens(True),
+    "a float": _tokens(1.0),
+    "a string": _tokens("7"),
+    "missing": _tokens(None),
+    "too few": lambda b, r: StepResult(token_ids=()),
+    "short logprobs": lambda b, r: StepResult(token_ids=r.token_ids, logprobs=()),
+    "a list": lambda b, r: list(r.token_ids),
 }
 
 
@@ -102,11 +108,7 @@ def test_a_per_request_error_fails_only_that_request() -> None:
     config = make_config()
 
     def rewrite(batch: StepBatch, result: StepResult) -> StepResult:
-        entries = [
-            RequestResult(error=InvalidRequestError("bad adapter")) if r.request_id == "b" else e
-            for r, e in zip(batch.requests, result.requests, strict=True)
-        ]
-        return StepResult(tuple(entries))
+        return attrs.evolve(result, errors={"b": InvalidRequestError("bad adapter")})
 
     core, fake = EngineCore(config), Rewriting(config, rewrite)
     sinks = {name: CollectingSink() for name in "ab"}
@@ -119,6 +121,21 @@ def test_a_per_request_error_fails_only_that_request() -> None:
     failure = sinks["b"].items[0]
     assert isinstance(failure, RequestFailedError) and "bad adapter" in str(failure)
     assert sinks["b"].is_closed
+
+
+def test_missing_logprobs_fail_the_request_that_asked() -> None:
+    """A request that asked for logprobs and got none fails; its neighbours do not."""
+    config = make_config()
+    fake = Rewriting(config, lambda b, r: attrs.evolve(r, logprobs=None))
+    core = EngineCore(config)
+    asks, plain = CollectingSink(), CollectingSink()
+    core.add_request([1, 2], SamplingParams(max_tokens=2, logprobs=1), asks, request_id="a")
+    core.add_request([1, 2], SamplingParams(max_tokens=2), plain, request_id="b")
+    plan = core.plan()
+    core.apply(plan, fake.execute(plan.batch))
+    core.flush()
+    assert isinstance(asks.items[0], RequestFailedError) and "logprobs" in str(asks.items[0])
+    assert isinstance(plain.items[0], RequestOutput)
 
 
 def test_the_engine_refuses_a_config_for_another_pool() -> None:

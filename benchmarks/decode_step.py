@@ -1,0 +1,128 @@
+"""Time of one decode step of the model executor, and what logprobs add to it.
+
+A random-weight Gemma-3-shaped model (the one of ``throughput.py``), ``--requests``
+requests each with ``--context`` tokens already cached, then ``--steps`` decode steps of
+one token per request, straight through ``ModelExecutor.execute`` (no engine, no event
+loop). Prints the median and the quartiles of the step time, with logprobs off and, with
+``--logprobs K``, with every request asking for its sampled token's logprob and top K, in
+the same run (the two alternate step by step, so both see the same machine load).
+
+    python benchmarks/decode_step.py [--requests 64] [--context 300] [--logprobs 5]
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from throughput import MODEL, make_checkpoint_off_main
+
+from hybridkv.memory.manager import KVCacheManager
+from hybridkv.models.executor import ModelExecutor
+from hybridkv.scheduler import SamplingParams, StepBatch, StepRequest
+
+
+class _Sequence:
+    """What the KV cache manager reads of a request."""
+
+    def __init__(self, request_id: str, tokens: list[int]) -> None:
+        self.request_id = request_id
+        self.all_token_ids = tokens
+        self.extra_keys: tuple[object, ...] = ()
+
+
+def _batch(
+    kv: KVCacheManager, seqs: list[_Sequence], start: int, num: int, params: SamplingParams
+) -> StepBatch:
+    """Every sequence runs tokens ``[start, start + num)``; their blocks are allocated."""
+    items = []
+    for seq in seqs:
+        assert kv.allocate(seq, num) is not None, "the pool is too small for the workload"
+        items.append(
+            StepRequest(
+                request_id=seq.request_id,
+                token_ids=seq.all_token_ids[start : start + num],
+                start_position=start,
+                block_tables=kv.block_tables(seq.request_id),
+                sample=True,
+                params=params,
+                output_index=0,
+            )
+        )
+    return StepBatch(tuple(items))
+
+
+def quartiles(values: list[float]) -> dict[str, float]:
+    """Median and quartiles in milliseconds."""
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return {"median_ms": median * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--logprobs", type=int, default=None, help="also time logprobs=K")
+    args = parser.parse_args()
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.steps + 1)
+    variants = {"off": greedy}
+    if args.logprobs is not None:
+        variants[f"logprobs={args.logprobs}"] = SamplingParams(
+            temperature=0.0, max_tokens=args.steps + 1, logprobs=args.logprobs
+        )
+    with tempfile.TemporaryDirectory() as folder:
+        path = make_checkpoint_off_main(Path(folder))
+        executor = ModelExecutor.from_pretrained(
+            path, kv_cache_bytes=256 << 20, block_size=16, num_threads=args.threads
+        )
+    plan = executor.plan
+    total = args.context + 2 * args.steps
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    kv = KVCacheManager(plan.policies, plan.num_blocks, plan.block_size)
+    vocab = MODEL["vocab_size"] - 3
+    groups = {}
+    for name in variants:
+        seqs = [
+            _Sequence(f"{name}-{i}", [(i * 31 + j * 7) % vocab + 3 for j in range(total)])
+            for i in range(args.requests)
+        ]
+        for start in range(0, args.context, 256):  # prefill, untimed
+            num = min(256, args.context - start)
+            executor.execute(_batch(kv, seqs, start, num, greedy))
+        groups[name] = seqs
+    for step in range(args.steps):
+        for name, params in variants.items():
+            seqs = groups[name]
+            batch = _batch(kv, seqs, args.context + step, 1, params)
+            begin = time.perf_counter()
+            executor.execute(batch)
+            times[name].append(time.perf_counter() - begin)
+    executor.close()
+    result: dict[str, Any] = {
+        "requests": args.requests,
+        "context": args.context,
+        "steps": args.steps,
+        **{name: quartiles(values) for name, values in times.items()},
+    }
+    for name, stats in result.items():
+        if isinstance(stats, dict):
+            print(
+                f"{name:14s} median {stats['median_ms']:7.2f} ms  "
+                f"(q1 {stats['q1_ms']:.2f}, q3 {stats['q3_ms']:.2f})"
+            )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
