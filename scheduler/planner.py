@@ -177,10 +177,7 @@ def _step_item(request: Request, num_new: int, kv: KVCacheManager) -> StepReques
     start = request.num_computed_tokens
     end = start + num_new
     request.in_step = True
-    targets: Sequence[int] = ()
-    if request.params.prompt_logprobs is not None and start + 1 < request.num_prompt_tokens:
-        targets = tokens[start + 1 : min(end + 1, request.num_prompt_tokens)]
-    return StepRequest(
+    item = StepRequest(
         request_id=request.request_id,
         token_ids=tokens[start:end],
         start_position=start,
@@ -188,8 +185,11 @@ def _step_item(request: Request, num_new: int, kv: KVCacheManager) -> StepReques
         sample=end == len(tokens),
         params=request.params,
         output_index=len(tokens) - request.num_prompt_tokens,
-        prompt_logprob_token_ids=targets,
     )
+    if request.prompt_logprobs is None or start + 1 >= request.num_prompt_tokens:
+        return item  # the common case: no prompt logprobs due
+    targets = tokens[start + 1 : min(end + 1, request.num_prompt_tokens)]
+    return attrs.evolve(item, prompt_logprob_token_ids=targets)
 
 
 def _urgency(request: Request) -> tuple[int, int]:
