@@ -33,7 +33,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import PromptTooLongError
 from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
-from hybridkv.scheduler.batch import ExecutorResultError, StepRequest, StepResult
+from hybridkv.scheduler.batch import ExecutorResultError, StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
 from hybridkv.scheduler.meter import ThroughputMeter
@@ -42,6 +42,7 @@ from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
 from hybridkv.scheduler.planner import StepPlan, plan_step
 from hybridkv.scheduler.queue import WaitingQueue
 from hybridkv.scheduler.request import OutputSink, Request, RequestStatus
+from hybridkv.scheduler.results import check_result, gather_prompt_logprobs, request_failure
 from hybridkv.scheduler.validation import check_request
 
 log = structlog.get_logger(__name__)
@@ -139,11 +140,9 @@ class EngineCore:
         Returns False if no live request has that id (finished already, or unknown).
         """
         request = self._requests.get(request_id)
-        if request is None:
-            return False
-        self._finish(request, reason)
-        self.flush()
-        return True
+        if request is not None:
+            self.end(request, reason)
+        return request is not None
 
     def end(self, request: Request, reason: FinishReason) -> None:
         """Like :meth:`abort`, for a request object (a no-op if it has finished)."""
@@ -203,7 +202,7 @@ class EngineCore:
         """Apply the oldest step's result: append tokens, end finished requests, and
         gather the outputs for :meth:`flush`. A malformed result fails the step."""
         start = time.perf_counter()
-        problem = _check_result(plan, result, self.config.vocab_size or TOKEN_ID_LIMIT)
+        problem = check_result(plan, result, self.config.vocab_size or TOKEN_ID_LIMIT)
         if problem is not None:
             self.fail(plan, ExecutorResultError(problem))
             return
@@ -231,14 +230,14 @@ class EngineCore:
                 kv_free(request.request_id)
                 continue
             if has_failures or token is None:
-                error = _failure(item, result, token, request in stale)
+                error = request_failure(item, result, token, request in stale)
                 if error is not None:
                     stale.discard(request)
                     self._fail_request(request, error, computed=False)
                     continue
             request.num_computed_tokens += len(item.token_ids)
             if prompt_found:
-                _gather_prompt_logprobs(request, item, prompt_found)
+                gather_prompt_logprobs(request, item, prompt_found)
             if token is None:
                 continue
             params = request.params
@@ -411,63 +410,3 @@ class EngineCore:
             tokens_per_second=tokens_per_second,
             output_tokens_per_second=output_tokens_per_second,
         )
-
-
-def _check_result(plan: StepPlan, result: object, vocab_size: int) -> str | None:
-    """Why an executor's result cannot be applied to ``plan``, or None if it can.
-
-    Checks the columns as wholes (their types and lengths, every token id in range): on
-    the hot path of every step, so the common decode step costs C-speed passes only.
-    A request whose own entry is missing fails alone, when it is applied.
-    """
-    if type(result) is not StepResult:
-        return f"executor returned {type(result).__name__}, not a StepResult"
-    num = len(plan.batch.requests)
-    tokens = result.token_ids
-    if len(tokens) != num:
-        return f"executor returned {len(tokens)} token ids for {num} requests"
-    kinds = set(map(type, tokens))
-    # type() is int: neither a bool nor a numpy or torch scalar slips through.
-    if not kinds <= _TOKEN_TYPES:
-        bad = next(t for t in tokens if type(t) not in _TOKEN_TYPES)
-        return f"executor sampled {bad!r}, not a token id"
-    ints = tokens if type(None) not in kinds else [t for t in tokens if t is not None]
-    if ints and not (min(ints) >= 0 and max(ints) < vocab_size):  # type: ignore[type-var]
-        bad = next(t for t in ints if not 0 <= t < vocab_size)  # type: ignore[operator]
-        return f"executor sampled {bad!r}, not a token id in [0, {vocab_size})"
-    for name in ("logprobs", "prompt_logprobs"):
-        column = getattr(result, name)
-        if column is not None and len(column) != num:
-            return f"executor returned {len(column)} {name} entries for {num} requests"
-    return None
-
-
-_TOKEN_TYPES = frozenset({int, type(None)})
-
-
-def _failure(
-    item: StepRequest, result: StepResult, token: int | None, is_stale: bool
-) -> HybridKVError | None:
-    """Why this one request of an applicable result fails, or None."""
-    error = result.errors.get(item.request_id)
-    if error is not None:
-        return error
-    if item.sample and token is None:
-        return ExecutorResultError("the executor sampled no token where one was due")
-    if is_stale:
-        return ExecutorResultError(
-            "an earlier step in flight, which filled its cached prefix, failed"
-        )
-    return None
-
-
-def _gather_prompt_logprobs(
-    request: Request, item: StepRequest, found: tuple[TokenLogprobs, ...]
-) -> None:
-    """Append the chunk's prompt logprobs not gathered yet (a recomputation repeats some)."""
-    gathered = request.prompt_logprobs
-    if gathered is None:
-        return
-    for offset, logprobs in enumerate(found):
-        if item.start_position + 1 + offset == len(gathered):
-            gathered.append(logprobs)
