@@ -1,12 +1,13 @@
 """Memory policies: which earlier tokens each kind of layer must keep resident."""
 
 from hybridkv.errors import CapacityError, HybridKVError
-from hybridkv.policies.base import MemoryPolicy, Span, cdiv
+from hybridkv.policies.base import AttentionWindow, MemoryPolicy, Span, cdiv
 from hybridkv.policies.builtin import ChunkedLocal, FullAttention, MambaLike, SlidingWindow
 from hybridkv.policies.errors import PolicyError
-from hybridkv.policies.registry import make_policy, policy_names, register_policy
+from hybridkv.policies.registry import check_policy, make_policy, policy_names, register_policy
 
 __all__ = [
+    "AttentionWindow",
     "CapacityError",
     "ChunkedLocal",
     "FullAttention",
@@ -17,6 +18,7 @@ __all__ = [
     "SlidingWindow",
     "Span",
     "cdiv",
+    "check_policy",
     "make_policy",
     "policy_names",
     "register_policy",

@@ -37,6 +37,18 @@ def positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
 
 
 @attrs.frozen
+class AttentionWindow:
+    """Keys ``(p - size, p]`` for the query at position p: one run ending at the query.
+
+    ``size`` counts the query itself, as Hugging Face's ``sliding_window`` does; None means
+    no bound, every key ``[0, p]`` (causal attention). Attention kernels have fast paths for
+    exactly this shape.
+    """
+
+    size: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
+
+
+@attrs.frozen
 class MemoryPolicy(abc.ABC):
     """Which earlier tokens a layer must keep resident, and what follows from that.
 
@@ -63,6 +75,24 @@ class MemoryPolicy(abc.ABC):
             live                   6 7   8 9          live_spans(10) == ((6, 10),)
             blocks   [null ] | [ b7  ] | [ b2  ]     block 0 is dead: freed, null in the table
         """
+
+    # -- derived, for attention -------------------------------------------------------
+
+    def attention_window(self) -> AttentionWindow | None:
+        """The keys a query attends as one window ending at it, when they always are.
+
+        A query at position p attends ``live_spans(p)`` plus p itself (its own key is written
+        in the same step). When that is the run ``(p - size, p]`` for every p, the answer
+        names the window and kernels take their fast path; None (the generic answer, always
+        correct) sends attention through the live spans themselves::
+
+            sliding window W=3     query 9 attends keys 7 8 9        AttentionWindow(3)
+            sinks 2 + window 3     query 9 attends keys 0 1 . . 7 8 9   None: not one run
+
+        Overrides are for speed, never for meaning: a window that differs from the live
+        spans at any p would attend keys the allocator has released.
+        """
+        return None
 
     # -- derived, in blocks ------------------------------------------------------------
 

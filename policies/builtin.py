@@ -8,7 +8,14 @@ from typing import ClassVar
 
 import attrs
 
-from hybridkv.policies.base import IsCached, MemoryPolicy, Span, cdiv, positive
+from hybridkv.policies.base import (
+    AttentionWindow,
+    IsCached,
+    MemoryPolicy,
+    Span,
+    cdiv,
+    positive,
+)
 
 
 @attrs.frozen
@@ -19,6 +26,9 @@ class FullAttention(MemoryPolicy):
 
     def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
         return ((0, num_tokens),) if num_tokens > 0 else ()
+
+    def attention_window(self) -> AttentionWindow:
+        return AttentionWindow()  # causal: every key up to the query
 
     def first_live_block(self, num_tokens: int, block_size: int) -> int:
         return 0
@@ -53,6 +63,9 @@ class SlidingWindow(MemoryPolicy):
     def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
         start = max(0, num_tokens - self.window + 1)
         return ((start, num_tokens),) if start < num_tokens else ()
+
+    def attention_window(self) -> AttentionWindow:
+        return AttentionWindow(self.window)
 
     def first_live_block(self, num_tokens: int, block_size: int) -> int:
         return max(0, num_tokens - self.window + 1) // block_size

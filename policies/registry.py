@@ -34,6 +34,20 @@ def policy_names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+def check_policy(value: object, what: str) -> MemoryPolicy:
+    """``value``, once it is a memory policy (a config may hand us anything).
+
+    Raises:
+        PolicyError: it is not, naming ``what`` and the value.
+    """
+    if not isinstance(value, MemoryPolicy):
+        raise PolicyError(
+            f"{what} is {value!r}, not a MemoryPolicy; build one with "
+            "hybridkv.policies.make_policy or subclass MemoryPolicy"
+        )
+    return value
+
+
 def make_policy(name: str, **params: Any) -> MemoryPolicy:
     """Build a policy from its registered name and parameters.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.policies import (
+    AttentionWindow,
     ChunkedLocal,
     FullAttention,
     MambaLike,
@@ -143,3 +144,28 @@ def test_mamba_max_live_blocks_bounds_the_peak() -> None:
     """MambaLike's two pages (state plus the one being written) bound every position."""
     for n in range(1, 60):
         assert MambaLike().max_live_blocks(n, 4) >= _held_peak(MambaLike(), n, 4)
+
+
+@pytest.mark.parametrize(
+    "policy", [FullAttention(), SlidingWindow(window=1), SlidingWindow(window=7), ChunkedLocal(5)]
+)
+def test_attention_window_agrees_with_live_spans(policy) -> None:  # type: ignore[no-untyped-def]
+    """A window override names exactly the keys live_spans(p) and p give, at every p."""
+    from hybridkv.policies.base import MemoryPolicy
+
+    window = policy.attention_window()
+    if window is None:
+        assert MemoryPolicy.attention_window(policy) is None
+        return
+    for p in range(300):
+        read = {k for a, b in policy.live_spans(p) for k in range(a, b)} | {p}
+        first = 0 if window.size is None else max(0, p - window.size + 1)
+        assert read == set(range(first, p + 1)), (p, window)
+
+
+def test_builtin_windows_take_the_fast_path() -> None:
+    """Full attention and sliding windows name their window; others use live spans."""
+    assert FullAttention().attention_window() == AttentionWindow(None)
+    assert SlidingWindow(window=7).attention_window() == AttentionWindow(7)
+    assert ChunkedLocal(chunk=5).attention_window() is None
+    assert MambaLike().attention_window() is None

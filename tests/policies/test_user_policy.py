@@ -87,3 +87,8 @@ def test_generic_max_live_blocks_finds_the_peak_before_the_end(block_size: int) 
     for n in range(1, 70):
         peak = max(sum(b - a for a, b in policy.live_block_spans(p, block_size)) for p in range(n))
         assert policy.max_live_blocks(n, block_size) == peak, n
+
+
+def test_attention_follows_the_live_spans() -> None:
+    """A user's policy names no window, so attention is masked by its live spans."""
+    assert POLICY.attention_window() is None
