@@ -17,6 +17,8 @@ holding one layer of each group needs a single slot tensor.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from hybridkv.policies.base import MemoryPolicy
@@ -60,6 +62,11 @@ class StateSpec:
 LayerSpec = AttentionSpec | StateSpec
 
 
+def _policy_tuple(policies: Iterable[MemoryPolicy]) -> tuple[MemoryPolicy, ...]:
+    # A typed converter: mypy reads attrs' converter=tuple as taking Iterable[_T_co].
+    return tuple(policies)
+
+
 @attrs.frozen
 class PoolSpec:
     """The shape of the shared block pool: what the engine and its executor must agree on.
@@ -73,7 +80,7 @@ class PoolSpec:
         block_size: Tokens per block, the same for every group.
     """
 
-    policies: tuple[MemoryPolicy, ...] = attrs.field(converter=tuple)
+    policies: tuple[MemoryPolicy, ...] = attrs.field(converter=_policy_tuple)
     num_blocks: int
     block_size: int
 
