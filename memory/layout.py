@@ -33,13 +33,28 @@ def _at_least_one(_: object, attribute: attrs.Attribute[int], value: int) -> Non
 
 @attrs.frozen(kw_only=True)
 class AttentionSpec:
-    """A layer that stores a key and a value vector per token and KV head."""
+    """A layer that stores a key and a value vector per token and KV head.
+
+    Its policy says both which tokens stay resident and which keys its queries attend: a
+    query at position p reads ``policy.live_spans(p)`` and itself, nothing else.
+
+    Attributes:
+        name: The layer's name in the checkpoint (``model.layers.3.self_attn``).
+        policy: What the layer keeps and attends.
+        num_kv_heads: Key/value heads.
+        head_dim: Width of one head.
+        dtype_bytes: Bytes per cached value.
+        kind: The config's layer type (``full_attention``, ``sliding_attention``, ...), or
+            None for a spec not read from a config. Models key per-kind settings by it
+            (rope parameters, user policy choices); the layout ignores it.
+    """
 
     name: str
     policy: MemoryPolicy
     num_kv_heads: int = attrs.field(validator=_at_least_one)
     head_dim: int = attrs.field(validator=_at_least_one)
     dtype_bytes: int = attrs.field(validator=_at_least_one)
+    kind: str | None = None
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one page of this layer: K and V of ``block_size`` tokens."""
@@ -48,11 +63,15 @@ class AttentionSpec:
 
 @attrs.frozen(kw_only=True)
 class StateSpec:
-    """A recurrent (mamba-like) layer: one fixed-size state per page, whatever the block."""
+    """A recurrent (mamba-like) layer: one fixed-size state per page, whatever the block.
+
+    ``kind`` is the config's layer type (``mamba``), or None, as for :class:`AttentionSpec`.
+    """
 
     name: str
     policy: MemoryPolicy
     state_bytes: int = attrs.field(validator=_at_least_one)
+    kind: str | None = None
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one page of this layer: one state."""
