@@ -19,6 +19,9 @@ Masking invariant (True = attend). Query at position ``p`` sees key ``k`` iff
     query 5     . . x x x x .
     query 6     . . . x x x x
 
+Keys that are not one window come as ``live_spans`` instead of W, and the mask is built
+from the spans (``span_mask``); the rest of the path is the same.
+
 GQA. The G = num_q_heads // num_kv_heads query heads sharing a KV head are folded into the
 query rows, so SDPA sees ``num_kv_heads`` heads and reads each key once per KV head:
 query ``[B, num_kv_heads, G * num_queries, head_dim]`` against keys
@@ -34,6 +37,7 @@ from hybridkv.kernels.cache_ops import check_cache
 from hybridkv.kernels.errors import KernelInputError
 from hybridkv.kernels.gather_plan import Region
 from hybridkv.kernels.metadata import PagedMetadata
+from hybridkv.kernels.span_mask import LiveSpans
 
 
 def paged_attention(
@@ -43,6 +47,7 @@ def paged_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    live_spans: LiveSpans | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attend every query token to its request's cached keys and values.
@@ -54,13 +59,17 @@ def paged_attention(
         meta: this step's metadata of the cache's KV group.
         scale: multiplier of the query-key dot products.
         sliding_window: W, the keys a query sees counting itself (Hugging Face semantics).
+        live_spans: For keys that are not one window: position p -> the sorted spans of
+            earlier positions the query at p reads (it reads itself too); pages no query
+            reads may be the null block. Exclusive with ``sliding_window``.
         softcap: c in ``c * tanh(scores / c)`` before the softmax (Gemma 2).
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]`` in the query's dtype.
 
     Raises:
-        KernelInputError: shapes or dtypes disagree, or a table reads the null block.
+        KernelInputError: shapes or dtypes disagree, a table reads the null block, or a
+            span lies outside ``[0, p)``.
     """
     geometry = check_cache(kv_cache, meta)
     num_kv_heads, head_dim = geometry.num_kv_heads, geometry.head_dim
@@ -78,7 +87,9 @@ def paged_attention(
     if softcap is not None and softcap <= 0:
         raise KernelInputError(f"softcap must be > 0, got {softcap}")
     group = query.shape[1] // num_kv_heads
-    plan = meta.plan(geometry, num_queries_per_kv=group, sliding_window=sliding_window)
+    plan = meta.plan(
+        geometry, num_queries_per_kv=group, sliding_window=sliding_window, live_spans=live_spans
+    )
     gathered = plan.buffer(kv_cache.dtype)
     runs = gathered.view(-1, geometry.run_len)
     torch.index_select(geometry.rows_view(kv_cache), 0, plan.runs, out=runs)

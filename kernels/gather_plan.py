@@ -30,6 +30,11 @@ Padding. Requests of one region share a padded page count; pad runs repeat the r
 last page. Every gathered slot outside ``[key_start, context_len)`` (the first page's head,
 the last page's unwritten tail, pad runs) is zeroed after the gather and masked out: a
 masked key must still be finite, since softmax weight 0 times NaN is NaN.
+
+Live spans. Keys that are not one window (``live_spans`` instead of ``W``, see
+``span_mask``) take the same path with masks built from the spans: ``key_start`` is the
+first key any query reads, every slot no query reads is zeroed, and only pages holding a
+key some query reads must be real (the others may be the null block).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch
 
 from hybridkv.kernels.errors import KernelInputError
 from hybridkv.kernels.geometry import CacheGeometry
+from hybridkv.kernels.span_mask import LiveSpans, SpanMasks
 from hybridkv.kernels.workspace import GatherWorkspace
 
 # Decodes share one SDPA call while padding stays under this fraction of the real keys.
@@ -122,6 +128,7 @@ class GatherPlan:
         sliding_window: int | None,
         device: torch.device,
         workspace: GatherWorkspace,
+        live_spans: LiveSpans | None = None,
     ) -> GatherPlan:
         """Plan one step: decodes (query_len 1) batched by length, each prefill on its own."""
         layout = GatherLayout.build(
@@ -130,6 +137,7 @@ class GatherPlan:
             geometry=geometry,
             num_queries_per_kv=num_queries_per_kv,
             sliding_window=sliding_window,
+            live_spans=live_spans,
             device=device,
         )
         return layout.bind(block_table, workspace)
@@ -145,6 +153,7 @@ class _RegionLayout:
     num_kv: int  # 1: keys only (values read in place), 2: keys and values
     bag_offsets: torch.Tensor | None
     bag_keep: torch.Tensor | None
+    required: torch.Tensor | None  # [B, width] pages some query reads; None: every page
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -171,21 +180,33 @@ class GatherLayout:
         num_queries_per_kv: int,
         sliding_window: int | None,
         device: torch.device,
+        live_spans: LiveSpans | None = None,
     ) -> GatherLayout:
-        """Lay out one step: decodes (query_len 1) batched by length, each prefill alone."""
+        """Lay out one step: decodes (query_len 1) batched by length, each prefill alone.
+
+        Keys are those of the window ``sliding_window`` (None: every earlier key), or,
+        with ``live_spans``, those the spans name (``sliding_window`` must then be None).
+        """
         if sliding_window is not None and sliding_window < 1:
             raise KernelInputError(f"sliding_window must be >= 1, got {sliding_window}")
+        if sliding_window is not None and live_spans is not None:
+            raise KernelInputError("pass sliding_window or live_spans, not both")
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         ctx_lens = torch.tensor(context_lens, dtype=torch.long)
         key_start = torch.zeros_like(ctx_lens)
+        spans = None
         if sliding_window is not None:
             key_start = (ctx_lens - q_lens - sliding_window + 1).clamp(min=0)
+        elif live_spans is not None:
+            spans = SpanMasks.build(live_spans, query_lens, context_lens, geometry.block_size)
+            key_start = spans.key_start
         builder = _Builder(
             geometry,
             key_start,
             ctx_lens,
             num_queries_per_kv=num_queries_per_kv,
             device=device,
+            spans=spans,
         )
         starts = [0, *torch.cumsum(q_lens, 0).tolist()]
         decode_ids = [i for i, n in enumerate(query_lens) if n == 1]
@@ -213,11 +234,14 @@ class GatherLayout:
         runs, regions = [], []
         for layout in self.regions:
             pages = block_table[layout.ids, layout.page_idx]
-            if bool((pages == 0).any()):
-                bad = int(layout.ids[int((pages == 0).any(dim=1).nonzero()[0])])
+            null = pages == 0
+            if layout.required is not None:
+                null &= layout.required
+            if bool(null.any()):
+                bad = int(layout.ids[int(null.any(dim=1).nonzero()[0])])
                 raise KernelInputError(
                     f"request {bad} reads the null block inside its attended key range; "
-                    "only blocks before the window may be null"
+                    "only blocks that no query of the step reads may be null"
                 )
             runs.append(self.geometry.run_rows(pages)[: layout.num_kv].reshape(-1))
             region = layout.region
@@ -257,8 +281,10 @@ class _Builder:
         *,
         num_queries_per_kv: int,
         device: torch.device,
+        spans: SpanMasks | None = None,
     ) -> None:
         self.geometry = geometry
+        self.spans = spans
         self.block_size, self.num_kv_heads = geometry.block_size, geometry.num_kv_heads
         self.key_start, self.ctx_lens = key_start, ctx_lens
         self.num_queries_per_kv, self.device = num_queries_per_kv, device
@@ -282,7 +308,13 @@ class _Builder:
         page_idx = first[:, None] + torch.minimum(torch.arange(width), num_pages[:, None] - 1)
         key_len = width * self.block_size
         pos = first[:, None] * self.block_size + torch.arange(key_len)[None, :]
-        visible = (pos >= self.key_start[idx][:, None]) & (pos < self.ctx_lens[idx][:, None])
+        required = None
+        if self.spans is None:
+            visible = (pos >= self.key_start[idx][:, None]) & (pos < self.ctx_lens[idx][:, None])
+        else:
+            visible = self.spans.visible(ids, key_len)
+            # Pages holding no key that is read may be the null block.
+            required = visible.view(len(ids), width, self.block_size).any(dim=-1)
         all_visible = bool(visible.all())
         # Decodes read values in place (embedding_bag over token rows): gather keys only.
         per_request = key_len * self.num_kv_heads * self.geometry.head_dim
@@ -306,6 +338,8 @@ class _Builder:
             self.zero_rows.append(hidden.reshape(-1).nonzero().view(-1) + self.offset)
         if query_pos is None:
             mask = None if all_visible else visible[:, None, None, :]
+        elif self.spans is not None:
+            mask = self.spans.mask(ids[0], key_len).repeat(self.num_queries_per_kv, 1)
         elif int(query_pos[0]) == 0 and (window is None or window >= query_pos.numel()):
             mask = None
         else:
@@ -336,6 +370,7 @@ class _Builder:
                 num_kv=num_kv,
                 bag_offsets=bag_offsets,
                 bag_keep=bag_keep,
+                required=required,
             )
         )
         self.offset += num_rows

@@ -24,9 +24,11 @@ import torch
 from hybridkv.kernels.errors import KernelInputError
 from hybridkv.kernels.gather_plan import GatherLayout, GatherPlan
 from hybridkv.kernels.geometry import CacheGeometry
+from hybridkv.kernels.span_mask import LiveSpans
 from hybridkv.kernels.workspace import GatherWorkspace
 
-PlanKey = tuple[CacheGeometry, int, int | None]
+#: Geometry, query heads per KV head, window, live spans: what a gather plan depends on.
+PlanKey = tuple[CacheGeometry, int, int | None, LiveSpans | None]
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -159,10 +161,20 @@ class PagedMetadata:
         return out
 
     def plan(
-        self, geometry: CacheGeometry, *, num_queries_per_kv: int, sliding_window: int | None
+        self,
+        geometry: CacheGeometry,
+        *,
+        num_queries_per_kv: int,
+        sliding_window: int | None,
+        live_spans: LiveSpans | None = None,
     ) -> GatherPlan:
-        """The gather plan for this cache geometry, GQA group and window, built on first use."""
-        key = (geometry, num_queries_per_kv, sliding_window)
+        """The gather plan for this cache geometry, GQA group and keys, built on first use.
+
+        Keys are a window (``sliding_window``, None: every earlier key) or, with
+        ``live_spans``, the spans it names (see ``span_mask``). Layers passing the same
+        ``live_spans`` object share one plan: pass one callable per policy, not per layer.
+        """
+        key = (geometry, num_queries_per_kv, sliding_window, live_spans)
         plan = self._plans.get(key)
         if plan is None:
             layout = self.layouts.get(key)
@@ -173,6 +185,7 @@ class PagedMetadata:
                     geometry=geometry,
                     num_queries_per_kv=num_queries_per_kv,
                     sliding_window=sliding_window,
+                    live_spans=live_spans,
                     device=self.device,
                 )
                 self.layouts[key] = layout
