@@ -7,7 +7,6 @@ Weights are read from safetensors only; a folder holding only pickled weights
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,9 @@ from hybridkv.models.config import ModelConfig, eos_ids
 from hybridkv.models.errors import CheckpointError, ModelConfigError
 from hybridkv.models.gemma2 import GEMMA2
 from hybridkv.models.gemma3 import GEMMA3
+from hybridkv.models.hf_config import read_config
 from hybridkv.models.llama import LLAMA
+from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.transformer import Architecture
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA2, GEMMA3)
@@ -39,7 +40,7 @@ def architecture_for(model_type: str) -> Architecture:
     raise ModelConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_index(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -55,41 +56,53 @@ class Checkpoint:
 
     Attributes:
         path: The folder.
-        hf_config: config.json, with ``layer_types`` filled in where the file derives it.
-        config: The parsed model config.
+        config: The parsed model config, its layer specs included.
         architecture: The model family that reads it.
         eos_token_ids: End tokens of config.json and generation_config.json together.
     """
 
     path: Path
-    hf_config: Mapping[str, Any] = attrs.field(hash=False)
     config: ModelConfig
     architecture: Architecture
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def open(cls, path: str | Path) -> Checkpoint:
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        dtype_bytes: int = 2,
+        policies: PolicyChoices | None = None,
+    ) -> Checkpoint:
         """Read and check ``path``/config.json (and generation_config.json if present).
+
+        config.json is read and parsed here once; everything else reads the result.
+
+        Args:
+            path: The checkpoint folder.
+            dtype_bytes: Bytes per cached K/V value, for the layer specs.
+            policies: Per layer kind, the memory policy its layers keep and attend instead
+                of the config's (see ``hybridkv.models.specs``).
 
         Raises:
             CheckpointError: no config.json.
-            ModelConfigError: an unsupported architecture or config value.
+            ModelConfigError: unreadable JSON, an unsupported architecture or config
+                value, or a policy chosen for a layer kind the model does not have.
+            PolicyError: a chosen policy that is not a MemoryPolicy.
         """
         folder = Path(path)
         config_file = folder / "config.json"
         if not config_file.is_file():
             raise CheckpointError(f"{folder} has no config.json")
-        hf = _read_json(config_file)
+        hf = read_config(config_file)
         arch = architecture_for(str(hf.get("model_type")))
-        config = arch.parse(hf)
+        config = arch.parse(hf, dtype_bytes=dtype_bytes, policies=policies)
         eos = list(config.eos_token_ids)
         generation_file = folder / "generation_config.json"
         if generation_file.is_file():
-            eos += [
-                t for t in eos_ids(_read_json(generation_file).get("eos_token_id")) if t not in eos
-            ]
-        normalised = {**hf, "layer_types": list(config.layer_types)}
-        return cls(folder, normalised, config, arch, tuple(eos))
+            extra = eos_ids(read_config(generation_file).get("eos_token_id"))
+            eos += [t for t in extra if t not in eos]
+        return cls(folder, config, arch, tuple(eos))
 
     def weight_files(self) -> list[Path]:
         """The safetensors files of the checkpoint.
@@ -99,7 +112,7 @@ class Checkpoint:
         """
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map", {})
+            weight_map = _read_index(index).get("weight_map", {})
             return [self.path / name for name in sorted(set(weight_map.values()))]
         files = sorted(self.path.glob("*.safetensors"))
         if not files:

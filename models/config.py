@@ -1,7 +1,9 @@
 """The model config: every number that changes logits, parsed once from config.json.
 
 Each architecture file (``llama``, ``gemma2``, ``gemma3``) turns a Hugging Face config
-dict into a :class:`ModelConfig`; the shared building blocks read only this.
+dict into a :class:`ModelConfig`; the shared building blocks read only this. Its layers
+are the specs of ``hybridkv.models.specs``, the same values the layout planner sizes the
+pool from, so a layer attends exactly what its pages keep.
 """
 
 from __future__ import annotations
@@ -11,9 +13,22 @@ from typing import Any
 
 import attrs
 
+from hybridkv.memory.layout import AttentionSpec, LayerSpec
 from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.hf_config import flag_field, float_field, int_field, text_config
 from hybridkv.models.rope import RopeSpec
-from hybridkv.models.specs import FULL, SLIDING
+from hybridkv.models.specs import FULL, SLIDING, PolicyChoices, layer_specs_from_config
+
+__all__ = ["FULL", "SLIDING", "ModelConfig", "activation_of", "common_fields", "eos_ids"]
+
+
+def _attention_layers(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    for spec in value:
+        if not isinstance(spec, AttentionSpec):
+            raise ModelConfigError(
+                f"layer {spec.name!r} is a {spec.kind or 'state'} layer; only attention "
+                "layers run here"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -25,10 +40,7 @@ class ModelConfig:
         vocab_size: Rows of the embedding and of the LM head.
         hidden_size: Width of the residual stream.
         intermediate_size: Width of the gated MLP.
-        num_layers: Decoder layers.
         num_heads: Query heads.
-        num_kv_heads: Key/value heads (GQA when fewer than query heads).
-        head_dim: Width of one head.
         rms_norm_eps: Epsilon of every RMSNorm.
         norm_offset: RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1, Llama: 0).
         activation: ``silu`` or ``gelu_tanh``, applied to the MLP's gate.
@@ -37,9 +49,9 @@ class ModelConfig:
         query_scale: Attention score scale (``query_pre_attn_scalar ** -0.5`` for Gemma).
         attn_softcap: Soft-cap of attention scores, or None.
         final_softcap: Soft-cap of the output logits, or None.
-        layer_types: Per layer, ``full_attention`` or ``sliding_attention``.
-        sliding_window: Tokens a sliding layer sees, itself included.
-        rope: Per layer type, its rope parameters.
+        layers: Per layer, its spec: kind, memory policy (what it keeps and attends), KV
+            heads, head dim and cached bytes per value.
+        rope: Per layer kind, its rope parameters.
         tie_word_embeddings: The LM head reuses the embedding matrix.
         attention_bias: q/k/v/o projections have biases.
         mlp_bias: MLP projections have biases.
@@ -51,10 +63,7 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
     rms_norm_eps: float
     norm_offset: float
     activation: str
@@ -63,8 +72,7 @@ class ModelConfig:
     query_scale: float
     attn_softcap: float | None
     final_softcap: float | None
-    layer_types: tuple[str, ...]
-    sliding_window: int | None
+    layers: tuple[AttentionSpec, ...] = attrs.field(converter=tuple, validator=_attention_layers)
     rope: Mapping[str, RopeSpec] = attrs.field(hash=False)
     tie_word_embeddings: bool
     attention_bias: bool
@@ -73,17 +81,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     def __attrs_post_init__(self) -> None:
-        if len(self.layer_types) != self.num_layers:
+        if not self.layers:
+            raise ModelConfigError("a model needs at least one layer, got none")
+        # One projection shape for every layer: the decoder layers are built from it.
+        shapes = sorted({(s.num_kv_heads, s.head_dim) for s in self.layers})
+        if len(shapes) > 1:
             raise ModelConfigError(
-                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is "
-                f"{self.num_layers}"
-            )
-        unknown = sorted(set(self.layer_types) - {FULL, SLIDING})
-        if unknown:
-            raise ModelConfigError(f"unsupported layer types {unknown}; known: {FULL}, {SLIDING}")
-        if SLIDING in self.layer_types and (self.sliding_window or 0) < 1:
-            raise ModelConfigError(
-                f"sliding layers need sliding_window >= 1, got {self.sliding_window}"
+                f"layers differ in (KV heads, head dim): {shapes}; one shape is supported"
             )
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
@@ -94,42 +98,72 @@ class ModelConfig:
         if missing:
             raise ModelConfigError(f"no rope parameters for layer types {missing}")
 
-    def window_of(self, layer: int) -> int | None:
-        """The sliding window of a layer, or None for full attention."""
-        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        return len(self.layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads of every layer (GQA when fewer than query heads)."""
+        return self.layers[0].num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one head, in every layer."""
+        return self.layers[0].head_dim
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """Per layer, its kind (``full_attention``, ``sliding_attention``, ...)."""
+        return tuple(str(s.kind) for s in self.layers)
 
 
 def eos_ids(value: object) -> tuple[int, ...]:
-    """``eos_token_id`` of a config: an int, a list of ints, or absent."""
+    """``eos_token_id`` of a config: an int, a list of ints, or absent.
+
+    Raises:
+        ModelConfigError: anything else, naming the field.
+    """
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)  # type: ignore[attr-defined]
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
+        raise ModelConfigError(
+            f"config field 'eos_token_id' must be a token id or a list of them, got {value!r}"
+        )
+    return tuple(items)
 
 
-def common_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields every architecture reads the same way from a Hugging Face config."""
-    try:
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        return {
-            "model_type": str(hf["model_type"]),
-            "vocab_size": int(hf["vocab_size"]),
-            "hidden_size": hidden,
-            "intermediate_size": int(hf["intermediate_size"]),
-            "num_layers": int(hf["num_hidden_layers"]),
-            "num_heads": num_heads,
-            "num_kv_heads": int(hf.get("num_key_value_heads") or num_heads),
-            "head_dim": int(hf.get("head_dim") or hidden // num_heads),
-            "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "attention_bias": bool(hf.get("attention_bias", False)),
-            "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
-            "eos_token_ids": eos_ids(hf.get("eos_token_id")),
-        }
-    except KeyError as exc:
-        raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
+def common_fields(
+    hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
+) -> dict[str, Any]:
+    """The fields every architecture reads the same way, the per-layer specs included.
+
+    Args:
+        hf: The config.json dict.
+        dtype_bytes: Bytes per cached K/V value, for the layer specs.
+        policies: Per layer kind, a memory policy chosen instead of the config's.
+
+    Raises:
+        ModelConfigError: a missing or malformed field, named.
+        PolicyError: a chosen policy that is not a MemoryPolicy.
+    """
+    cfg = text_config(hf)
+    layers: list[LayerSpec] = layer_specs_from_config(cfg, dtype_bytes, policies=policies)
+    return {
+        "model_type": cfg["model_type"],
+        "vocab_size": int_field(cfg, "vocab_size"),
+        "hidden_size": int_field(cfg, "hidden_size"),
+        "intermediate_size": int_field(cfg, "intermediate_size"),
+        "num_heads": int_field(cfg, "num_attention_heads"),
+        "rms_norm_eps": float_field(cfg, "rms_norm_eps", 1e-6),
+        "layers": layers,
+        "tie_word_embeddings": flag_field(cfg, "tie_word_embeddings", False),
+        "attention_bias": flag_field(cfg, "attention_bias", False),
+        "max_position_embeddings": int_field(cfg, "max_position_embeddings", 2048),
+        "eos_token_ids": eos_ids(cfg.get("eos_token_id")),
+    }
 
 
 def activation_of(name: str) -> str:

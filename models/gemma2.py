@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from hybridkv.models.config import ModelConfig, activation_of, common_fields
+from hybridkv.models.hf_config import flag_field, float_field, optional_float_field
 from hybridkv.models.layers import GatedMLP, LayerInputs, PagedAttention, RMSNorm
 from hybridkv.models.rope import rope_from_hf
-from hybridkv.models.specs import FULL, SLIDING, pattern_layer_types
+from hybridkv.models.specs import FULL, SLIDING, PolicyChoices
 from hybridkv.models.transformer import Architecture
 
 
@@ -21,38 +22,36 @@ def gemma_activation(hf: Mapping[str, Any]) -> str:
     return activation_of(str(hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_tanh"))
 
 
-def gemma_layer_types(hf: Mapping[str, Any], every: int) -> tuple[str, ...]:
-    """``layer_types`` if given, else every ``every``-th layer full, the others sliding."""
-    given = hf.get("layer_types")
-    if given:
-        return tuple(str(t) for t in given)
-    every = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or every)
-    return pattern_layer_types(int(hf["num_hidden_layers"]), every)
+def gemma_fields(
+    hf: Mapping[str, Any], *, dtype_bytes: int, policies: PolicyChoices | None
+) -> dict[str, Any]:
+    """What Gemma 2 and Gemma 3 read alike: common fields, Gemma norms, scales, activation."""
+    fields = common_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
+    return {
+        **fields,
+        "tie_word_embeddings": flag_field(hf, "tie_word_embeddings", True),
+        "norm_offset": 1.0,
+        "activation": gemma_activation(hf),
+        "embed_scale": math.sqrt(fields["hidden_size"]),
+        "query_scale": float_field(hf, "query_pre_attn_scalar", 256) ** -0.5,
+        "mlp_bias": False,
+    }
 
 
-def optional_float(value: object) -> float | None:
-    """A config number that may be null."""
-    return None if value is None else float(value)  # type: ignore[arg-type]
+def parse_gemma2(
+    hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
+) -> ModelConfig:
+    """Read a Gemma 2 config.json; defaults are those of the released models.
 
-
-def parse_gemma2(hf: Mapping[str, Any]) -> ModelConfig:
-    """Read a Gemma 2 config.json; defaults are those of the released models."""
-    fields = common_fields(hf)
-    fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
+    ``dtype_bytes`` and ``policies`` shape the layer specs (see ``common_fields``).
+    """
     rope = rope_from_hf(hf, default_theta=10_000.0)
     return ModelConfig(
-        **fields,
-        norm_offset=1.0,
-        activation=gemma_activation(hf),
+        **gemma_fields(hf, dtype_bytes=dtype_bytes, policies=policies),
         qk_norm=False,
-        embed_scale=math.sqrt(fields["hidden_size"]),
-        query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        attn_softcap=optional_float(hf.get("attn_logit_softcapping", 50.0)),
-        final_softcap=optional_float(hf.get("final_logit_softcapping", 30.0)),
-        layer_types=gemma_layer_types(hf, every=2),
-        sliding_window=int(hf.get("sliding_window") or 4096),
+        attn_softcap=optional_float_field(hf, "attn_logit_softcapping", 50.0),
+        final_softcap=optional_float_field(hf, "final_logit_softcapping", 30.0),
         rope={FULL: rope, SLIDING: rope},
-        mlp_bias=False,
     )
 
 

@@ -7,19 +7,15 @@ Attention scores are not soft-capped: the reference ignores ``attn_logit_softcap
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from hybridkv.models.config import FULL, SLIDING, ModelConfig, common_fields
+from hybridkv.models.config import FULL, SLIDING, ModelConfig
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.gemma2 import (
-    GemmaDecoderLayer,
-    gemma_activation,
-    gemma_layer_types,
-    optional_float,
-)
+from hybridkv.models.gemma2 import GemmaDecoderLayer, gemma_fields
+from hybridkv.models.hf_config import optional_float_field
 from hybridkv.models.rope import RopeSpec
+from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.transformer import Architecture
 
 
@@ -39,25 +35,21 @@ def gemma3_rope(hf: Mapping[str, Any]) -> dict[str, RopeSpec]:
     }
 
 
-def parse_gemma3(hf: Mapping[str, Any]) -> ModelConfig:
-    """Read a Gemma 3 text config.json (``gemma3_text``)."""
+def parse_gemma3(
+    hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
+) -> ModelConfig:
+    """Read a Gemma 3 text config.json (``gemma3_text``).
+
+    ``dtype_bytes`` and ``policies`` shape the layer specs (see ``common_fields``).
+    """
     if hf.get("use_bidirectional_attention"):
         raise ModelConfigError("use_bidirectional_attention=true is not supported (causal only)")
-    fields = common_fields(hf)
-    fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
     return ModelConfig(
-        **fields,
-        norm_offset=1.0,
-        activation=gemma_activation(hf),
+        **gemma_fields(hf, dtype_bytes=dtype_bytes, policies=policies),
         qk_norm=True,
-        embed_scale=math.sqrt(fields["hidden_size"]),
-        query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
         attn_softcap=None,
-        final_softcap=optional_float(hf.get("final_logit_softcapping")),
-        layer_types=gemma_layer_types(hf, every=6),
-        sliding_window=int(hf.get("sliding_window") or 4096),
+        final_softcap=optional_float_field(hf, "final_logit_softcapping", None),
         rope=gemma3_rope(hf),
-        mlp_bias=False,
     )
 
 

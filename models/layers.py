@@ -91,27 +91,35 @@ class PagedAttention(nn.Module):
 
     Writes the new tokens' K/V into their slots first, then attends over the pages of each
     request (its block table), so prefills, chunks and decodes mix in one call.
+
+    A query at position p attends exactly the keys its layer's memory policy keeps live,
+    ``live_spans(p)`` and p itself. A policy whose keys form one window ending at the query
+    (full attention, sliding windows) takes the kernel's window fast path; any other policy
+    hands the kernel its ``live_spans`` to build the mask from.
     """
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        spec = config.layers[layer]
         bias = config.attention_bias
-        q_width = config.num_heads * config.head_dim
-        kv_width = config.num_kv_heads * config.head_dim
+        q_width = config.num_heads * spec.head_dim
+        kv_width = spec.num_kv_heads * spec.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
         self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
         self.scale = config.query_scale
         self.softcap = config.attn_softcap
-        self.sliding_window = config.window_of(layer)
+        window = spec.policy.attention_window()
+        self.sliding_window = None if window is None else window.size
+        self.live_spans = spec.policy.live_spans if window is None else None
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -129,6 +137,7 @@ class PagedAttention(nn.Module):
             inputs.metadata,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            live_spans=self.live_spans,
             softcap=self.softcap,
         )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -8,33 +8,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.models.config import (
-    FULL,
-    ModelConfig,
-    activation_of,
-    common_fields,
-)
+from hybridkv.models.config import FULL, ModelConfig, activation_of, common_fields
+from hybridkv.models.hf_config import flag_field
 from hybridkv.models.layers import GatedMLP, LayerInputs, PagedAttention, RMSNorm
 from hybridkv.models.rope import rope_from_hf
+from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.transformer import Architecture
 
 
-def parse_llama(hf: Mapping[str, Any]) -> ModelConfig:
-    """Read a Llama config.json: plain RMSNorm weights, ``head_dim ** -0.5`` scaling."""
-    fields = common_fields(hf)
+def parse_llama(
+    hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
+) -> ModelConfig:
+    """Read a Llama config.json: plain RMSNorm weights, ``head_dim ** -0.5`` scaling.
+
+    ``dtype_bytes`` and ``policies`` shape the layer specs (see :func:`common_fields`).
+    """
+    fields = common_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
     return ModelConfig(
         **fields,
         norm_offset=0.0,
         activation=activation_of(str(hf.get("hidden_act", "silu"))),
         qk_norm=False,
         embed_scale=None,
-        query_scale=fields["head_dim"] ** -0.5,
+        query_scale=fields["layers"][0].head_dim ** -0.5,
         attn_softcap=None,
         final_softcap=None,
-        layer_types=(FULL,) * fields["num_layers"],
-        sliding_window=None,
         rope={FULL: rope_from_hf(hf, default_theta=10_000.0)},
-        mlp_bias=bool(hf.get("mlp_bias", False)),
+        mlp_bias=flag_field(hf, "mlp_bias", False),
     )
 
 

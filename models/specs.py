@@ -1,8 +1,10 @@
-"""Layer specs for the layout planner from a Hugging Face config.json, and built-in models.
+"""Per-layer specs from a Hugging Face config.json: the one parse of a model's layers.
 
-Only the numbers that size the KV cache are read (layer kinds, KV heads, head dim, window,
-mamba state shapes), so this module imports no torch: the ``hybridkv plan`` command uses
-it on configs of models it never loads.
+Each layer's kind, memory policy, KV heads, head dim, window or chunk, and mamba state
+shape are read here and nowhere else: the layout planner sizes the pool from these specs,
+the KV cache manager follows their policies, and the model's attention layers attend by
+them (``ModelConfig.layers``). This module imports no torch, so ``hybridkv plan`` uses it
+on configs of models it never loads.
 
 Layer kinds come from ``layer_types`` when a config has it (any model type), else from
 the model type:
@@ -12,13 +14,17 @@ llama         every layer full attention
 mistral       every layer sliding (``sliding_window``) when set, else full
 mixtral       as mistral
 gemma2        even layers (0, 2, ...) sliding, odd layers full
-gemma3_text   every ``sliding_window_pattern``-th layer full (default 6), the rest sliding
+gemma3_text   every ``sliding_window_pattern``-th layer full (``_sliding_window_pattern``
+              when only that is given, default 6), the rest sliding
 gemma3        as gemma3_text, read from the nested ``text_config``
 jamba         layer i attention when ``i % attn_layer_period == attn_layer_offset``, else
               mamba, with a state of ``d_inner * (d_conv + d_state)`` values
 ============  ===========================================================================
 
-Layer names follow the checkpoint: ``model.layers.{i}.self_attn`` (``.mamba`` for state).
+A kind's policy follows from the config (``full_attention``: full, ``sliding_attention``:
+a window of ``sliding_window``, ``chunked_attention``: chunks of ``attention_chunk_size``)
+unless the caller chooses another for that kind (``policies``). Layer names follow the
+checkpoint: ``model.layers.{i}.self_attn`` (``.mamba`` for state).
 """
 
 from __future__ import annotations
@@ -28,14 +34,19 @@ from typing import Any
 
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.policies import MemoryPolicy, make_policy
-
-#: ``layer_types`` entries we can size, and the policy each maps to.
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
+from hybridkv.models.hf_config import int_field, text_config
+from hybridkv.policies import MemoryPolicy, check_policy, make_policy
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+CHUNKED = "chunked_attention"
+MAMBA = "mamba"
+
+#: ``layer_types`` entries we can size.
+LAYER_TYPES = (FULL, SLIDING, CHUNKED)
+
+#: A memory policy per layer kind, chosen in place of the one the config implies.
+PolicyChoices = Mapping[str, MemoryPolicy]
 
 
 def pattern_layer_types(num_layers: int, every: int) -> tuple[str, ...]:
@@ -43,34 +54,51 @@ def pattern_layer_types(num_layers: int, every: int) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % every == 0 else SLIDING for i in range(num_layers))
 
 
-def layer_specs_from_config(config: Mapping[str, Any], dtype_bytes: int = 2) -> list[LayerSpec]:
+def layer_specs_from_config(
+    config: Mapping[str, Any], dtype_bytes: int = 2, *, policies: PolicyChoices | None = None
+) -> list[LayerSpec]:
     """One spec per KV layer of a Hugging Face config dict, in layer order.
 
     Args:
         config: The parsed config.json (a multimodal config's ``text_config`` is used).
         dtype_bytes: Bytes per cached value (2 for bfloat16).
+        policies: Per attention layer kind (``full_attention``, ...), the memory policy its
+            layers keep and attend instead of the config's. Layers of one kind share one
+            policy object.
 
     Raises:
-        ModelConfigError: a missing field, a layer type or model type we cannot size.
-        PolicyError: a window or chunk the policy rejects (such as 0).
+        ModelConfigError: a missing or bad field, a layer type or model type we cannot
+            size, or a chosen policy for a kind of layer the model does not have.
+        PolicyError: a window or chunk the policy rejects (such as 0), or a chosen policy
+            that is not a MemoryPolicy.
     """
-    text = config.get("text_config")
-    given: Mapping[str, Any] = text if isinstance(text, Mapping) else config
-    model_type = str(given.get("model_type") or config.get("model_type") or "")
-    # Fields config.json may leave out, as transformers' config classes fill them in.
-    cfg = {**_DEFAULTS.get(model_type, {}), **given}
-    num_layers = _int(cfg, "num_hidden_layers")
+    cfg = text_config(config)
+    num_layers = int_field(cfg, "num_hidden_layers")
+    kinds = _layer_kinds(cfg, num_layers)
+    chosen = _check_choices(policies or {}, kinds)
+    by_kind: dict[str, MemoryPolicy] = {}
+    specs: list[LayerSpec] = []
+    for i, kind in enumerate(kinds):
+        if kind not in by_kind:
+            by_kind[kind] = chosen[kind] if kind in chosen else _policy(cfg, kind)
+        specs.append(_spec(cfg, kind, i, by_kind[kind], dtype_bytes))
+    return specs
+
+
+def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
+    model_type = cfg["model_type"]
     if cfg.get("layer_types") is not None:
         kinds = [str(k) for k in cfg["layer_types"]]
     elif model_type in ("llama", "mistral", "mixtral"):
-        kind = SLIDING if cfg.get("sliding_window") else FULL
-        kinds = [kind] * num_layers
+        kinds = [SLIDING if cfg.get("sliding_window") else FULL] * num_layers
     elif model_type == "gemma2":
         kinds = list(pattern_layer_types(num_layers, 2))
     elif model_type in ("gemma3", "gemma3_text"):
-        kinds = list(pattern_layer_types(num_layers, _int(cfg, "sliding_window_pattern")))
+        kinds = list(pattern_layer_types(num_layers, _gemma3_pattern(cfg)))
     elif model_type == "jamba":
-        return _jamba_specs(cfg, num_layers, dtype_bytes)
+        period = int_field(cfg, "attn_layer_period", 8)
+        offset = int_field(cfg, "attn_layer_offset", 4)
+        return [FULL if i % period == offset else MAMBA for i in range(num_layers)]
     else:
         raise ModelConfigError(
             f"model_type {model_type!r} has no layer_types and is not one we know "
@@ -80,95 +108,75 @@ def layer_specs_from_config(config: Mapping[str, Any], dtype_bytes: int = 2) -> 
         raise ModelConfigError(
             f"layer_types has {len(kinds)} entries, num_hidden_layers is {num_layers}"
         )
-    num_heads = _int(cfg, "num_attention_heads")
-    num_kv_heads = _int(cfg, "num_key_value_heads", num_heads)
-    head_dim = _head_dim(cfg, num_heads)
-    return [
-        AttentionSpec(
-            name=f"model.layers.{i}.self_attn",
-            policy=_policy(cfg, kind, i),
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype_bytes=dtype_bytes,
-        )
-        for i, kind in enumerate(kinds)
-    ]
+    for i, kind in enumerate(kinds):
+        if kind not in LAYER_TYPES:
+            raise ModelConfigError(
+                f"layer {i} has layer type {kind!r}; supported: {', '.join(LAYER_TYPES)}"
+            )
+    return kinds
 
 
-_GEMMA: dict[str, Any] = {
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "sliding_window": 4096,
-}
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "mistral": {"sliding_window": 4096},
-    "gemma2": _GEMMA,
-    "gemma3_text": {**_GEMMA, "sliding_window_pattern": 6},
-    "gemma3": {**_GEMMA, "sliding_window_pattern": 6},
-}
+def _gemma3_pattern(cfg: Mapping[str, Any]) -> int:
+    # transformers reads sliding_window_pattern and writes it under both names; a file
+    # holding only the private name still means its own pattern, not the default.
+    if cfg.get("sliding_window_pattern") is not None:
+        return int_field(cfg, "sliding_window_pattern")
+    return int_field(cfg, "_sliding_window_pattern", 6)
 
 
-def _policy(cfg: Mapping[str, Any], kind: str, layer: int) -> MemoryPolicy:
-    if kind == "full_attention":
+def _check_choices(policies: PolicyChoices, kinds: list[str]) -> dict[str, MemoryPolicy]:
+    """``policies``, once every key is an attention kind of the model and every value a policy."""
+    attention = [k for k in dict.fromkeys(kinds) if k != MAMBA]
+    for kind in policies:
+        if kind not in attention:
+            raise ModelConfigError(
+                f"a policy is chosen for layer kind {kind!r}, but the model has no attention "
+                f"layers of that kind; its kinds: {', '.join(attention) or 'none'}"
+            )
+    return {
+        kind: check_policy(p, f"the policy chosen for {kind!r}") for kind, p in policies.items()
+    }
+
+
+def _policy(cfg: Mapping[str, Any], kind: str) -> MemoryPolicy:
+    if kind == FULL:
         return make_policy("full")
-    if kind == "sliding_attention":
-        return make_policy("sliding_window", window=_int(cfg, "sliding_window"))
-    if kind == "chunked_attention":
-        return make_policy("chunked_local", chunk=_int(cfg, "attention_chunk_size"))
-    raise ModelConfigError(
-        f"layer {layer} has layer type {kind!r}; supported: {', '.join(LAYER_TYPES)}"
+    if kind == SLIDING:
+        return make_policy("sliding_window", window=int_field(cfg, "sliding_window"))
+    if kind == CHUNKED:
+        return make_policy("chunked_local", chunk=int_field(cfg, "attention_chunk_size"))
+    assert kind == MAMBA, kind  # _layer_kinds refused every other kind
+    return make_policy("mamba")
+
+
+def _spec(
+    cfg: Mapping[str, Any], kind: str, layer: int, policy: MemoryPolicy, dtype_bytes: int
+) -> LayerSpec:
+    if kind == MAMBA:
+        # A mamba layer keeps its convolution window and its SSM state, d_inner channels each.
+        d_inner = int_field(cfg, "mamba_expand", 2) * int_field(cfg, "hidden_size")
+        width = int_field(cfg, "mamba_d_conv", 4) + int_field(cfg, "mamba_d_state", 16)
+        return StateSpec(
+            name=f"model.layers.{layer}.mamba",
+            policy=policy,
+            state_bytes=d_inner * width * dtype_bytes,
+            kind=kind,
+        )
+    num_heads = int_field(cfg, "num_attention_heads")
+    return AttentionSpec(
+        name=f"model.layers.{layer}.self_attn",
+        policy=policy,
+        num_kv_heads=int_field(cfg, "num_key_value_heads", num_heads),
+        head_dim=_head_dim(cfg),
+        dtype_bytes=dtype_bytes,
+        kind=kind,
     )
 
 
-def _jamba_specs(cfg: Mapping[str, Any], num_layers: int, dtype_bytes: int) -> list[LayerSpec]:
-    period = _int(cfg, "attn_layer_period", 8)
-    offset = _int(cfg, "attn_layer_offset", 4)
-    full = make_policy("full")
-    num_heads = _int(cfg, "num_attention_heads")
-    hidden = _int(cfg, "hidden_size")
-    # A mamba layer keeps its convolution window and its SSM state, d_inner channels each.
-    d_inner = _int(cfg, "mamba_expand", 2) * hidden
-    state_values = d_inner * (_int(cfg, "mamba_d_conv", 4) + _int(cfg, "mamba_d_state", 16))
-    specs: list[LayerSpec] = []
-    for i in range(num_layers):
-        if i % period == offset:
-            specs.append(
-                AttentionSpec(
-                    name=f"model.layers.{i}.self_attn",
-                    policy=full,
-                    num_kv_heads=_int(cfg, "num_key_value_heads", num_heads),
-                    head_dim=_head_dim(cfg, num_heads),
-                    dtype_bytes=dtype_bytes,
-                )
-            )
-        else:
-            specs.append(
-                StateSpec(
-                    name=f"model.layers.{i}.mamba",
-                    policy=make_policy("mamba"),
-                    state_bytes=state_values * dtype_bytes,
-                )
-            )
-    return specs
-
-
-def _head_dim(cfg: Mapping[str, Any], num_heads: int) -> int:
+def _head_dim(cfg: Mapping[str, Any]) -> int:
     if cfg.get("head_dim") is not None:
-        return _int(cfg, "head_dim")
-    return _int(cfg, "hidden_size") // num_heads
-
-
-def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    """``cfg[key]`` as a positive int (``default`` when absent or null)."""
-    value = cfg.get(key)
-    if value is None:
-        if default is None:
-            raise ModelConfigError(f"config lacks the field {key!r}")
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ModelConfigError(f"config field {key!r} must be an integer >= 1, got {value!r}")
-    return value
+        return int_field(cfg, "head_dim")
+    return int_field(cfg, "hidden_size") // int_field(cfg, "num_attention_heads")
 
 
 # -- built-in models ----------------------------------------------------------------------

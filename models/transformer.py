@@ -12,7 +12,7 @@ request (block table) each belongs to.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -23,6 +23,15 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
 from hybridkv.models.layers import LayerInputs, RMSNorm
 from hybridkv.models.rope import RotaryTable
+from hybridkv.models.specs import PolicyChoices
+
+
+class ConfigParser(Protocol):
+    """config.json dict -> :class:`ModelConfig`, its layer specs at a KV dtype and choices."""
+
+    def __call__(
+        self, hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
+    ) -> ModelConfig: ...
 
 
 @attrs.frozen
@@ -31,12 +40,12 @@ class Architecture:
 
     Attributes:
         model_types: The Hugging Face ``model_type`` values it reads.
-        parse: config.json dict -> :class:`ModelConfig`.
+        parse: config.json dict -> :class:`ModelConfig` (see :class:`ConfigParser`).
         layer: Builds decoder layer ``i`` of a config.
     """
 
     model_types: tuple[str, ...]
-    parse: Callable[[Mapping[str, Any]], ModelConfig]
+    parse: ConfigParser
     layer: Callable[[ModelConfig, int], nn.Module]
 
 

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hybridkv.models.checkpoint import Checkpoint
-from hybridkv.models.errors import CheckpointError
+from hybridkv.models.errors import CheckpointError, ModelConfigError
 from hybridkv.models.executor import ModelExecutor
 
 
@@ -69,3 +69,10 @@ def test_generation_config_adds_end_tokens(tiny_models, tmp_path):
     shutil.copytree(tiny_models["gemma3"].path, tmp_path, dirs_exist_ok=True)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
     assert Checkpoint.open(tmp_path).eos_token_ids == (1, 106)
+
+
+def test_unreadable_config_is_a_model_config_error(tmp_path):
+    """config.json that is not JSON is refused as every reader refuses it, naming the file."""
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match=r"config\.json' as JSON"):
+        Checkpoint.open(tmp_path)

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
 from hybridkv.models.checkpoint import architecture_for
 from hybridkv.models.config import FULL, SLIDING
 from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.executor import ModelExecutor
 from hybridkv.models.gemma3 import parse_gemma3
 from hybridkv.models.llama import parse_llama
 from hybridkv.models.rope import RopeSpec
+from hybridkv.models.specs import layer_specs_from_config
+from hybridkv.policies import FullAttention, SlidingWindow
 
 LEGACY_GEMMA3 = {
     "model_type": "gemma3_text",
@@ -116,3 +122,44 @@ def test_layer_types_of_wrong_length_are_refused():
     """layer_types must name every layer."""
     with pytest.raises(ModelConfigError, match="layer_types has 2 entries"):
         parse_gemma3({**LEGACY_GEMMA3, "layer_types": [FULL, SLIDING]})
+
+
+def test_private_sliding_window_pattern_is_one_pattern_everywhere():
+    """A Gemma 3 config with only _sliding_window_pattern gives one layer pattern to all."""
+    cfg = {k: v for k, v in LEGACY_GEMMA3.items() if k != "sliding_window_pattern"}
+    cfg["_sliding_window_pattern"] = 3
+    config = parse_gemma3(cfg)
+    assert list(config.layers) == layer_specs_from_config(cfg)
+    assert [i for i, kind in enumerate(config.layer_types) if kind == FULL] == [2, 5, 8, 11]
+
+
+def test_private_pattern_checkpoint_plans_and_attends_alike(tiny_models, tmp_path):
+    """Planner groups, KV groups and attention layers follow the same pattern (2 here)."""
+    shutil.copytree(tiny_models["gemma3"].path, tmp_path, dirs_exist_ok=True)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    for key in ("layer_types", "sliding_window_pattern"):
+        hf.pop(key, None)
+    hf["_sliding_window_pattern"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    executor = ModelExecutor.from_pretrained(tmp_path, kv_cache_bytes=1 << 20, block_size=4)
+    expected = [SlidingWindow(8), FullAttention()] * 3
+    assert [s.policy for s in layer_specs_from_config(hf)] == expected
+    assert [s.policy for s in executor.specs] == expected  # what the KV groups keep
+    windows = [layer.self_attn.sliding_window for layer in executor.model.model.layers]
+    assert windows == [8, None] * 3
+
+
+def test_malformed_field_is_named():
+    """A field of the wrong type is refused as a ModelConfigError naming it."""
+    with pytest.raises(ModelConfigError, match=r"'rms_norm_eps' must be a number, got 'tiny'"):
+        parse_gemma3({**LEGACY_GEMMA3, "rms_norm_eps": "tiny"})
+    with pytest.raises(ModelConfigError, match=r"'eos_token_id'"):
+        parse_llama({**LEGACY_GEMMA3, "model_type": "llama", "eos_token_id": "</s>"})
+
+
+def test_layers_carry_the_kv_dtype_and_chosen_policies():
+    """The parsed layers are the planner's specs: dtype bytes and per-kind choices included."""
+    choice = SlidingWindow(32)
+    config = parse_gemma3(LEGACY_GEMMA3, dtype_bytes=4, policies={FULL: choice})
+    assert {s.dtype_bytes for s in config.layers} == {4}
+    assert [s.policy for s in config.layers if s.kind == FULL] == [choice, choice]

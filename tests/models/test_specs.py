@@ -37,7 +37,12 @@ def test_llama_layers_are_full_attention_with_default_head_dim() -> None:
     specs = layer_specs_from_config(config("llama"), dtype_bytes=4)
     assert [s.policy for s in specs] == [FULL] * 4
     assert specs[0] == AttentionSpec(
-        name="model.layers.0.self_attn", policy=FULL, num_kv_heads=2, head_dim=16, dtype_bytes=4
+        name="model.layers.0.self_attn",
+        policy=FULL,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype_bytes=4,
+        kind="full_attention",
     )
 
 
@@ -160,3 +165,19 @@ def test_layer_pattern_matches_transformers(cls_name: str) -> None:
         FULL if t == "full_attention" else SlidingWindow(16) for t in cfg.pop("layer_types")
     ]
     assert [s.policy for s in layer_specs_from_config(cfg)] == expected
+
+
+def test_chosen_policy_replaces_the_policy_of_a_kind() -> None:
+    """policies={kind: p} gives every layer of that kind the one policy object p."""
+    choice = SlidingWindow(window=64)
+    cfg = config("gemma2", sliding_window=8, head_dim=32)
+    specs = layer_specs_from_config(cfg, policies={"full_attention": choice})
+    assert [s.policy for s in specs] == [SlidingWindow(window=8), choice] * 2
+    assert specs[1].policy is specs[3].policy is choice
+    assert [s.kind for s in specs] == ["sliding_attention", "full_attention"] * 2
+
+
+def test_state_layers_take_no_chosen_policy() -> None:
+    """Only attention kinds can be given a policy; mamba layers keep their state."""
+    with pytest.raises(ModelConfigError, match=r"kind 'mamba'.*its kinds: full_attention"):
+        layer_specs_from_config(BUILTIN_CONFIGS["jamba-like"], policies={"mamba": FULL})

@@ -1,0 +1,104 @@
+"""The executor's KV tensors: laid out by the plan, checked against what each layer attends.
+
+Memory picture (a Gemma-3-like model, plan.group_size = 2 slots, N pages per slot)::
+
+    slot 0  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 0 of every group
+    slot 1  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 1 of every group
+
+Each layer views its slot tensor as ``[N, 2, kv_heads, block_size, head_dim]``. A page id
+belongs to one group at a time, so the layers sharing a slot never collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from hybridkv.memory.layout import AttentionSpec, LayoutPlan
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.errors import ModelConfigError
+from hybridkv.policies.base import MemoryPolicy
+
+
+def allocate_kv_caches(
+    plan: LayoutPlan, specs: Sequence[AttentionSpec], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed tensor per slot, and per layer (in ``specs`` order) its paged view."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    page_elems = plan.block_bytes // itemsize
+    # Zeros, not empty: a masked read of garbage NaN would still poison the output.
+    slots = [
+        torch.zeros(plan.num_blocks, page_elems, dtype=dtype, device=device)
+        for _ in range(plan.group_size)
+    ]
+    views = []
+    for spec in specs:
+        _, slot = plan.layer_slots[spec.name]
+        shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
+        layer_elems = spec.block_bytes(plan.block_size) // itemsize
+        views.append(slots[slot][:, :layer_elems].view(shape))
+    return views
+
+
+def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> list[AttentionSpec]:
+    """Per layer, its spec with the policy of its KV group in ``plan``: what its pages keep.
+
+    A group may keep more than its layers attend (``uniform_layout`` keeps every position),
+    never less: a layer would read pages the allocator has released.
+
+    Raises:
+        ModelConfigError: the plan and the model disagree on layers, the cached dtype, or
+            what a layer's group keeps.
+    """
+    names = [s.name for s in config.layers]
+    if sorted(names) != sorted(plan.layer_slots):
+        raise ModelConfigError(
+            f"the layout's layers {sorted(plan.layer_slots)[:4]}... are not the model's "
+            f"{config.num_layers} attention layers {names[:4]}..."
+        )
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    kept = []
+    for spec in config.layers:
+        if spec.dtype_bytes != itemsize:
+            raise ModelConfigError(
+                f"layer spec {spec.name!r} caches {spec.dtype_bytes} bytes per value, the "
+                f"model's dtype {dtype} has {itemsize}"
+            )
+        policy = plan.groups[plan.layer_slots[spec.name][0]].policy
+        if policy != spec.policy:
+            n = _first_unkept(policy, spec.policy, config.max_position_embeddings)
+            if n is not None:
+                raise ModelConfigError(
+                    f"layer {spec.name!r} attends by {spec.policy!r}, but its KV group keeps "
+                    f"{policy!r}, which has released positions the layer reads at {n} tokens"
+                )
+        kept.append(attrs.evolve(spec, policy=policy))
+    return kept
+
+
+def _first_unkept(kept: MemoryPolicy, attended: MemoryPolicy, max_len: int) -> int | None:
+    """A token count at which ``attended`` reads a position ``kept`` has released, or None.
+
+    A sampled check, not a proof: every count up to 256 and the powers of two up to
+    ``max_len``, where windows and sinks of a mismatched layout show; it runs once per load.
+    """
+    counts = {*range(min(max_len, 256) + 1), *(1 << k for k in range(max_len.bit_length()))}
+    for n in sorted(counts | {max_len}):
+        held = _merged(kept.live_spans(n))
+        for start, end in attended.live_spans(n):
+            if not any(a <= start and end <= b for a, b in held):
+                return n
+    return None
+
+
+def _merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted spans with touching neighbours joined, so containment is one comparison."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
