@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -122,7 +121,12 @@ def dtype_bytes(name: str) -> int:
 
 
 def load_config(model: str) -> tuple[str, dict[str, Any]]:
-    """A built-in model name, a config.json, or a folder holding one -> (label, config)."""
+    """A built-in model name, a config.json, or a folder holding one -> (label, config).
+
+    Raises:
+        UsageError: no such model.
+        ModelConfigError: the config.json cannot be read as a JSON object.
+    """
     from hybridkv.models.specs import BUILTIN_CONFIGS
 
     if model in BUILTIN_CONFIGS:
@@ -143,13 +147,9 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
             f"model {model!r} is neither a config.json, a folder with one, nor a built-in "
             f"name ({', '.join([*BUILTIN_CONFIGS, *BUILTIN_MODELS])})"
         )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"cannot read {str(path)!r} as JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{str(path)!r} holds a JSON {type(config).__name__}, not an object")
-    return str(path), config
+    from hybridkv.models.hf_config import read_config
+
+    return str(path), read_config(path)
 
 
 def split_stages(names: Sequence[str], num_stages: int) -> list[list[str]]:
@@ -195,6 +195,9 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         metavar="L",
         help="tokens per request (prompt and output) in the capacity table",
     )
+    from hybridkv.serving.loading import add_layer_policy_argument
+
+    add_layer_policy_argument(parser)
     parser.set_defaults(handler=run_plan)
 
 
@@ -202,12 +205,14 @@ def run_plan(args: argparse.Namespace) -> int:
     """Plan the layout and print it."""
     from hybridkv.memory.planner import describe, plan_layout
     from hybridkv.models.specs import layer_specs_from_config
+    from hybridkv.serving.loading import parse_layer_policies
 
     budget = parse_size(args.kv_memory)
     if args.request_tokens < 1:
         raise UsageError(f"--request-tokens must be >= 1, got {args.request_tokens}")
     label, config = load_config(args.model)
-    specs = layer_specs_from_config(config, dtype_bytes(args.dtype))
+    policies = dict(parse_layer_policies(args.layer_policies))
+    specs = layer_specs_from_config(config, dtype_bytes(args.dtype), policies=policies)
     stages = split_stages([s.name for s in specs], args.pp_stages)
     plan = plan_layout(specs, budget, args.block_size, stages=stages)
     report = describe(plan, specs, args.request_tokens)

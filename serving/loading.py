@@ -2,7 +2,7 @@
 
 ``serve``, ``generate``, ``demo`` and ``bench`` share these flags, so a user learns them
 once: the KV byte budget, the block size, the per-step token budget, the running-request
-limit, prefix caching, threads and dtype.
+limit, prefix caching, threads, dtype, and the memory policy of each kind of layer.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from hybridkv.memory.layout import LayerSpec
     from hybridkv.models.executor import ModelExecutor
+    from hybridkv.policies import MemoryPolicy
     from hybridkv.scheduler import EngineConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -41,6 +42,7 @@ class EngineArgs:
     threads: int | None = None
     dtype: str = "float32"
     uniform_kv: bool = False
+    layer_policies: tuple[tuple[str, MemoryPolicy], ...] = ()
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +98,59 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         "--threads", type=int, default=None, metavar="N", help="torch CPU threads (all cores)"
     )
     group.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights and KV dtype")
+    add_layer_policy_argument(group)
+
+
+def add_layer_policy_argument(parser: argparse._ActionsContainer) -> None:
+    """``--layer-policy KIND=NAME[:key=value,...]``, repeatable."""
+    parser.add_argument(
+        "--layer-policy",
+        dest="layer_policies",
+        action="append",
+        default=[],
+        metavar="KIND=NAME[:K=V,...]",
+        help="memory policy of one kind of layer, kept and attended, instead of the "
+        "config's: sliding_attention=full, full_attention=sliding_window:window=1024 "
+        "(policy names: hybridkv.policies.policy_names())",
+    )
+
+
+def parse_layer_policies(texts: list[str]) -> tuple[tuple[str, MemoryPolicy], ...]:
+    """``KIND=NAME[:key=value,...]`` flags as (layer kind, policy) pairs.
+
+    Values that read as integers or floats are passed as numbers, others as strings.
+
+    Raises:
+        UsageError: a malformed flag, or one kind named twice.
+        PolicyError: an unknown policy name or parameters it rejects.
+    """
+    from hybridkv.policies import make_policy
+    from hybridkv.serving.cli import UsageError
+
+    out: dict[str, MemoryPolicy] = {}
+    for text in texts:
+        kind, _, spec = (part.strip() for part in text.partition("="))
+        name, _, params_text = (part.strip() for part in spec.partition(":"))
+        items = [item.partition("=") for item in params_text.split(",")] if params_text else []
+        if not kind or not name or any(not key.strip() or not eq for key, eq, _ in items):
+            raise UsageError(
+                f"--layer-policy {text!r} is not KIND=NAME[:key=value,...], such as "
+                "full_attention=sliding_window:window=1024"
+            )
+        if kind in out:
+            raise UsageError(f"--layer-policy names the layer kind {kind!r} twice")
+        params = {key.strip(): _number_or_text(value.strip()) for key, _, value in items}
+        out[kind] = make_policy(name, **params)
+    return tuple(out.items())
+
+
+def _number_or_text(value: str) -> object:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -117,6 +172,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         threads=args.threads,
         dtype=args.dtype,
         uniform_kv=getattr(args, "uniform_kv", False),
+        layer_policies=parse_layer_policies(getattr(args, "layer_policies", [])),
     )
 
 
@@ -131,7 +187,7 @@ class LoadedModel:
         engine_config: Pool, batch limits and end tokens for :class:`Engine`.
         tokenizer: The checkpoint's tokenizer.
         chat_template: Its chat template (or the plain fallback).
-        specs: Per-layer KV specs (for layout reports).
+        specs: Per-layer KV specs the layout was planned from (for layout reports).
     """
 
     name: str
@@ -154,11 +210,11 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
     Raises:
         UsageError: the checkpoint has no tokenizer.json, or a setting is out of range.
         ModelNotFoundError, MissingExtraError: see :func:`resolve_model`.
+        ModelConfigError, PolicyError: a layer policy for a kind the model lacks.
     """
     import torch
 
     from hybridkv.models.executor import ModelExecutor
-    from hybridkv.models.specs import layer_specs_from_config
     from hybridkv.scheduler import EngineConfig
     from hybridkv.serving.cli import UsageError
 
@@ -173,6 +229,7 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         dtype=dtype,
         num_threads=settings.threads,
         uniform_layout=settings.uniform_kv,
+        policies=dict(settings.layer_policies),
     )
     if executor.tokenizer is None:
         raise UsageError(f"the checkpoint {str(folder)!r} has no tokenizer.json")
@@ -187,8 +244,6 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         "vocab_size": executor.config.vocab_size,
     }
     config = EngineConfig.for_executor(executor, max_model_len=limit, **options)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    hf_config = _read_json(folder / "config.json")
     return LoadedModel(
         name=name,
         folder=folder,
@@ -196,12 +251,5 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         engine_config=config,
         tokenizer=executor.tokenizer,  # type: ignore[arg-type]
         chat_template=ChatTemplate.from_checkpoint(folder),
-        specs=layer_specs_from_config(hf_config, itemsize),
+        specs=list(executor.specs),
     )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    import json
-
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}

@@ -127,3 +127,45 @@ def test_console_script_runs_plan() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "1 group, 32 slot tensors per device, page 64.00 KiB, 512 blocks" in done.stdout
+
+
+def test_plan_with_a_layer_policy_groups_by_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """--layer-policy gives the full layers of gemma3-like a window of 1024 in the plan."""
+    code, out, _ = run(
+        capsys, "plan", "gemma3-like", "--kv-memory", "1GiB",
+        "--layer-policy", "full_attention=sliding_window:window=1024",
+    )  # fmt: skip
+    assert code == 0
+    assert "(22 sliding_window(window=512), 4 sliding_window(window=1024))" in out
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("full_attention", "is not KIND=NAME[:key=value,...]"),
+        ("full_attention=sliding_window:1024", "is not KIND=NAME[:key=value,...]"),
+        ("full_attention=nope", "unknown memory policy 'nope'"),
+        ("sliding_attention=full", "layer kind 'sliding_attention'"),
+        ("full_attention=sliding_window:size=4", "bad parameters for policy 'sliding_window'"),
+    ],
+)
+def test_bad_layer_policy_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], flag: str, message: str
+) -> None:
+    """A malformed flag, an unknown policy or a kind the model lacks is named, no traceback."""
+    code, out, err = run(
+        capsys, "plan", "llama-like", "--kv-memory", "1GiB", "--layer-policy", flag
+    )
+    assert (code, out) == (2, "")
+    assert message in err and err.count("\n") == 1
+
+
+def test_layer_policy_flags_parse_to_policies() -> None:
+    """KIND=NAME:key=value pairs build registered policies, numbers as numbers."""
+    from hybridkv.policies import FullAttention, SlidingWindow
+    from hybridkv.serving.loading import parse_layer_policies
+
+    parsed = parse_layer_policies(["full_attention=sliding_window:window=64", "x=full"])
+    assert parsed == (("full_attention", SlidingWindow(64)), ("x", FullAttention()))
+    with pytest.raises(UsageError, match="twice"):
+        parse_layer_policies(["x=full", "x=full"])

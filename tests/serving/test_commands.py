@@ -86,6 +86,18 @@ def test_generate_streams_a_completion(
     assert "3 prompt tokens, 5 generated (length)" in captured.err
 
 
+def test_generate_with_a_layer_policy(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--layer-policy` loads the model with that policy for a kind of layer, and runs it."""
+    code = main(["generate", str(tiny_checkpoint), "w2 w3 w4 " * 6, "--max-tokens", "5",
+                 "--ignore-eos", "--kv-memory", "1MiB", "--block-size", "4",
+                 "--layer-policy", "full_attention=chunked_local:chunk=6"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "18 prompt tokens, 5 generated (length)" in captured.err
+
+
 def test_demo_prints_the_summary(tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`hybridkv demo` on a checkpoint ends with the summary table."""
     code = main(["demo", str(tiny_checkpoint), "--requests", "4", "--rate", "1000",
