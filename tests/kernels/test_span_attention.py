@@ -76,8 +76,8 @@ def attended(spans: Spans, p: int) -> set[int]:
     return {k for start, end in spans(p) for k in range(start, end)} | {p}
 
 
-def run_case(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged output and float64 reference of one case."""
+def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged output (back on the CPU) and float64 reference of one case."""
     gen = torch.Generator().manual_seed(case.seed)
     bs, hkv, d = case.block_size, case.num_kv_heads, case.head_dim
     needed = [-(-ctx // bs) for _, ctx in case.requests]
@@ -102,13 +102,19 @@ def run_case(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         new_v.append(v[ctx - q_len :])
         refs.append(reference(q, k, v, case, ctx))
     meta = PagedMetadata.build(
-        [q for q, _ in case.requests], [c for _, c in case.requests], tables, bs
+        [q for q, _ in case.requests], [c for _, c in case.requests], tables, bs, device=device
     )
-    write_kv(cache, torch.cat(new_k), torch.cat(new_v), meta)
+    cache = cache.to(device)
+    write_kv(cache, torch.cat(new_k).to(device), torch.cat(new_v).to(device), meta)
     out = paged_attention(
-        torch.cat(queries), cache, meta, scale=d**-0.5, live_spans=case.spans, softcap=case.softcap
+        torch.cat(queries).to(device),
+        cache,
+        meta,
+        scale=d**-0.5,
+        live_spans=case.spans,
+        softcap=case.softcap,
     )
-    return out, torch.cat(refs).float()
+    return out.cpu(), torch.cat(refs).float()
 
 
 def reference(
@@ -253,3 +259,12 @@ def test_random_sink_window_batches(
         seed=seed,
     )
     check(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixed_batch_on_cuda() -> None:
+    """The mixed sink + window batch gives the reference on CUDA."""
+    case = Case(requests=((1, 40), (5, 5), (1, 6), (9, 26), (1, 13)))
+    out, ref = run_case(case, device="cuda")
+    torch.testing.assert_close(out, ref, atol=4e-5, rtol=4e-5)
