@@ -8,6 +8,7 @@ loop). Prints the median and the quartiles of the step time, with logprobs off a
 the same run (the two alternate step by step, so both see the same machine load).
 
     python benchmarks/decode_step.py [--requests 64] [--context 300] [--logprobs 5]
+    python benchmarks/decode_step.py --threads 1 --clock process   # CPU time, less noise
 
 The last line printed is one JSON object.
 """
@@ -73,6 +74,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--logprobs", type=int, default=None, help="also time logprobs=K")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "process"),
+        default="wall",
+        help="process: CPU time of the whole process, steadier on a shared machine",
+    )
     args = parser.parse_args()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.steps + 1)
     variants = {"off": greedy}
@@ -100,13 +107,14 @@ def main() -> None:
             num = min(256, args.context - start)
             executor.execute(_batch(kv, seqs, start, num, greedy))
         groups[name] = seqs
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     for step in range(args.steps):
         for name, params in variants.items():
             seqs = groups[name]
             batch = _batch(kv, seqs, args.context + step, 1, params)
-            begin = time.perf_counter()
+            begin = clock()
             executor.execute(batch)
-            times[name].append(time.perf_counter() - begin)
+            times[name].append(clock() - begin)
     executor.close()
     result: dict[str, Any] = {
         "requests": args.requests,
