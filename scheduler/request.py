@@ -150,17 +150,6 @@ class Request:
 
         The prompt's log-probabilities, if asked for, go with the first output only.
         """
-        if logprobs is None and self.prompt_logprobs is None:  # the common case, kept lean
-            return RequestOutput(
-                request_id=self.request_id,
-                new_token_ids=new_token_ids,
-                finish_reason=finish_reason,
-                num_prompt_tokens=self.num_prompt_tokens,
-                num_output_tokens=len(self.all_token_ids) - self.num_prompt_tokens,
-                num_cached_tokens=self.num_cached_tokens,
-                num_preemptions=self.num_preemptions,
-                sequence=self.all_token_ids,
-            )
         prompt_logprobs = None
         if self.prompt_logprobs is not None and len(self.all_token_ids) - 1 == (
             self.num_prompt_tokens
