@@ -218,8 +218,7 @@ class Engine:
                 pending.popleft()
                 error = future.exception()
                 if isinstance(error, ExecutorBrokenError):
-                    core.fail(plan, error)
-                    raise error
+                    raise error  # shutdown() ends the step's requests with the rest
                 if error is not None:
                     core.fail(plan, error)
                 else:

@@ -11,6 +11,8 @@ from hybridkv.policies import FullAttention, SlidingWindow
 from hybridkv.scheduler import (
     Engine,
     EngineConfig,
+    EngineStoppedError,
+    ExecutorBrokenError,
     FakeExecutor,
     PipelinedFakeExecutor,
     RequestFailedError,
@@ -171,3 +173,28 @@ async def test_pipelined_engine_fails_a_broken_step_and_keeps_serving() -> None:
                         pass
                 outs = [o async for o in engine.generate([3, 4], SamplingParams(max_tokens=3))]
     assert [t for o in outs for t in o.new_token_ids] == reference_tokens([3, 4], 3, VOCAB)
+
+
+@pytest.mark.asyncio
+async def test_a_broken_pipelined_executor_stops_the_engine_cleanly() -> None:
+    """ExecutorBrokenError from a stage ends every request with EngineStoppedError and frees
+    every block once the other steps in flight have returned."""
+
+    class Broken(FakeExecutor):
+        def execute(self, batch: Any) -> StepResult:
+            if self.num_steps >= 3:
+                raise ExecutorBrokenError("stage 1 lost")
+            return super().execute(batch)
+
+    config = make_config()
+    with PipelinedFakeExecutor(Broken(config.pool, vocab_size=VOCAB), num_stages=2) as fake:
+        async with Engine(config, fake) as engine:
+            with anyio.fail_after(20):
+                with pytest.raises(EngineStoppedError, match="stage 1 lost"):
+                    async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=50)):
+                        pass
+                while engine.is_running:
+                    await anyio.sleep(0.01)
+            assert isinstance(engine.error, ExecutorBrokenError)
+            engine.core.kv.check_integrity()
+            assert engine.core.kv.num_free_blocks == engine.core.kv.num_usable_blocks
