@@ -1,0 +1,130 @@
+"""Mamba2 kernels against transformers' torch reference, in chunks and one token at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridkv.kernels.ssm import causal_conv1d, causal_conv1d_decode, ssd_decode, ssd_scan
+
+mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+
+L, H, P, G, N, K, CHUNK = 37, 4, 8, 2, 16, 4, 8
+TOL = 1e-5
+
+
+def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    """One request's worth of random SSM inputs (dt biased and softplus-ed already)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(L, H, P, generator=g),
+        "dt": F.softplus(torch.randn(L, H, generator=g)),
+        "a": -torch.exp(torch.randn(H, generator=g)),
+        "b": torch.randn(L, G, N, generator=g),
+        "c": torch.randn(L, G, N, generator=g),
+        "d": torch.randn(H, generator=g),
+    }
+
+
+def reference(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' chunked scan over the whole sequence at once."""
+    out, final = mamba2.mamba2_chunk_scan(
+        t["x"][None],
+        t["dt"][None],
+        t["a"],
+        t["b"][None],
+        t["c"][None],
+        chunk_size=CHUNK,
+        D=t["d"],
+        return_final_states=True,
+    )
+    return out[0], final[0]
+
+
+def test_scan_of_the_whole_sequence_matches_transformers() -> None:
+    """One call from a zero state gives transformers' outputs and final state."""
+    t = inputs()
+    y, state = ssd_scan(**t, ssm_state=torch.zeros(H, P, N), chunk_size=CHUNK)
+    expected_y, expected_state = reference(t)
+    torch.testing.assert_close(y, expected_y, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(state, expected_state, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("cuts", [(5,), (8, 16), (3, 11, 30), (36,)])
+def test_chunks_from_saved_states_match_the_whole(cuts: tuple[int, ...]) -> None:
+    """Pieces that cross SSD chunk boundaries, each from the previous state, equal one call."""
+    t = inputs(1)
+    expected_y, expected_state = reference(t)
+    state = torch.zeros(H, P, N)
+    pieces = []
+    for start, stop in zip((0, *cuts), (*cuts, L), strict=True):
+        part = {k: (v[start:stop] if v.shape[0] == L else v) for k, v in t.items()}
+        y, state = ssd_scan(**part, ssm_state=state, chunk_size=CHUNK)
+        pieces.append(y)
+    torch.testing.assert_close(torch.cat(pieces), expected_y, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(state, expected_state, atol=TOL, rtol=TOL)
+
+
+def test_decode_steps_continue_the_scan() -> None:
+    """After a prefix, one-token steps give the scan's outputs at the next positions."""
+    t = inputs(2)
+    expected_y, expected_state = reference(t)
+    prefix = 30
+    part = {k: (v[:prefix] if v.shape[0] == L else v) for k, v in t.items()}
+    _, state = ssd_scan(**part, ssm_state=torch.zeros(H, P, N), chunk_size=CHUNK)
+    states = state[None]
+    for i in range(prefix, L):
+        y, states = ssd_decode(
+            t["x"][i : i + 1], t["dt"][i : i + 1], t["a"], t["b"][i : i + 1],
+            t["c"][i : i + 1], t["d"], states,
+        )  # fmt: skip
+        torch.testing.assert_close(y[0], expected_y[i], atol=TOL, rtol=TOL)
+    torch.testing.assert_close(states[0], expected_state, atol=TOL, rtol=TOL)
+
+
+def test_decode_batches_requests_independently() -> None:
+    """A batch of decodes equals each request decoded alone."""
+    ts = [inputs(seed) for seed in (3, 4, 5)]
+    states = torch.randn(3, H, P, N)
+    y, new = ssd_decode(
+        torch.stack([t["x"][0] for t in ts]), torch.stack([t["dt"][0] for t in ts]),
+        ts[0]["a"], torch.stack([t["b"][0] for t in ts]), torch.stack([t["c"][0] for t in ts]),
+        ts[0]["d"], states,
+    )  # fmt: skip
+    for i, t in enumerate(ts):
+        alone_y, alone_state = ssd_decode(
+            t["x"][:1], t["dt"][:1], ts[0]["a"], t["b"][:1], t["c"][:1], ts[0]["d"],
+            states[i : i + 1],
+        )  # fmt: skip
+        torch.testing.assert_close(y[i], alone_y[0])
+        torch.testing.assert_close(new[i], alone_state[0])
+
+
+def test_bfloat16_inputs_keep_a_float32_state() -> None:
+    """The state stays float32 and close to the float32 run for bfloat16 inputs."""
+    t = inputs(6)
+    low = {k: v.to(torch.bfloat16) for k, v in t.items()}
+    y, state = ssd_scan(**low, ssm_state=torch.zeros(H, P, N), chunk_size=CHUNK)
+    _, expected_state = reference(t)
+    assert y.dtype == torch.bfloat16 and state.dtype == torch.float32
+    torch.testing.assert_close(state, expected_state, atol=0.1, rtol=0.05)
+
+
+def test_convolution_in_chunks_and_steps_matches_transformers() -> None:
+    """The causal conv run as chunks, then decodes, equals transformers' whole-sequence conv."""
+    g = torch.Generator().manual_seed(7)
+    dim = 12
+    x = torch.randn(L, dim, generator=g)
+    weight, bias = torch.randn(dim, K, generator=g), torch.randn(dim, generator=g)
+    expected = mamba2.causal_conv1d_fn(x.t()[None], weight, bias, activation="silu")[0].t()
+    state = torch.zeros(dim, K - 1)
+    outs = []
+    for start, stop in ((0, 2), (2, 19), (19, 30)):
+        y, state = causal_conv1d(x[start:stop], state, weight, bias)
+        outs.append(y)
+    states = state[None]
+    for i in range(30, L):
+        y, states = causal_conv1d_decode(x[i : i + 1], states, weight, bias)
+        outs.append(y)
+    torch.testing.assert_close(torch.cat(outs), expected, atol=TOL, rtol=TOL)
