@@ -162,14 +162,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
 async def _generate(loaded: Any, prompt: str, params: Any, chat: bool) -> None:
     from hybridkv.scheduler import Engine
-    from hybridkv.serving.text import TextStream
+    from hybridkv.serving.text import TextStream, TokenClasses
 
     if chat:
         text = loaded.chat_template.render([{"role": "user", "content": prompt}])
         ids = loaded.tokenizer.encode(text, add_special_tokens=loaded.chat_template.is_builtin).ids
     else:
         ids = loaded.tokenizer.encode(prompt).ids
-    texts = TextStream(loaded.tokenizer)
+    texts = TextStream(loaded.tokenizer, classes=TokenClasses.of(loaded.tokenizer))
     start = time.monotonic()
     first: float | None = None
     async with Engine(loaded.engine_config, loaded.executor) as engine:
