@@ -234,7 +234,7 @@ class ModelExecutor:
             for row, i in enumerate(rows):
                 self.logits_hook(requests[i].request_id, logits[row])
         params = [requests[i].params for i in rows]
-        sampled = self.sampler.sample(logits, params, [requests[i].output_index for i in rows])
+        sampled = self.sampler.sample(logits, [requests[i] for i in rows], tokenizer=self.tokenizer)
         for i, token in zip(rows, sampled, strict=True):
             tokens[i] = token
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]

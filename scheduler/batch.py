@@ -46,6 +46,10 @@ class StepRequest:
             positions ``start_position + 1 ..`` that this chunk's positions predict (the
             last prompt position predicts an output token, so a prompt's last chunk has
             one fewer); empty otherwise.
+        all_token_ids: Where ``params.needs_processing`` (penalties, structured output),
+            the request's prompt and output tokens so far, the last ``output_index`` of
+            them outputs; empty otherwise. It is the engine's own list, not a copy: read
+            it during ``execute``, never keep or change it.
     """
 
     request_id: str
@@ -56,6 +60,7 @@ class StepRequest:
     params: SamplingParams
     output_index: int
     prompt_logprob_token_ids: Sequence[int] = ()
+    all_token_ids: Sequence[int] = ()
 
     @property
     def num_tokens(self) -> int:

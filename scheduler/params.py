@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import numbers
+from collections.abc import Mapping
+from typing import Literal
 
 import attrs
 
@@ -41,6 +44,48 @@ def _as_int_tuple(value: object) -> tuple[int, ...]:
     return tuple(int(v) for v in items)
 
 
+def _as_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    # A mapping {token id: bias} or (token id, bias) pairs, kept sorted: equal biases
+    # compare equal however they were given.
+    pairs = value.items() if isinstance(value, Mapping) else value
+    try:
+        items = [tuple(p) for p in pairs]  # type: ignore[union-attr]
+    except TypeError:
+        items = None
+    if items is None or not all(len(p) == 2 and _is_int(p[0]) and _is_real(p[1]) for p in items):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {value!r}")
+    return tuple(sorted((int(t), float(b)) for t, b in items))
+
+
+#: The kinds of :class:`StructuredOutput`.
+StructuredKind = Literal["json_schema", "regex", "choice", "grammar"]
+
+
+@attrs.frozen
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token by the sampler.
+
+    Attributes:
+        kind: ``json_schema`` (``spec`` is a JSON schema, as JSON text; ``{"type":
+            "object"}`` is any object), ``regex``, ``choice`` (``spec`` is a JSON list
+            of strings: the text is one of them) or ``grammar`` (a Lark or GBNF grammar).
+        spec: The schema, expression, choices or grammar.
+    """
+
+    kind: StructuredKind
+    spec: str
+
+    def __attrs_post_init__(self) -> None:
+        kinds = ("json_schema", "regex", "choice", "grammar")
+        _check(
+            self.kind in kinds, f"structured_output.kind must be one of {kinds}, got {self.kind!r}"
+        )
+        _check(
+            isinstance(self.spec, str) and bool(self.spec),
+            f"structured_output.spec must be a non-empty string, got {self.spec!r}",
+        )
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to pick each next token, and when to stop.
@@ -60,6 +105,17 @@ class SamplingParams:
         prompt_logprobs: Return each prompt token's log-probability and the
             ``prompt_logprobs`` most likely tokens at its position; None: none. Such a
             request computes its whole prompt: it takes no prefix-cache hit.
+        presence_penalty: Subtracted from the logit of every token already generated
+            (in [-2, 2]; OpenAI's definition).
+        frequency_penalty: Subtracted once per earlier occurrence in the output (in
+            [-2, 2]).
+        repetition_penalty: Divides positive logits and multiplies negative ones of
+            every token in the prompt or the output (> 0; 1 leaves them).
+        logit_bias: ``(token id, bias)`` pairs added to the logits (bias in [-100, 100]);
+            a mapping is accepted too.
+        min_p: Drop tokens less likely than ``min_p`` times the most likely one (after
+            temperature; 0 disables it).
+        structured_output: A constraint the text must follow; None: none.
     """
 
     max_tokens: int = 16
@@ -72,6 +128,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias_pairs)
+    min_p: float = 0.0
+    structured_output: StructuredOutput | None = None
+    #: Whether sampling does more than temperature, top-k and top-p: penalties, a logit
+    #: bias, min-p or structured output (then the sampler reads the request's tokens so
+    #: far). Derived; a plain attribute because the planner reads it for every request.
+    needs_processing: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         optional = ("seed", "logprobs", "prompt_logprobs")
@@ -87,9 +153,13 @@ class SamplingParams:
                 value is None or 0 <= value <= MAX_LOGPROBS,
                 f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}",
             )
-        for name in ("temperature", "top_p"):
+        floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+        for name in (*floats, "repetition_penalty", "min_p"):
             value = getattr(self, name)
-            _check(_is_real(value), f"{name} must be a number, got {value!r}")
+            _check(
+                _is_real(value) and math.isfinite(value),
+                f"{name} must be a finite number, got {value!r}",
+            )
         _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         _check(
             0 <= self.min_tokens <= self.max_tokens,
@@ -98,6 +168,40 @@ class SamplingParams:
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}")
+        _check(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+            f"structured_output must be a StructuredOutput, got {self.structured_output!r}",
+        )
+        for token_id, bias in self.logit_bias:
+            _check(token_id >= 0, f"logit_bias token ids must be >= 0, got {token_id}")
+            _check(
+                math.isfinite(bias) and -100.0 <= bias <= 100.0,
+                f"logit_bias of token {token_id} must be in [-100, 100], got {bias}",
+            )
+        processing = (
+            self.has_penalties
+            or bool(self.logit_bias)
+            or self.structured_output is not None
+            or (self.min_p > 0.0 and not self.is_greedy)
+        )
+        object.__setattr__(self, "needs_processing", processing)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def is_greedy(self) -> bool:
