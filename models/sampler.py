@@ -139,11 +139,11 @@ class Sampler:
         raw = row
         row = process_logits(row, request, self.eos_token_ids)
         if params.structured_output is not None:
-            allowed = self._grammar_masks(row.shape[0], tokenizer).allowed(request)
-            row = row.masked_fill(~allowed, float("-inf"))
-            if not torch.isfinite(row.max()):
+            mask = self._grammar_masks(row.shape[0], tokenizer).logit_mask(request)
+            row = row + mask
+            if request.output_index < params.min_tokens and not torch.isfinite(row.max()):
                 # min_tokens banned all the grammar allows (EOS at its end): it wins.
-                row = raw.masked_fill(~allowed, float("-inf"))
+                row = raw + mask
         if params.is_greedy:
             return int(torch.argmax(row))
         probs = filter_logits(row, params).softmax(-1)

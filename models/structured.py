@@ -107,10 +107,16 @@ class GrammarMasks:
         self._capacity = capacity
         self._live: OrderedDict[str, _Entry] = OrderedDict()
         self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
-        self._shifts = torch.arange(8, dtype=torch.uint8)
+        # llguidance writes one bit per token into these words; a byte indexes the
+        # additive mask of its 8 tokens (a table lookup: masked_fill with a bool mask
+        # was 7x slower on a 262k vocabulary).
+        self._words = torch.empty(-(-vocab_size // 32), dtype=torch.int32)
+        bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
+        self._byte_masks = torch.where(bits.bool(), 0.0, float("-inf"))
 
-    def allowed(self, request: StepRequest) -> torch.Tensor:
-        """A bool mask over the vocabulary: the tokens ``request`` may sample next."""
+    def logit_mask(self, request: StepRequest) -> torch.Tensor:
+        """``[vocab]`` float32: 0 for the tokens ``request`` may sample next, ``-inf`` for
+        the others (add it to the logits)."""
         entry = self._entry(request)
         matcher = entry.matcher
         tokens = request.all_token_ids
@@ -124,9 +130,10 @@ class GrammarMasks:
             log.warning(
                 "structured_output_error", request_id=request.request_id, error=matcher.get_error()
             )
-        bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
-        mask = (bits.unsqueeze(-1) >> self._shifts) & 1
-        return mask.flatten()[: self.vocab_size].bool()
+        words = self._words
+        matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        masks = self._byte_masks.index_select(0, words.view(torch.uint8).long())
+        return masks.view(-1)[: self.vocab_size]
 
     @property
     def num_live(self) -> int:
