@@ -20,7 +20,6 @@ without it cost nothing here.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -30,43 +29,11 @@ import structlog
 import torch
 from tokenizers import Tokenizer
 
-from hybridkv.errors import HybridKVError
+from hybridkv.models.grammars import grammar_text
 from hybridkv.scheduler.batch import StepRequest
 from hybridkv.scheduler.params import StructuredOutput
 
 log = structlog.get_logger(__name__)
-
-
-class GrammarError(HybridKVError, ValueError):
-    """A structured-output spec does not compile: a bad schema, expression or grammar."""
-
-
-def grammar_text(spec: StructuredOutput) -> str:
-    """The llguidance grammar of ``spec`` (not yet checked: see :func:`check_grammar`)."""
-    from llguidance import LLMatcher, grammar_from
-
-    if spec.kind == "json_schema":
-        # Any whitespace between JSON tokens, as vLLM's default; keys in any order.
-        return LLMatcher.grammar_from_json_schema(spec.spec, defaults={"whitespace_flexible": True})
-    if spec.kind == "choice":
-        choices = json.loads(spec.spec)
-        return grammar_from("choice", json.dumps([str(c) for c in choices]))
-    if spec.kind == "regex":
-        return LLMatcher.grammar_from_regex(spec.spec)
-    return grammar_from("grammar", spec.spec)
-
-
-def check_grammar(spec: StructuredOutput) -> None:
-    """Raise :class:`GrammarError` naming the problem if ``spec`` does not compile."""
-    from llguidance import LLMatcher
-
-    try:
-        text = grammar_text(spec)
-    except (ValueError, TypeError) as exc:
-        raise GrammarError(f"the {spec.kind} does not compile: {exc}") from None
-    message = LLMatcher.validate_grammar(text)
-    if message and not message.startswith("WARNING"):
-        raise GrammarError(f"the {spec.kind} does not compile: {message.strip()}")
 
 
 @attrs.define
