@@ -15,3 +15,11 @@ class ModelConfigError(HybridKVError, ValueError):
 
 class BatchError(HybridKVError, ValueError):
     """A step batch does not match the executor's layout (groups, block tables, length)."""
+
+
+class ParallelConfigError(HybridKVError, ValueError):
+    """Parallel settings that cannot run: more stages than layers, unknown axes, bad sizes."""
+
+
+class PipelineError(HybridKVError):
+    """A pipeline stage could not start, or failed while serving (see its message)."""
