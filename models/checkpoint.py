@@ -7,6 +7,7 @@ Weights are read from safetensors only; a folder holding only pickled weights
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,14 +123,35 @@ class Checkpoint:
             )
         return files
 
+    def weight_names(self) -> set[str]:
+        """The names of every tensor of the checkpoint (read from the file headers)."""
+        names: set[str] = set()
+        for file in self.weight_files():
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                names.update(handle.keys())
+        return names
+
     def load_weights(
-        self, dtype: torch.dtype, device: torch.device | str
+        self,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        keep: Callable[[str], bool] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Every tensor of the checkpoint, floating ones cast to ``dtype``, on ``device``."""
+        """The checkpoint's tensors, floating ones cast to ``dtype``, on ``device``.
+
+        Args:
+            dtype: The dtype of floating tensors.
+            device: Where to put them.
+            keep: Loads only the tensors whose name it accepts (a pipeline stage's); all
+                when None.
+        """
         weights: dict[str, torch.Tensor] = {}
         for file in self.weight_files():
             with safe_open(file, framework="pt", device=str(device)) as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if keep is not None and not keep(name):
+                        continue
                     tensor = handle.get_tensor(name)
                     weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         return weights

@@ -3,10 +3,21 @@
 The KV tensors follow the layout plan (``hybridkv.models.kv_caches`` has the memory
 picture). Per step and per group, one :class:`PagedMetadata` is built from the requests'
 block tables of that group, and every layer of the group reads it.
+
+A step is three parts, which a pipeline stage runs separately (``models/pipeline_*``)::
+
+    prepare(batch)              metadata of the groups this executor's layers use
+    forward(inputs, hidden)     embed (first stage) and run the layers it holds
+    finish(batch, ..., hidden)  logits, sampling, logprobs (last stage)
+
+``execute`` runs all three on the executor's torch thread. An executor built for one
+pipeline stage (``pipeline_stage``/``pipeline_parallel_size``) holds only that stage's
+layers and their pages; the layout is planned for all stages, so its pool is theirs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,16 +28,17 @@ import torch
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
 from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
 from hybridkv.memory.planner import plan_layout
+from hybridkv.models.batch_checks import check_batch
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.errors import BatchError
+from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.kv_caches import allocate_kv_caches, kept_specs
 from hybridkv.models.logprobs import prompt_logprobs, token_logprobs
 from hybridkv.models.sampler import Sampler
 from hybridkv.models.specs import PolicyChoices
+from hybridkv.models.stages import split_layers
 from hybridkv.models.torch_thread import TorchThread
-from hybridkv.models.transformer import CausalLM
-from hybridkv.policies.base import cdiv
+from hybridkv.models.transformer import CausalLM, holds_weight
 from hybridkv.policies.builtin import FullAttention
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
@@ -45,8 +57,9 @@ class ModelExecutor:
         config: Its parsed config.
         plan: The KV layout (groups, slots, pages) the caches follow.
         specs: Per layer, in layer order, its spec with the policy its KV group keeps
-            (the specs the plan was made from).
-        kv_caches: Per layer, its paged view ``[num_blocks, 2, kv_heads, block_size, hd]``.
+            (the specs the plan was made from; every layer, also in a pipeline stage).
+        kv_caches: Per layer held, its paged view ``[num_blocks, 2, kv_heads, block_size,
+            head_dim]``.
         tokenizer: The checkpoint's ``tokenizers.Tokenizer``, or None.
         eos_token_ids: End-of-sequence tokens.
         max_model_len: Longest sequence (prompt and output) a request may reach.
@@ -70,10 +83,13 @@ class ModelExecutor:
         self.config: ModelConfig = model.config
         self.plan = plan
         self.device = device
-        dtype = _model_dtype(model)
+        dtype = next(model.parameters()).dtype
         self.specs = tuple(kept_specs(self.config, plan, dtype))
-        self.kv_caches = self.torch_thread.run(allocate_kv_caches, plan, self.specs, dtype, device)
-        self._layer_groups = [plan.layer_slots[s.name][0] for s in self.specs]
+        held = [self.specs[i] for i in model.layer_range]
+        self.kv_caches = self.torch_thread.run(allocate_kv_caches, plan, held, dtype, device)
+        self._layer_groups = [plan.layer_slots[s.name][0] for s in held]
+        # Metadata is built only for the groups of the layers held (all, without stages).
+        self._groups = sorted(set(self._layer_groups))
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = self.config.max_position_embeddings
@@ -97,6 +113,8 @@ class ModelExecutor:
         uniform_layout: bool = False,
         policies: PolicyChoices | None = None,
         logits_hook: LogitsHook | None = None,
+        pipeline_stage: int = 0,
+        pipeline_parallel_size: int = 1,
     ) -> ModelExecutor:
         """Load a checkpoint folder and lay out ``kv_cache_bytes`` of KV cache for it.
 
@@ -120,11 +138,15 @@ class ModelExecutor:
                 ``sliding_attention``, ...), the memory policy its layers keep and attend
                 instead of the config's; the planner groups layers by it.
             logits_hook: Called with each sampled request's last-position logits.
+            pipeline_stage: Load only this stage's layers and allocate only their pages.
+            pipeline_parallel_size: Stages the model is split into (the layout is
+                planned for all of them: ``kv_cache_bytes`` is per stage).
 
         Raises:
             CheckpointError: a folder without config.json or safetensors weights.
             ModelConfigError: a config we cannot run, or ``policies`` naming a layer kind
                 the model has no attention layers of.
+            ParallelConfigError: more stages than layers, or a stage index outside them.
             PolicyError: a value of ``policies`` that is not a MemoryPolicy.
         """
         if num_threads is not None:
@@ -132,24 +154,38 @@ class ModelExecutor:
         thread = TorchThread(num_threads)
         itemsize = torch.empty((), dtype=dtype).element_size()
         checkpoint = Checkpoint.open(path, dtype_bytes=itemsize, policies=policies)
+        config = checkpoint.config
+        stages = split_layers(config.num_layers, pipeline_parallel_size)
+        if not 0 <= pipeline_stage < len(stages):
+            raise ParallelConfigError(
+                f"pipeline_stage={pipeline_stage} is not one of {len(stages)} stages"
+            )
+        layers = stages[pipeline_stage].layers
         target = torch.device(device)
 
         def load() -> CausalLM:
-            weights = checkpoint.load_weights(dtype, target)
-            config, architecture = checkpoint.config, checkpoint.architecture
-            return CausalLM.from_weights(config, architecture, weights, target)
+            names = checkpoint.weight_names()
+            keep = functools.partial(holds_weight, config=config, layers=layers, names=names)
+            weights = checkpoint.load_weights(dtype, target, keep=keep)
+            return CausalLM.from_weights(
+                config, checkpoint.architecture, weights, target, layers=layers
+            )
 
         model = thread.run(load)
-        specs: Sequence[LayerSpec] = checkpoint.config.layers
+        specs: Sequence[LayerSpec] = config.layers
         if uniform_layout:
             # Only what is kept changes: each layer still attends by its own policy, a
             # subset of every position.
             specs = [attrs.evolve(s, policy=FullAttention()) for s in specs]
-        plan = plan_layout(specs, kv_cache_bytes, block_size)
+        names = [s.name for s in specs]
+        plan = plan_layout(
+            specs, kv_cache_bytes, block_size, stages=[names[s.start : s.stop] for s in stages]
+        )
         log.info(
             "model_loaded",
-            model_type=checkpoint.config.model_type,
-            num_layers=checkpoint.config.num_layers,
+            model_type=config.model_type,
+            num_layers=config.num_layers,
+            layers=f"{layers.start}..{layers.stop - 1}",
             num_groups=len(plan.groups),
             num_blocks=plan.num_blocks,
             uniform_num_blocks=plan.uniform_num_blocks,
@@ -190,33 +226,58 @@ class ModelExecutor:
         return self.torch_thread.run(self._execute, batch)
 
     def _execute(self, batch: StepBatch) -> StepResult:
-        requests = batch.requests
-        if not requests:
+        check_batch(batch, self.plan, self.max_model_len)
+        if not batch.requests:
             return StepResult(token_ids=())
-        for request in requests:
-            self._check_request(request)
+        inputs = self.prepare(batch)
+        return self.finish(batch, inputs, self.forward(inputs))
+
+    def prepare(self, batch: StepBatch) -> StageInputs:
+        """Paged metadata of the groups this executor's layers use, token ids if it embeds.
+
+        Call it on the executor's torch thread, with a checked, non-empty batch.
+        """
+        requests = batch.requests
         query_lens = [r.num_tokens for r in requests]
         context_lens = [r.start_position + r.num_tokens for r in requests]
-        input_ids = torch.tensor(
-            [t for r in requests for t in r.token_ids], dtype=torch.long, device=self.device
-        )
-        metadata = PagedMetadata.build_groups(
+        built = PagedMetadata.build_groups(
             query_lens,
             context_lens,
-            [[r.block_tables[group.group_id] for r in requests] for group in self.plan.groups],
+            [[r.block_tables[g] for r in requests] for g in self._groups],
             self.plan.block_size,
             device=self.device,
             workspace=self._workspace,
         )
-        positions = metadata[0].positions
-        caches = [
-            (cache, metadata[group])
-            for cache, group in zip(self.kv_caches, self._layer_groups, strict=True)
-        ]
+        metadata = dict(zip(self._groups, built, strict=True))
+        input_ids = None
+        if self.model.is_first:
+            ids = [t for r in requests for t in r.token_ids]
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return StageInputs(
+            query_lens=query_lens,
+            positions=built[0].positions,
+            caches=[
+                (cache, metadata[group])
+                for cache, group in zip(self.kv_caches, self._layer_groups, strict=True)
+            ],
+            input_ids=input_ids,
+        )
+
+    def forward(self, inputs: StageInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layers held: from the token ids (first stage) or the previous stage's
+        ``hidden`` states; returns ``[num_tokens, hidden_size]``."""
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, caches)
-            prompt = self._prompt_logprobs(requests, hidden, query_lens)
-            tokens, logprobs = self._sample(requests, hidden, query_lens)
+            if hidden is None:
+                assert inputs.input_ids is not None, "a later stage needs hidden states"
+                hidden = self.model.embed(inputs.input_ids)
+            return self.model.run_layers(hidden, inputs.positions, inputs.caches)
+
+    def finish(self, batch: StepBatch, inputs: StageInputs, hidden: torch.Tensor) -> StepResult:
+        """Sample where asked, with logprobs and prompt logprobs (the last stage)."""
+        requests = batch.requests
+        with torch.inference_mode():
+            prompt = self._prompt_logprobs(requests, hidden, inputs.query_lens)
+            tokens, logprobs = self._sample(requests, hidden, inputs.query_lens)
         return StepResult(token_ids=tuple(tokens), logprobs=logprobs, prompt_logprobs=prompt)
 
     def _sample(
@@ -268,31 +329,19 @@ class ModelExecutor:
             first += num_tokens
         return tuple(out)
 
-    def _check_request(self, request: StepRequest) -> None:
-        end = request.start_position + request.num_tokens
-        if request.num_tokens < 1 or request.start_position < 0:
-            raise BatchError(
-                f"request {request.request_id!r} runs {request.num_tokens} tokens from "
-                f"position {request.start_position}; need >= 1 token from position >= 0"
-            )
-        if end > self.max_model_len:
-            raise BatchError(
-                f"request {request.request_id!r} reaches {end} tokens, "
-                f"max_model_len={self.max_model_len}"
-            )
-        if len(request.block_tables) != len(self.plan.groups):
-            raise BatchError(
-                f"request {request.request_id!r} has {len(request.block_tables)} block "
-                f"tables, the layout has {len(self.plan.groups)} KV groups"
-            )
-        need = cdiv(end, self.plan.block_size)
-        for group, table in enumerate(request.block_tables):
-            if len(table) < need:
-                raise BatchError(
-                    f"request {request.request_id!r}: block table of group {group} has "
-                    f"{len(table)} pages, {end} tokens need {need}"
-                )
 
+@attrs.frozen(eq=False)
+class StageInputs:
+    """What :meth:`ModelExecutor.prepare` builds for one step, before any layer runs.
 
-def _model_dtype(model: CausalLM) -> torch.dtype:
-    return model.model.embed_tokens.weight.dtype
+    Attributes:
+        query_lens: Tokens run per request.
+        positions: ``[num_tokens]`` position of each token within its request.
+        caches: Per layer held, its KV cache and its group's paged metadata.
+        input_ids: ``[num_tokens]`` token ids where the executor embeds, else None.
+    """
+
+    query_lens: list[int]
+    positions: torch.Tensor
+    caches: list[tuple[torch.Tensor, PagedMetadata]]
+    input_ids: torch.Tensor | None

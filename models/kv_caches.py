@@ -25,13 +25,15 @@ from hybridkv.policies.base import MemoryPolicy
 def allocate_kv_caches(
     plan: LayoutPlan, specs: Sequence[AttentionSpec], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per slot, and per layer (in ``specs`` order) its paged view."""
+    """One zeroed tensor per slot the ``specs`` use, and per layer (in ``specs`` order) its
+    paged view. A pipeline stage passes only its layers, and allocates only their slots."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     page_elems = plan.block_bytes // itemsize
+    num_slots = max((plan.layer_slots[s.name][1] + 1 for s in specs), default=0)
     # Zeros, not empty: a masked read of garbage NaN would still poison the output.
     slots = [
         torch.zeros(plan.num_blocks, page_elems, dtype=dtype, device=device)
-        for _ in range(plan.group_size)
+        for _ in range(num_slots)
     ]
     views = []
     for spec in specs:

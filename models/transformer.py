@@ -7,11 +7,16 @@ embedding, rope tables, final norm, LM head and logit soft-cap live here once.
 Flat batch: the tokens of all requests of a step are concatenated, ``[num_tokens]``;
 positions say where each sits in its own request, and the paged metadata says which
 request (block table) each belongs to.
+
+A pipeline stage builds the same model with only its layers (``layers=range(a, b)``):
+the others are :class:`MissingLayer` placeholders, so module and weight names keep their
+global layer indices and a checkpoint loads without renaming. Only the first stage has
+the embedding, only the last the final norm and the LM head.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -49,27 +54,61 @@ class Architecture:
     layer: Callable[[ModelConfig, int], nn.Module]
 
 
+class MissingLayer(nn.Identity):
+    """A layer another pipeline stage holds: no weights, never called."""
+
+
 class _Backbone(nn.Module):
     """Embedding, layers and final norm; named ``model`` as in Hugging Face checkpoints."""
 
-    def __init__(self, config: ModelConfig, architecture: Architecture) -> None:
+    def __init__(self, config: ModelConfig, architecture: Architecture, layers: range) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [architecture.layer(config, i) for i in range(config.num_layers)]
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size) if layers.start == 0 else None
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+        self.layers = nn.ModuleList(
+            [
+                architecture.layer(config, i) if i in layers else MissingLayer()
+                for i in range(config.num_layers)
+            ]
+        )
+        is_last = layers.stop == config.num_layers
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+            if is_last
+            else None
+        )
 
 
 class CausalLM(nn.Module):
-    """Token ids and positions in, hidden states out; last positions in, logits out."""
+    """Token ids and positions in, hidden states out; last positions in, logits out.
 
-    def __init__(self, config: ModelConfig, architecture: Architecture) -> None:
+    Attributes:
+        config: The model config.
+        layer_range: The layers this instance holds (all of them unless a pipeline stage).
+    """
+
+    def __init__(
+        self, config: ModelConfig, architecture: Architecture, layers: range | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = _Backbone(config, architecture)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layer_range = range(config.num_layers) if layers is None else layers
+        self.model = _Backbone(config, architecture, self.layer_range)
+        self.lm_head = (
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.is_last else None
+        )
         self.rope_tables: dict[str, RotaryTable] = {}
+
+    @property
+    def is_first(self) -> bool:
+        """Whether it holds the first layer (and the embedding)."""
+        return self.layer_range.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether it holds the last layer (and the final norm and LM head)."""
+        return self.layer_range.stop == self.config.num_layers
 
     @classmethod
     def from_weights(
@@ -78,18 +117,29 @@ class CausalLM(nn.Module):
         architecture: Architecture,
         weights: dict[str, torch.Tensor],
         device: torch.device | str,
+        *,
+        layers: range | None = None,
     ) -> CausalLM:
         """Build the model around already-loaded tensors (no copy, no random init).
+
+        Args:
+            config: The parsed config.
+            architecture: The model family.
+            weights: The tensors this model holds (see :func:`holds_weight`).
+            device: Where they are.
+            layers: The layers of a pipeline stage; None for the whole model.
 
         Raises:
             CheckpointError: weights missing or left over.
         """
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            embed = weights.get("model.embed_tokens.weight")
-            if embed is not None:
-                weights = {**weights, "lm_head.weight": embed}
         with torch.device("meta"):
-            model = cls(config, architecture)
+            model = cls(config, architecture, layers)
+        embed = weights.get(_EMBED)
+        reuses_embed = config.tie_word_embeddings or "lm_head.weight" not in weights
+        if model.is_last and embed is not None and reuses_embed:
+            weights = {**weights, "lm_head.weight": embed}
+        if not model.is_first:
+            weights = {k: v for k, v in weights.items() if k != _EMBED}
         result = model.load_state_dict(weights, strict=False, assign=True)
         if result.missing_keys or result.unexpected_keys:
             missing, unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
@@ -97,11 +147,12 @@ class CausalLM(nn.Module):
                 f"checkpoint does not match {config.model_type}: missing {missing[:8]}, "
                 f"unexpected {unexpected[:8]}"
             )
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
+        head, embedding = model.lm_head, model.model.embed_tokens
+        if config.tie_word_embeddings and head is not None and embedding is not None:
+            head.weight = embedding.weight
         model.rope_tables = {
             kind: RotaryTable(config.rope[kind], config.head_dim, device)
-            for kind in sorted(set(config.layer_types))
+            for kind in sorted({config.layer_types[i] for i in model.layer_range})
         }
         return model.eval()
 
@@ -111,30 +162,68 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         caches: Sequence[tuple[torch.Tensor, PagedMetadata]],
     ) -> torch.Tensor:
-        """Run every layer over a flat token batch; returns hidden states before the norm.
+        """Embed and run every layer over a flat token batch; hidden states before the norm.
 
         Args:
             input_ids: ``[num_tokens]`` token ids.
             positions: ``[num_tokens]`` position of each token within its request.
             caches: Per layer, its KV cache tensor and its group's paged metadata.
         """
-        hidden = self.model.embed_tokens(input_ids)
+        return self.run_layers(self.embed(input_ids), positions, caches)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens]`` ids -> ``[num_tokens, hidden]`` (scaled where the model scales)."""
+        assert self.model.embed_tokens is not None, "only the first stage embeds"
+        hidden: torch.Tensor = self.model.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             # Scaled in the model dtype, as the reference does (bf16 rounds the factor).
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
+        return hidden
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        caches: Sequence[tuple[torch.Tensor, PagedMetadata]],
+    ) -> torch.Tensor:
+        """Run the layers this model holds, in order, over ``[num_tokens, hidden]``.
+
+        Args:
+            hidden: Embeddings, or the previous stage's output.
+            positions: ``[num_tokens]`` position of each token within its request.
+            caches: Per layer held (``layer_range`` order), its KV cache and metadata.
+        """
         tables = {
             kind: table.cos_sin(positions, hidden.dtype) for kind, table in self.rope_tables.items()
         }
-        for i, layer in enumerate(self.model.layers):
+        for i, (kv_cache, metadata) in zip(self.layer_range, caches, strict=True):
             cos, sin = tables[self.config.layer_types[i]]
-            kv_cache, metadata = caches[i]
-            hidden = layer(hidden, LayerInputs(cos, sin, kv_cache, metadata))
+            hidden = self.model.layers[i](hidden, LayerInputs(cos, sin, kv_cache, metadata))
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head and soft-cap for the selected rows; float32 ``[rows, vocab]``."""
+        assert self.lm_head is not None and self.model.norm is not None, "only the last stage"
         logits = self.lm_head(self.model.norm(hidden)).float()
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+_EMBED = "model.embed_tokens.weight"
+
+
+def holds_weight(name: str, config: ModelConfig, layers: range, names: Collection[str]) -> bool:
+    """Whether the model of ``layers`` needs checkpoint tensor ``name`` (of ``names``).
+
+    The first stage takes the embedding, the last the final norm and the LM head (the
+    embedding too when the head reuses it); a layer's tensors go to the stage holding it.
+    """
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) in layers
+    is_first, is_last = layers.start == 0, layers.stop == config.num_layers
+    if name == _EMBED:
+        tied = config.tie_word_embeddings or "lm_head.weight" not in names
+        return is_first or (is_last and tied)
+    return is_last

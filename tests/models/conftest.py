@@ -276,3 +276,47 @@ def assert_matches_reference(model: TinyModel, driver: Driver, request_id: str) 
 def check_reference() -> Callable[[TinyModel, Driver, str], None]:
     """``check_reference(model, driver, request_id)``: compare with transformers."""
     return assert_matches_reference
+
+
+#: Every request's generated tokens, and its logits at each sampled step.
+Outputs = tuple[dict[str, list[int]], dict[str, torch.Tensor]]
+
+
+def _run_scenario(driver: Driver, prompt_of: Callable[[int, int], list[int]]) -> Outputs:
+    """Chunked prefill, a prefix hit and a preemption (then recompute) in one run."""
+    shared = prompt_of(26, 4)
+    driver.add("a", shared + prompt_of(5, 5))
+    driver.add("c", prompt_of(18, 7))
+    driver.run(3, chunk=7)
+    driver.preempt("c")
+    second = driver.add("b", shared + prompt_of(6, 6))
+    driver.run(6, chunk=7)
+    assert second.hit_tokens >= 24, "b resumes from a's cached pages"
+    tokens = {rid: list(seq.output) for rid, seq in driver.active.items()}
+    return tokens, {rid: torch.stack(rows) for rid, rows in driver.logits.items()}
+
+
+@pytest.fixture
+def run_scenario() -> Callable[[Driver], Outputs]:
+    """``run_scenario(driver)``: the pipeline tests' workload, its tokens and logits."""
+    return lambda driver: _run_scenario(driver, _prompt_of)
+
+
+def assert_same_outputs(got: Outputs, expected: Outputs, atol: float = 1e-5) -> None:
+    """The same tokens for every request, and logits within ``atol``."""
+    assert got[0] == expected[0]
+    assert got[1].keys() == expected[1].keys()
+    for rid, logits in expected[1].items():
+        torch.testing.assert_close(got[1][rid], logits, atol=atol, rtol=0)
+
+
+@pytest.fixture
+def check_same_outputs() -> Callable[[Outputs, Outputs], None]:
+    """``check_same_outputs(got, expected)``: same tokens, logits within 1e-5."""
+    return assert_same_outputs
+
+
+@pytest.fixture
+def drive() -> Callable[..., Driver]:
+    """``drive(executor)``: a Driver over any executor (a pipeline, chained stages)."""
+    return Driver
