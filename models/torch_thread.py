@@ -15,7 +15,7 @@ that its idle team does not slow the other thread down in turn.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -39,11 +39,29 @@ class TorchThread:
     def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the worker thread; its exception is raised here.
 
-        After ``close``, runs ``fn`` on the calling thread.
+        After ``close``, or once the interpreter exits, runs ``fn`` on the calling thread.
         """
-        if self._pool is None:
-            return fn(*args)
-        return self._pool.submit(fn, *args).result()
+        return self.submit(fn, *args).result()
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """Queue ``fn(*args)`` on the worker thread without waiting; calls run in
+        submission order, one at a time.
+
+        After ``close``, or once the interpreter exits (``atexit`` handlers run after
+        ``concurrent.futures`` has finished the queue and ended the worker), runs ``fn``
+        now on the calling thread: the worker runs nothing any more.
+        """
+        if self._pool is not None:
+            try:
+                return self._pool.submit(fn, *args)
+            except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+                pass
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to the caller through the future
+            future.set_exception(exc)
+        return future
 
     def close(self) -> None:
         """End the worker thread (and its OpenMP team); later calls run inline."""

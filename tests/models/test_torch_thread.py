@@ -38,3 +38,28 @@ def test_after_close_calls_run_inline() -> None:
     worker = TorchThread()
     worker.close()
     assert worker.run(threading.get_ident) == threading.get_ident()
+
+
+def test_submitted_calls_run_in_order_without_waiting() -> None:
+    """submit returns a future at once; queued calls run one at a time, in order."""
+    worker = TorchThread()
+    gate, order = threading.Event(), []
+    try:
+        first = worker.submit(gate.wait, 10)
+        later = [worker.submit(order.append, i) for i in range(3)]
+        assert not first.done()
+        gate.set()
+        for future in later:
+            future.result(timeout=10)
+        assert order == [0, 1, 2]
+    finally:
+        worker.close()
+
+
+def test_submit_after_close_runs_inline_and_keeps_the_error() -> None:
+    """A closed TorchThread's submit runs the call now; its exception is in the future."""
+    worker = TorchThread()
+    worker.close()
+    assert worker.submit(threading.get_ident).result() == threading.get_ident()
+    failed = worker.submit(int, "not a number")
+    assert isinstance(failed.exception(), ValueError)
