@@ -47,6 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
+        from hybridkv.serving.loading import pipeline_worker_status
+
+        status = pipeline_worker_status(args)  # under torchrun, ranks > 0 serve a stage
+        if status is not None:
+            return status
         return handler(args)
     except HybridKVError as exc:
         print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)

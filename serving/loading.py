@@ -2,12 +2,17 @@
 
 ``serve``, ``generate``, ``demo`` and ``bench`` share these flags, so a user learns them
 once: the KV byte budget, the block size, the per-step token budget, the running-request
-limit, prefix caching, threads, dtype, and the memory policy of each kind of layer.
+limit, prefix caching, threads, dtype, the memory policy of each kind of layer, and the
+number of pipeline stages (``--pipeline-parallel-size N``: this process runs stage 0 and
+starts N - 1 workers, or, under torchrun, ranks other than 0 serve their stage instead of
+the command: :func:`pipeline_worker_status`).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +27,7 @@ if TYPE_CHECKING:
 
     from hybridkv.memory.layout import LayerSpec
     from hybridkv.models.executor import ModelExecutor
+    from hybridkv.models.pipeline_executor import PipelineExecutor
     from hybridkv.policies import MemoryPolicy
     from hybridkv.scheduler import EngineConfig
 
@@ -43,6 +49,7 @@ class EngineArgs:
     dtype: str = "float32"
     uniform_kv: bool = False
     layer_policies: tuple[tuple[str, MemoryPolicy], ...] = ()
+    pipeline_parallel_size: int = 1
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -95,10 +102,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         help="do not reuse the KV pages of repeated prompt prefixes",
     )
     group.add_argument(
-        "--threads", type=int, default=None, metavar="N", help="torch CPU threads (all cores)"
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads, per pipeline stage (all cores, shared among the stages)",
     )
     group.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights and KV dtype")
     add_layer_policy_argument(group)
+    group.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the layers into N pipeline stages, one process each, steps overlapping; "
+        "--kv-memory is then per stage (1)",
+    )
 
 
 def add_layer_policy_argument(parser: argparse._ActionsContainer) -> None:
@@ -157,7 +177,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     """The parsed flags as :class:`EngineArgs`."""
     from hybridkv.serving.cli import UsageError, parse_size
 
-    for flag in ("block_size", "max_num_batched_tokens", "max_num_seqs", "threads"):
+    flags = ("block_size", "max_num_batched_tokens", "max_num_seqs", "threads")
+    for flag in (*flags, "pipeline_parallel_size"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -173,6 +194,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         dtype=args.dtype,
         uniform_kv=getattr(args, "uniform_kv", False),
         layer_policies=parse_layer_policies(getattr(args, "layer_policies", [])),
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
     )
 
 
@@ -183,7 +205,8 @@ class LoadedModel:
     Attributes:
         name: The name clients use (the built-in name or the folder's name).
         folder: The checkpoint folder.
-        executor: The model executor, KV tensors allocated.
+        executor: The model executor, KV tensors allocated (stage 0's and the workers'
+            with a pipeline, which is closed at exit or by the next ``load_model``).
         engine_config: Pool, batch limits and end tokens for :class:`Engine`.
         tokenizer: The checkpoint's tokenizer.
         chat_template: Its chat template (or the plain fallback).
@@ -192,7 +215,7 @@ class LoadedModel:
 
     name: str
     folder: Path
-    executor: ModelExecutor
+    executor: ModelExecutor | PipelineExecutor
     engine_config: EngineConfig
     tokenizer: Tokenizer
     chat_template: ChatTemplate
@@ -212,25 +235,18 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         ModelNotFoundError, MissingExtraError: see :func:`resolve_model`.
         ModelConfigError, PolicyError: a layer policy for a kind the model lacks.
     """
-    import torch
-
     from hybridkv.models.executor import ModelExecutor
     from hybridkv.scheduler import EngineConfig
     from hybridkv.serving.cli import UsageError
 
     name, folder = resolve_model(settings.model)
-    dtype = getattr(torch, settings.dtype)
     if not quiet:
         print(f"loading {name} from {folder}", file=sys.stderr, flush=True)
-    executor = ModelExecutor.from_pretrained(
-        folder,
-        kv_cache_bytes=settings.kv_memory,
-        block_size=settings.block_size,
-        dtype=dtype,
-        num_threads=settings.threads,
-        uniform_layout=settings.uniform_kv,
-        policies=dict(settings.layer_policies),
-    )
+    executor: ModelExecutor | PipelineExecutor
+    if settings.pipeline_parallel_size > 1:
+        executor = _start_pipeline(folder, settings)
+    else:
+        executor = ModelExecutor.from_pretrained(folder, **_executor_options(settings))
     if executor.tokenizer is None:
         raise UsageError(f"the checkpoint {str(folder)!r} has no tokenizer.json")
     limit = executor.max_model_len
@@ -253,3 +269,64 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         chat_template=ChatTemplate.from_checkpoint(folder),
         specs=list(executor.specs),
     )
+
+
+def _executor_options(settings: EngineArgs) -> dict[str, Any]:
+    """The model executor's keyword arguments (every pipeline stage takes the same)."""
+    import torch
+
+    return {
+        "kv_cache_bytes": settings.kv_memory,
+        "block_size": settings.block_size,
+        "dtype": getattr(torch, settings.dtype),
+        "num_threads": settings.threads,
+        "uniform_layout": settings.uniform_kv,
+        "policies": dict(settings.layer_policies),
+    }
+
+
+#: Pipelines load_model started. A pipeline owns the process group, so a process runs one
+#: at a time: the next load closes the last (``bench --compare-uniform`` loads twice).
+_pipelines: list[PipelineExecutor] = []
+
+
+def _start_pipeline(folder: Path, settings: EngineArgs) -> PipelineExecutor:
+    from hybridkv.models.pipeline_executor import PipelineExecutor
+
+    close_pipelines()
+    atexit.unregister(close_pipelines)
+    atexit.register(close_pipelines)  # stops the workers however the command ends
+    pipeline = PipelineExecutor.from_pretrained(
+        folder,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        **_executor_options(settings),
+    )
+    _pipelines.append(pipeline)
+    return pipeline
+
+
+def close_pipelines() -> None:
+    """Stop the pipeline load_model started, if any (also done at exit)."""
+    while _pipelines:
+        _pipelines.pop().close()
+
+
+def pipeline_worker_status(args: argparse.Namespace) -> int | None:
+    """Under torchrun, a rank other than 0 serves its pipeline stage instead of running the
+    command: its exit status once rank 0 stops the pipeline. None for every other process.
+
+    ``torchrun --nproc-per-node 2 --no-python hybridkv serve MODEL -pp 2`` starts two
+    ranks: rank 0 serves HTTP and runs stage 0, rank 1 runs stage 1.
+    """
+    if getattr(args, "pipeline_parallel_size", 1) < 2 or os.environ.get("RANK", "0") == "0":
+        return None
+    from hybridkv.models.pipeline_launch import StageSettings, run_torchrun_worker
+    from hybridkv.serving.console import configure_logging
+
+    configure_logging(getattr(args, "log_level", "warning"))  # as rank 0's command does
+    settings = engine_args(args)
+    _, folder = resolve_model(settings.model)
+    num_stages = settings.pipeline_parallel_size
+    options = _executor_options(settings)
+    stage = StageSettings.create(folder, pipeline_parallel_size=num_stages, **options)
+    return run_torchrun_worker(stage)

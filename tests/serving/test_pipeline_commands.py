@@ -1,0 +1,108 @@
+"""``--pipeline-parallel-size`` on the commands: stage processes started by the command or
+by torchrun give the text one process gives; impossible settings are one-line errors."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+
+from hybridkv.serving.cli import main
+from hybridkv.serving.loading import close_pipelines
+
+VOCAB = 64
+GENERATE = ["w2 w3 w4 w5", "--max-tokens", "6", "--ignore-eos", "--kv-memory", "1MiB",
+            "--block-size", "4", "--threads", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def three_layer_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random three-layer Gemma 3 (sliding, sliding, full) with a word tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    s, f = "sliding_attention", "full_attention"
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        layer_types=[s, s, f], max_position_embeddings=512, eos_token_id=1,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("tiny-gemma3-pp")
+    Gemma3ForCausalLM(config).save_pretrained(folder)
+    vocab = {"[UNK]": 0, "<eos>": 1} | {f"w{i}": i for i in range(2, VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _isolate() -> Iterator[None]:
+    """One torch thread; stop the pipeline a command left; undo the commands' logging."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    close_pipelines()
+    torch.set_num_threads(threads)
+    structlog.reset_defaults()
+
+
+def _generate(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(["generate", *argv]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("num_stages", ["2", "3"])
+def test_generate_with_stages_prints_what_one_process_prints(
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str], num_stages: str
+) -> None:
+    """`generate -pp N` streams the text one process streams; the workers are stopped."""
+    model = str(three_layer_checkpoint)
+    expected = _generate(capsys, model, *GENERATE)
+    assert _generate(capsys, model, *GENERATE, "--pipeline-parallel-size", num_stages) == expected
+    close_pipelines()
+    assert not multiprocessing.active_children()
+
+
+def test_more_stages_than_layers_is_a_one_line_error(
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Four stages of a three-layer model: exit 2, the reason on one line, no process."""
+    code = main(["generate", str(three_layer_checkpoint), *GENERATE, "-pp", "4"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "pipeline_parallel_size=4 exceeds the model's 3 layers" in err
+    assert not multiprocessing.active_children()
+
+
+def test_a_non_positive_size_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """`-pp 0` is a usage error naming the flag."""
+    code = main(["generate", "no-such-model", "w2", "--pipeline-parallel-size", "0"])
+    assert code == 2
+    assert "--pipeline-parallel-size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_generate_under_torchrun(
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torchrun starts both ranks: rank 0 prints the text one process prints."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    hybridkv = shutil.which("hybridkv", path=str(Path(sys.executable).parent))
+    assert torchrun and hybridkv
+    model = str(three_layer_checkpoint)
+    expected = _generate(capsys, model, *GENERATE)
+    done = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "--no-python", hybridkv, "generate", model,
+         *GENERATE, "-pp", "2"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == expected
