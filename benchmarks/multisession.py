@@ -1,0 +1,299 @@
+"""Prefix cache under pressure: independent chat sessions served round-robin.
+
+The workload of vLLM issue 48435, generated here: ``--sessions`` independent chats of
+``--turns`` turns each, every session with its own ``--system-tokens`` system prompt;
+turn t's prompt is the whole conversation so far plus a new user message, and its reply
+joins the next turn's prompt. Turns are queued round-robin (every session's turn 1, then
+every session's turn 2, ...; a session's next turn is queued when its reply ends) and at
+most ``--in-flight`` requests run at once, so a session comes back only after every
+other one was served: the least recently used prefix is always the next one needed.
+
+The pool holds the sessions' working set divided by an occupancy. The working set is what
+every session holds at its longest, in every group: ``KVCacheManager.num_blocks_needed``
+of its last turn's length (every block in a full-attention group, a window's worth in a
+sliding-window one). Occupancy 1.0 is a pool that can keep every session resumable and
+no more; above 1.0 some must lose their prefix.
+
+The allocator is driven with the verbs of ``allocator.py``'s replay (lookup, admit,
+extend, append, free), by a loop that follows the engine's planner: running requests
+first (chunked prefill within a token budget, one token per decode; when one cannot
+grow, the newest other running request is preempted and recomputed later), then
+admissions in queue order, each with a prefix lookup. Printed: the prefix hit rate of
+turns 2 to the last (cached prompt tokens over prompt tokens, at each turn's first
+admission) per layout and occupancy, and the allocator's time per step
+(``perf_counter_ns`` around the step's calls to it only; mean and median over steps).
+With ``--reference-src DIR`` (a vLLM source tree, see ``_vllm_reference.py``), vLLM's own
+KVCacheManager serves the same workload in a run of its own.
+
+    python benchmarks/multisession.py [--repeats N] [--per-turn] [--reference-src DIR]
+
+The last line printed is one JSON object: per allocator, layout and occupancy the hit
+rate, preemptions and the allocator's microseconds per step (the best of the repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from allocator import OursAllocator
+
+from hybridkv.memory import KVCacheManager
+from hybridkv.policies import FullAttention, MemoryPolicy, SlidingWindow
+
+BLOCK_SIZE = 16
+WINDOW = 1024
+LAYOUTS: dict[str, list[dict[str, Any]]] = {
+    "full": [{"type": "full"}],
+    "1 full + 5 sliding": [{"type": "full"}]
+    + [{"type": "sliding_window", "sliding_window": WINDOW}] * 5,
+}
+OCCUPANCIES = (0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
+
+
+def policies(groups: list[dict[str, Any]]) -> list[MemoryPolicy]:
+    return [
+        FullAttention() if g["type"] == "full" else SlidingWindow(window=g["sliding_window"])
+        for g in groups
+    ]
+
+
+class Session:
+    """A chat: a system prompt, then per turn a user message and the model's reply."""
+
+    def __init__(self, index: int, rng: random.Random, args: argparse.Namespace) -> None:
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(1, 1 << 31) for _ in range(n)]
+
+        self.index = index
+        self.system = tokens(args.system_tokens)
+        self.messages = [tokens(rng.randint(*args.user_tokens)) for _ in range(args.turns)]
+        self.replies = [tokens(rng.randint(*args.reply_tokens)) for _ in range(args.turns)]
+
+    def prompt(self, turn: int) -> list[int]:
+        """Turn ``turn``'s prompt (0-based): system, earlier messages and replies, message."""
+        out = list(self.system)
+        for i in range(turn):
+            out += self.messages[i] + self.replies[i]
+        return out + self.messages[turn]
+
+    def final_length(self) -> int:
+        """Tokens computed by the last turn (its last reply token is never computed)."""
+        return len(self.prompt(len(self.messages) - 1)) + len(self.replies[-1]) - 1
+
+
+class Turn:
+    """One request: its session, turn, and how far it got."""
+
+    __slots__ = ("computed", "index", "num_generated", "num_prompt", "session", "turn")
+
+    def __init__(self, session: Session, turn: int, num_turns: int) -> None:
+        self.session, self.turn = session, turn
+        self.index = session.index * num_turns + turn
+        self.num_prompt = len(session.prompt(turn))  # tokens before the next sample
+        self.num_generated = 0
+        self.computed = 0
+
+
+class Run:
+    """One allocator, layout and occupancy, through every session's last turn."""
+
+    def __init__(self, make: Any, groups: list[dict[str, Any]], occupancy: float, args: Any):
+        rng = random.Random(args.seed)
+        self.sessions = [Session(i, rng, args) for i in range(args.sessions)]
+        probe = KVCacheManager(policies(groups), 2, BLOCK_SIZE)
+        self.working_set = sum(probe.num_blocks_needed(s.final_length()) for s in self.sessions)
+        self.num_blocks = round(self.working_set / occupancy) + 1
+        self.alloc = make(groups, self.num_blocks)
+        self.args = args
+        self.waiting: deque[Turn] = deque(self._turn(s, 0) for s in self.sessions)
+        self.running: list[Turn] = []
+        self.admitted: set[int] = set()
+        self.per_turn = [[0, 0] for _ in range(args.turns)]  # hit tokens, prompt tokens
+        self.num_preemptions = 0
+        self.step_ns: list[int] = []
+
+    def _turn(self, session: Session, turn: int) -> Turn:
+        request = Turn(session, turn, self.args.turns)
+        self.alloc.add(request.index, session.prompt(turn))
+        return request
+
+    def run(self) -> dict[str, Any]:
+        gc.collect()
+        gc.freeze()
+        while self.waiting or self.running:
+            self.step()
+        gc.unfreeze()
+        later = self.per_turn[1:]
+        us = [ns / 1000 for ns in self.step_ns]
+        return {
+            "hit_rate": round(sum(h for h, _ in later) / max(1, sum(q for _, q in later)), 3),
+            "per_turn": [round(h / max(1, q), 3) for h, q in self.per_turn],
+            "preemptions": self.num_preemptions,
+            "steps": len(us),
+            "step_us_mean": round(statistics.fmean(us), 2),
+            "step_us_median": round(statistics.median(us), 2),
+            "num_blocks": self.num_blocks,
+            "working_set": self.working_set,
+        }
+
+    def step(self) -> None:
+        alloc, budget = self.alloc, self.args.budget
+        scheduled: list[tuple[Turn, int]] = []
+        preempted = False
+        t0 = time.perf_counter_ns()
+        alloc.step_starts()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num = max(1, min(request.num_prompt - request.computed, budget))
+            while alloc.extend(request.index, num) is None:
+                if i < len(self.running) - 1:  # the newest other request makes room
+                    self._preempt(self.running.pop())
+                elif num > 1:
+                    num //= 2
+                else:
+                    self._preempt(self.running.pop(i))
+                    break
+                preempted = True
+            else:
+                scheduled.append((request, num))
+                budget -= num
+                i += 1
+        while not preempted and self.waiting and len(self.running) < self.args.in_flight:
+            request = self.waiting[0]
+            hit = alloc.lookup(request.index)
+            num = min(request.num_prompt - hit, budget)
+            if num <= 0 or alloc.admit(request.index, num, True) is None:
+                break
+            self.waiting.popleft()
+            if request.index not in self.admitted:  # a turn's first admission counts
+                self.admitted.add(request.index)
+                self.per_turn[request.turn][0] += hit
+                self.per_turn[request.turn][1] += request.num_prompt
+            request.computed = hit
+            self.running.append(request)
+            scheduled.append((request, num))
+            budget -= num
+        self.step_ns.append(time.perf_counter_ns() - t0)
+        self._apply(scheduled)
+
+    def _apply(self, scheduled: list[tuple[Turn, int]]) -> None:
+        """The step ran: computed tokens advance; a request at its end samples a token."""
+        done: list[Turn] = []
+        for request, num in scheduled:
+            request.computed += num
+            if request.computed < request.num_prompt:
+                continue  # prefill goes on
+            reply = request.session.replies[request.turn]  # known in advance
+            self.alloc.append(request.index, reply[request.num_generated])
+            request.num_generated += 1
+            if request.num_generated == len(reply):
+                done.append(request)
+        if not done:
+            return
+        t0 = time.perf_counter_ns()
+        for request in done:
+            self.alloc.free(request.index, False)
+        self.step_ns[-1] += time.perf_counter_ns() - t0
+        for request in done:
+            self.running.remove(request)
+            if request.turn + 1 < self.args.turns:
+                self.waiting.append(self._turn(request.session, request.turn + 1))
+
+    def _preempt(self, request: Turn) -> None:
+        """Free a running request; it is recomputed later, its reply so far included."""
+        self.alloc.free(request.index, True)
+        request.num_prompt = len(request.session.prompt(request.turn)) + request.num_generated
+        request.computed = 0
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+
+def allocators(args: argparse.Namespace) -> dict[str, Any]:
+    """Name -> factory(groups, num_blocks) of each allocator to run."""
+    kw = {"max_model_len": 1 << 20, "hash_name": "sha256", "reserve_full_isl": False}
+    out: dict[str, Any] = {
+        "hybridkv": lambda groups, num: OursAllocator(groups, num, BLOCK_SIZE, **kw)
+    }
+    if args.reference_src:
+        import _vllm_reference
+
+        vllm = _vllm_reference.load(args.reference_src)
+        out[f"vLLM {vllm.version}"] = lambda groups, num: _vllm_reference.ReferenceAllocator(
+            vllm, groups, num, BLOCK_SIZE, **kw
+        )
+    return out
+
+
+def measure(make: Any, groups: list[dict[str, Any]], occupancy: float, args: Any) -> Any:
+    """The hit rates of one run (they never vary); the times, the best of the repeats."""
+    runs = [Run(make, groups, occupancy, args).run() for _ in range(args.repeats)]
+    best = min(runs, key=lambda r: r["step_us_mean"])
+    best["step_us_means"] = [r["step_us_mean"] for r in runs]
+    return best
+
+
+def main() -> None:
+    args = parse_args()
+    print(
+        f"{args.sessions} sessions x {args.turns} turns round-robin, {args.in_flight} in flight;"
+        f" system prompt {args.system_tokens} tokens, messages {args.user_tokens[0]}-"
+        f"{args.user_tokens[1]}, replies {args.reply_tokens[0]}-{args.reply_tokens[1]};"
+        f" block {BLOCK_SIZE}, window {WINDOW}, {args.budget} tokens a step"
+    )
+    occ = [str(o) for o in args.occupancy]
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, make in allocators(args).items():
+        for layout, groups in LAYOUTS.items():
+            row = {str(o): measure(make, groups, o, args) for o in args.occupancy}
+            results[f"{layout}, {name}"] = row
+    width = max(map(len, results)) + 2
+    head = f"{'occupancy':<{width}}" + "".join(f"{o:>8}" for o in occ)
+    print(f"\nprefix hit rate over turns 2-{args.turns}\n{head}")
+    for label, row in results.items():
+        print(f"{label:<{width}}" + "".join(f"{row[o]['hit_rate']:>8.3f}" for o in occ))
+    print(f"\nallocator us per step, mean over steps (best of {args.repeats} runs)\n{head}")
+    for label, row in results.items():
+        print(f"{label:<{width}}" + "".join(f"{row[o]['step_us_mean']:>8.1f}" for o in occ))
+    print(f"\npreemptions\n{head}")
+    for label, row in results.items():
+        print(f"{label:<{width}}" + "".join(f"{row[o]['preemptions']:>8}" for o in occ))
+    if args.per_turn:
+        print("\nhit rate per turn")
+        for label, row in results.items():
+            for o in occ:
+                turns = " ".join(f"{h:.2f}" for h in row[o]["per_turn"][1:])
+                print(f"{label:<{width}} {o:>5}  {turns}")
+    print(json.dumps(results, separators=(",", ":")))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--occupancy", type=float, nargs="+", default=list(OCCUPANCIES))
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=2000)
+    p.add_argument("--user-tokens", type=int, nargs=2, default=(50, 150), metavar=("MIN", "MAX"))
+    p.add_argument("--reply-tokens", type=int, nargs=2, default=(100, 300), metavar=("MIN", "MAX"))
+    p.add_argument("--in-flight", type=int, default=4, help="requests running at once")
+    p.add_argument("--budget", type=int, default=2048, help="tokens a step (prefill chunk)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per cell; times: the best")
+    p.add_argument("--per-turn", action="store_true", help="also print each turn's hit rate")
+    p.add_argument("--reference-src", help="vLLM source tree (holding vllm/) to compare")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    return args
+
+
+if __name__ == "__main__":
+    main()
