@@ -4,18 +4,25 @@
 
     async with Engine(config, executor) as engine:
         app = build_app(engine, tokenizer, model_name="my-model", max_model_len=8192)
-        await uvicorn.Server(uvicorn.Config(app, port=8000)).serve()
+        await serve_http(app, open_socket("127.0.0.1", 8000))
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as
-server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus). Every refusal is a 4xx/5xx with an OpenAI error body, and
-the server keeps serving. A client that disconnects aborts its request.
+server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET
+/v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's), ``GET
+/version``, ``GET /health`` (503 once the engine stopped), ``GET /metrics``
+(Prometheus). Layers, outermost first::
+
+    RequestCounter   every response counted by endpoint and status
+    AccessGuard      Host allow-list, API key (guard.py)
+    routes           body checks (body.py), parsing (protocol.py), the service
+
+Every refusal is a 4xx/5xx with an OpenAI error body, and the server keeps serving. A
+client that disconnects aborts its requests and is logged once, at info level.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -23,44 +30,56 @@ import attrs
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Send
 from tokenizers import Tokenizer
 
 from hybridkv.scheduler import Engine
-from hybridkv.serving.chat import ChatTemplate, ChatTemplateError
-from hybridkv.serving.metrics import CONTENT_TYPE, ServerMetrics
-from hybridkv.serving.protocol import APIError, error_body, parse_chat, parse_completion, parse_json
+from hybridkv.serving.body import check_json_media_type, decode_json, read_body
+from hybridkv.serving.chat import ChatTemplate
+from hybridkv.serving.errors import APIError, ClientGoneError, error_body
+from hybridkv.serving.guard import AccessGuard
+from hybridkv.serving.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from hybridkv.serving.prompts import Prompter
+from hybridkv.serving.protocol import parse_chat, parse_completion
 from hybridkv.serving.service import GenerationService
+from hybridkv.serving.streaming import EventStreamResponse, cancel_on_disconnect
+from hybridkv.serving.utility_routes import UtilityRoutes
 
 log = structlog.get_logger(__name__)
 
 
 @attrs.frozen(kw_only=True)
 class ServerOptions:
-    """Limits of the HTTP layer.
+    """Limits and access rules of the HTTP layer.
 
     Attributes:
         max_body_bytes: Largest request body accepted (413 beyond).
         default_max_tokens: Output limit of a chat request that sets none; None lets it
             run to the end of the context.
+        api_key: Clients must send ``Authorization: Bearer <api_key>`` (guard.py says
+            where); None: no key.
+        allowed_hosts: Host header names answered (``*.example.com`` allowed); empty:
+            any.
+        body_timeout_s: Seconds a request body may take to arrive (408 beyond).
+        template_timeout_s: Seconds one chat-template rendering may take (400 beyond).
+        max_preprocess_threads: Worker threads for rendering, tokenizing and decoding
+            large bodies, over all requests.
     """
 
     max_body_bytes: int = attrs.field(default=4 * 2**20, validator=attrs.validators.ge(1))
     default_max_tokens: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1))
     )
-
-
-class _ClosingStreamingResponse(StreamingResponse):
-    """Closes the body iterator however streaming ends (a disconnect cancels it), so the
-    request's ``finally`` runs now rather than whenever the iterator is collected."""
-
-    async def stream_response(self, send: Send) -> None:
-        async with aclosing(self.body_iterator):  # type: ignore[type-var]
-            await super().stream_response(send)
+    api_key: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.min_len(1))
+    )
+    allowed_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    body_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    template_timeout_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
+    max_preprocess_threads: int = attrs.field(default=4, validator=attrs.validators.ge(1))
 
 
 def build_app(
@@ -76,27 +95,37 @@ def build_app(
     options = options or ServerOptions()
     policies = [p.name for p in engine.config.policies]
     metrics = ServerMetrics(engine.stats, policies)
+    prompter = Prompter(
+        tokenizer,
+        chat_template or ChatTemplate.plain(),
+        max_model_len=max_model_len,
+        limiter=anyio.CapacityLimiter(options.max_preprocess_threads),
+        template_timeout_s=options.template_timeout_s,
+    )
     service = GenerationService(
         engine,
-        tokenizer,
+        prompter,
         model_name=model_name,
-        max_model_len=max_model_len,
-        chat_template=chat_template or ChatTemplate.plain(),
         metrics=metrics,
         default_max_tokens=options.default_max_tokens,
     )
     routes = _Routes(service, metrics, options)
+    utility = UtilityRoutes(service, routes.read_json)
     app = Starlette(
         routes=[
-            Route(
-                "/v1/completions",
-                routes.endpoint("completions", parse_completion),
-                methods=["POST"],
-            ),
-            Route("/v1/chat/completions", routes.endpoint("chat", parse_chat), methods=["POST"]),
-            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/v1/completions", routes.generation(parse_completion), methods=["POST"]),
+            Route("/v1/chat/completions", routes.generation(parse_chat), methods=["POST"]),
+            Route("/v1/models", utility.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", utility.model, methods=["GET"]),
+            Route("/tokenize", routes.guarded(utility.tokenize), methods=["POST"]),
+            Route("/detokenize", routes.guarded(utility.detokenize), methods=["POST"]),
+            Route("/version", utility.version, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
+        ],
+        middleware=[
+            Middleware(RequestCounter, metrics=metrics),
+            Middleware(AccessGuard, api_key=options.api_key, allowed_hosts=options.allowed_hosts),
         ],
         exception_handlers={HTTPException: _http_error},  # type: ignore[dict-item]
     )
@@ -105,104 +134,91 @@ def build_app(
     return app
 
 
+Handler = Callable[[Request], Awaitable[Response]]
+
+
 class _Routes:
     def __init__(self, service: GenerationService, metrics: ServerMetrics, options: ServerOptions):
         self.service = service
         self.metrics_ = metrics
         self.options = options
 
-    def endpoint(
-        self, name: str, parse: Callable[[dict[str, Any]], Any]
-    ) -> Callable[[Request], Awaitable[Response]]:
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """The request's JSON object, through every check of body.py."""
+        check_json_media_type(request)
+        options = self.options
+        raw = await read_body(
+            request, max_bytes=options.max_body_bytes, timeout_s=options.body_timeout_s
+        )
+        return await decode_json(raw, self.service.prompter.limiter)
+
+    def guarded(self, handler: Handler) -> Handler:
+        """``handler`` with every failure turned into a response: an APIError's body, a
+        disconnect logged once at info, anything else a 500 logged with its traceback."""
+
         async def handle(request: Request) -> Response:
             try:
-                response = await self._generate(request, parse)
+                return await handler(request)
             except APIError as exc:
-                response = JSONResponse(exc.body(), status_code=exc.status)
-            except ChatTemplateError as exc:
-                response = JSONResponse(APIError(str(exc), param="messages").body(), 400)
-            self.metrics_.requests.labels(endpoint=name, status=str(response.status_code)).inc()
-            return response
+                # A body not read to its end leaves the connection unusable: close it.
+                headers = {"Connection": "close"} if exc.status in (408, 413) else None
+                return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+            except ClientGoneError:
+                log.info("client_disconnected", path=request.url.path, phase="request")
+                return Response(status_code=499)  # nobody reads it: the client has gone
+            except Exception:
+                log.exception("request_failed", path=request.url.path)
+                body = error_body("internal server error", "server_error")
+                return JSONResponse(body, status_code=500)
 
         return handle
 
-    async def _generate(self, request: Request, parse: Callable[[dict[str, Any]], Any]) -> Response:
-        body = parse(parse_json(await _read_body(request, self.options.max_body_bytes)))
-        job = self.service.submit(body)
-        if body.stream:
-            return _ClosingStreamingResponse(
-                self.service.stream(job),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        outcome: list[dict[str, Any] | APIError] = []
+    def generation(self, parse: Callable[[dict[str, Any]], Any]) -> Handler:
+        """The handler of a generation endpoint whose body ``parse`` reads."""
 
-        async def complete() -> None:
+        async def handle(request: Request) -> Response:
+            parsed = parse(await self.read_json(request))
+            job = await self.service.submit(parsed)
+            if parsed.stream:
+                return EventStreamResponse(
+                    lambda emit: self.service.stream(job, emit), lambda: self.service.close(job)
+                )
+            outcome: list[dict[str, Any] | APIError] = []
+
+            async def complete() -> None:
+                try:
+                    outcome.append(await self.service.complete(job))
+                except APIError as exc:
+                    outcome.append(exc)
+                tg.cancel_scope.cancel()
+
+            # Run until done or until the client disconnects (then the request is aborted).
             try:
-                outcome.append(await self.service.complete(job))
-            except APIError as exc:
-                outcome.append(exc)
-            tg.cancel_scope.cancel()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(
+                        cancel_on_disconnect, request.receive, tg.cancel_scope, request.url.path
+                    )
+                    tg.start_soon(complete)
+            finally:
+                self.service.close(job)
+            if not outcome:
+                return Response(status_code=499)  # nobody reads it: the client has gone
+            if isinstance(outcome[0], APIError):
+                raise outcome[0]
+            return JSONResponse(outcome[0])
 
-        # Run until done or until the client disconnects (then the request is aborted).
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
-            tg.start_soon(complete)
-        if not outcome:
-            return Response(status_code=499)  # nobody reads it: the client has gone
-        if isinstance(outcome[0], APIError):
-            raise outcome[0]
-        return JSONResponse(outcome[0])
-
-    async def models(self, request: Request) -> Response:
-        service = self.service
-        card = {
-            "id": service.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "hybridkv",
-            "max_model_len": service.max_model_len,
-        }
-        self.metrics_.requests.labels(endpoint="models", status="200").inc()
-        return JSONResponse({"object": "list", "data": [card]})
+        return self.guarded(handle)
 
     async def health(self, request: Request) -> Response:
-        if self.service.engine.is_running:
+        engine = self.service.engine
+        if engine.is_running:
             return JSONResponse({"status": "ok"})
-        body = error_body("the engine is not running", "server_error")
+        reason = f": {engine.error}" if engine.error is not None else ""
+        body = error_body(f"the engine is not running{reason}", "server_error")
         return JSONResponse(body, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.metrics_.render(), media_type=CONTENT_TYPE)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing it with 413 as soon as it is known to exceed ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(len(body), limit)
-    return bytes(body)
-
-
-def _too_large(size: int, limit: int) -> APIError:
-    return APIError(
-        f"the request body has at least {size} bytes; the limit is {limit}",
-        status=413,
-        code="request_too_large",
-    )
-
-
-async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    # The body has been read, so the next message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    log.info("client_disconnected", path=request.url.path)
-    scope.cancel()
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -10,6 +10,7 @@ from typing import Any
 
 from hybridkv.serving.console import add_log_level_argument, configure_logging
 from hybridkv.serving.loading import add_engine_arguments, add_model_argument, engine_args
+from hybridkv.serving.serve_flags import add_access_and_limit_arguments, http_settings
 
 _SERVE_EPILOG = """\
 examples:
@@ -20,7 +21,8 @@ then, from any OpenAI client:
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "gemma-3-270m", "prompt": "The sea is", "max_tokens": 20}'
 
-endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+           /version, /health, /metrics
 """
 
 
@@ -55,6 +57,7 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         help="output limit of chat requests that set none (default: the rest of the context)",
     )
     add_log_level_argument(http, "info")
+    add_access_and_limit_arguments(parser)
     add_engine_arguments(parser)
     parser.set_defaults(handler=run_serve)
 
@@ -63,7 +66,6 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the model, start the engine, serve until interrupted."""
     import anyio
 
-    from hybridkv.serving.app import ServerOptions
     from hybridkv.serving.cli import UsageError, parse_size
     from hybridkv.serving.loading import load_model
     from hybridkv.serving.server import open_socket
@@ -74,32 +76,47 @@ def run_serve(args: argparse.Namespace) -> int:
     max_body_bytes = parse_size(args.max_body_size)
     if max_body_bytes < 1:
         raise UsageError(f"--max-body-size must be at least 1 byte, got {args.max_body_size!r}")
-    options = ServerOptions(
-        max_body_bytes=max_body_bytes,
-        default_max_tokens=args.default_max_tokens,
-    )
+    try:
+        settings = http_settings(
+            args, max_body_bytes=max_body_bytes, default_max_tokens=args.default_max_tokens
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     sock = open_socket(args.host, args.port)  # fail fast, before the model loads
     with sock:  # closed too when the model fails to load
         loaded = load_model(engine_args(args))
+        _prepare_structured_output(loaded)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way to stop
-            anyio.run(_serve, loaded, sock, options, args)
+            anyio.run(_serve, loaded, sock, settings, args)
     return 0
 
 
-async def _serve(loaded: Any, sock: Any, options: Any, args: argparse.Namespace) -> None:
+def _prepare_structured_output(loaded: Any) -> None:
+    """Read the vocabulary for grammar masks now (seconds for a large one), not in the
+    first step of the first request that asks for structured output."""
+    sampler = getattr(loaded.executor, "sampler", None)
+    if sampler is not None and hasattr(sampler, "enable_structured_output"):
+        sampler.enable_structured_output(loaded.tokenizer, loaded.executor.vocab_size)
+
+
+async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace) -> None:
     from hybridkv.scheduler import Engine
     from hybridkv.serving.app import build_app
     from hybridkv.serving.server import serve_http
+    from hybridkv.serving.watchdog import StepWatchdog
 
     name = args.served_model_name or loaded.name
-    async with Engine(loaded.engine_config, loaded.executor) as engine:
+    executor = loaded.executor
+    if settings.step_timeout_s is not None:
+        executor = StepWatchdog(executor, settings.step_timeout_s)
+    async with Engine(loaded.engine_config, executor) as engine:
         app = build_app(
             engine,
             loaded.tokenizer,
             model_name=name,
             max_model_len=loaded.max_model_len,
             chat_template=loaded.chat_template,
-            options=options,
+            options=settings.options,
         )
         host, port = sock.getsockname()[:2]
         print(
@@ -108,7 +125,7 @@ async def _serve(loaded: Any, sock: Any, options: Any, args: argparse.Namespace)
             file=sys.stderr,
             flush=True,
         )
-        await serve_http(app, sock, log_level=args.log_level)
+        await serve_http(app, sock, log_level=args.log_level, limits=settings.limits)
 
 
 def register_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

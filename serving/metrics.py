@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridkv.scheduler.outputs import EngineStats
 
@@ -103,3 +104,45 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+#: Endpoint labels by path; ``/v1/models/{id}`` counts as ``models``, others as ``other``.
+ENDPOINTS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/models": "models",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/health": "health",
+    "/metrics": "metrics",
+    "/version": "version",
+}
+
+
+class RequestCounter:
+    """ASGI middleware counting every response by endpoint and status, whoever sent it
+    (a route, a refusal of the access guard, an error handler); 500 for an app that
+    raised before responding."""
+
+    def __init__(self, app: ASGIApp, *, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        endpoint = ENDPOINTS.get(path) or ("models" if path.startswith("/v1/models/") else "other")
+        status: list[int] = []
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            code = str(status[0]) if status else "500"
+            self.metrics.requests.labels(endpoint=endpoint, status=code).inc()

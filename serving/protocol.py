@@ -1,7 +1,10 @@
-"""OpenAI-style request bodies in, checked values out; errors as OpenAI error bodies.
+"""OpenAI-style request bodies in, one checked :class:`GenerationRequest` out.
 
-Parsing is strict about types and ranges (a wrong value is a 400 naming the field) and
-lenient about unknown fields (ignored, as OpenAI clients send many optional ones).
+Every field is read through :class:`~hybridkv.serving.fields.Fields`: a wrong value is a
+400 naming the field, a field this server does not implement is a 400 naming it (unless
+its value asks for nothing), and a field nobody reads is refused as unrecognized, as
+OpenAI does. What vLLM adds to the OpenAI API (``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``guided_json``, ...) is read the same way.
 Values that depend on the prompt's length (``max_tokens`` against the context) are
 checked by :meth:`GenerationRequest.sampling_params` once the prompt is tokenized.
 
@@ -12,45 +15,18 @@ becomes one count in :class:`GenerationRequest` (None: not asked).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from hybridkv.errors import HybridKVError
-from hybridkv.scheduler.params import MAX_LOGPROBS, SamplingParams
+from hybridkv.scheduler.params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from hybridkv.serving.errors import APIError
+from hybridkv.serving.fields import Fields
+from hybridkv.serving.structured import parse_structured_output
 
-
-class APIError(HybridKVError):
-    """A request the server refuses; rendered as an OpenAI error body with ``status``."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        error_type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
-        self.error_type = error_type
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return error_body(self.message, self.error_type, param=self.param, code=self.code)
-
-
-def error_body(
-    message: str, error_type: str, *, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """An OpenAI-style error body."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+#: Most choices (``n``, ``best_of``) one request may ask for.
+MAX_CHOICES = 128
 
 
 @attrs.frozen(kw_only=True)
@@ -60,29 +36,49 @@ class GenerationRequest:
     Exactly one of ``prompt`` (a string or token ids) and ``messages`` is set.
 
     Attributes:
+        sampling: The engine's parameters but for the prompt-dependent ones
+            (``max_tokens``, ``min_tokens``, logprob counts), which
+            :meth:`sampling_params` sets.
+        n: Choices returned.
+        best_of: Choices generated; the ``n`` with the highest cumulative logprob are
+            returned (``best_of > n`` only without streaming).
         logprobs: Top tokens to report beside each generated token's logprob (completions'
             ``logprobs``, chat's ``top_logprobs`` once ``logprobs`` is true); None: none.
         prompt_logprobs: vLLM's ``prompt_logprobs``: the same for each prompt token.
         echo: The prompt leads the text (and the logprobs lists, with ``logprobs``).
+        include_stop: Keep a stop string (or stop token's text) at the end of the text.
+        skip_special_tokens: Leave special tokens' text out of the output.
+        truncate_prompt_tokens: Keep only the prompt's last this many tokens.
+        add_special_tokens: Let the tokenizer add its special tokens (BOS); None: the
+            endpoint's default (yes for completions, no for a chat template's text).
+        add_generation_prompt: End the chat prompt where the assistant's reply begins.
+        template_kwargs: Extra variables for the chat template.
+        structured_param: The field that set ``sampling.structured_output``.
     """
 
     model: str
     prompt: str | tuple[int, ...] | None = None
     messages: tuple[Mapping[str, str], ...] | None = None
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
     max_tokens: int | None = None
     min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+    best_of: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     echo: bool = False
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    priority: int = 0
+    cache_salt: str | None = None
+    structured_param: str | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -90,12 +86,19 @@ class GenerationRequest:
         return self.messages is not None
 
     def sampling_params(
-        self, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int | None
+        self,
+        num_prompt_tokens: int,
+        max_model_len: int,
+        default_max_tokens: int | None,
+        *,
+        copy: int = 0,
     ) -> SamplingParams:
-        """The engine's parameters, ``max_tokens`` checked against the context left.
+        """The engine's parameters of choice ``copy``, ``max_tokens`` checked against the
+        context left.
 
         Without ``max_tokens`` the request may use ``default_max_tokens`` or, if that is
-        None, the whole context left after its prompt.
+        None, the whole context left after its prompt. A seeded request's copies get
+        seeds ``seed + copy`` (as vLLM's), so they differ.
 
         Raises:
             APIError: the prompt fills the context, or max_tokens does not fit after it.
@@ -118,18 +121,21 @@ class GenerationRequest:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        return SamplingParams(
+        seed = self.sampling.seed
+        return attrs.evolve(
+            self.sampling,
             max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens),
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
+            seed=None if seed is None else seed + copy,
+            logprobs=self._engine_logprobs(),
             prompt_logprobs=self._engine_prompt_logprobs(),
         )
+
+    def _engine_logprobs(self) -> int | None:
+        # Ranking best_of copies needs each sampled token's logprob.
+        if self.logprobs is None and self.best_of > self.n:
+            return 0
+        return self.logprobs
 
     def _engine_prompt_logprobs(self) -> int | None:
         # Echo with logprobs reports the prompt tokens too, so the engine must compute them.
@@ -137,129 +143,209 @@ class GenerationRequest:
         return max((c for c in counts if c is not None), default=None)
 
 
-#: Fields we do not implement, and the values that ask for nothing (so are accepted).
-_UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "best_of": (None, 1),
-    "tools": (None, []),
-}
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
 def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
     """A ``/v1/completions`` body (``max_tokens`` defaults to 16, as OpenAI's does)."""
-    return GenerationRequest(
-        prompt=_prompt(body),
-        logprobs=_num_logprobs(body, "logprobs"),
-        echo=_bool(body, "echo", False),
-        **_common(body, default_max_tokens=16),
+    fields = Fields(body)
+    fields.refuse("suffix", allowed=(None, ""), why="send the text before it as the prompt")
+    request = GenerationRequest(
+        prompt=_prompt(fields),
+        logprobs=_num_logprobs(fields, "logprobs"),
+        echo=fields.boolean("echo", False),
+        **_common(fields, default_max_tokens=16),
     )
+    fields.check_all_read()
+    return request
 
 
 def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
     """A ``/v1/chat/completions`` body."""
-    if body.get("echo") not in (None, False):
-        raise APIError("'echo' is not supported by this server for chat", param="echo")
-    top_logprobs = _num_logprobs(body, "top_logprobs")
-    if not _bool(body, "logprobs", False):
+    fields = Fields(body)
+    fields.refuse("echo", allowed=(None, False), why="not for chat")
+    top_logprobs = _num_logprobs(fields, "top_logprobs")
+    if not fields.boolean("logprobs", False):
         # OpenAI's rule; 0 asks for nothing, so vLLM accepts it alone, and so do we.
         if top_logprobs:
             raise APIError(
-                f"top_logprobs={top_logprobs} needs 'logprobs' set to true",
-                param="top_logprobs",
+                f"top_logprobs={top_logprobs} needs 'logprobs' set to true", param="top_logprobs"
             )
         top_logprobs = None
     elif top_logprobs is None:
         top_logprobs = 0
-    return GenerationRequest(
-        messages=_messages(body),
+    for field in ("tools", "functions"):
+        fields.refuse(field, allowed=(None, []), why="tool calling is not implemented")
+    fields.refuse("tool_choice", allowed=(None, "none", "auto"), why="there are no tools")
+    fields.refuse("function_call", allowed=(None, "none", "auto"), why="there are no tools")
+    fields.boolean("parallel_tool_calls", True)  # no tools: nothing to run in parallel
+    fields.refuse("continue_final_message", allowed=(None, False))
+    fields.refuse("chat_template", why="the server uses the checkpoint's template")
+    fields.refuse("documents", allowed=(None, []))
+    fields.refuse("modalities", allowed=(None, ["text"]))
+    fields.refuse("store", allowed=(None, False))
+    fields.raw("metadata")  # kept by OpenAI with store=true only
+    template_kwargs = fields.nested("chat_template_kwargs")
+    request = GenerationRequest(
+        messages=parse_messages(fields),
         logprobs=top_logprobs,
-        **_common(body, default_max_tokens=None),
+        add_generation_prompt=fields.boolean("add_generation_prompt", True),
+        template_kwargs=parse_template_kwargs(template_kwargs),
+        **_common(fields, default_max_tokens=None),
     )
+    fields.check_all_read()
+    return request
 
 
-def _common(body: Mapping[str, Any], default_max_tokens: int | None) -> dict[str, Any]:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise APIError("'model' must be a non-empty string", param="model")
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise APIError(f"n={n} is not supported; only n=1 is", param="n")
-    for field, allowed in _UNSUPPORTED.items():
-        if body.get(field) not in allowed:
-            raise APIError(f"'{field}' is not supported by this server", param=field)
-    max_tokens = _optional_int(body, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = _optional_int(body, "max_tokens")
+def _common(fields: Fields, default_max_tokens: int | None) -> dict[str, Any]:
+    """The fields both endpoints share."""
+    model = fields.string("model")
+    if not model:
+        raise fields.error("model", "must be a non-empty string")
+    max_tokens = fields.optional_integer("max_completion_tokens")
+    legacy = fields.optional_integer("max_tokens")
+    max_tokens = legacy if max_tokens is None else max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise APIError("'stream_options' must be an object", param="stream_options")
-    stream = _bool(body, "stream", False)
-    prompt_logprobs = _num_logprobs(body, "prompt_logprobs")
+        raise fields.error("max_tokens", f"must be >= 1, got {max_tokens}")
+    stream = fields.boolean("stream", False)
+    options = fields.nested("stream_options")
+    include_usage = False
+    if options is not None:
+        include_usage = options.boolean("include_usage", False)
+        options.refuse("continuous_usage_stats", allowed=(None, False))
+        options.check_all_read()
+    prompt_logprobs = _num_logprobs(fields, "prompt_logprobs")
     if stream and prompt_logprobs is not None:
         # As vLLM: they would arrive only once the whole prompt has run.
-        raise APIError(
-            "'prompt_logprobs' is not available with stream=true", param="prompt_logprobs"
-        )
+        raise fields.error("prompt_logprobs", "is not available with stream=true")
+    n, best_of = _choices(fields, stream)
+    _refuse_unimplemented(fields)
+    fields.raw("user")  # an end-user id for the provider's abuse tracking: nothing to do
+    structured = parse_structured_output(fields)
     return {
         "model": model,
+        "sampling": _sampling(fields, structured[0] if structured else None),
         "max_tokens": max_tokens,
-        "min_tokens": _int(body, "min_tokens", 0, minimum=0),
-        "temperature": _float(body, "temperature", 1.0, low=0.0, high=2.0),
-        "top_p": _float(body, "top_p", 1.0, low=0.0, high=1.0, open_low=True),
-        "top_k": _top_k(body),
-        "seed": _optional_int(body, "seed"),
-        "stop": _stop(body),
-        "stop_token_ids": tuple(_int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
-        "ignore_eos": _bool(body, "ignore_eos", False),
+        "min_tokens": fields.integer("min_tokens", 0, low=0),
+        "stop": _stop(fields),
         "stream": stream,
-        "include_usage": _bool(options, "include_usage", False),
+        "include_usage": include_usage,
+        "n": n,
+        "best_of": best_of,
         "prompt_logprobs": prompt_logprobs,
+        "include_stop": fields.boolean("include_stop_str_in_output", False),
+        "skip_special_tokens": fields.boolean("skip_special_tokens", True),
+        "truncate_prompt_tokens": _truncate(fields),
+        "add_special_tokens": _optional_bool(fields, "add_special_tokens"),
+        "priority": fields.integer("priority", 0),
+        "cache_salt": fields.string("cache_salt"),
+        "structured_param": structured[1] if structured else None,
     }
 
 
-def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
-    prompt = body.get("prompt")
+def _sampling(fields: Fields, structured: Any) -> SamplingParams:
+    """What the engine's sampler does with each token."""
+    values = {
+        "temperature": fields.number("temperature", 1.0, low=0.0, high=2.0),
+        "top_p": fields.number("top_p", 1.0, low=0.0, high=1.0, open_low=True),
+        "top_k": _top_k(fields),
+        "min_p": fields.number("min_p", 0.0, low=0.0, high=1.0),
+        "seed": fields.optional_integer("seed", low=-(2**63), high=2**63 - 1),
+        "presence_penalty": fields.number("presence_penalty", 0.0, low=-2.0, high=2.0),
+        "frequency_penalty": fields.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
+        "repetition_penalty": fields.number(
+            "repetition_penalty", 1.0, low=0.0, high=float("inf"), open_low=True
+        ),
+        "logit_bias": _logit_bias(fields),
+        "stop_token_ids": fields.token_ids("stop_token_ids"),
+        "ignore_eos": fields.boolean("ignore_eos", False),
+        "structured_output": structured,
+    }
+    try:
+        return SamplingParams(**values)
+    except InvalidRequestError as exc:  # a combination the checks above let through
+        raise APIError(str(exc)) from None
+
+
+def _refuse_unimplemented(fields: Fields) -> None:
+    """vLLM and OpenAI fields this server knows and does not implement."""
+    fields.refuse("use_beam_search", allowed=(None, False))
+    fields.refuse("length_penalty", allowed=(None, 1, 1.0), why="it applies to beam search")
+    fields.refuse("spaces_between_special_tokens", allowed=(None, True))
+    fields.refuse("return_tokens_as_token_ids", allowed=(None, False))
+    fields.refuse("allowed_token_ids", why="use logit_bias")
+    fields.refuse("bad_words", allowed=(None, []), why="use logit_bias")
+    for field in ("logits_processors", "prompt_embeds", "request_id", "kv_transfer_params"):
+        fields.refuse(field)
+
+
+def _choices(fields: Fields, stream: bool) -> tuple[int, int]:
+    n = fields.integer("n", 1, low=1, high=MAX_CHOICES)
+    best_of = fields.integer("best_of", n, low=1, high=MAX_CHOICES)
+    if best_of < n:
+        raise fields.error("best_of", f"must be >= n={n}, got {best_of}")
+    if stream and best_of > n:
+        raise fields.error("best_of", "> n cannot stream: the best are known only at the end")
+    return n, best_of
+
+
+def _logit_bias(fields: Fields) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}``; biases clamped to [-100, 100], as vLLM does."""
+    value = fields.raw("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise fields.error("logit_bias", "must map token ids to biases")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()) or type(bias) not in (int, float):
+            raise fields.error(
+                "logit_bias", f"must map token ids to numbers, got {key!r}: {bias!r}"
+            )
+        out[int(key)] = min(100.0, max(-100.0, float(bias)))
+    return out
+
+
+def _prompt(fields: Fields) -> str | tuple[int, ...]:
+    prompt = fields.raw("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return prompt
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise APIError(
-            f"a batch of {len(prompt)} prompts is not supported; send one request per prompt",
-            param="prompt",
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(type(t) is int for t in prompt):
+        raise fields.error(
+            "prompt", f"is a batch of {len(prompt)} prompts; send one request per prompt"
         )
-    raise APIError("'prompt' must be a non-empty string or list of token ids", param="prompt")
+    raise fields.error("prompt", "must be a non-empty string or list of token ids")
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[Mapping[str, str], ...]:
-    messages = body.get("messages")
+def parse_messages(fields: Fields) -> tuple[Mapping[str, str], ...]:
+    """The ``messages`` of a chat body: role, content (text), optional name."""
+    messages = fields.raw("messages")
     if not isinstance(messages, list) or not messages:
-        raise APIError("'messages' must be a non-empty list", param="messages")
+        raise fields.error("messages", "must be a non-empty list")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise APIError(f"messages[{i}] must be an object with a 'role'", param="messages")
-        out.append({"role": message["role"], "content": _content(message.get("content"), i)})
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(f"'{where}' must be an object with a 'role'", param="messages")
+        entry = Fields(message, where)
+        role = entry.string("role")
+        if not role:
+            raise APIError(f"'{where}.role' must be a non-empty string", param="messages")
+        item = {"role": role, "content": _content(entry.raw("content"), where)}
+        name = entry.string("name")
+        if name is not None:
+            item["name"] = name
+        for field in ("tool_calls", "function_call", "audio"):
+            entry.refuse(field, allowed=(None, []), why="tool calling is not implemented")
+        entry.check_all_read()
+        out.append(item)
     return tuple(out)
 
 
-def _content(content: object, index: int) -> str:
+def _content(content: object, where: str) -> str:
     if isinstance(content, str):
         return content
     # The list form: text parts only.
@@ -268,85 +354,48 @@ def _content(content: object, index: int) -> str:
         for p in content
     ):
         return "".join(p["text"] for p in content)
-    raise APIError(
-        f"messages[{index}].content must be a string or a list of text parts",
-        param="messages",
-    )
+    raise APIError(f"'{where}.content' must be a string or a list of text parts", param="messages")
 
 
-def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
+def parse_template_kwargs(fields: Fields | None) -> dict[str, Any]:
+    """``chat_template_kwargs``: extra template variables (not the request's own)."""
+    if fields is None:
+        return {}
+    values = fields.everything()
+    reserved = {"messages", "add_generation_prompt"} & set(values)
+    if reserved:
+        raise fields.error(sorted(reserved)[0], "is set by the request itself")
+    return values
+
+
+def _stop(fields: Fields) -> tuple[str, ...]:
+    stop = fields.raw("stop")
     if stop is None:
         return ()
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise APIError("'stop' must be a non-empty string or a list of them", param="stop")
+        raise fields.error("stop", "must be a non-empty string or a list of them")
     return tuple(stop)
 
 
-def _top_k(body: Mapping[str, Any]) -> int:
-    top_k = _int(body, "top_k", 0)
+def _top_k(fields: Fields) -> int:
+    top_k = fields.integer("top_k", 0)
     if top_k < -1:
-        raise APIError(f"top_k must be >= 0 (0 or -1 keep all), got {top_k}", param="top_k")
+        raise fields.error("top_k", f"must be >= 0 (0 or -1 keep all), got {top_k}")
     return max(top_k, 0)
 
 
-def _num_logprobs(body: Mapping[str, Any], name: str) -> int | None:
-    value = _optional_int(body, name)
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise APIError(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+def _truncate(fields: Fields) -> int | None:
+    value = fields.optional_integer("truncate_prompt_tokens", low=-1)
+    if value == 0:
+        raise fields.error("truncate_prompt_tokens", "must be >= 1, or -1 for max_model_len")
     return value
 
 
-def _optional_int(body: Mapping[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if type(value) is not int:
-        raise APIError(f"'{name}' must be an integer, got {value!r}", param=name)
-    return value
+def _num_logprobs(fields: Fields, name: str) -> int | None:
+    return fields.optional_integer(name, low=0, high=MAX_LOGPROBS)
 
 
-def _int(body: Mapping[str, Any], name: str, default: int, *, minimum: int | None = None) -> int:
-    value = _optional_int(body, name)
-    if value is None:
-        return default
-    if minimum is not None and value < minimum:
-        raise APIError(f"'{name}' must be >= {minimum}, got {value}", param=name)
-    return value
-
-
-def _int_list(value: object, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
-        raise APIError(f"'{name}' must be a list of token ids", param=name)
-    return value
-
-
-def _float(
-    body: Mapping[str, Any],
-    name: str,
-    default: float,
-    *,
-    low: float,
-    high: float,
-    open_low: bool = False,
-) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if type(value) not in (int, float):
-        raise APIError(f"'{name}' must be a number, got {value!r}", param=name)
-    if value < low or value > high or (open_low and value == low):
-        bound = "(" if open_low else "["
-        raise APIError(f"'{name}' must be in {bound}{low}, {high}], got {value}", param=name)
-    return float(value)
-
-
-def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise APIError(f"'{name}' must be true or false, got {value!r}", param=name)
-    return value
+def _optional_bool(fields: Fields, name: str) -> bool | None:
+    return fields.boolean(name, False) if fields.has(name) else fields.raw(name)

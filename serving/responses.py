@@ -38,63 +38,81 @@ class ResponseHeader:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(
+    def choice(
         self,
+        index: int,
         text: str,
         finish_reason: str | None,
-        usage: Usage,
         *,
         logprobs: dict[str, Any] | None = None,
         prompt_logprobs: list[Any] | None = None,
     ) -> dict[str, Any]:
-        """The whole response of a non-streamed request.
+        """One choice of a whole response.
 
-        ``prompt_logprobs`` (vLLM's extension) goes where vLLM puts it: in the choice of a
-        completion, at the top of a chat response; it is left out when None.
+        ``prompt_logprobs`` (vLLM's extension) goes in the choice of a completion; a chat
+        response carries it at the top (see :meth:`full`). It is left out when None.
         """
         if self.is_chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
+            message = {"role": "assistant", "content": text}
+            return {
+                "index": index,
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
-            body = self._base("chat.completion")
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-            body = self._base("text_completion")
-        body = {**body, "choices": [choice], "usage": usage.body()}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         if prompt_logprobs is not None:
-            (body if self.is_chat else choice)["prompt_logprobs"] = prompt_logprobs
+            choice["prompt_logprobs"] = prompt_logprobs
+        return choice
+
+    def full(
+        self,
+        choices: list[dict[str, Any]],
+        usage: Usage,
+        *,
+        prompt_logprobs: list[Any] | None = None,
+    ) -> dict[str, Any]:
+        """The whole response of a non-streamed request (a chat's ``prompt_logprobs`` at
+        the top, where vLLM puts it)."""
+        obj = "chat.completion" if self.is_chat else "text_completion"
+        body = {**self._base(obj), "choices": choices, "usage": usage.body()}
+        if self.is_chat and prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
         return body
 
     def chunk(
         self,
+        index: int,
         text: str,
         finish_reason: str | None = None,
         *,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk: a text delta, the logprobs of its tokens, the finish reason
-        in the last."""
+        """One streamed chunk of choice ``index``: a text delta, the logprobs of its
+        tokens, the finish reason in the last."""
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         return {**self._base("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:

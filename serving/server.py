@@ -20,6 +20,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from hybridkv.errors import HybridKVError
+from hybridkv.serving.connection import ConnectionLimits
 
 
 class ListenError(HybridKVError, OSError):
@@ -56,17 +57,22 @@ async def serve_http(
     sock: socket.socket,
     *,
     log_level: str = "warning",
+    limits: ConnectionLimits | None = None,
     task_status: anyio.abc.TaskStatus[uvicorn.Server] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``sock`` until the server is told to exit (``should_exit``).
 
     With ``await tg.start(serve_http, app, sock)`` the caller gets the uvicorn server
     once it accepts connections, and stops it by setting ``server.should_exit = True``.
+    ``limits`` bound the connections and their timeouts (connection.py).
     """
+    limits = limits or ConnectionLimits()
     config = uvicorn.Config(
         app,
+        http=limits.protocol(),
         log_level=log_level,
         lifespan="off",
+        timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=5,
         access_log=log_level in ("debug", "info"),
     )

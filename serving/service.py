@@ -1,19 +1,26 @@
-"""One OpenAI-style generation request against the engine: tokenize, submit, stream text.
+"""One OpenAI-style generation request against the engine: prompt, choices, responses.
 
-The HTTP layer (``app.py``) parses and routes; this module owns what happens between a
-parsed :class:`GenerationRequest` and response bodies, so it can be used without HTTP.
-Leaving a stream early (the client went away) closes the engine's iterator, which aborts
-the request and frees its pages at once.
+The HTTP layer (``app.py``) reads and routes; this module owns what happens between a
+parsed :class:`GenerationRequest` and response bodies, so it can be used without HTTP::
+
+    submit    model check -> prompt ids (prompts.py, off the loop) -> constraint check
+              -> one engine request per choice (n, or best_of), all or none
+    complete  every choice to its end, concurrently; best_of keeps the n most likely
+    stream    every choice's deltas as server-sent events, as they come
+
+Leaving early (the client went away) closes the engine streams, which aborts the
+requests and frees their pages at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from typing import Any
 
+import anyio
 import attrs
 import structlog
 from tokenizers import Tokenizer
@@ -25,31 +32,34 @@ from hybridkv.scheduler import (
     EngineStoppedError,
     HybridKVError,
     InvalidRequestError,
-    RequestOutput,
     RequestStream,
     SamplingParams,
 )
-from hybridkv.serving.chat import ChatTemplate
+from hybridkv.serving.choices import Choice
+from hybridkv.serving.errors import APIError
 from hybridkv.serving.logprobs import LogprobsStream, TokenTexts
 from hybridkv.serving.metrics import ServerMetrics
-from hybridkv.serving.protocol import APIError, GenerationRequest
+from hybridkv.serving.prompts import Prompter
+from hybridkv.serving.protocol import GenerationRequest
 from hybridkv.serving.responses import SSE_DONE, ResponseHeader, Usage, sse
-from hybridkv.serving.text import TextStream
+from hybridkv.serving.structured import check_structured_output
+from hybridkv.serving.text import TextStream, TokenClasses
 
 log = structlog.get_logger(__name__)
 
+#: Sends one server-sent event to the client.
+Emit = Callable[[bytes], Awaitable[None]]
+
 
 @attrs.define(kw_only=True)
-class Submitted:
-    """A request the engine accepted, with what its response needs."""
+class Job:
+    """A request the engine accepted: its choices and what its response repeats."""
 
     request: GenerationRequest
     header: ResponseHeader
-    stream: RequestStream
+    choices: list[Choice]
+    prompt_ids: list[int]
     arrival: float
-    logprobs: LogprobsStream | None = None  # None: the request asks for none
-    echo_text: str = ""  # the prompt's text, with echo
-    is_counted: bool = False  # its end went into the metrics
 
 
 class GenerationService:
@@ -57,10 +67,8 @@ class GenerationService:
 
     Args:
         engine: The running engine.
-        tokenizer: The model's tokenizer.
+        prompter: The model's tokenizer and chat template, with their limits.
         model_name: The only ``model`` value requests may name.
-        max_model_len: Most tokens of prompt and output together.
-        chat_template: Renders chat messages into prompt text.
         metrics: Where counts go.
         default_max_tokens: Output limit of a chat request that sets none (None: the
             whole context left after the prompt).
@@ -69,135 +77,223 @@ class GenerationService:
     def __init__(
         self,
         engine: Engine,
-        tokenizer: Tokenizer,
+        prompter: Prompter,
         *,
         model_name: str,
-        max_model_len: int,
-        chat_template: ChatTemplate,
         metrics: ServerMetrics,
         default_max_tokens: int | None = None,
     ) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.prompter = prompter
+        self.tokenizer: Tokenizer = prompter.tokenizer
         self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.chat_template = chat_template
+        self.max_model_len = prompter.max_model_len
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
-        self.token_texts = TokenTexts(tokenizer)
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.token_classes = TokenClasses.of(self.tokenizer)
+        self.vocab_size = engine.config.vocab_size or self.tokenizer.get_vocab_size()
 
-    def submit(self, request: GenerationRequest) -> Submitted:
-        """Check, tokenize and queue ``request``.
-
-        Raises:
-            APIError: unknown model (404), a prompt or max_tokens over the context (400),
-                a request the engine refuses (400), or an engine that is full (503).
-        """
-        if request.model != self.model_name:
+    def check_model(self, model: str | None) -> None:
+        """Refuse (404) a ``model`` this server does not serve."""
+        if model is not None and model != self.model_name:
             raise APIError(
-                f"the model {request.model!r} does not exist; this server serves "
-                f"{self.model_name!r}",
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                 status=404,
                 param="model",
                 code="model_not_found",
             )
-        prompt_ids = self._tokenize(request)
-        params = request.sampling_params(
-            len(prompt_ids), self.max_model_len, self.default_max_tokens
-        )
-        prefix = "chatcmpl" if request.is_chat else "cmpl"
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
-        stream = self._generate(prompt_ids, params, response_id)
+
+    async def submit(self, request: GenerationRequest) -> Job:
+        """Check, tokenize and queue every choice of ``request``.
+
+        Raises:
+            APIError: unknown model (404), a prompt or max_tokens over the context, a bad
+                constraint or logit bias (400), or an engine that is full (503).
+        """
+        self.check_model(request.model)
+        prompt_ids = await self.prompter.token_ids(request)
+        self._check_logit_bias(request.sampling)
+        if request.sampling.structured_output is not None:
+            await anyio.to_thread.run_sync(
+                check_structured_output,
+                request.sampling.structured_output,
+                request.structured_param or "response_format",
+                limiter=self.prompter.limiter,
+            )
+        params = [
+            request.sampling_params(
+                len(prompt_ids), self.max_model_len, self.default_max_tokens, copy=i
+            )
+            for i in range(request.best_of)
+        ]
+        response_id = f"{'chatcmpl' if request.is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        streams = self._generate(request, prompt_ids, params, response_id)
+        echo_text = self._echo_text(request, prompt_ids)
+        choices = [
+            Choice(
+                i,
+                stream,
+                TextStream(
+                    self.tokenizer,
+                    request.stop,
+                    include_stop=request.include_stop,
+                    skip_special_tokens=request.skip_special_tokens,
+                    classes=self.token_classes,
+                ),
+                logprobs=LogprobsStream.for_request(request, prompt_ids, self.token_texts),
+                echo_text=echo_text,
+                include_stop=request.include_stop,
+            )
+            for i, stream in enumerate(streams)
+        ]
         header = ResponseHeader(
             response_id=response_id,
             model=self.model_name,
             created=int(time.time()),
             is_chat=request.is_chat,
         )
-        return Submitted(
+        return Job(
             request=request,
             header=header,
-            stream=stream,
+            choices=choices,
+            prompt_ids=prompt_ids,
             arrival=time.monotonic(),
-            logprobs=LogprobsStream.for_request(request, prompt_ids, self.token_texts),
-            echo_text=self._echo_text(request, prompt_ids),
         )
 
-    async def complete(self, job: Submitted) -> dict[str, object]:
-        """Run a request to its end and return the whole response body."""
-        texts = TextStream(self.tokenizer, job.request.stop)
-        parts: list[str] = []
-        last: RequestOutput | None = None
-        async with self._closing(job) as outputs:
-            try:
-                async for last in outputs:
-                    self._observe(job, last)
-                    parts.append(texts.push(last.new_token_ids))
-                    if job.logprobs is not None:
-                        job.logprobs.push(last)
-                    if texts.is_stopped:
-                        break  # leaving the iterator aborts the request
-            except HybridKVError as exc:
-                self._count(job, "error")
-                raise APIError(
-                    f"generation failed: {exc}", status=500, error_type="server_error"
-                ) from exc
-            assert last is not None, "the engine ends every request with an output"
-            self._finish(job, last, texts)
-        parts.append(texts.finish())
-        logprobs, prompt_logprobs = None, None
-        if job.logprobs is not None:
-            logprobs, prompt_logprobs = job.logprobs.take(), job.logprobs.prompt_logprobs
-        return job.header.full(
-            job.echo_text + "".join(parts),
-            _reason(last, texts),
-            _usage(last),
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
+    async def complete(self, job: Job) -> dict[str, Any]:
+        """Run every choice to its end and return the whole response body."""
+        failures: list[HybridKVError] = []
+        async with anyio.create_task_group() as tg:
+            for choice in job.choices:
+                tg.start_soon(self._run_choice, job, choice, None, failures, tg.cancel_scope)
+        if failures:
+            raise _failed(failures[0])
+        chosen = job.choices
+        if job.request.best_of > job.request.n:
+            ranked = sorted(chosen, key=lambda c: c.cumulative_logprob, reverse=True)
+            chosen = ranked[: job.request.n]
+        bodies = []
+        prompt_logprobs = None
+        for index, choice in enumerate(chosen):
+            if choice.logprobs is not None and choice.logprobs.prompt_logprobs is not None:
+                prompt_logprobs = choice.logprobs.prompt_logprobs
+            bodies.append(
+                job.header.choice(
+                    index,
+                    choice.text,
+                    choice.finish_reason,
+                    logprobs=choice.take_logprobs(),
+                    prompt_logprobs=prompt_logprobs if not job.request.is_chat else None,
+                )
+            )
+        return job.header.full(bodies, _usage(job, chosen), prompt_logprobs=prompt_logprobs)
 
-    async def stream(self, job: Submitted) -> AsyncIterator[bytes]:
-        """The server-sent events of a streamed request, ``data: [DONE]`` last."""
-        header, texts = job.header, TextStream(self.tokenizer, job.request.stop)
-        delta, last, head = "", None, job.echo_text
-        async with self._closing(job) as outputs:
-            if header.is_chat:  # a chat stream opens with the assistant's role
-                yield sse(header.chunk("", first=True))
-            try:
-                async for last in outputs:
-                    self._observe(job, last)
-                    # The echoed prompt leads the first chunk, beside its logprobs.
-                    delta, head = head + texts.push(last.new_token_ids), ""
-                    if job.logprobs is not None:
-                        job.logprobs.push(last)
-                    if last.is_finished or texts.is_stopped:
-                        break
-                    if delta:  # tokens without text yet keep their logprobs for later
-                        yield sse(header.chunk(delta, logprobs=_take(job)))
-            except HybridKVError as exc:
-                self._count(job, "error")
-                yield sse(APIError(f"generation failed: {exc}", error_type="server_error").body())
-                yield SSE_DONE
-                return
-            assert last is not None, "the engine ends every request with an output"
-            self._finish(job, last, texts)
-        yield sse(header.chunk(delta + texts.finish(), _reason(last, texts), logprobs=_take(job)))
-        if job.request.include_usage:
-            yield sse(header.usage_chunk(_usage(last)))
-        yield SSE_DONE
+    async def stream(self, job: Job, emit: Emit) -> None:
+        """Send every choice's chunks as they come, then the usage (if asked) and
+        ``[DONE]``; an engine failure ends the stream with an error event."""
+        header = job.header
+        if header.is_chat:  # a chat stream opens each choice with the assistant's role
+            for choice in job.choices:
+                await emit(sse(header.chunk(choice.index, "", first=True)))
+        failures: list[HybridKVError] = []
+        async with anyio.create_task_group() as tg:
+            for choice in job.choices:
+                tg.start_soon(self._run_choice, job, choice, emit, failures, tg.cancel_scope)
+        if failures:
+            await emit(sse(_failed(failures[0]).body()))
+        elif job.request.include_usage:
+            await emit(sse(header.usage_chunk(_usage(job, job.choices))))
+        await emit(SSE_DONE)
+
+    def close(self, job: Job) -> None:
+        """End the job however its response ended: abort the choices still running (the
+        client left) and count them."""
+        for choice in job.choices:
+            choice.stream.close()
+            if not choice.is_counted:
+                self._count(choice, "abort")
 
     # -- internals ---------------------------------------------------------------------
 
-    def _tokenize(self, request: GenerationRequest) -> list[int]:
-        if request.messages is not None:
-            text = self.chat_template.render(request.messages)
-            # A checkpoint's template writes the special tokens itself (BOS included).
-            add_special = self.chat_template.is_builtin
-            return self.tokenizer.encode(text, add_special_tokens=add_special).ids
-        if isinstance(request.prompt, str):
-            return self.tokenizer.encode(request.prompt).ids
-        assert request.prompt is not None
-        return list(request.prompt)
+    async def _run_choice(
+        self,
+        job: Job,
+        choice: Choice,
+        emit: Emit | None,
+        failures: list[HybridKVError],
+        scope: anyio.CancelScope,
+    ) -> None:
+        """Read one choice to its end; with ``emit``, stream its chunks on the way."""
+        header = job.header
+        delta = ""
+        try:
+            async with aclosing(choice.stream) as outputs:
+                async for out in outputs:
+                    self._observe(job, out)
+                    delta = choice.push(out)
+                    if choice.is_done:
+                        break  # leaving the stream early aborts the request (stop string)
+                    if emit is not None and delta:  # tokens without text keep their logprobs
+                        await emit(
+                            sse(header.chunk(choice.index, delta, logprobs=choice.take_logprobs()))
+                        )
+                        delta = ""
+        except HybridKVError as exc:
+            self._count(choice, "error")
+            failures.append(exc)
+            scope.cancel()  # one failed choice fails the response
+            return
+        assert choice.last is not None, "the engine ends every request with an output"
+        tail = choice.finish()
+        self._finish(choice)
+        if emit is not None:
+            chunk = header.chunk(
+                choice.index, delta + tail, choice.finish_reason, logprobs=choice.take_logprobs()
+            )
+            await emit(sse(chunk))
+
+    def _generate(
+        self,
+        request: GenerationRequest,
+        prompt_ids: list[int],
+        params: list[SamplingParams],
+        response_id: str,
+    ) -> list[RequestStream]:
+        """One engine request per choice, or none: a refusal aborts the ones queued."""
+        streams: list[RequestStream] = []
+        try:
+            for i, choice_params in enumerate(params):
+                rid = response_id if len(params) == 1 else f"{response_id}-{i}"
+                streams.append(
+                    self.engine.generate(
+                        prompt_ids,
+                        choice_params,
+                        request_id=rid,
+                        priority=request.priority,
+                        cache_salt=request.cache_salt,
+                    )
+                )
+        except (EngineOverloadedError, EngineStoppedError) as exc:
+            self._abort(streams)
+            raise APIError(str(exc), status=503, error_type="server_overloaded") from exc
+        except (InvalidRequestError, CapacityError) as exc:
+            self._abort(streams)
+            raise APIError(str(exc), param="prompt") from exc
+        return streams
+
+    def _abort(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            stream.close()
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        outside = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise APIError(
+                f"'logit_bias' names token ids outside the vocabulary of {self.vocab_size}: "
+                f"{outside[:5]}",
+                param="logit_bias",
+            )
 
     def _echo_text(self, request: GenerationRequest, prompt_ids: list[int]) -> str:
         if not request.echo:
@@ -206,52 +302,31 @@ class GenerationService:
             return request.prompt
         return self.tokenizer.decode(prompt_ids)
 
-    def _generate(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> RequestStream:
-        try:
-            return self.engine.generate(prompt_ids, params, request_id=rid)
-        except (EngineOverloadedError, EngineStoppedError) as exc:
-            raise APIError(str(exc), status=503, error_type="server_overloaded") from exc
-        except (InvalidRequestError, CapacityError) as exc:
-            raise APIError(str(exc), param="prompt") from exc
-
-    @contextlib.asynccontextmanager
-    async def _closing(self, job: Submitted) -> AsyncIterator[RequestStream]:
-        """Close the engine's stream however the body ends (closing it aborts)."""
-        try:
-            async with aclosing(job.stream):
-                yield job.stream
-        finally:
-            if not job.is_counted:  # the client left before the end
-                self._count(job, "abort")
-
-    def _observe(self, job: Submitted, out: RequestOutput) -> None:
+    def _observe(self, job: Job, out: Any) -> None:
         if out.new_token_ids and out.num_output_tokens == len(out.new_token_ids):
             self.metrics.time_to_first_token.observe(time.monotonic() - job.arrival)
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
 
-    def _finish(self, job: Submitted, last: RequestOutput, texts: TextStream) -> None:
+    def _finish(self, choice: Choice) -> None:
+        last = choice.last
+        assert last is not None
         self.metrics.prompt_tokens.inc(last.num_prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(last.num_cached_tokens)
-        self._count(job, _reason(last, texts) or "unknown")
+        self._count(choice, choice.finish_reason or "unknown")
 
-    def _count(self, job: Submitted, reason: str) -> None:
-        job.is_counted = True
+    def _count(self, choice: Choice, reason: str) -> None:
+        choice.is_counted = True
         self.metrics.finished.labels(reason=reason).inc()
 
 
-def _take(job: Submitted) -> dict[str, object] | None:
-    return None if job.logprobs is None else job.logprobs.take()
+def _failed(exc: HybridKVError) -> APIError:
+    return APIError(f"generation failed: {exc}", status=500, error_type="server_error")
 
 
-def _reason(last: RequestOutput, texts: TextStream) -> str | None:
-    if texts.is_stopped:
-        return "stop"
-    return None if last.finish_reason is None else str(last.finish_reason)
-
-
-def _usage(last: RequestOutput) -> Usage:
+def _usage(job: Job, choices: list[Choice]) -> Usage:
+    outputs = [c.last for c in choices if c.last is not None]
     return Usage(
-        prompt_tokens=last.num_prompt_tokens,
-        completion_tokens=last.num_output_tokens,
-        cached_tokens=last.num_cached_tokens,
+        prompt_tokens=len(job.prompt_ids),
+        completion_tokens=sum(o.num_output_tokens for o in outputs),
+        cached_tokens=outputs[0].num_cached_tokens if outputs else 0,
     )

@@ -7,6 +7,8 @@ read engine state through the portal (on the loop's thread).
 
 from __future__ import annotations
 
+import functools
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,9 +21,17 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from hybridkv.policies import FullAttention, SlidingWindow
-from hybridkv.scheduler import Engine, EngineConfig, EngineStats, FakeExecutor
+from hybridkv.scheduler import (
+    Engine,
+    EngineConfig,
+    EngineStats,
+    FakeExecutor,
+    StepBatch,
+    StepResult,
+)
 from hybridkv.serving.app import ServerOptions, build_app
 from hybridkv.serving.chat import ChatTemplate
+from hybridkv.serving.connection import ConnectionLimits
 from hybridkv.serving.server import bound_port, open_socket, serve_http
 
 MODEL = "fake-model"
@@ -46,6 +56,59 @@ def word_tokenizer_fixture() -> Tokenizer:
     return word_tokenizer()
 
 
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer: one token per byte (ids 0-255), then ``<eos>`` (256)."""
+    from tokenizers import AddedToken
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
+    return tokenizer
+
+
+BYTE_EOS = 256
+
+
+class SamplingFakeExecutor(FakeExecutor):
+    """The fake, with logits: each position's hash seeds a row of random logits, which
+    the real sampler samples (penalties, bias, min-p, structured output all apply).
+
+    Meant for the byte tokenizer (vocabulary 257): the server's text is then any bytes.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from hybridkv.models.sampler import Sampler
+
+        super().__init__(*args, **kwargs)
+        self.sampler = Sampler(eos_token_ids=[BYTE_EOS], seed=0)
+        self.tokenizer = byte_tokenizer()
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        import torch
+
+        fake = super().execute(batch)  # writes and checks the pages, as the fake does
+        rows = [i for i, r in enumerate(batch.requests) if r.sample]
+        if not rows:
+            return fake
+        logits = torch.stack([self._logits(batch.requests[i]) for i in rows])
+        sampled = self.sampler.sample(
+            logits, [batch.requests[i] for i in rows], tokenizer=self.tokenizer
+        )
+        tokens = list(fake.token_ids)
+        for i, token in zip(rows, sampled, strict=True):
+            tokens[i] = token
+        return StepResult(token_ids=tuple(tokens), prompt_logprobs=fake.prompt_logprobs)
+
+    def _logits(self, request: Any) -> Any:
+        import torch
+
+        h = self._read(request.block_tables, request.start_position + request.num_tokens - 1)
+        generator = torch.Generator().manual_seed(h & 0x7FFFFFFF)
+        return torch.randn(self.vocab_size, generator=generator) * 3
+
+
 @attrs.frozen
 class LiveServer:
     """A running server: its URL, engine, app, and the portal into its loop."""
@@ -59,6 +122,16 @@ class LiveServer:
     def stats(self) -> EngineStats:
         """The engine's stats, read on the loop's thread."""
         return self.portal.call(self.engine.stats)
+
+    def wait_until_running(self, num_requests: int = 1, timeout: float = 10.0) -> None:
+        """Return once ``num_requests`` requests run (the server has queued them)."""
+
+        async def busy() -> None:
+            with anyio.fail_after(timeout):
+                while self.engine.stats().num_running < num_requests:
+                    await anyio.sleep(0.01)
+
+        self.portal.call(busy)
 
     def wait_until_free(self, timeout: float = 10.0) -> EngineStats:
         """The stats once no request runs or waits and no page is held.
@@ -96,26 +169,38 @@ def _engine_config(**overrides: Any) -> EngineConfig:
     return EngineConfig(**settings)
 
 
+@attrs.frozen(kw_only=True)
+class _Setup:
+    config: EngineConfig
+    executor: Any
+    options: ServerOptions
+    limits: ConnectionLimits
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate
+    send_buffer: int | None
+
+
 async def _run(
-    config: EngineConfig,
-    executor: FakeExecutor,
-    options: ServerOptions,
+    setup: _Setup,
     *,
     task_status: anyio.abc.TaskStatus[tuple[Engine, Any, uvicorn.Server, int]],
 ) -> None:
     sock = open_socket("127.0.0.1", 0)
+    if setup.send_buffer is not None:  # accepted sockets inherit it (Linux)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, setup.send_buffer)
     port = bound_port(sock)
-    async with Engine(config, executor) as engine:
+    async with Engine(setup.config, setup.executor) as engine:
         app = build_app(
             engine,
-            word_tokenizer(),
+            setup.tokenizer,
             model_name=MODEL,
-            max_model_len=config.max_model_len,
-            chat_template=ChatTemplate.plain(),
-            options=options,
+            max_model_len=setup.config.max_model_len,
+            chat_template=setup.chat_template,
+            options=setup.options,
         )
         async with anyio.create_task_group() as tg:
-            server = await tg.start(serve_http, app, sock)
+            serve = functools.partial(serve_http, limits=setup.limits)
+            server = await tg.start(serve, app, sock)
             task_status.started((engine, app, server, port))
 
 
@@ -129,14 +214,30 @@ def make_server() -> Iterator[Callable[..., LiveServer]]:
             *,
             step_delay_s: float = 0.0,
             options: ServerOptions | None = None,
+            limits: ConnectionLimits | None = None,
             executor_class: type[FakeExecutor] = FakeExecutor,
+            wrap: Callable[[FakeExecutor], Any] | None = None,
+            tokenizer: Tokenizer | None = None,
+            chat_template: ChatTemplate | None = None,
+            send_buffer: int | None = None,
             **config: Any,
         ) -> LiveServer:
+            if executor_class is SamplingFakeExecutor:
+                config.setdefault("vocab_size", BYTE_EOS + 1)
+                config.setdefault("eos_token_ids", [BYTE_EOS])
+                tokenizer = tokenizer or byte_tokenizer()
             engine_config = _engine_config(**config)
             executor = executor_class.for_config(engine_config, step_delay_s=step_delay_s)
-            future, (engine, app, server, port) = portal.start_task(
-                _run, engine_config, executor, options or ServerOptions()
+            setup = _Setup(
+                config=engine_config,
+                executor=executor if wrap is None else wrap(executor),
+                options=options or ServerOptions(),
+                limits=limits or ConnectionLimits(),
+                tokenizer=tokenizer or word_tokenizer(),
+                chat_template=chat_template or ChatTemplate.plain(),
+                send_buffer=send_buffer,
             )
+            future, (engine, app, server, port) = portal.start_task(_run, setup)
 
             def stop() -> None:
                 portal.call(setattr, server, "should_exit", True)
@@ -163,3 +264,15 @@ def client(server: LiveServer) -> Iterator[Any]:
 
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
+
+
+@pytest.fixture
+def make_sampling_server(make_server: Callable[..., LiveServer]) -> Callable[..., LiveServer]:
+    """Start servers on the sampling fake (real sampler, byte-level vocabulary)."""
+    return functools.partial(make_server, executor_class=SamplingFakeExecutor)
+
+
+@pytest.fixture(name="byte_tokenizer")
+def byte_tokenizer_fixture() -> Tokenizer:
+    """The byte-level test tokenizer of the sampling fake."""
+    return byte_tokenizer()

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hybridkv.serving.builtin_models import BUILTIN_MODELS
-from hybridkv.serving.chat import ChatTemplate, ChatTemplateError
+from hybridkv.serving.chat import (
+    ChatTemplate,
+    ChatTemplateError,
+    ChatTemplateTooLongError,
+    RenderLimits,
+)
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 
@@ -59,3 +65,60 @@ def test_gemma_template_writes_turns() -> None:
         [{"role": "user", "content": "Hi"}]
     )
     assert text == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+
+
+def limited(source: str, **limits: Any) -> str:
+    """Render ``source`` over MESSAGES with tight limits."""
+    template = ChatTemplate(source, is_builtin=False)
+    return template.render(
+        MESSAGES, limits=RenderLimits(**{"timeout_s": 0.5, "max_chars": 1000, **limits})
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        ("{% for i in range(1000) %}{% for j in range(1000) %}{% for k in range(1000) %}"
+         "{% endfor %}{% endfor %}{% endfor %}", "ran longer than 0.5 s"),
+        ("{% for i in range(999) %}{{ 'xy' }}{% endfor %}", "at most 1000"),
+        ("{{ 'x' * 5000 }}", "at most 1000"),
+        ("{{ [1] * 5000 }}", "at most 1000"),
+        ("{{ 2 ** 100000 }}", "power"),
+        ("{{ '%99999999s' % 'x' }}", "format width"),
+        ("{{ '{:99999999}'.format('x') }}", "format width"),
+        ("{{ '%99999999s' | format('x') }}", "format width"),
+        ("{{ 'x' | center(10 ** 6) }}", "at most 1000"),
+        ("{{ 'x'.ljust(10 ** 6) }}", "at most 1000"),
+        ("{% include 'x.jinja' %}", "may not include"),
+        ("{% extends 'base.jinja' %}", "may not include"),
+    ],
+)  # fmt: skip
+def test_sandbox_limits_stop_runaway_templates(source: str, match: str) -> None:
+    """Loops past the deadline, oversized values and includes are ChatTemplateErrors."""
+    with pytest.raises(ChatTemplateError, match=match):
+        limited(source)
+
+
+def test_oversized_output_is_its_own_error() -> None:
+    """Output longer than the limit raises ChatTemplateTooLongError (a context error)."""
+    with pytest.raises(ChatTemplateTooLongError):
+        limited("{% for i in range(900) %}ab{% endfor %}")
+
+
+def test_ordinary_templates_render_within_limits() -> None:
+    """Loops, filters, formatting and variables work as in plain Jinja."""
+    source = (
+        "{% for m in messages %}{{ '%-6s' % m.role }}|{{ m.content | upper }}"
+        "{{ '{:>3}'.format(loop.index) }};{% endfor %}{{ flavour }}"
+        "{% if add_generation_prompt %}>{% endif %}"
+    )
+    template = ChatTemplate(source, is_builtin=False)
+    text = template.render(MESSAGES, variables={"flavour": "!"}, add_generation_prompt=False)
+    assert text == "system|BE BRIEF.  1;user  |HI  2;!"
+
+
+def test_content_with_percent_and_long_numbers_is_fine() -> None:
+    """Message text that looks like a format string passes through filters untouched."""
+    messages = [{"role": "user", "content": "50% of 123456789012 units"}]
+    template = ChatTemplate("{{ messages[0].content | trim }}", is_builtin=False)
+    assert template.render(messages) == "50% of 123456789012 units"

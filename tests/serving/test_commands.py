@@ -186,3 +186,33 @@ def test_serve_refuses_a_zero_max_body_size(capsys: pytest.CaptureFixture[str]) 
     code = main(["serve", "no-such-model", "--port", "0", "--max-body-size", "0"])
     assert code == 2
     assert "--max-body-size must be at least 1 byte, got '0'" in capsys.readouterr().err
+
+
+def test_serve_access_and_limit_flags_make_the_settings() -> None:
+    """The serve flags become the app's options, the connection limits and the watchdog."""
+    import argparse
+
+    from hybridkv.serving.serve_flags import add_access_and_limit_arguments, http_settings
+
+    parser = argparse.ArgumentParser()
+    add_access_and_limit_arguments(parser)
+    args = parser.parse_args(
+        ["--api-key", "k", "--allowed-hosts", "localhost, *.lan", "--timeout-body", "2",
+         "--max-connections", "7", "--step-timeout", "0"]
+    )  # fmt: skip
+    settings = http_settings(args, max_body_bytes=100, default_max_tokens=None)
+    assert settings.options.api_key == "k"
+    assert settings.options.allowed_hosts == ("localhost", "*.lan")
+    assert settings.options.body_timeout_s == 2.0
+    assert settings.limits.max_connections == 7
+    assert settings.step_timeout_s is None  # 0 disables the watchdog
+
+
+@pytest.mark.parametrize(
+    "flags", [["--timeout-header", "0"], ["--max-connections", "0"], ["--step-timeout", "-1"]]
+)
+def test_serve_refuses_bad_limits(capsys: pytest.CaptureFixture[str], flags: list[str]) -> None:
+    """A limit out of range is a one-line error naming the flag, exit status 2."""
+    code = main(["serve", "no-such-model", "--port", "0", *flags])
+    assert code == 2
+    assert flags[0] in capsys.readouterr().err

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.serving.protocol import APIError, parse_chat, parse_completion, parse_json
+from hybridkv.serving.body import parse_json
+from hybridkv.serving.errors import APIError
+from hybridkv.serving.protocol import parse_chat, parse_completion
 
 
 def completion(**fields: object) -> dict[str, object]:
@@ -31,7 +33,7 @@ def test_max_completion_tokens_takes_precedence() -> None:
 @pytest.mark.parametrize("value", [0, -3])
 def test_non_positive_max_tokens_is_refused(value: int) -> None:
     """max_tokens <= 0 is a 400 naming the field."""
-    with pytest.raises(APIError, match="max_tokens must be >= 1") as info:
+    with pytest.raises(APIError, match="'max_tokens' must be >= 1") as info:
         parse_completion(completion(max_tokens=value))
     assert (info.value.status, info.value.param) == (400, "max_tokens")
 
@@ -70,7 +72,8 @@ def test_a_json_array_body_is_refused() -> None:
         ("top_p", 0.0),
         ("max_tokens", 2.5),
         ("stream", "yes"),
-        ("n", 2),
+        ("n", 0),
+        ("n", 129),
         ("stop", [""]),
         ("echo", "yes"),
         ("logprobs", -1),
@@ -163,3 +166,94 @@ def test_error_body_is_openai_shaped() -> None:
     assert body == {
         "error": {"message": "nope", "type": "invalid_request_error", "param": "x", "code": "c"}
     }
+
+
+def test_unknown_field_is_refused_by_name() -> None:
+    """A field no reader knows is refused as unrecognized, naming it."""
+    with pytest.raises(APIError, match="unrecognized request argument") as info:
+        parse_completion(completion(temprature=0.2))
+    assert info.value.param == "temprature"
+
+
+def test_unknown_nested_field_is_refused_with_its_path() -> None:
+    """Unknown fields inside stream_options and messages are refused by their full name."""
+    with pytest.raises(APIError) as info:
+        parse_completion(completion(stream=True, stream_options={"include_usgae": True}))
+    assert info.value.param == "stream_options.include_usgae"
+    with pytest.raises(APIError) as info:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "colour": 1}]})
+    assert info.value.param == "messages[0].colour"
+
+
+def test_logit_bias_is_clamped_as_vllm_does() -> None:
+    """Biases beyond +-100 are clamped; keys are token ids as strings."""
+    request = parse_completion(completion(logit_bias={"5": 250, "7": -300.5, "9": 1}))
+    assert request.sampling.logit_bias == ((5, 100.0), (7, -100.0), (9, 1.0))
+
+
+@pytest.mark.parametrize("bias", [{"w5": 1}, {"5": "high"}, [5, 1]])
+def test_malformed_logit_bias_is_refused(bias: object) -> None:
+    """Keys that are not token ids, or values that are not numbers, are a 400."""
+    with pytest.raises(APIError) as info:
+        parse_completion(completion(logit_bias=bias))
+    assert info.value.param == "logit_bias"
+
+
+def test_copies_get_their_own_seeds() -> None:
+    """Choice i of a seeded request samples with seed + i."""
+    request = parse_completion(completion(seed=10, n=3))
+    assert [request.sampling_params(2, 100, None, copy=i).seed for i in range(3)] == [10, 11, 12]
+
+
+def test_best_of_asks_the_engine_for_logprobs() -> None:
+    """Ranking best_of copies needs the sampled tokens' logprobs, asked or not."""
+    request = parse_completion(completion(n=1, best_of=2))
+    assert request.sampling_params(2, 100, None).logprobs == 0
+    assert request.logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "spec"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}'),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "string"}},
+                }
+            },
+            "json_schema",
+            '{"type": "string"}',
+        ),
+        ({"guided_json": '{"type": "integer"}'}, "json_schema", '{"type": "integer"}'),
+        ({"guided_regex": "a+"}, "regex", "a+"),
+        ({"guided_choice": ["x", "y"]}, "choice", '["x", "y"]'),
+        ({"guided_grammar": "start: 'a'"}, "grammar", "start: 'a'"),
+        ({"structured_outputs": {"choice": ["x"]}}, "choice", '["x"]'),
+        ({"structured_outputs": {"json_object": True}}, "json_schema", '{"type": "object"}'),
+    ],
+)
+def test_structured_output_fields_become_one_constraint(
+    fields: dict[str, object], kind: str, spec: str
+) -> None:
+    """Every spelling of a constraint becomes one StructuredOutput."""
+    structured = parse_completion(completion(**fields)).sampling.structured_output
+    assert structured is not None and (structured.kind, structured.spec) == (kind, spec)
+
+
+def test_text_response_format_asks_for_nothing() -> None:
+    """response_format text is the default: no constraint."""
+    assert (
+        parse_completion(completion(response_format={"type": "text"})).sampling.structured_output
+        is None
+    )
+
+
+def test_template_kwargs_cannot_replace_the_messages() -> None:
+    """chat_template_kwargs may add variables, not override messages."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(APIError):
+        parse_chat({**body, "chat_template_kwargs": {"messages": []}})
+    parsed = parse_chat({**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert parsed.template_kwargs == {"enable_thinking": False}

@@ -17,7 +17,8 @@ MODEL = "fake-model"
 def post(server: Any, path: str, body: bytes | dict[str, Any]) -> httpx.Response:
     if isinstance(body, dict):
         return httpx.post(f"{server.url}{path}", json=body, timeout=10)
-    return httpx.post(f"{server.url}{path}", content=body, timeout=10)
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=10)
 
 
 def test_unknown_model_is_not_found(client: Any) -> None:

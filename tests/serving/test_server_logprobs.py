@@ -196,8 +196,11 @@ def test_vllm_prompt_logprobs_at_the_top_of_a_chat(server: Any, word_tokenizer: 
 )
 def test_bad_logprob_values_are_refused(server: Any, path: str, field: str, value: object) -> None:
     """A bad logprob field is a 400 naming it, and the server keeps serving."""
-    body = {"prompt": PROMPT, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
-    asks = {"logprobs": True} if "chat" in path else {}
+    if "chat" in path:
+        body = {"messages": [{"role": "user", "content": "w5"}], "max_tokens": 2}
+        asks: dict[str, Any] = {"logprobs": True}
+    else:
+        body, asks = {"prompt": PROMPT, "max_tokens": 2}, {}
     refused = post(server, path, {**body, **asks, field: value})
     error = refused.json()["error"]
     assert (refused.status_code, error["type"], error["param"]) == (

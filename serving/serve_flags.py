@@ -1,0 +1,125 @@
+"""The access and limit flags of ``hybridkv serve``, and the settings they make.
+
+::
+
+    --api-key KEY             clients send "Authorization: Bearer KEY" (env HYBRIDKV_API_KEY)
+    --allowed-hosts A,B       Host header names answered (default: any)
+    --max-connections N       open connections at once (1000)
+    --timeout-keep-alive S    silence between requests of a kept-alive connection (5)
+    --timeout-header S        connection to a complete request head (10)
+    --timeout-body S          a request body to arrive (30)
+    --timeout-write S         a response left unread before the client is cut (30)
+    --template-timeout S      one chat-template rendering (5)
+    --step-timeout S          one engine step before the executor counts as hung (60,
+                              vLLM's default; 0 disables the watchdog)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:  # imported when the flags are read: `hybridkv --help` stays fast
+    from hybridkv.serving.app import ServerOptions
+    from hybridkv.serving.connection import ConnectionLimits
+
+API_KEY_ENV = "HYBRIDKV_API_KEY"
+
+#: Flag, default seconds, what it bounds (all must be > 0).
+_TIMEOUTS = (
+    ("--timeout-keep-alive", 5.0, "idle seconds between requests of a connection"),
+    ("--timeout-header", 10.0, "seconds from connecting to a complete request head"),
+    ("--timeout-body", 30.0, "seconds for a request body to arrive"),
+    ("--timeout-write", 30.0, "seconds a client may leave a response unread"),
+    ("--template-timeout", 5.0, "seconds one chat-template rendering may take"),
+)
+
+
+@attrs.frozen(kw_only=True)
+class HTTPSettings:
+    """What the flags set: the app's options, the connections' limits, the step timeout
+    (None: no watchdog)."""
+
+    options: ServerOptions
+    limits: ConnectionLimits
+    step_timeout_s: float | None
+
+
+def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of the module's table."""
+    access = parser.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1/* and the tokenizer routes "
+        f"(default: ${API_KEY_ENV}, else none)",
+    )
+    access.add_argument(
+        "--allowed-hosts",
+        metavar="NAMES",
+        default="",
+        help="comma-separated Host names to answer, '*.example.com' allowed (default: any)",
+    )
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="open connections at once; more are closed (1000)",
+    )
+    for flag, default, what in _TIMEOUTS:
+        limits.add_argument(
+            flag, type=float, default=default, metavar="S", help=f"{what} ({default:g})"
+        )
+    limits.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds one engine step may take before the server reports itself broken "
+        "(60; 0 disables)",
+    )
+
+
+def http_settings(
+    args: argparse.Namespace, *, max_body_bytes: int, default_max_tokens: int | None
+) -> HTTPSettings:
+    """The settings the flags ask for.
+
+    Raises:
+        ValueError: a value out of range (the message names the flag).
+    """
+    from hybridkv.serving.app import ServerOptions
+    from hybridkv.serving.connection import ConnectionLimits
+
+    for flag, _, _ in _TIMEOUTS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+    if args.step_timeout < 0:
+        raise ValueError(f"--step-timeout must be >= 0 (0 disables it), got {args.step_timeout}")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
+    hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+    options = ServerOptions(
+        max_body_bytes=max_body_bytes,
+        default_max_tokens=default_max_tokens,
+        api_key=args.api_key,
+        allowed_hosts=hosts,
+        body_timeout_s=args.timeout_body,
+        template_timeout_s=args.template_timeout,
+    )
+    limits = ConnectionLimits(
+        max_connections=args.max_connections,
+        idle_timeout_s=args.timeout_keep_alive,
+        head_timeout_s=args.timeout_header,
+        write_timeout_s=args.timeout_write,
+    )
+    return HTTPSettings(options=options, limits=limits, step_timeout_s=args.step_timeout or None)
