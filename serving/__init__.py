@@ -2,12 +2,13 @@
 
 Modules: ``app`` (the ASGI app around an engine), ``server`` and ``connection`` (run it
 with uvicorn in your own event loop, with connection limits), ``service`` and
-``choices`` (one generation request, without HTTP), ``body``, ``fields``, ``protocol``
-and ``structured`` (request bodies to checked requests), ``prompts``, ``chat`` and
-``template_sandbox`` (prompts to token ids), ``text`` and ``logprobs`` (outputs to
-text), ``streaming``, ``responses``, ``guard``, ``watchdog``, ``metrics`` (Prometheus),
-``builtin_models`` (the built-in Gemma 3 270M, converted once), ``loading`` (flags to a
-loaded model), and the ``commands_*`` modules behind ``hybridkv serve|generate|demo|bench``.
+``choices`` (one generation request, without HTTP), ``body``, ``fields``, ``protocol``,
+``sampling_fields`` and ``structured`` (request bodies to checked requests),
+``prompts``, ``chat`` and ``template_sandbox`` (prompts to token ids), ``text`` and
+``logprobs`` (outputs to text), ``streaming``, ``responses``, ``guard``, ``watchdog``,
+``metrics`` (Prometheus), ``builtin_models`` (the built-in Gemma 3 270M, converted
+once), ``loading`` (flags to a loaded model), and the ``commands_*`` modules behind
+``hybridkv serve|generate|demo|bench``.
 
 Kept free of imports so that ``hybridkv --help`` stays fast.
 """

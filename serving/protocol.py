@@ -20,9 +20,10 @@ from typing import Any
 
 import attrs
 
-from hybridkv.scheduler.params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from hybridkv.scheduler.params import MAX_LOGPROBS, SamplingParams
 from hybridkv.serving.errors import APIError
 from hybridkv.serving.fields import Fields
+from hybridkv.serving.sampling_fields import parse_sampling
 from hybridkv.serving.structured import parse_structured_output
 
 #: Most choices (``n``, ``best_of``) one request may ask for.
@@ -223,7 +224,7 @@ def _common(fields: Fields, default_max_tokens: int | None) -> dict[str, Any]:
     structured = parse_structured_output(fields)
     return {
         "model": model,
-        "sampling": _sampling(fields, structured[0] if structured else None),
+        "sampling": parse_sampling(fields, structured[0] if structured else None),
         "max_tokens": max_tokens,
         "min_tokens": fields.integer("min_tokens", 0, low=0),
         "stop": _stop(fields),
@@ -240,30 +241,6 @@ def _common(fields: Fields, default_max_tokens: int | None) -> dict[str, Any]:
         "cache_salt": fields.string("cache_salt"),
         "structured_param": structured[1] if structured else None,
     }
-
-
-def _sampling(fields: Fields, structured: Any) -> SamplingParams:
-    """What the engine's sampler does with each token."""
-    values = {
-        "temperature": fields.number("temperature", 1.0, low=0.0, high=2.0),
-        "top_p": fields.number("top_p", 1.0, low=0.0, high=1.0, open_low=True),
-        "top_k": _top_k(fields),
-        "min_p": fields.number("min_p", 0.0, low=0.0, high=1.0),
-        "seed": fields.optional_integer("seed", low=-(2**63), high=2**63 - 1),
-        "presence_penalty": fields.number("presence_penalty", 0.0, low=-2.0, high=2.0),
-        "frequency_penalty": fields.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
-        "repetition_penalty": fields.number(
-            "repetition_penalty", 1.0, low=0.0, high=float("inf"), open_low=True
-        ),
-        "logit_bias": _logit_bias(fields),
-        "stop_token_ids": fields.token_ids("stop_token_ids"),
-        "ignore_eos": fields.boolean("ignore_eos", False),
-        "structured_output": structured,
-    }
-    try:
-        return SamplingParams(**values)
-    except InvalidRequestError as exc:  # a combination the checks above let through
-        raise APIError(str(exc)) from None
 
 
 def _refuse_unimplemented(fields: Fields) -> None:
@@ -286,23 +263,6 @@ def _choices(fields: Fields, stream: bool) -> tuple[int, int]:
     if stream and best_of > n:
         raise fields.error("best_of", "> n cannot stream: the best are known only at the end")
     return n, best_of
-
-
-def _logit_bias(fields: Fields) -> dict[int, float]:
-    """OpenAI's ``{"token id": bias}``; biases clamped to [-100, 100], as vLLM does."""
-    value = fields.raw("logit_bias")
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise fields.error("logit_bias", "must map token ids to biases")
-    out = {}
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit()) or type(bias) not in (int, float):
-            raise fields.error(
-                "logit_bias", f"must map token ids to numbers, got {key!r}: {bias!r}"
-            )
-        out[int(key)] = min(100.0, max(-100.0, float(bias)))
-    return out
 
 
 def _prompt(fields: Fields) -> str | tuple[int, ...]:
@@ -377,13 +337,6 @@ def _stop(fields: Fields) -> tuple[str, ...]:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise fields.error("stop", "must be a non-empty string or a list of them")
     return tuple(stop)
-
-
-def _top_k(fields: Fields) -> int:
-    top_k = fields.integer("top_k", 0)
-    if top_k < -1:
-        raise fields.error("top_k", f"must be >= 0 (0 or -1 keep all), got {top_k}")
-    return max(top_k, 0)
 
 
 def _truncate(fields: Fields) -> int | None:
