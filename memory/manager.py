@@ -11,7 +11,8 @@ policies what each request needs, and commits every group's change or none::
 Caching follows the tokens: when a block of a request fills, its chained hash (shared by
 all groups) makes each group's page findable, and the page stays findable after it is
 released, until the pool reuses it. ``lookup`` finds the longest prefix that every group
-can resume from.
+can resume from. Which released pages the pool reuses last, because a prefix a future
+request can resume from needs them, is decided in ``hybridkv.memory.retention``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.hashing import BlockHash, BlockHasher
 from hybridkv.memory.pool import NULL_BLOCK, BlockPool
+from hybridkv.memory.request_blocks import Kind, RequestBlocks
+from hybridkv.memory.retention import Retention
 from hybridkv.policies.base import MemoryPolicy, cdiv
 
 
@@ -84,20 +87,6 @@ class KVUsage:
 NO_NEW_BLOCKS: tuple[list[int], ...] = ()
 
 
-@attrs.define(slots=True)
-class _RequestBlocks:
-    tables: list[list[int]]
-    hashes: list[BlockHash]
-    root: BlockHash
-    num_tokens: int  # positions with slots; computed once their step has run
-    num_cached_blocks: int  # blocks [0, n) have been offered to the cache
-    cache_mark: int  # num_cached_blocks before the latest allocation
-    capacity: int  # tokens the tables cover
-    release_at: list[int]  # per policy kind: no release scan below this token count
-    scan_from: list[int]  # per policy kind: blocks below are null or kept for good
-    min_release_at: int = 0
-
-
 class KVCacheManager:
     """Allocates, caches and releases pages for every KV group at once.
 
@@ -131,8 +120,10 @@ class KVCacheManager:
         kinds: dict[MemoryPolicy, list[int]] = {}
         for group, policy in enumerate(self.policies):
             kinds.setdefault(policy, []).append(group)
-        self._kinds = [(policy, tuple(groups)) for policy, groups in kinds.items()]
-        self._requests: dict[str, _RequestBlocks] = {}
+        self._kinds: list[Kind] = [(policy, tuple(groups)) for policy, groups in kinds.items()]
+        self._groups = tuple(range(len(self.policies)))
+        self._retention = Retention(self.pool, self._kinds, block_size)
+        self._requests: dict[str, RequestBlocks] = {}
         self._hit_tokens = 0
         self._query_tokens = 0
 
@@ -243,25 +234,32 @@ class KVCacheManager:
         return self._extend(request, state, end)
 
     def _extend(
-        self, request: KVRequest, state: _RequestBlocks, end: int
+        self, request: KVRequest, state: RequestBlocks, end: int
     ) -> tuple[list[int], ...] | None:
         bs, pool = self.block_size, self.pool
         n = state.num_tokens
-        dead = self._dead_blocks(state, n)
+        dead: list[tuple[int, int]] = []
+        scanned: list[tuple[int, int, int]] = []
+        if n >= state.min_release_at:
+            dead, scanned = state.release_scan(self._kinds, n, bs)
         num_new = cdiv(end, bs) - len(state.tables[0])
+        tables = state.tables
         if num_new > 0:
-            num_freed = sum(1 for g, i in dead if pool.ref_count(state.tables[g][i]) == 1)
+            num_freed = 0
+            for g, i in dead:
+                num_freed += pool.ref_count(tables[g][i]) == 1
             if num_new * self.num_groups > pool.num_free + num_freed:
                 return None
         # Commit: release first (tail first), then take fresh pages.
-        for group, i in reversed(dead):
-            pool.release((state.tables[group][i],), group)
-            state.tables[group][i] = NULL_BLOCK
-        if dead or n >= state.min_release_at:
-            self._advance_release(state, n)
+        if n >= state.min_release_at:
+            if dead:
+                pool.release([tables[g][i] for g, i in reversed(dead)])
+                for group, i in dead:
+                    tables[group][i] = NULL_BLOCK
+            state.advance_release(scanned)
         new_pages: tuple[list[int], ...] = NO_NEW_BLOCKS
         if num_new > 0:
-            new_pages = tuple(pool.allocate(num_new, g) for g in range(self.num_groups))
+            new_pages = pool.allocate_groups(num_new, self._groups)
             for table, pages in zip(state.tables, new_pages, strict=True):
                 table.extend(pages)
             state.capacity = len(state.tables[0]) * bs
@@ -293,11 +291,11 @@ class KVCacheManager:
                 if page:
                     pool.take(page, group)
             tables.append(table)
-        new_pages = tuple(pool.allocate(num_new, g) for g in range(self.num_groups))
+        new_pages = pool.allocate_groups(num_new, self._groups)
         for table, pages in zip(tables, new_pages, strict=True):
             table.extend(pages)
         num_kinds = len(self._kinds)
-        state = _RequestBlocks(
+        state = RequestBlocks(
             tables=tables,
             hashes=hashes,
             root=self._hasher.root(request.extra_keys),
@@ -307,10 +305,14 @@ class KVCacheManager:
             capacity=len(tables[0]) * bs,
             release_at=[num_hit] * num_kinds,
             scan_from=[0] * num_kinds,
+            uncache_mark=pool.num_uncached,
         )
-        self._advance_release(state, num_hit)
+        # A hit's tables hold only blocks live at its end: nothing to find dead.
+        state.advance_release(state.release_scan(self._kinds, num_hit, bs, find_dead=False)[1])
         self._requests[request.request_id] = state
         self._cache_full_blocks(request, state)
+        if hit is not None and num_hit:
+            self._retention.request_resumed(hashes, hit_blocks, hit.block_tables)
         if self.enable_prefix_caching:
             self._hit_tokens += num_hit
             self._query_tokens += len(request.all_token_ids)
@@ -324,51 +326,25 @@ class KVCacheManager:
                         f"prefix hit page {page} of group {group} was reused since lookup"
                     )
 
-    def _dead_blocks(self, state: _RequestBlocks, n: int) -> list[tuple[int, int]]:
-        """(group, block) pairs held but no longer live at ``n``, in table order."""
-        if n < state.min_release_at:
-            return []
-        bs = self.block_size
-        dead: list[tuple[int, int]] = []
-        for k, (policy, groups) in enumerate(self._kinds):
-            if n < state.release_at[k]:
-                continue
-            lo = state.scan_from[k]
-            for first, stop in policy.live_block_spans(n, bs):
-                for i in range(lo, first):
-                    dead.extend((g, i) for g in groups if state.tables[g][i])
-                lo = max(lo, stop)
-        return dead
-
-    def _advance_release(self, state: _RequestBlocks, n: int) -> None:
-        bs = self.block_size
-        for k, (policy, _) in enumerate(self._kinds):
-            if n >= state.release_at[k]:
-                spans = policy.live_block_spans(n, bs)
-                state.scan_from[k] = max(state.scan_from[k], spans[-1][0] if spans else 0)
-                state.release_at[k] = policy.next_release(n, bs)
-        state.min_release_at = min(state.release_at)
-
-    def _cache_full_blocks(self, request: KVRequest, state: _RequestBlocks) -> None:
+    def _cache_full_blocks(self, request: KVRequest, state: RequestBlocks) -> None:
         state.cache_mark = state.num_cached_blocks
         num_full = state.num_tokens // self.block_size
         if not self.enable_prefix_caching or num_full <= state.num_cached_blocks:
             return
         if len(state.hashes) < num_full:
             self._hasher.extend(state.hashes, state.root, request.all_token_ids, state.num_tokens)
-        cache = self.pool.cache
-        for i in range(state.num_cached_blocks, num_full):
-            block_hash = state.hashes[i]
-            for group, table in enumerate(state.tables):
-                page = table[i]
-                if page:
-                    cache(page, block_hash, group)
+        state.num_uncached += self.pool.cache_blocks(
+            state.tables, state.hashes, state.num_cached_blocks, num_full
+        )
         state.num_cached_blocks = num_full
 
     # -- release -----------------------------------------------------------------------
 
     def free(self, request_id: str, *, computed: bool = True) -> None:
         """Return all of a request's pages to the pool, tail first (no-op if unknown).
+
+        The prefix of its filled blocks is kept for a future hit (its next turn, or its
+        readmission after a preemption); see ``hybridkv.memory.retention``.
 
         Args:
             request_id: The request.
@@ -378,13 +354,22 @@ class KVCacheManager:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
+        num_filled = state.num_cached_blocks
         if not computed:
+            num_filled = state.cache_mark
             for table in state.tables:
                 for i in range(state.cache_mark, state.num_cached_blocks):
                     if table[i]:
                         self.pool.uncache(table[i])
-        for group, table in enumerate(state.tables):
-            self.pool.release([p for p in reversed(table) if p], group)
+        if self.enable_prefix_caching and num_filled:
+            self._retention.request_ended(
+                state.hashes,
+                num_filled,
+                state.tables,
+                tables_are_cached=not state.num_uncached
+                and state.uncache_mark == self.pool.num_uncached,
+            )
+        self.pool.release([p for table in state.tables for p in reversed(table) if p])
 
     def check_integrity(self) -> None:
         """Assert that reference counts equal table references and the pool is exact."""
@@ -397,3 +382,4 @@ class KVCacheManager:
         refs[NULL_BLOCK] = 0
         for page in range(1, self.pool.num_blocks):
             assert refs[page] == self.pool.ref_count(page), page
+        self._retention.check_integrity()

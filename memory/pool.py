@@ -1,23 +1,24 @@
 """The block pool: N equal pages shared by every KV group, page 0 the null block.
 
-Free pages wait in one queue in eviction order (an ``OrderedDict``: a C-level doubly
-linked list with O(1) removal from the middle, which a prefix hit needs to take a cached
-free page back)::
+Free pages wait in a :class:`~hybridkv.memory.free_queue.FreeQueue`, in eviction order::
 
-    front (taken first)                                          back (taken last)
-    [ unhashed pages, last freed first | hashed pages, least recently freed first ]
+    taken first                                               taken when nothing else is
+    [ unhashed | hashed, needed by no kept prefix ]  [ needed by a kept prefix: the least
+                                                       recently used prefix gives up first ]
 
 A page that carries a block hash stays findable through the cache map after it is freed,
-until a fresh allocation takes it from the front of the queue and evicts the hash.
+until a fresh allocation takes it from the queue and evicts the hash; a prefix hit can
+take a cached free page back from anywhere in the queue, in O(1). Which prefixes are kept
+is decided in ``hybridkv.memory.retention``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NewType
 
 from hybridkv.memory.errors import LayoutError
+from hybridkv.memory.free_queue import FreeQueue, KeptPrefix
 from hybridkv.memory.hashing import BlockHash
 
 BlockId = NewType("BlockId", int)
@@ -38,12 +39,15 @@ class BlockPool:
             raise LayoutError(f"a block pool needs >= 2 pages (page 0 is null), got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref = [0] * num_blocks
-        # The cache key of a page, split in two lists: its hash and its group (or None).
+        # The cache key of a page, split in two lists: its hash (or None) and its group,
+        # which is also the group its holders use it for.
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._group = [0] * num_blocks
         self._cached: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free = FreeQueue(num_blocks)
         self.num_used_per_group = [0] * num_groups
+        #: Pages that lost their hash through :meth:`uncache` so far (a change counter).
+        self.num_uncached = 0
 
     @property
     def num_free(self) -> int:
@@ -58,6 +62,10 @@ class BlockPool:
         """Whether ``page`` sits in the free queue."""
         return page in self._free
 
+    def is_kept(self, page: int) -> bool:
+        """Whether a kept prefix needs ``page`` (free or not)."""
+        return self._free.is_kept(page)
+
     def lookup(self, block_hash: BlockHash, group: int) -> int | None:
         """The page caching ``block_hash`` for ``group``, free or in use, or None."""
         return self._cached[group].get(block_hash)
@@ -69,71 +77,136 @@ class BlockPool:
     def take(self, page: int, group: int) -> None:
         """Add a reference to a cached page (a prefix hit), pulling it off the free queue."""
         if self._ref[page] == 0:
-            del self._free[page]
+            self._free.remove(page)
             self.num_used_per_group[group] += 1
         self._ref[page] += 1
 
     def allocate(self, num: int, group: int) -> list[int]:
-        """Take ``num`` pages from the front of the free queue, evicting their hashes.
+        """Take ``num`` pages for ``group`` from the free queue, evicting their hashes.
 
         The caller has checked ``num <= num_free``.
         """
-        pages = []
-        popitem, ref, hashes, groups = self._free.popitem, self._ref, self._hash, self._group
-        for _ in range(num):
-            page = popitem(last=False)[0]
+        return self.allocate_groups(num, (group,))[0]
+
+    def allocate_groups(self, num: int, groups: Sequence[int]) -> tuple[list[int], ...]:
+        """Take ``num`` pages for each of ``groups`` at once (see :meth:`allocate`)."""
+        pages = self._free.take(num * len(groups))
+        if len(groups) == 1:
+            out: tuple[list[int], ...] = (pages,)
+            owners: Sequence[int] = [groups[0]] * num
+        elif num == 1:  # most multi-group calls: a decode step crossing into a new block
+            out = tuple(map(list, zip(pages)))
+            owners = groups
+        else:
+            out = tuple(pages[k * num : (k + 1) * num] for k in range(len(groups)))
+            owners = [group for group in groups for _ in range(num)]
+        ref, hashes, owner, cached = self._ref, self._hash, self._group, self._cached
+        for page, group in zip(pages, owners, strict=True):
             old = hashes[page]
             if old is not None:
-                del self._cached[groups[page]][old]
+                del cached[owner[page]][old]
                 hashes[page] = None
             ref[page] = 1
-            groups[page] = group
-            pages.append(page)
-        self.num_used_per_group[group] += num
-        return pages
+            owner[page] = group
+        used = self.num_used_per_group
+        for group in groups:
+            used[group] += num
+        return out
 
-    def release(self, pages: Iterable[int], group: int) -> None:
-        """Drop one reference on each page, in the order given; pages at zero become free.
+    def release(self, pages: Iterable[int]) -> None:
+        """Drop one reference on each page, of any group; pages at zero become free.
 
-        Unhashed pages go to the front (reused first, nothing to lose), hashed pages to the
-        back (evicted last). Callers pass a request's pages tail first, so a prefix's later
-        blocks are evicted before its earlier ones.
+        Unhashed pages are reused first (nothing to lose), then hashed pages no kept
+        prefix needs, in the order released (pass a request's later blocks first), then
+        pages of kept prefixes.
         """
-        ref, hashes, free = self._ref, self._hash, self._free
-        freed = 0
+        ref, owner, used = self._ref, self._group, self.num_used_per_group
+        freed = []
         for page in pages:
             count = ref[page] - 1
             ref[page] = count
-            if count:
-                continue
-            freed += 1
-            free[page] = None
-            if hashes[page] is None:
-                free.move_to_end(page, last=False)
-        self.num_used_per_group[group] -= freed
+            if not count:
+                freed.append(page)
+                used[owner[page]] -= 1
+        self._free.push(freed, self._hash)
 
-    def cache(self, page: int, block_hash: BlockHash, group: int) -> None:
-        """Make ``page`` findable as ``block_hash`` of ``group``.
+    def keep(self, prefix: KeptPrefix, *, in_use: bool = False) -> KeptPrefix:
+        """Keep a resumable prefix's pages for future hits (see ``FreeQueue.keep``)."""
+        return self._free.keep(prefix, in_use=in_use)
+
+    def stop_keeping(self, prefix: KeptPrefix) -> None:
+        """A request continues from ``prefix``: its pages need no longer be kept for it."""
+        self._free.let_go(prefix)
+
+    def touch(self, prefix: KeptPrefix) -> None:
+        """A request resumed from a kept ``prefix``: it becomes the most recently used."""
+        self._free.touch(prefix)
+
+    def kept_prefix(self, key: BlockHash) -> KeptPrefix | None:
+        """The kept prefix whose last block hashes to ``key``, if any."""
+        return self._free.find(key)
+
+    def kept_prefixes(self) -> Iterable[KeptPrefix]:
+        """Every prefix kept now."""
+        return self._free.kept_prefixes()
+
+    def cache(self, page: int, block_hash: BlockHash, group: int) -> bool:
+        """Make ``page`` findable as ``block_hash`` of ``group``; False if it stays uncached.
 
         A block whose hash is already cached (the same tokens computed twice, by requests
         that did not share a prefix) keeps the first page; this one stays uncached.
         """
         table = self._cached[group]
         if block_hash in table or self._hash[page] is not None:
-            return
+            return self._hash[page] == block_hash and table.get(block_hash) == page
         table[block_hash] = page
         self._hash[page] = block_hash
         self._group[page] = group
+        return True
+
+    def cache_blocks(
+        self,
+        tables: Sequence[Sequence[int]],
+        hashes: Sequence[BlockHash],
+        start: int,
+        stop: int,
+    ) -> int:
+        """Cache blocks ``start .. stop-1`` of every group's table (as :meth:`cache`).
+
+        Returns how many of those pages stayed uncached (their block was cached before).
+        """
+        page_hash, owner, maps = self._hash, self._group, self._cached
+        num_uncached = 0
+        for i in range(start, stop):
+            block_hash = hashes[i]
+            for group, table in enumerate(tables):
+                page = table[i]
+                if not page:
+                    continue
+                cached = maps[group]
+                if block_hash in cached or page_hash[page] is not None:
+                    num_uncached += cached.get(block_hash) != page
+                    continue
+                cached[block_hash] = page
+                page_hash[page] = block_hash
+                owner[page] = group
+        return num_uncached
 
     def uncache(self, page: int) -> None:
-        """Forget the hash of ``page`` (its contents were never written)."""
+        """Forget the hash of ``page`` (its contents were never written).
+
+        The kept prefixes that needed it shrink below it or go.
+        """
         block_hash = self._hash[page]
         if block_hash is None:
             return
+        self._free.forget(page)
         del self._cached[self._group[page]][block_hash]
         self._hash[page] = None
+        self.num_uncached += 1
         if page in self._free:
-            self._free.move_to_end(page, last=False)
+            self._free.remove(page)
+            self._free.push((page,), self._hash)
 
     def check_integrity(self) -> None:
         """Assert the pool's own invariants (tests call it after every operation)."""
@@ -147,3 +220,4 @@ class BlockPool:
         num_cached = sum(1 for h in self._hash if h is not None)
         assert num_cached == sum(len(t) for t in self._cached)
         assert sum(self.num_used_per_group) == self.num_blocks - 1 - self.num_free
+        self._free.check_integrity(self._hash)

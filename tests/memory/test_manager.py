@@ -61,14 +61,17 @@ def test_two_windows_release_at_their_own_pace(make_request) -> None:
     mgr.check_integrity()
 
 
-def test_mamba_keeps_one_state_page_plus_the_one_being_written(make_request) -> None:
-    """A mamba group holds the page of token n-1 and the write page only."""
+def test_mamba_keeps_the_last_boundary_state_plus_the_one_being_written(make_request) -> None:
+    """A mamba group holds the state at its last block boundary and the page being written."""
     mgr = KVCacheManager([FULL, MambaLike()], num_blocks=20, block_size=4)
     req = make_request("r", list(range(9)))
     admit(mgr, req)
     assert mgr.block_tables("r") == [[1, 2, 3], [4, 5, 6]]
-    decode(mgr, req, 70)  # position 9: state after token 8 lives in block 2
-    assert mgr.block_tables("r") == [[1, 2, 3], [0, 0, 6]]
+    decode(mgr, req, 70)  # position 9: the prefix of 2 blocks resumes from block 1's state
+    assert mgr.block_tables("r") == [[1, 2, 3], [0, 5, 6]]
+    for token in (71, 72, 73):  # position 12: block 2's state is the boundary's now
+        decode(mgr, req, token)
+    assert mgr.block_tables("r") == [[1, 2, 3, 7], [0, 0, 6, 8]]
     mgr.check_integrity()
 
 

@@ -2,8 +2,11 @@
 
 Each machine drives one KV cache manager over a small pool with a mix of groups: admit
 (with prefix hits and a first chunk), extend a prefill by a chunk, decode, preempt and
-readmit, finish, and fail a step. It mirrors what every page should hold, so a prefix hit
-that would serve the wrong tokens fails the test.
+readmit, finish, start a finished request's next turn, and fail a step. The pool is small,
+so allocations evict cached blocks all the time. The machine mirrors what every page
+should hold, so a prefix hit that would serve the wrong tokens fails the test; it checks
+that no allocation takes a page a running request holds, and that a page a kept prefix
+needs is evicted only once no page that none needs is left.
 """
 
 from __future__ import annotations
@@ -22,11 +25,27 @@ from hybridkv.policies import (
     MambaLike,
     MemoryPolicy,
     SlidingWindow,
+    Span,
     cdiv,
 )
+from hybridkv.policies.base import positive
 
 BS = 4
 PREFIXES = [(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9, 9), (7,) * 13]
+
+
+@attrs.frozen
+class SinksAndWindow(MemoryPolicy):
+    """A user's policy (not registered): the first ``sinks`` tokens and the last window."""
+
+    sinks: int = attrs.field(validator=positive)
+    window: int = attrs.field(validator=positive)
+
+    def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
+        start = max(0, num_tokens - self.window + 1)
+        if start <= self.sinks:
+            return ((0, num_tokens),) if num_tokens else ()
+        return ((0, self.sinks), (start, num_tokens))
 
 
 @attrs.define
@@ -48,6 +67,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.mgr = KVCacheManager(self.POLICIES, self.NUM_BLOCKS, BS)
         self.running: dict[str, Req] = {}
         self.preempted: list[Req] = []
+        self.finished: list[list[int]] = []  # token lists a next turn continues
         self.content: list[dict[int, tuple[int, ...]]] = [{} for _ in self.POLICIES]
         self.count = 0
 
@@ -65,10 +85,23 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def allocate(self, req: Req, num: int, admit: bool) -> bool:
         before = self.snapshot()
+        pool = self.mgr.pool
+        held_by_others = {
+            page
+            for rid in self.running
+            if rid != req.request_id
+            for table in self.mgr.block_tables(rid)
+            for page in table
+        }
+        free = [p for p in range(1, pool.num_blocks) if pool.is_free(p)]
+        kept = {p for p in free if pool.is_kept(p)}
+        cold = set(free) - kept
+        hit_pages: set[int] = set()
         if admit:
             hit = self.mgr.lookup(req)
             num = min(num, len(req.all_token_ids) - hit.num_tokens)
             self.check_hit_content(req, hit.block_tables)
+            hit_pages = {p for table in hit.block_tables for p in table}
             start = hit.num_tokens
             new = self.mgr.allocate(req, num, hit)
         else:
@@ -77,6 +110,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         if new is None:
             assert self.snapshot() == before, "a failed allocation changed state"
             return False
+        taken = {page for pages in new for page in pages}
+        assert not taken & held_by_others, "a page a running request holds was taken"
+        if taken & kept:  # evicting a kept prefix's page: nothing else was left
+            assert cold <= taken | hit_pages, "a kept page went before an unneeded one"
         for group, pages in enumerate(new):
             for page in pages:
                 self.content[group].pop(page, None)
@@ -151,6 +188,19 @@ class AllocatorMachine(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         req = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
         self.mgr.free(req.request_id)
+        self.finished.append(req.all_token_ids)
+
+    @precondition(lambda self: self.finished)
+    @rule(
+        data=st.data(),
+        tail=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+        chunk=st.integers(1, 32),
+    )
+    def next_turn(self, data: st.DataObject, tail: list[int], chunk: int) -> None:
+        """A finished request's conversation goes on: it resumes from where that ended."""
+        tokens = [*data.draw(st.sampled_from(self.finished)), *tail]
+        self.count += 1
+        self.allocate(Req(f"r{self.count}", tokens, prompt_len=len(tokens)), chunk, admit=True)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -174,7 +224,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             tables = self.mgr.block_tables(req.request_id)
             for policy, table in zip(self.POLICIES, tables, strict=True):
                 allowed = set(range(req.start // BS, cdiv(req.end, BS)))
-                for first, stop in policy.live_block_spans(req.start, BS):
+                # Released at block starts: what the prefix of the filled blocks reads.
+                for first, stop in policy.live_block_spans(req.start - req.start % BS, BS):
                     allowed.update(range(first, stop))
                 held = {i for i, page in enumerate(table) if page}
                 assert held <= allowed, (policy, req.start, req.end, table)
@@ -206,9 +257,31 @@ class ChunkedAndWindows(AllocatorMachine):
     NUM_BLOCKS = 16
 
 
+class FullAndUserPolicy(AllocatorMachine):
+    """A user's policy, known to the allocator only through its live spans."""
+
+    POLICIES = (FullAttention(), SinksAndWindow(sinks=3, window=6))
+
+
+class FullOnly(AllocatorMachine):
+    """Nested prefixes alone: eviction shrinks them block by block."""
+
+    POLICIES = (FullAttention(), FullAttention())
+    NUM_BLOCKS = 16
+
+
 TestFullAndWindow = FullAndWindow.TestCase
 TestTwoWindowsAndFull = TwoWindowsAndFull.TestCase
 TestFullAndMamba = FullAndMamba.TestCase
 TestChunkedAndWindows = ChunkedAndWindows.TestCase
-for case in (TestFullAndWindow, TestTwoWindowsAndFull, TestFullAndMamba, TestChunkedAndWindows):
-    case.settings = SETTINGS
+TestFullAndUserPolicy = FullAndUserPolicy.TestCase
+TestFullOnly = FullOnly.TestCase
+for _case in (
+    TestFullAndWindow,
+    TestTwoWindowsAndFull,
+    TestFullAndMamba,
+    TestChunkedAndWindows,
+    TestFullAndUserPolicy,
+    TestFullOnly,
+):
+    _case.settings = SETTINGS

@@ -24,8 +24,8 @@ def test_unhashed_pages_are_reused_before_cached_ones() -> None:
     pool = BlockPool(4, num_groups=1)
     a, b, _ = pool.allocate(3, group=0)
     pool.cache(a, h("a"), 0)
-    pool.release([a], 0)
-    pool.release([b], 0)
+    pool.release([a])
+    pool.release([b])
     assert pool.allocate(1, 0) == [b]
     assert pool.allocate(1, 0) == [a]  # the cached page goes last, evicting its hash
     assert pool.lookup(h("a"), 0) is None
@@ -38,7 +38,7 @@ def test_cached_pages_are_evicted_least_recently_freed_first() -> None:
     pages = pool.allocate(3, 0)
     for page, name in zip(pages, "xyz", strict=True):
         pool.cache(page, h(name), 0)
-    pool.release([3, 1, 2], 0)  # tail first as a request would, then another order
+    pool.release([3, 1, 2])  # tail first as a request would, then another order
     assert pool.allocate(3, 0) == [3, 1, 2]
 
 
@@ -48,7 +48,7 @@ def test_take_pulls_a_cached_free_page_out_of_the_middle_of_the_queue() -> None:
     pages = pool.allocate(3, 1)
     for page, name in zip(pages, "abc", strict=True):
         pool.cache(page, h(name), 1)
-    pool.release(reversed(pages), 1)
+    pool.release(reversed(pages))
     page = pool.lookup(h("b"), 1)
     assert page == 2
     pool.take(2, 1)
@@ -64,9 +64,9 @@ def test_reference_counts_keep_shared_pages_in_use() -> None:
     (page,) = pool.allocate(1, 0)
     pool.cache(page, h("p"), 0)
     pool.take(page, 0)
-    pool.release([page], 0)
+    pool.release([page])
     assert pool.ref_count(page) == 1 and not pool.is_free(page)
-    pool.release([page], 0)
+    pool.release([page])
     assert pool.is_free(page) and pool.lookup(h("p"), 0) == page
     pool.check_integrity()
 
@@ -89,7 +89,7 @@ def test_uncache_forgets_the_hash_and_makes_the_page_first_to_reuse() -> None:
     pages = pool.allocate(3, 0)
     for page, name in zip(pages, "abc", strict=True):
         pool.cache(page, h(name), 0)
-    pool.release(pages, 0)
+    pool.release(pages)
     pool.uncache(3)
     assert pool.lookup(h("c"), 0) is None
     assert pool.allocate(1, 0) == [3]

@@ -1,0 +1,275 @@
+"""Free pages in eviction order, and the kept prefixes that decide that order.
+
+A free page that carries a block hash is worth keeping only while some prefix a future
+request can resume from needs it, in every group: a full-attention group needs every
+block of the prefix, a sliding-window group only the blocks its window reads before the
+prefix's end. The queue keeps such prefixes (:class:`KeptPrefix`, chosen by
+``hybridkv.memory.retention``), counts per page how many hold it, and splits free pages::
+
+    cold                                 given up                 warm
+    [ unhashed | hashed, held by no  ]   [ pages kept prefixes ]  { held by a kept
+    [ kept prefix, least recent first ]  [ gave up, in order   ]    prefix }
+    taken first --------------------------------------------------------> taken last
+
+When cold and given-up pages run out, the least recently used kept prefix gives up
+pages. A prefix whose every group needs all of its blocks (full attention, or a window
+longer than the prefix) is *nested*: dropping its last block leaves a prefix one block
+shorter that still resumes, so it gives up blocks from its end, every group's page of a
+block together. Any other prefix is a *unit*: one lost page loses the whole resume point,
+so it gives up all its pages at once, and they are reused before any other kept prefix
+loses a page. A page another kept prefix holds stays warm. Given-up pages stay cached
+until reused: a hit still finds them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from hybridkv.memory.hashing import BlockHash
+
+#: Pages a nested prefix gives up at least, once it must give up any: the bookkeeping
+#: of shrinking it is paid once per run of blocks rather than per page.
+_MIN_GIVE_UP = 8
+
+
+@attrs.define(slots=True, eq=False)
+class KeptPrefix:
+    """A prefix of ``num_blocks`` blocks that a future request can resume from.
+
+    Attributes:
+        hashes: The path's chained block hashes (at least ``num_blocks`` of them).
+        pages: The pages it needs, all groups; a nested prefix lists them last block
+            first, every group's page of a block together.
+        num_blocks: Blocks of the prefix now (a nested prefix shrinks as it is evicted).
+        num_groups: For a nested prefix, pages per block (the groups); 0 for a unit.
+        is_branch: Requests branched off here (kept across hits), rather than a request
+            ended here (given up by the request that continues it).
+    """
+
+    hashes: Sequence[BlockHash]
+    pages: list[int]
+    num_blocks: int
+    num_groups: int
+    is_branch: bool
+    first_num_blocks: int = attrs.field(init=False)
+    cursor: int = 0  # pages[:cursor] are no longer held
+
+    def __attrs_post_init__(self) -> None:
+        self.first_num_blocks = self.num_blocks
+
+    @property
+    def key(self) -> BlockHash:
+        """The chained hash of its last block: equal keys, equal prefixes."""
+        return self.hashes[self.num_blocks - 1]
+
+    @property
+    def held_pages(self) -> list[int]:
+        """The pages it still holds."""
+        return self.pages[self.cursor :]
+
+
+class FreeQueue:
+    """Free pages (cold, given up, then warm) and the prefixes kept for future hits.
+
+    Page ids are ``1 .. num_blocks - 1``; all start cold. Every method is O(pages
+    touched), amortized, except :meth:`forget` (a failed step's pages), which scans the
+    kept prefixes.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._cold: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._given_up: OrderedDict[int, None] = OrderedDict()
+        self._warm: set[int] = set()
+        self._count = [0] * num_blocks  # kept prefixes holding each page
+        self._lru: OrderedDict[KeptPrefix, None] = OrderedDict()  # least recently used first
+        self._by_key: dict[BlockHash, KeptPrefix] = {}
+
+    def __len__(self) -> int:
+        return len(self._cold) + len(self._given_up) + len(self._warm)
+
+    def __contains__(self, page: int) -> bool:
+        return page in self._cold or page in self._warm or page in self._given_up
+
+    def is_kept(self, page: int) -> bool:
+        """Whether some kept prefix holds ``page``."""
+        return self._count[page] > 0
+
+    def find(self, key: BlockHash) -> KeptPrefix | None:
+        """The kept prefix whose last block hashes to ``key``, if any."""
+        return self._by_key.get(key)
+
+    def kept_prefixes(self) -> Iterable[KeptPrefix]:
+        """Every prefix kept now, least recently used first."""
+        return self._lru.keys()
+
+    # -- pages -------------------------------------------------------------------------
+
+    def push(self, pages: Iterable[int], hashes: Sequence[BlockHash | None]) -> None:
+        """Pages became free: warm if kept; else cold, unhashed ones at the very front.
+
+        ``hashes[page]`` is the page's block hash, or None.
+        """
+        cold, warm, count = self._cold, self._warm, self._count
+        for page in pages:
+            if hashes[page] is None:
+                cold[page] = None
+                cold.move_to_end(page, last=False)
+            elif count[page]:
+                warm.add(page)
+            else:
+                cold[page] = None
+
+    def remove(self, page: int) -> None:
+        """A prefix hit takes ``page`` back from the queue."""
+        if page in self._cold:
+            del self._cold[page]
+        elif page in self._warm:
+            self._warm.remove(page)
+        else:
+            del self._given_up[page]
+
+    def take(self, num: int) -> list[int]:
+        """The next ``num`` pages to reuse; the caller has checked ``num <= len(self)``.
+
+        Cold pages first, then given-up ones; when none are left, kept prefixes give up
+        pages, least recently used first. The caller evicts the pages' hashes.
+        """
+        cold = self._cold
+        popitem = cold.popitem
+        pages: list[int] = []
+        append = pages.append
+        if len(cold) >= num:
+            for _ in range(num):
+                append(popitem(last=False)[0])
+            return pages
+        given_up = self._given_up
+        for k in range(num):
+            if cold:
+                append(popitem(last=False)[0])
+                continue
+            while not given_up:
+                self._give_up(next(iter(self._lru)), num - k)
+            append(given_up.popitem(last=False)[0])
+        return pages
+
+    def forget(self, page: int) -> None:
+        """``page`` loses its contents: every prefix holding it shrinks below it or goes.
+
+        Rare (a failed step), so it scans the kept prefixes instead of indexing pages.
+        """
+        if not self._count[page]:
+            return
+        for prefix in list(self._lru):
+            held = prefix.held_pages
+            if page not in held:
+                continue
+            num_blocks = 0
+            if prefix.num_groups:  # nested: keep the blocks before this page's block
+                pos = prefix.cursor + held.index(page)
+                num_blocks = prefix.first_num_blocks - 1 - pos // prefix.num_groups
+            self._shrink(prefix, num_blocks, self._cold)
+
+    # -- prefixes ----------------------------------------------------------------------
+
+    def keep(self, prefix: KeptPrefix, *, in_use: bool = False) -> KeptPrefix:
+        """Keep ``prefix``'s pages for future hits, as the most recently used prefix.
+
+        ``in_use``: every page is held by a request now, so none is free to move. Returns
+        the prefix kept: an equal one (same key) already kept is refreshed instead, and a
+        branch makes it a branch.
+        """
+        kept = self._by_key.setdefault(prefix.key, prefix)
+        if kept is not prefix:
+            kept.is_branch |= prefix.is_branch
+            self._lru.move_to_end(kept)
+            return kept
+        self._lru[prefix] = None
+        count = self._count
+        if in_use:
+            for page in prefix.pages:
+                count[page] += 1
+            return prefix
+        cold, given_up, warm = self._cold, self._given_up, self._warm
+        for page in prefix.pages:
+            count[page] += 1
+            if page in cold:
+                del cold[page]
+                warm.add(page)
+            elif page in given_up:
+                del given_up[page]
+                warm.add(page)
+        return prefix
+
+    def touch(self, prefix: KeptPrefix) -> None:
+        """A request resumed from ``prefix``: it becomes the most recently used."""
+        self._lru.move_to_end(prefix)
+
+    def let_go(self, prefix: KeptPrefix) -> None:
+        """Stop keeping ``prefix`` (a request continues from it); unheld pages go cold."""
+        self._shrink(prefix, 0, self._cold)
+
+    def _give_up(self, prefix: KeptPrefix, num: int) -> None:
+        """Evict from ``prefix`` until ``num`` pages turn cold, or all of it.
+
+        A nested prefix drops blocks from its end, as few as give ``num`` free pages that
+        no other prefix holds, and at least ``_MIN_GIVE_UP`` blocks: the bookkeeping of a
+        shrink is paid once per run, and the pages stay cached (cold) until reused, so a
+        hit on them still finds them. A unit drops everything.
+        """
+        num_groups = prefix.num_groups
+        if not num_groups:
+            self._shrink(prefix, 0, self._given_up)
+            return
+        count, warm, pages = self._count, self._warm, prefix.pages
+        num_blocks = prefix.num_blocks
+        num = max(num, _MIN_GIVE_UP)
+        for start in range(prefix.cursor, len(pages), num_groups):
+            num_blocks -= 1
+            for page in pages[start : start + num_groups]:
+                if count[page] == 1 and page in warm:
+                    num -= 1
+            if num <= 0:
+                self._shrink(prefix, num_blocks, self._given_up)
+                return
+        self._shrink(prefix, 0, self._given_up)
+
+    def _shrink(self, prefix: KeptPrefix, num_blocks: int, into: OrderedDict[int, None]) -> None:
+        """``prefix`` now resumes after ``num_blocks`` blocks (0: not at all); its free
+        pages that no kept prefix holds any more join the back of ``into``."""
+        del self._by_key[prefix.key]
+        stop = len(prefix.pages)
+        if num_blocks > 0:
+            prefix.num_blocks = num_blocks
+            if self._by_key.setdefault(prefix.key, prefix) is prefix:
+                stop = (prefix.first_num_blocks - num_blocks) * prefix.num_groups
+            else:
+                num_blocks = 0  # an equal, shorter prefix is kept already
+        if num_blocks == 0:
+            del self._lru[prefix]
+        warm, count = self._warm, self._count
+        for page in prefix.pages[prefix.cursor : stop]:
+            count[page] -= 1
+            if not count[page] and page in warm:
+                warm.remove(page)
+                into[page] = None
+        prefix.cursor = stop
+
+    def check_integrity(self, hashes: Sequence[BlockHash | None]) -> None:
+        """Assert the queue's invariants (``hashes[page]``: the page's hash or None)."""
+        parts = (self._cold.keys(), self._given_up.keys(), self._warm)
+        assert sum(map(len, parts)) == len(set().union(*parts)), "a page in two parts"
+        count = [0] * len(self._count)
+        for prefix in self._lru:
+            assert self._by_key[prefix.key] is prefix
+            for page in prefix.held_pages:
+                assert hashes[page] is not None, page
+                count[page] += 1
+        assert count == self._count
+        assert len(self._by_key) == len(self._lru)
+        for page in self._warm:
+            assert count[page], page
+        for page in (*self._cold, *self._given_up):
+            assert not count[page], page

@@ -1,0 +1,193 @@
+"""Which prefixes the prefix cache keeps: where requests end, and where they branch.
+
+A cached block is worth keeping only while some prefix a future request can resume from
+needs it in every group. Two kinds of prefix are worth that, and nothing else is kept:
+
+- where a request ended (finished, preempted or aborted): its next turn, or its
+  readmission, resumes exactly there. The request that resumes gives it up again, so the
+  blocks its window dropped on the way go back to being worth nothing;
+- where a request branched off a prefix that others computed (a shared system prompt, a
+  regenerated answer): proven to be shared, it is kept across hits.
+
+Whatever a policy needs at a prefix's end is asked of the policy itself
+(``live_block_spans``), so a user's policy is kept the same way as the built-in ones::
+
+    prefix of 6 blocks, bs=4           blocks kept
+    full attention                     0 1 2 3 4 5      nested: shrinks block by block
+    sliding window W=9 (reads 8)       . . . . 4 5      a unit: goes all at once
+    mamba-like (state after token 23)  . . . . . 5
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.memory.free_queue import KeptPrefix
+from hybridkv.memory.hashing import BlockHash
+from hybridkv.memory.pool import BlockPool
+from hybridkv.memory.request_blocks import Kind
+from hybridkv.policies.base import Span
+
+
+class Retention:
+    """Decides what the pool keeps for future hits when requests end and resume.
+
+    Args:
+        pool: The pool whose free queue keeps the prefixes.
+        kinds: Each distinct policy with the groups that use it.
+        block_size: Tokens per block.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        kinds: Sequence[Kind],
+        block_size: int,
+    ) -> None:
+        self.pool = pool
+        self._kinds = kinds
+        self._num_groups = sum(len(groups) for _, groups in kinds)
+        self.block_size = block_size
+
+    def request_ended(
+        self,
+        hashes: Sequence[BlockHash],
+        num_blocks: int,
+        tables: Sequence[list[int]],
+        *,
+        tables_are_cached: bool,
+    ) -> KeptPrefix | None:
+        """Keep the prefix a request ended with (its ``num_blocks`` filled blocks).
+
+        Call it before the request's pages are released. ``tables_are_cached``: every
+        filled block's page in ``tables`` is the one the cache map names (no block was
+        computed twice); otherwise the pages are looked up.
+        """
+        built = self._prefix(hashes, num_blocks, tables, tables_are_cached, is_branch=False)
+        if built is None:
+            return None
+        prefix, looked_up = built
+        # Pages taken from the request's tables are all in use until it is released.
+        return self.pool.keep(prefix, in_use=not looked_up)
+
+    def request_resumed(
+        self, hashes: Sequence[BlockHash], num_blocks: int, tables: Sequence[Sequence[int]]
+    ) -> None:
+        """A request took a hit of ``num_blocks`` blocks (``tables``: the hit's pages).
+
+        A request that ended there is continued: its prefix is no longer kept for itself.
+        Otherwise the hit is a branch point, kept, unless the path goes on in some group
+        (the hit was cut short by a block another group lost, not shared up to here).
+        """
+        kept = self.pool.kept_prefix(hashes[num_blocks - 1])
+        if kept is not None:
+            if kept.is_branch:
+                self.pool.touch(kept)
+            else:
+                self.pool.stop_keeping(kept)
+            return
+        if num_blocks < len(hashes):
+            following = hashes[num_blocks]
+            if any(self.pool.lookup(following, g) is not None for g in range(self._num_groups)):
+                return
+        built = self._prefix(hashes, num_blocks, tables, True, is_branch=True)
+        if built is not None:
+            self.pool.keep(built[0], in_use=True)  # the resuming request holds them
+
+    def _needs(self, num_blocks: int) -> list[tuple[Span, ...]]:
+        """Per kind, the block spans that resuming after ``num_blocks`` blocks reads."""
+        bs = self.block_size
+        out = []
+        for policy, _ in self._kinds:
+            # Clipped to the prefix: the block the next token is written to is not read.
+            needed = []
+            for first, stop in policy.live_block_spans(num_blocks * bs, bs):
+                if first < num_blocks:
+                    needed.append((first, min(stop, num_blocks)))
+            out.append(tuple(needed))
+        return out
+
+    def _prefix(
+        self,
+        hashes: Sequence[BlockHash],
+        num_blocks: int,
+        tables: Sequence[Sequence[int]],
+        tables_are_cached: bool,
+        *,
+        is_branch: bool,
+    ) -> tuple[KeptPrefix, bool] | None:
+        """The prefix of ``num_blocks`` blocks, and whether its pages were looked up in the
+        cache map rather than taken from ``tables``; None if some block it needs is gone."""
+        needs = self._needs(num_blocks)
+        # Every group reading every block: each shorter prefix resumes from a subset.
+        every_block = ((0, num_blocks),)
+        nested = True
+        for spans in needs:
+            nested = nested and spans == every_block
+        num_groups = self._num_groups
+        pages: list[int] = []
+        if nested and num_groups == 1:
+            pages = list(tables[0][num_blocks - 1 :: -1])  # last block first; a copy
+        elif nested:
+            # Evicted last block first, every group's page of a block together.
+            pages = [0] * (num_blocks * num_groups)
+            for group, table in enumerate(tables):
+                pages[group::num_groups] = table[num_blocks - 1 :: -1]
+        else:
+            for (_, groups), spans in zip(self._kinds, needs, strict=True):
+                for group in groups:
+                    for first, stop in spans:
+                        pages += tables[group][first:stop]
+        looked_up = not tables_are_cached or 0 in pages  # rare: duplicates, failed steps
+        if looked_up:
+            found = self._cached_pages(hashes, num_blocks, needs, nested)
+            if found is None:
+                return None
+            pages = found
+        if not pages:
+            return None  # nothing to resume from (a chunk start, say): nothing to keep
+        prefix = KeptPrefix(
+            hashes=hashes,
+            pages=pages,
+            num_blocks=num_blocks,
+            num_groups=num_groups if nested else 0,
+            is_branch=is_branch,
+        )
+        return prefix, looked_up
+
+    def _cached_pages(
+        self,
+        hashes: Sequence[BlockHash],
+        num_blocks: int,
+        needs: list[tuple[Span, ...]],
+        nested: bool,
+    ) -> list[int] | None:
+        """The same pages as ``_prefix`` builds, looked up in the cache map (slow path)."""
+        lookup = self.pool.lookup
+        wanted: list[tuple[int, int]] = []  # (block, group), in eviction order
+        if nested:
+            groups = range(self._num_groups)
+            wanted = [(i, g) for i in range(num_blocks - 1, -1, -1) for g in groups]
+        else:
+            for (_, kind_groups), spans in zip(self._kinds, needs, strict=True):
+                for g in kind_groups:
+                    wanted += [(i, g) for first, stop in spans for i in range(first, stop)]
+        pages = []
+        for i, g in wanted:
+            page = lookup(hashes[i], g)
+            if page is None:
+                return None
+            pages.append(page)
+        return pages
+
+    def check_integrity(self) -> None:
+        """Assert that each kept prefix holds exactly the cached pages its end needs."""
+        for prefix in self.pool.kept_prefixes():
+            held = set(prefix.held_pages)
+            want = self._cached_pages(
+                prefix.hashes,
+                prefix.num_blocks,
+                self._needs(prefix.num_blocks),
+                prefix.num_groups > 0,
+            )
+            assert want is not None and set(want) == held, (prefix.num_blocks, want, held)

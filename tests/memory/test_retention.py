@@ -1,0 +1,140 @@
+"""What the prefix cache keeps under pressure: the prefixes requests resume from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from hybridkv.memory import KVCacheManager
+from hybridkv.policies import FullAttention, SlidingWindow
+
+FULL = FullAttention()
+
+
+@attrs.define
+class Req:
+    """What the manager reads of a request."""
+
+    request_id: str
+    all_token_ids: list[int]
+    extra_keys: tuple[Any, ...] = ()
+
+
+def serve(mgr: KVCacheManager, request_id: str, tokens: list[int], reply: list[int]) -> int:
+    """Run one request to its end (prompt, then one token a step); returns its hit."""
+    req = Req(request_id, list(tokens))
+    hit = mgr.lookup(req)
+    assert mgr.allocate(req, len(tokens) - hit.num_tokens, hit) is not None
+    for token in reply:
+        req.all_token_ids.append(token)
+        assert mgr.allocate(req, 1) is not None
+    mgr.free(request_id)
+    mgr.check_integrity()
+    return hit.num_tokens
+
+
+def fill(mgr: KVCacheManager, num_blocks: int) -> None:
+    """Allocate ``num_blocks`` fresh pages in every group to an unrelated request."""
+    req = Req("filler", [7] * (num_blocks * mgr.block_size))
+    assert mgr.allocate(req, len(req.all_token_ids)) is not None
+
+
+def test_sessions_served_in_turn_resume_their_whole_conversation() -> None:
+    """Two chats take turns in a tight pool: every later turn hits its whole history
+    (blocks a window dropped went first; before, a session's window blocks outlived the
+    next session's prefix and its next turn missed)."""
+    mgr = KVCacheManager([FULL, SlidingWindow(window=9)], num_blocks=26, block_size=4)
+    chats = {"a": list(range(100, 124)), "b": list(range(200, 224))}
+    hits = []
+    for turn in range(3):
+        for name, history in chats.items():
+            reply = [300 + 10 * turn + k for k in range(6)]
+            hits.append(serve(mgr, f"{name}{turn}", history, reply[:-1]))
+            chats[name] = [*history, *reply, 400 + turn]
+    assert hits == [0, 0, 28, 28, 36, 36]
+
+
+def test_blocks_a_window_dropped_are_reused_before_a_kept_prefix() -> None:
+    """Pages no resumable prefix needs are taken first; the kept prefix still hits."""
+    mgr = KVCacheManager([FULL, SlidingWindow(window=5)], num_blocks=30, block_size=4)
+    serve(mgr, "a", list(range(24)), [])
+    kept = [p for p in range(1, 30) if mgr.pool.is_kept(p)]
+    # full: blocks 0..5; window: block 5 alone, as a hit after 6 blocks reads [20, 24)
+    assert len(kept) == 7
+    fill(mgr, (mgr.num_free_blocks - len(kept)) // 2)
+    assert all(mgr.pool.is_free(p) for p in kept)
+    assert mgr.lookup(Req("b", [*range(24), 9])).num_tokens == 24
+
+
+def test_a_full_attention_prefix_shrinks_one_block_at_a_time() -> None:
+    """Evicting from a full-attention prefix leaves a hit one block shorter."""
+    mgr = KVCacheManager([FULL], num_blocks=6, block_size=4)
+    serve(mgr, "a", list(range(16)), [50])  # blocks 0..3 cached, block 4 holds 1 token
+    fill(mgr, 2)  # the unhashed page, then block 3 of the kept prefix
+    assert mgr.lookup(Req("b", [*range(16), 9])).num_tokens == 12
+
+
+def test_a_window_prefix_gives_up_every_group_together() -> None:
+    """Losing one page of a hybrid prefix frees all its pages before another prefix's."""
+    mgr = KVCacheManager([FULL, SlidingWindow(window=5)], num_blocks=19, block_size=4)
+    serve(mgr, "a", list(range(16)), [])
+    serve(mgr, "b", list(range(100, 116)), [])
+    cold = mgr.num_free_blocks - sum(map(mgr.pool.is_kept, range(1, 19)))
+    fill(mgr, cold // 2 + 1)  # one kept page more than the cold ones: a goes, wholly
+    assert mgr.lookup(Req("a2", [*range(16), 9])).num_tokens == 0
+    assert mgr.lookup(Req("b2", [*range(100, 116), 9])).num_tokens == 16
+    assert sum(map(mgr.pool.is_kept, range(1, 19))) == 5  # b: 4 full + 1 window block
+
+
+def test_a_continued_prefix_is_no_longer_kept_for_itself() -> None:
+    """The request resuming a prefix gives it up: the window blocks it drops turn cold."""
+    mgr = KVCacheManager([FULL, SlidingWindow(window=5)], num_blocks=40, block_size=4)
+    serve(mgr, "a", list(range(16)), [])
+    window_pages = [p for p in range(1, 40) if mgr.pool.is_kept(p)][4:]
+    req = Req("a2", [*range(16), *range(50, 58)])
+    hit = mgr.lookup(req)
+    mgr.allocate(req, 8, hit)
+    mgr.allocate(req, 0)  # the release scan of the next step: blocks 2 and 3 are dead
+    assert hit.num_tokens == 16
+    assert not any(mgr.pool.is_kept(p) for p in window_pages)
+    mgr.check_integrity()
+
+
+def test_a_shared_prefix_is_kept_across_the_requests_that_branch_off_it() -> None:
+    """A hit in the middle of a kept path keeps that branch point for the next one."""
+    mgr = KVCacheManager([FULL, SlidingWindow(window=5)], num_blocks=60, block_size=4)
+    system = list(range(16))
+    serve(mgr, "a", [*system, *range(100, 116)], [])
+    assert serve(mgr, "b", [*system, *range(200, 216)], []) == 16  # branches off a
+    fill(mgr, (mgr.num_free_blocks - sum(map(mgr.pool.is_kept, range(1, 60)))) // 2)
+    assert mgr.lookup(Req("c", [*system, *range(300, 316)])).num_tokens == 16
+
+
+def test_a_hit_cut_short_by_one_group_keeps_no_branch() -> None:
+    """Where another group ran out first, the path is not shared up to the hit: not kept."""
+    mgr = KVCacheManager([FULL, SlidingWindow(window=5)], num_blocks=40, block_size=4)
+    serve(mgr, "a", list(range(24)), [])
+    window_block_5 = mgr.lookup(Req("x", [*range(24), 1])).block_tables[1][5]
+    mgr.pool.uncache(window_block_5)  # the window can now resume only up to block 5
+    num_kept = sum(map(mgr.pool.is_kept, range(1, 40)))
+    req = Req("b", [*range(24), 1])
+    hit = mgr.lookup(req)
+    mgr.allocate(req, 5, hit)
+    assert hit.num_tokens == 20
+    assert sum(map(mgr.pool.is_kept, range(1, 40))) == num_kept
+    mgr.check_integrity()
+
+
+def test_a_window_dropping_a_block_mid_block_keeps_the_prefix_resumable() -> None:
+    """A request ending inside a block can be resumed from that block's start: the window
+    block the prefix reads is released only when the next block starts."""
+    mgr = KVCacheManager([FULL, SlidingWindow(window=6)], num_blocks=30, block_size=4)
+    req = Req("a", list(range(10)))
+    mgr.allocate(req, 10)
+    req.all_token_ids.append(10)
+    mgr.allocate(req, 1)  # position 10 reads [5, 10): block 0 is dead there
+    assert mgr.block_tables("a")[1][0] != 0  # but a hit after 2 blocks reads [3, 8)
+    mgr.free("a")
+    fill(mgr, (mgr.num_free_blocks - 4) // 2)
+    assert mgr.lookup(Req("b", [*range(11), 5])).num_tokens == 8
