@@ -137,12 +137,15 @@ class PipelineChannels:
 
     def broadcast_step(self, message: StepMessage | None) -> None:
         """Send a step (None: stop) to every stage, without waiting (rank 0)."""
-        payload = _encode(message) if message is not None else torch.empty(0, dtype=torch.uint8)
-        header = torch.tensor([payload.numel() if message is not None else _STOP])
-        for tensor in (header, payload) if message is not None else (header,):
+        if message is None:
+            tensors: tuple[torch.Tensor, ...] = (torch.tensor([_STOP]),)
+        else:
+            payload = _encode(message)
+            tensors = (torch.tensor([payload.numel()]), payload)
+        for tensor in tensors:
             work = dist.broadcast(tensor, src=self.first, group=self.control, async_op=True)
             self.outbox.add(work, tensor)
-        self.counters.control_bytes += header.nbytes + payload.nbytes
+        self.counters.control_bytes += sum(t.nbytes for t in tensors)
         self.outbox.reap()
 
     def receive_step(self) -> StepMessage | None:
