@@ -51,8 +51,15 @@ log = structlog.get_logger(__name__)
 class EngineCore:
     """Requests, queues and the KV cache manager of one engine. Not thread-safe."""
 
-    def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_steps_in_flight: int = 1,
+    ):
         self.config = config
+        self.max_steps_in_flight = max_steps_in_flight
         self.kv = KVCacheManager(
             config.policies,
             config.num_blocks,
@@ -159,7 +166,9 @@ class EngineCore:
         """
         start = time.perf_counter()
         self._prune_running()
-        plan = plan_step(self.running, self.waiting, self.kv, self.config)
+        plan = plan_step(
+            self.running, self.waiting, self.kv, self.config, self._max_requests_per_step()
+        )
         now = self._clock()
         for request in plan.rejected:
             needed = self.kv.num_blocks_needed(len(request.all_token_ids))
@@ -296,6 +305,18 @@ class EngineCore:
         for later in self._in_flight:
             self._stale_hits.update(r for r in later.admitted if r.num_computed_tokens)
         self.num_steps += 1
+
+    def _max_requests_per_step(self) -> int | None:
+        """With several steps in flight, spread the ready requests over the free ones.
+
+        Otherwise one step would take every ready request and the next find none (each
+        request is in at most one step in flight): the pipeline's stages would not overlap.
+        """
+        free = self.max_steps_in_flight - len(self._in_flight)
+        if free <= 1:
+            return None
+        ready = sum(1 for r in self.running if not r.in_step) + len(self.waiting)
+        return max(1, -(-ready // free))
 
     def _pop_in_flight(self, plan: StepPlan) -> None:
         oldest = self._in_flight.popleft() if self._in_flight else None

@@ -75,7 +75,7 @@ class Engine:
         _check_pool(config, executor)
         self.config = config
         self.executor = executor
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, max_steps_in_flight=_steps_in_flight(executor))
         self._wakeup: anyio.Event | None = None  # set while the loop idles
         self._has_served = False
         self._is_running = False
@@ -84,10 +84,7 @@ class Engine:
         # Aborts from dropped iterators, queued: their finalizers may run on any thread.
         self._foreign_aborts: deque[Request] = deque()
         self._task_group: anyio.abc.TaskGroup | None = None
-        depth = getattr(executor, "max_steps_in_flight", 1)
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ConfigError(f"executor.max_steps_in_flight must be an int >= 1, got {depth!r}")
-        self._depth: int = depth
+        self._depth = self.core.max_steps_in_flight
         # Steps submitted to a pipelined executor, oldest first.
         self._pending: deque[tuple[StepPlan, Future[StepResult]]] = deque()
 
@@ -307,6 +304,14 @@ class Engine:
         before they read or change the core, so a drop still reads as an abort at once."""
         while self._foreign_aborts:
             self.core.end(self._foreign_aborts.popleft(), FinishReason.ABORT)
+
+
+def _steps_in_flight(executor: Executor) -> int:
+    """How many steps the executor takes at once (1 unless it is a PipelinedExecutor)."""
+    depth = getattr(executor, "max_steps_in_flight", 1)
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ConfigError(f"executor.max_steps_in_flight must be an int >= 1, got {depth!r}")
+    return depth
 
 
 def _check_pool(config: EngineConfig, executor: Executor) -> None:

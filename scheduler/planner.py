@@ -59,14 +59,20 @@ class StepPlan:
 
 
 def plan_step(
-    running: list[Request], waiting: WaitingQueue, kv: KVCacheManager, config: EngineConfig
+    running: list[Request],
+    waiting: WaitingQueue,
+    kv: KVCacheManager,
+    config: EngineConfig,
+    max_requests: int | None = None,
 ) -> StepPlan:
     """Plan the next step, allocating its pages; updates ``running`` and ``waiting``.
 
     ``running`` must be sorted by urgency (priority, then arrival) and stays so. Every
     planned request is marked ``in_step``; the caller applies the step's results (or its
-    failure) afterwards.
+    failure) afterwards. ``max_requests`` caps the requests of the step (None: only the
+    budget and ``max_num_seqs`` do), so that several steps in flight share the requests.
     """
+    cap = len(running) + len(waiting) if max_requests is None else max_requests
     budget = config.max_num_batched_tokens
     chunk = config.prefill_chunk
     scheduled: list[Request] = []
@@ -75,7 +81,7 @@ def plan_step(
     allocate = kv.allocate
 
     i = 0
-    while i < len(running) and budget > 0:
+    while i < len(running) and budget > 0 and len(items) < cap:
         request = running[i]
         if request.in_step:  # its step is still in flight
             i += 1
@@ -100,7 +106,7 @@ def plan_step(
     admitted: list[Request] = []
     rejected: list[Request] = []
     if not preempted:
-        budget = _admit(running, waiting, kv, config, budget, admitted, rejected, items)
+        budget = _admit(running, waiting, kv, config, budget, admitted, rejected, items, cap)
         scheduled.extend(admitted)
     return StepPlan(
         batch=StepBatch(tuple(items)),
@@ -121,12 +127,13 @@ def _admit(
     admitted: list[Request],
     rejected: list[Request],
     items: list[StepRequest],
+    cap: int,
 ) -> int:
     """Move waiting requests into ``running`` while they fit; returns the budget left."""
     chunk = config.prefill_chunk
     num_groups = kv.num_groups
     num_running = len(running)
-    while budget > 0 and num_running < config.max_num_seqs:
+    while budget > 0 and num_running < config.max_num_seqs and len(items) < cap:
         # A first allocation always takes a fresh page per group (the one after the hit):
         # without that many free pages, skip hashing the prompt for a lookup.
         if kv.num_free_blocks < num_groups:

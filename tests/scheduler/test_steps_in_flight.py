@@ -198,3 +198,35 @@ async def test_a_broken_pipelined_executor_stops_the_engine_cleanly() -> None:
             assert isinstance(engine.error, ExecutorBrokenError)
             engine.core.kv.check_integrity()
             assert engine.core.kv.num_free_blocks == engine.core.kv.num_usable_blocks
+
+
+def test_ready_requests_are_spread_over_the_free_steps() -> None:
+    """With two steps in flight allowed, eight decoding requests split four and four."""
+    config = make_config()
+    core, fake = EngineCore(config, max_steps_in_flight=2), FakeExecutor.for_config(config)
+    for i in range(8):
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        core.add_request([1 + i, 2, 3], params, CollectingSink(), request_id=str(i))
+    first, second = core.plan(), core.plan()
+    assert (len(first.scheduled), len(second.scheduled)) == (4, 4)
+    core.apply(first, fake.execute(first.batch))
+    third = core.plan()  # one step free again: every ready request joins it
+    assert {r.request_id for r in third.scheduled} == {r.request_id for r in first.scheduled}
+    core.apply(second, fake.execute(second.batch))
+    core.apply(third, fake.execute(third.batch))
+
+
+@pytest.mark.asyncio
+async def test_pipelined_decodes_overlap_without_a_token_budget() -> None:
+    """Decode steps fill both stages even when one step could take every request."""
+    config = make_config(max_num_batched_tokens=4096)
+    with PipelinedFakeExecutor(
+        FakeExecutor.for_config(config), num_stages=2, stage_delay_s=0.002
+    ) as pipelined:
+        async with Engine(config, pipelined) as engine:
+            with anyio.fail_after(30):
+                outs = await run_workload(engine, 8)
+    assert pipelined.peak_steps_in_flight == 2
+    for i, got in outs.items():
+        tokens = [t for out in got for t in out.new_token_ids]
+        assert tokens == reference_tokens(workload_prompt(i), 6 + i % 20, VOCAB)
