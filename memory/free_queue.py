@@ -47,6 +47,7 @@ class KeptPrefix:
         num_groups: For a nested prefix, pages per block (the groups); 0 for a unit.
         is_branch: Requests branched off here (kept across hits), rather than a request
             ended here (given up by the request that continues it).
+        is_carried: A running request continues it and will extend it when it ends.
     """
 
     hashes: Sequence[BlockHash]
@@ -54,6 +55,7 @@ class KeptPrefix:
     num_blocks: int
     num_groups: int
     is_branch: bool
+    is_carried: bool = False
     first_num_blocks: int = attrs.field(init=False)
     cursor: int = 0  # pages[:cursor] are no longer held
 
@@ -82,7 +84,7 @@ class FreeQueue:
     def __init__(self, num_blocks: int) -> None:
         self._cold: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._given_up: OrderedDict[int, None] = OrderedDict()
-        self._warm: set[int] = set()
+        self._warm: dict[int, None] = {}  # a dict: stores and deletes are not method calls
         self._count = [0] * num_blocks  # kept prefixes holding each page
         self._lru: OrderedDict[KeptPrefix, None] = OrderedDict()  # least recently used first
         self._by_key: dict[BlockHash, KeptPrefix] = {}
@@ -118,18 +120,20 @@ class FreeQueue:
                 cold[page] = None
                 cold.move_to_end(page, last=False)
             elif count[page]:
-                warm.add(page)
+                warm[page] = None
             else:
                 cold[page] = None
 
-    def remove(self, page: int) -> None:
-        """A prefix hit takes ``page`` back from the queue."""
-        if page in self._cold:
-            del self._cold[page]
-        elif page in self._warm:
-            self._warm.remove(page)
-        else:
-            del self._given_up[page]
+    def remove_all(self, pages: Iterable[int]) -> None:
+        """A prefix hit takes ``pages`` (free ones) back from the queue."""
+        cold, given_up, warm = self._cold, self._given_up, self._warm
+        for page in pages:
+            if page in cold:
+                del cold[page]
+            elif page in warm:
+                del warm[page]
+            else:
+                del given_up[page]
 
     def take(self, num: int) -> list[int]:
         """The next ``num`` pages to reuse; the caller has checked ``num <= len(self)``.
@@ -146,13 +150,16 @@ class FreeQueue:
                 append(popitem(last=False)[0])
             return pages
         given_up = self._given_up
-        for k in range(num):
+        while len(pages) < num:
             if cold:
                 append(popitem(last=False)[0])
-                continue
-            while not given_up:
-                self._give_up(next(iter(self._lru)), num - k)
-            append(given_up.popitem(last=False)[0])
+            elif given_up:
+                append(given_up.popitem(last=False)[0])
+            else:  # the pages given up serve this call first, the rest wait in order
+                need = num - len(pages)
+                freed = self._give_up(next(iter(self._lru)), need)
+                pages += freed[:need]
+                given_up.update(dict.fromkeys(freed[need:]))
         return pages
 
     def forget(self, page: int) -> None:
@@ -170,7 +177,7 @@ class FreeQueue:
             if prefix.num_groups:  # nested: keep the blocks before this page's block
                 pos = prefix.cursor + held.index(page)
                 num_blocks = prefix.first_num_blocks - 1 - pos // prefix.num_groups
-            self._shrink(prefix, num_blocks, self._cold)
+            self._cold.update(dict.fromkeys(self._shrink(prefix, num_blocks)))
 
     # -- prefixes ----------------------------------------------------------------------
 
@@ -197,32 +204,65 @@ class FreeQueue:
             count[page] += 1
             if page in cold:
                 del cold[page]
-                warm.add(page)
+                warm[page] = None
             elif page in given_up:
                 del given_up[page]
-                warm.add(page)
+                warm[page] = None
         return prefix
 
     def touch(self, prefix: KeptPrefix) -> None:
         """A request resumed from ``prefix``: it becomes the most recently used."""
         self._lru.move_to_end(prefix)
 
-    def let_go(self, prefix: KeptPrefix) -> None:
-        """Stop keeping ``prefix`` (a request continues from it); unheld pages go cold."""
-        self._shrink(prefix, 0, self._cold)
+    def let_go(self, prefix: KeptPrefix, *, in_use: bool = False) -> None:
+        """Stop keeping ``prefix`` (a request continues from it); unheld pages go cold.
 
-    def _give_up(self, prefix: KeptPrefix, num: int) -> None:
-        """Evict from ``prefix`` until ``num`` pages turn cold, or all of it.
+        ``in_use``: every page it holds is held by a request now, so none is free to move.
+        A prefix no longer kept (given up meanwhile) is left alone.
+        """
+        if prefix in self._lru:
+            self._cold.update(dict.fromkeys(self._shrink(prefix, 0, in_use=in_use)))
+
+    def extend(
+        self,
+        prefix: KeptPrefix,
+        hashes: Sequence[BlockHash],
+        pages: list[int],
+        num_blocks: int,
+    ) -> bool:
+        """Grow a kept nested ``prefix`` to ``num_blocks`` blocks of the path ``hashes``.
+
+        ``pages``: the new blocks' pages, last block first, all held by a request. It
+        becomes the most recently used prefix. False, with nothing changed, if ``prefix``
+        is no longer kept whole, or another prefix of that length is kept already.
+        """
+        key = hashes[num_blocks - 1]
+        if prefix not in self._lru or prefix.cursor or self._by_key.get(key, prefix) is not prefix:
+            return False
+        del self._by_key[prefix.key]
+        count = self._count
+        for page in pages:
+            count[page] += 1
+        prefix.hashes = hashes
+        prefix.pages = pages + prefix.pages
+        prefix.num_blocks = prefix.first_num_blocks = num_blocks
+        prefix.is_carried = False
+        self._by_key[key] = prefix
+        self._lru.move_to_end(prefix)
+        return True
+
+    def _give_up(self, prefix: KeptPrefix, num: int) -> list[int]:
+        """Evict from ``prefix`` until ``num`` free pages are no longer kept, or all of it;
+        returns those pages, in eviction order, out of the warm part.
 
         A nested prefix drops blocks from its end, as few as give ``num`` free pages that
-        no other prefix holds, and at least ``_MIN_GIVE_UP`` blocks: the bookkeeping of a
-        shrink is paid once per run, and the pages stay cached (cold) until reused, so a
-        hit on them still finds them. A unit drops everything.
+        no other prefix holds, and at least ``_MIN_GIVE_UP``: the bookkeeping of a shrink
+        is paid once per run, and pages given up stay cached until reused, so a hit still
+        finds them. A unit drops everything.
         """
         num_groups = prefix.num_groups
         if not num_groups:
-            self._shrink(prefix, 0, self._given_up)
-            return
+            return self._shrink(prefix, 0)
         count, warm, pages = self._count, self._warm, prefix.pages
         num_blocks = prefix.num_blocks
         num = max(num, _MIN_GIVE_UP)
@@ -232,13 +272,13 @@ class FreeQueue:
                 if count[page] == 1 and page in warm:
                     num -= 1
             if num <= 0:
-                self._shrink(prefix, num_blocks, self._given_up)
-                return
-        self._shrink(prefix, 0, self._given_up)
+                return self._shrink(prefix, num_blocks)
+        return self._shrink(prefix, 0)
 
-    def _shrink(self, prefix: KeptPrefix, num_blocks: int, into: OrderedDict[int, None]) -> None:
-        """``prefix`` now resumes after ``num_blocks`` blocks (0: not at all); its free
-        pages that no kept prefix holds any more join the back of ``into``."""
+    def _shrink(self, prefix: KeptPrefix, num_blocks: int, *, in_use: bool = False) -> list[int]:
+        """``prefix`` now resumes after ``num_blocks`` blocks (0: not at all); returns its
+        free pages that no kept prefix holds any more, taken out of the warm part
+        (``in_use``: the caller knows none is free)."""
         del self._by_key[prefix.key]
         stop = len(prefix.pages)
         if num_blocks > 0:
@@ -250,16 +290,22 @@ class FreeQueue:
         if num_blocks == 0:
             del self._lru[prefix]
         warm, count = self._warm, self._count
-        for page in prefix.pages[prefix.cursor : stop]:
-            count[page] -= 1
-            if not count[page] and page in warm:
-                warm.remove(page)
-                into[page] = None
+        freed: list[int] = []
+        if in_use:
+            for page in prefix.pages[prefix.cursor : stop]:
+                count[page] -= 1
+        else:
+            for page in prefix.pages[prefix.cursor : stop]:
+                count[page] -= 1
+                if not count[page] and page in warm:
+                    del warm[page]
+                    freed.append(page)
         prefix.cursor = stop
+        return freed
 
     def check_integrity(self, hashes: Sequence[BlockHash | None]) -> None:
         """Assert the queue's invariants (``hashes[page]``: the page's hash or None)."""
-        parts = (self._cold.keys(), self._given_up.keys(), self._warm)
+        parts = (self._cold.keys(), self._given_up.keys(), self._warm.keys())
         assert sum(map(len, parts)) == len(set().union(*parts)), "a page in two parts"
         count = [0] * len(self._count)
         for prefix in self._lru:

@@ -276,21 +276,18 @@ class KVCacheManager:
         end = num_hit + num_new_tokens
         num_new = cdiv(end, bs) - hit_blocks
         hashes = hit.hashes if hit is not None else []
+        num_hit_free = 0
         if hit is not None and num_hit:
             self._check_hit(hit)
-            num_hit_free = sum(1 for t in hit.block_tables for p in t if p and pool.is_free(p))
-        else:
-            num_hit_free = 0
+            num_hit_free = pool.num_free_in(hit.block_tables)
         if num_new * self.num_groups + num_hit_free > pool.num_free:
             return None
         # Commit: claim every group's cached pages before any group takes a fresh one.
-        tables: list[list[int]] = []
-        for group in range(self.num_groups):
-            table = list(hit.block_tables[group]) if hit is not None and num_hit else []
-            for page in table:
-                if page:
-                    pool.take(page, group)
-            tables.append(table)
+        if hit is not None and num_hit:
+            tables = [list(table) for table in hit.block_tables]
+            pool.take_tables(tables)
+        else:
+            tables = [[] for _ in self._groups]
         new_pages = pool.allocate_groups(num_new, self._groups)
         for table, pages in zip(tables, new_pages, strict=True):
             table.extend(pages)
@@ -312,7 +309,7 @@ class KVCacheManager:
         self._requests[request.request_id] = state
         self._cache_full_blocks(request, state)
         if hit is not None and num_hit:
-            self._retention.request_resumed(hashes, hit_blocks, hit.block_tables)
+            state.carried = self._retention.request_resumed(hashes, hit_blocks, hit.block_tables)
         if self.enable_prefix_caching:
             self._hit_tokens += num_hit
             self._query_tokens += len(request.all_token_ids)
@@ -368,8 +365,10 @@ class KVCacheManager:
                 state.tables,
                 tables_are_cached=not state.num_uncached
                 and state.uncache_mark == self.pool.num_uncached,
+                carried=state.carried,
             )
-        self.pool.release([p for table in state.tables for p in reversed(table) if p])
+        for group, table in enumerate(state.tables):
+            self.pool.release([p for p in reversed(table) if p], group)
 
     def check_integrity(self) -> None:
         """Assert that reference counts equal table references and the pool is exact."""

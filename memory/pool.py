@@ -77,9 +77,28 @@ class BlockPool:
     def take(self, page: int, group: int) -> None:
         """Add a reference to a cached page (a prefix hit), pulling it off the free queue."""
         if self._ref[page] == 0:
-            self._free.remove(page)
+            self._free.remove_all((page,))
             self.num_used_per_group[group] += 1
         self._ref[page] += 1
+
+    def take_tables(self, tables: Sequence[Sequence[int]]) -> None:
+        """:meth:`take` every page of a hit's per-group tables (the null block skipped)."""
+        ref, used = self._ref, self.num_used_per_group
+        freed = []
+        for group, table in enumerate(tables):
+            for page in table:
+                if not page:
+                    continue
+                if not ref[page]:
+                    freed.append(page)
+                    used[group] += 1
+                ref[page] += 1
+        self._free.remove_all(freed)
+
+    def num_free_in(self, tables: Sequence[Sequence[int]]) -> int:
+        """How many pages of these per-group tables are free (the null block skipped)."""
+        ref = self._ref
+        return sum(1 for table in tables for page in table if page and not ref[page])
 
     def allocate(self, num: int, group: int) -> list[int]:
         """Take ``num`` pages for ``group`` from the free queue, evicting their hashes.
@@ -113,20 +132,27 @@ class BlockPool:
             used[group] += num
         return out
 
-    def release(self, pages: Iterable[int]) -> None:
-        """Drop one reference on each page, of any group; pages at zero become free.
+    def release(self, pages: Iterable[int], group: int | None = None) -> None:
+        """Drop one reference on each page; pages at zero become free.
 
-        Unhashed pages are reused first (nothing to lose), then hashed pages no kept
-        prefix needs, in the order released (pass a request's later blocks first), then
-        pages of kept prefixes.
+        ``group``: the group of every page, or None for pages of several groups. Unhashed
+        pages are reused first (nothing to lose), then hashed pages no kept prefix needs,
+        in the order released (pass a request's later blocks first), then pages of kept
+        prefixes.
         """
-        ref, owner, used = self._ref, self._group, self.num_used_per_group
-        freed = []
+        ref = self._ref
+        freed: list[int] = []
+        append = freed.append
         for page in pages:
             count = ref[page] - 1
             ref[page] = count
             if not count:
-                freed.append(page)
+                append(page)
+        if group is not None:
+            self.num_used_per_group[group] -= len(freed)
+        else:
+            used, owner = self.num_used_per_group, self._group
+            for page in freed:
                 used[owner[page]] -= 1
         self._free.push(freed, self._hash)
 
@@ -134,9 +160,20 @@ class BlockPool:
         """Keep a resumable prefix's pages for future hits (see ``FreeQueue.keep``)."""
         return self._free.keep(prefix, in_use=in_use)
 
-    def stop_keeping(self, prefix: KeptPrefix) -> None:
-        """A request continues from ``prefix``: its pages need no longer be kept for it."""
-        self._free.let_go(prefix)
+    def stop_keeping(self, prefix: KeptPrefix, *, in_use: bool) -> None:
+        """A request continues from ``prefix``: its pages need no longer be kept for it
+        (``in_use``: the request holds them all)."""
+        self._free.let_go(prefix, in_use=in_use)
+
+    def extend_kept(
+        self,
+        prefix: KeptPrefix,
+        hashes: Sequence[BlockHash],
+        pages: list[int],
+        num_blocks: int,
+    ) -> bool:
+        """Grow a kept nested prefix by its continuation's blocks (see ``FreeQueue.extend``)."""
+        return self._free.extend(prefix, hashes, pages, num_blocks)
 
     def touch(self, prefix: KeptPrefix) -> None:
         """A request resumed from a kept ``prefix``: it becomes the most recently used."""
@@ -205,7 +242,7 @@ class BlockPool:
         self._hash[page] = None
         self.num_uncached += 1
         if page in self._free:
-            self._free.remove(page)
+            self._free.remove_all((page,))
             self._free.push((page,), self._hash)
 
     def check_integrity(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import attrs
 
+from hybridkv.memory.free_queue import KeptPrefix
 from hybridkv.memory.hashing import BlockHash
 from hybridkv.policies.base import MemoryPolicy, cdiv
 
@@ -44,6 +45,7 @@ class RequestBlocks:
     min_release_at: int = 0
     num_uncached: int = 0  # filled blocks whose page is not the cached one (a duplicate)
     uncache_mark: int = 0  # pool.num_uncached at admission: a held page may have lost it
+    carried: KeptPrefix | None = None  # the nested prefix it resumed, extended at its end
 
     def release_scan(
         self, kinds: list[Kind], n: int, block_size: int, *, find_dead: bool = True

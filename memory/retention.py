@@ -5,7 +5,10 @@ needs it in every group. Two kinds of prefix are worth that, and nothing else is
 
 - where a request ended (finished, preempted or aborted): its next turn, or its
   readmission, resumes exactly there. The request that resumes gives it up again, so the
-  blocks its window dropped on the way go back to being worth nothing;
+  blocks its window dropped on the way go back to being worth nothing. A *nested*
+  prefix (every group reads every block) loses nothing that way, so the request carries
+  it instead and extends it by its own blocks when it ends: a long conversation costs
+  its new blocks a turn, not its whole history;
 - where a request branched off a prefix that others computed (a shared system prompt, a
   regenerated answer): proven to be shared, it is kept across hits.
 
@@ -56,43 +59,66 @@ class Retention:
         tables: Sequence[list[int]],
         *,
         tables_are_cached: bool,
+        carried: KeptPrefix | None = None,
     ) -> KeptPrefix | None:
         """Keep the prefix a request ended with (its ``num_blocks`` filled blocks).
 
         Call it before the request's pages are released. ``tables_are_cached``: every
         filled block's page in ``tables`` is the one the cache map names (no block was
-        computed twice); otherwise the pages are looked up.
+        computed twice); otherwise the pages are looked up. ``carried``: what
+        :meth:`request_resumed` handed the request, extended here when it can be.
         """
         built = self._prefix(hashes, num_blocks, tables, tables_are_cached, is_branch=False)
+        if carried is not None and carried.is_carried and not carried.is_branch:
+            if built is not None and self._extend(carried, built[0], built[1]):
+                return carried
+            self.pool.stop_keeping(carried, in_use=False)
         if built is None:
             return None
         prefix, looked_up = built
         # Pages taken from the request's tables are all in use until it is released.
         return self.pool.keep(prefix, in_use=not looked_up)
 
+    def _extend(self, carried: KeptPrefix, prefix: KeptPrefix, looked_up: bool) -> bool:
+        """Make ``carried`` the longer nested ``prefix`` that starts with it, if it is."""
+        held = carried.held_pages
+        new = len(prefix.pages) - len(held)
+        if looked_up or not prefix.num_groups or new < 0 or prefix.pages[new:] != held:
+            return False
+        return self.pool.extend_kept(carried, prefix.hashes, prefix.pages[:new], prefix.num_blocks)
+
     def request_resumed(
         self, hashes: Sequence[BlockHash], num_blocks: int, tables: Sequence[Sequence[int]]
-    ) -> None:
+    ) -> KeptPrefix | None:
         """A request took a hit of ``num_blocks`` blocks (``tables``: the hit's pages).
 
-        A request that ended there is continued: its prefix is no longer kept for itself.
+        A request that ended there is continued: its prefix is no longer kept for itself;
+        a nested one is returned instead, for the request to carry (see
+        :meth:`request_ended`), and a second request resuming it makes it a branch.
         Otherwise the hit is a branch point, kept, unless the path goes on in some group
         (the hit was cut short by a block another group lost, not shared up to here).
         """
         kept = self.pool.kept_prefix(hashes[num_blocks - 1])
         if kept is not None:
+            if kept.is_carried:
+                kept.is_branch = True  # a second request resumes it: shared
             if kept.is_branch:
                 self.pool.touch(kept)
+            elif kept.num_groups:
+                kept.is_carried = True
+                self.pool.touch(kept)
+                return kept
             else:
-                self.pool.stop_keeping(kept)
-            return
+                self.pool.stop_keeping(kept, in_use=True)
+            return None
         if num_blocks < len(hashes):
             following = hashes[num_blocks]
             if any(self.pool.lookup(following, g) is not None for g in range(self._num_groups)):
-                return
+                return None
         built = self._prefix(hashes, num_blocks, tables, True, is_branch=True)
         if built is not None:
             self.pool.keep(built[0], in_use=True)  # the resuming request holds them
+        return None
 
     def _needs(self, num_blocks: int) -> list[tuple[Span, ...]]:
         """Per kind, the block spans that resuming after ``num_blocks`` blocks reads."""

@@ -17,8 +17,7 @@ def path(name: str, num_blocks: int) -> list[BlockHash]:
 
 def freed(queue: FreeQueue, pages: list[int], hashes: list[BlockHash | None]) -> None:
     """Take ``pages`` out of the queue (as an allocation would) and free them again."""
-    for page in pages:
-        queue.remove(page)
+    queue.remove_all(pages)
     queue.push(pages, hashes)
 
 

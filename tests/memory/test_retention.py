@@ -138,3 +138,29 @@ def test_a_window_dropping_a_block_mid_block_keeps_the_prefix_resumable() -> Non
     mgr.free("a")
     fill(mgr, (mgr.num_free_blocks - 4) // 2)
     assert mgr.lookup(Req("b", [*range(11), 5])).num_tokens == 8
+
+
+def test_a_conversation_extends_the_prefix_it_resumed() -> None:
+    """A full-attention turn that resumes where the last one ended grows that kept prefix
+    by its own blocks: one prefix per conversation, its history not counted again."""
+    mgr = KVCacheManager([FULL], num_blocks=40, block_size=4)
+    serve(mgr, "t1", list(range(16)), [50, 51])
+    (first,) = mgr.pool.kept_prefixes()
+    serve(mgr, "t2", [*range(16), 50, 51, 52, 53, 54, 55], [56])
+    (kept,) = mgr.pool.kept_prefixes()
+    assert kept is first and kept.num_blocks == 5
+
+
+def test_two_requests_resuming_one_end_make_it_a_branch() -> None:
+    """Two continuations of the same end share it: it is kept for both, as a branch."""
+    mgr = KVCacheManager([FULL], num_blocks=40, block_size=4)
+    serve(mgr, "t1", list(range(16)), [])
+    reqs = [Req(f"t2{k}", [*range(16), *[k] * 6]) for k in (1, 2)]
+    for req in reqs:
+        hit = mgr.lookup(req)
+        assert mgr.allocate(req, 6, hit) is not None and hit.num_tokens == 16
+    for req in reqs:
+        mgr.free(req.request_id)
+    mgr.check_integrity()
+    lengths = sorted((p.num_blocks, p.is_branch) for p in mgr.pool.kept_prefixes())
+    assert lengths == [(4, True), (5, False), (5, False)]
