@@ -21,7 +21,8 @@ grow, the newest other running request is preempted and recomputed later), then
 admissions in queue order, each with a prefix lookup. Printed: the prefix hit rate of
 turns 2 to the last (cached prompt tokens over prompt tokens, at each turn's first
 admission) per layout and occupancy, and the allocator's time per step
-(``perf_counter_ns`` around the step's calls to it only; mean and median over steps).
+(``perf_counter_ns`` around each of the step's calls to it, appending sampled tokens
+included as in ``allocator.py``: vLLM hashes blocks there; mean over steps).
 With ``--reference-src DIR`` (a vLLM source tree, see ``_vllm_reference.py``), vLLM's own
 KVCacheManager serves the same workload in a run of its own.
 
@@ -145,17 +146,25 @@ class Run:
             "working_set": self.working_set,
         }
 
+    def _call(self, verb: str, *args: Any) -> Any:
+        """One call to the allocator, its time added to the step's."""
+        fn = getattr(self.alloc, verb)
+        t0 = time.perf_counter_ns()
+        out = fn(*args)
+        self.step_ns[-1] += time.perf_counter_ns() - t0
+        return out
+
     def step(self) -> None:
-        alloc, budget = self.alloc, self.args.budget
+        call, budget = self._call, self.args.budget
         scheduled: list[tuple[Turn, int]] = []
         preempted = False
-        t0 = time.perf_counter_ns()
-        alloc.step_starts()
+        self.step_ns.append(0)
+        call("step_starts")
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num = max(1, min(request.num_prompt - request.computed, budget))
-            while alloc.extend(request.index, num) is None:
+            while call("extend", request.index, num) is None:
                 if i < len(self.running) - 1:  # the newest other request makes room
                     self._preempt(self.running.pop())
                 elif num > 1:
@@ -170,9 +179,9 @@ class Run:
                 i += 1
         while not preempted and self.waiting and len(self.running) < self.args.in_flight:
             request = self.waiting[0]
-            hit = alloc.lookup(request.index)
+            hit = call("lookup", request.index)
             num = min(request.num_prompt - hit, budget)
-            if num <= 0 or alloc.admit(request.index, num, True) is None:
+            if num <= 0 or call("admit", request.index, num, True) is None:
                 break
             self.waiting.popleft()
             if request.index not in self.admitted:  # a turn's first admission counts
@@ -183,7 +192,6 @@ class Run:
             self.running.append(request)
             scheduled.append((request, num))
             budget -= num
-        self.step_ns.append(time.perf_counter_ns() - t0)
         self._apply(scheduled)
 
     def _apply(self, scheduled: list[tuple[Turn, int]]) -> None:
@@ -194,24 +202,19 @@ class Run:
             if request.computed < request.num_prompt:
                 continue  # prefill goes on
             reply = request.session.replies[request.turn]  # known in advance
-            self.alloc.append(request.index, reply[request.num_generated])
+            self._call("append", request.index, reply[request.num_generated])
             request.num_generated += 1
             if request.num_generated == len(reply):
                 done.append(request)
-        if not done:
-            return
-        t0 = time.perf_counter_ns()
         for request in done:
-            self.alloc.free(request.index, False)
-        self.step_ns[-1] += time.perf_counter_ns() - t0
-        for request in done:
+            self._call("free", request.index, False)
             self.running.remove(request)
             if request.turn + 1 < self.args.turns:
                 self.waiting.append(self._turn(request.session, request.turn + 1))
 
     def _preempt(self, request: Turn) -> None:
         """Free a running request; it is recomputed later, its reply so far included."""
-        self.alloc.free(request.index, True)
+        self._call("free", request.index, True)
         request.num_prompt = len(request.session.prompt(request.turn)) + request.num_generated
         request.computed = 0
         self.num_preemptions += 1
