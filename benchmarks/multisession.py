@@ -23,8 +23,10 @@ turns 2 to the last (cached prompt tokens over prompt tokens, at each turn's fir
 admission) per layout and occupancy, and the allocator's time per step
 (``perf_counter_ns`` around each of the step's calls to it, appending sampled tokens
 included as in ``allocator.py``: vLLM hashes blocks there; mean over steps).
-With ``--reference-src DIR`` (a vLLM source tree, see ``_vllm_reference.py``), vLLM's own
-KVCacheManager serves the same workload in a run of its own.
+With ``--per-turn``, also each turn's hit rate and the pages the sessions' prefixes need
+after each turn, over the working set (the pool must hold that to let every next turn
+hit). With ``--reference-src DIR`` (a vLLM source tree, see ``_vllm_reference.py``),
+vLLM's own KVCacheManager serves the same workload in a run of its own.
 
     python benchmarks/multisession.py [--repeats N] [--per-turn] [--reference-src DIR]
 
@@ -67,6 +69,18 @@ def policies(groups: list[dict[str, Any]]) -> list[MemoryPolicy]:
     ]
 
 
+def prefix_pages(groups: list[dict[str, Any]], num_tokens: int) -> int:
+    """Pages a prefix of the filled blocks of ``num_tokens`` tokens needs to be resumed:
+    in each group, the blocks its policy reads after the prefix."""
+    num_blocks = num_tokens // BLOCK_SIZE
+    return sum(
+        min(stop, num_blocks) - start
+        for policy in policies(groups)
+        for start, stop in policy.live_block_spans(num_blocks * BLOCK_SIZE, BLOCK_SIZE)
+        if start < num_blocks
+    )
+
+
 class Session:
     """A chat: a system prompt, then per turn a user message and the model's reply."""
 
@@ -86,9 +100,13 @@ class Session:
             out += self.messages[i] + self.replies[i]
         return out + self.messages[turn]
 
+    def turn_length(self, turn: int) -> int:
+        """Tokens computed by turn ``turn`` (its last reply token is never computed)."""
+        return len(self.prompt(turn)) + len(self.replies[turn]) - 1
+
     def final_length(self) -> int:
-        """Tokens computed by the last turn (its last reply token is never computed)."""
-        return len(self.prompt(len(self.messages) - 1)) + len(self.replies[-1]) - 1
+        """Tokens computed by the last turn."""
+        return self.turn_length(len(self.messages) - 1)
 
 
 class Turn:
@@ -112,6 +130,16 @@ class Run:
         self.sessions = [Session(i, rng, args) for i in range(args.sessions)]
         probe = KVCacheManager(policies(groups), 2, BLOCK_SIZE)
         self.working_set = sum(probe.num_blocks_needed(s.final_length()) for s in self.sessions)
+        # Pages every session's prefix needs after each turn, over the working set: what a
+        # pool must keep to let every next turn hit.
+        self.prefix_share = [
+            round(
+                sum(prefix_pages(groups, s.turn_length(t)) for s in self.sessions)
+                / self.working_set,
+                3,
+            )
+            for t in range(args.turns)
+        ]
         self.num_blocks = round(self.working_set / occupancy) + 1
         self.alloc = make(groups, self.num_blocks)
         self.args = args
@@ -144,6 +172,7 @@ class Run:
             "step_us_median": round(statistics.median(us), 2),
             "num_blocks": self.num_blocks,
             "working_set": self.working_set,
+            "prefix_share": self.prefix_share,
         }
 
     def _call(self, verb: str, *args: Any) -> Any:
@@ -271,6 +300,11 @@ def main() -> None:
     for label, row in results.items():
         print(f"{label:<{width}}" + "".join(f"{row[o]['preemptions']:>8}" for o in occ))
     if args.per_turn:
+        print("\nsessions' prefixes after each turn, in pages, over the working set")
+        for layout in LAYOUTS:
+            row = next(r for label, r in results.items() if label.startswith(layout + ","))
+            shares = " ".join(f"{x:.2f}" for x in row[occ[0]]["prefix_share"])
+            print(f"{layout:<{width}} {'':>5}  {shares}")
         print("\nhit rate per turn")
         for label, row in results.items():
             for o in occ:
