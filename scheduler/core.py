@@ -39,7 +39,7 @@ from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
 from hybridkv.scheduler.meter import ThroughputMeter
 from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
-from hybridkv.scheduler.planner import StepPlan, plan_step
+from hybridkv.scheduler.planner import StepPlan, plan_step, share_of_ready
 from hybridkv.scheduler.queue import WaitingQueue
 from hybridkv.scheduler.request import OutputSink, Request, RequestStatus
 from hybridkv.scheduler.results import check_result, gather_prompt_logprobs, request_failure
@@ -166,9 +166,9 @@ class EngineCore:
         """
         start = time.perf_counter()
         self._prune_running()
-        plan = plan_step(
-            self.running, self.waiting, self.kv, self.config, self._max_requests_per_step()
-        )
+        free_steps = self.max_steps_in_flight - len(self._in_flight)
+        cap = share_of_ready(self.running, self.waiting, free_steps)
+        plan = plan_step(self.running, self.waiting, self.kv, self.config, cap)
         now = self._clock()
         for request in plan.rejected:
             needed = self.kv.num_blocks_needed(len(request.all_token_ids))
@@ -305,18 +305,6 @@ class EngineCore:
         for later in self._in_flight:
             self._stale_hits.update(r for r in later.admitted if r.num_computed_tokens)
         self.num_steps += 1
-
-    def _max_requests_per_step(self) -> int | None:
-        """With several steps in flight, spread the ready requests over the free ones.
-
-        Otherwise one step would take every ready request and the next find none (each
-        request is in at most one step in flight): the pipeline's stages would not overlap.
-        """
-        free = self.max_steps_in_flight - len(self._in_flight)
-        if free <= 1:
-            return None
-        ready = sum(1 for r in self.running if not r.in_step) + len(self.waiting)
-        return max(1, -(-ready // free))
 
     def _pop_in_flight(self, plan: StepPlan) -> None:
         oldest = self._in_flight.popleft() if self._in_flight else None

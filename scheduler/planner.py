@@ -118,6 +118,19 @@ def plan_step(
     )
 
 
+def share_of_ready(running: list[Request], waiting: WaitingQueue, free_steps: int) -> int | None:
+    """The most requests one step should take while ``free_steps`` more may be in flight.
+
+    Without a cap one step would take every ready request and the next find none (a request
+    is in at most one step in flight): a pipeline's stages would not overlap. None when
+    only one step is free.
+    """
+    if free_steps <= 1:
+        return None
+    ready = sum(1 for r in running if not r.in_step) + len(waiting)
+    return max(1, -(-ready // free_steps))
+
+
 def _admit(
     running: list[Request],
     waiting: WaitingQueue,
