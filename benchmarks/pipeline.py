@@ -51,11 +51,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import MODEL, make_checkpoint_off_main, workload
+from throughput import MODEL, generate_all, make_checkpoint_off_main, workload
 
 from hybridkv.models.executor import ModelExecutor
 from hybridkv.models.pipeline_executor import PipelineExecutor
-from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
+from hybridkv.scheduler import Engine, EngineConfig
 
 BLOCK_SIZE = 16
 KV_BYTES = 64 << 20  # per device: every request fits, no setting preempts
@@ -67,20 +67,9 @@ async def _serve(
     config = EngineConfig.for_executor(
         executor, max_num_seqs=64, max_num_batched_tokens=budget, max_prefill_chunk=budget
     )
-    num_out = 0
-
-    async def consume(engine: Engine, prompt: list[int], max_tokens: int) -> None:
-        nonlocal num_out
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        async with engine.generate(prompt, params) as stream:
-            async for output in stream:
-                num_out += len(output.new_token_ids)
-
     start = time.perf_counter()
     async with Engine(config, executor) as engine:
-        async with anyio.create_task_group() as tg:
-            for prompt, max_tokens in requests:
-                tg.start_soon(consume, engine, prompt, max_tokens)
+        num_out = await generate_all(engine, requests)
         seconds = time.perf_counter() - start
         steps = engine.stats().num_steps
     return {"seconds": seconds, "output_tokens": num_out, "steps": steps}

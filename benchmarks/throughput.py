@@ -112,6 +112,24 @@ class CountingExecutor:
         return self.inner.execute(batch)
 
 
+async def generate_all(engine: Engine, requests: list[tuple[list[int], int]]) -> int:
+    """Run every (prompt, output length) request at once, greedy, to its length; returns
+    the output tokens generated."""
+    num_out = 0
+
+    async def consume(prompt: list[int], max_tokens: int) -> None:
+        nonlocal num_out
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        async with engine.generate(prompt, params) as stream:
+            async for output in stream:
+                num_out += len(output.new_token_ids)
+
+    async with anyio.create_task_group() as tg:
+        for prompt, max_tokens in requests:
+            tg.start_soon(consume, prompt, max_tokens)
+    return num_out
+
+
 async def _run_engine(
     executor: ModelExecutor, requests: list[tuple[list[int], int]], max_num_seqs: int
 ) -> dict[str, Any]:
@@ -122,19 +140,9 @@ async def _run_engine(
         max_prefill_chunk=512,
     )
     counting = CountingExecutor(executor)
-    num_out = 0
-
-    async def consume(engine: Engine, prompt: list[int], max_tokens: int) -> None:
-        nonlocal num_out
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        async with engine.generate(prompt, params) as stream:
-            async for output in stream:
-                num_out += len(output.new_token_ids)
-
     start = time.perf_counter()
-    async with Engine(config, counting) as engine, anyio.create_task_group() as tg:
-        for prompt, max_tokens in requests:
-            tg.start_soon(consume, engine, prompt, max_tokens)
+    async with Engine(config, counting) as engine:
+        num_out = await generate_all(engine, requests)
     elapsed = time.perf_counter() - start
     return {
         "seconds": elapsed,
