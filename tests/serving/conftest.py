@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import socket
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -276,3 +277,36 @@ def make_sampling_server(make_server: Callable[..., LiveServer]) -> Callable[...
 def byte_tokenizer_fixture() -> Tokenizer:
     """The byte-level test tokenizer of the sampling fake."""
     return byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def make_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``make(layer_types, max_positions, vocab_size)``: a random tiny Gemma 3 of those
+    layers, saved with a word tokenizer (``[UNK]``, ``<eos>``, ``w2`` ...) in a new folder."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    def make(layer_types: list[str], max_positions: int, vocab_size: int) -> Path:
+        torch.manual_seed(0)
+        config = Gemma3TextConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=len(layer_types),
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=layer_types,
+            max_position_embeddings=max_positions,
+            eos_token_id=1,
+        )
+        folder = tmp_path_factory.mktemp("tiny-gemma3")
+        Gemma3ForCausalLM(config).save_pretrained(folder)
+        vocab = {"[UNK]": 0, "<eos>": 1} | {f"w{i}": i for i in range(2, vocab_size)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.save(str(folder / "tokenizer.json"))
+        return folder
+
+    return make

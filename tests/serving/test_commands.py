@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,32 +17,9 @@ VOCAB = 64
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_checkpoint(make_tiny_checkpoint: Callable[..., Path]) -> Path:
     """A random two-layer Gemma 3 (one sliding, one full layer) with a word tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=2048,
-        eos_token_id=1,
-    )
-    folder = tmp_path_factory.mktemp("tiny-gemma3")
-    Gemma3ForCausalLM(config).save_pretrained(folder)
-    vocab = {"[UNK]": 0, "<eos>": 1} | {f"w{i}": i for i in range(2, VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
+    return make_tiny_checkpoint(["sliding_attention", "full_attention"], 2048, VOCAB)
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import multiprocessing
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,25 +23,10 @@ GENERATE = ["w2 w3 w4 w5", "--max-tokens", "6", "--ignore-eos", "--kv-memory", "
 
 
 @pytest.fixture(scope="module")
-def three_layer_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def three_layer_checkpoint(make_tiny_checkpoint: Callable[..., Path]) -> Path:
     """A random three-layer Gemma 3 (sliding, sliding, full) with a word tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
     s, f = "sliding_attention", "full_attention"
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
-        layer_types=[s, s, f], max_position_embeddings=512, eos_token_id=1,
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny-gemma3-pp")
-    Gemma3ForCausalLM(config).save_pretrained(folder)
-    vocab = {"[UNK]": 0, "<eos>": 1} | {f"w{i}": i for i in range(2, VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
+    return make_tiny_checkpoint([s, s, f], 512, VOCAB)
 
 
 @pytest.fixture(autouse=True)
