@@ -19,6 +19,8 @@ over the whole sequence). This imports nothing of hybridkv.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -40,10 +42,32 @@ def causal_conv1d(
     Returns:
         ``([L, D]`` outputs, ``[D, K-1]`` the state after the chunk).
     """
+    out, states = causal_conv1d_states(x, conv_state, weight, bias, (x.shape[0],))
+    return out, states[0]
+
+
+def causal_conv1d_states(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counts: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv1d`, with the state after each of ``counts`` tokens of the chunk.
+
+    The state after ``t`` tokens is the ``K-1`` inputs before position ``t``::
+
+        window   s s s | x0 x1 x2 x3 x4       K=4, the carried state s first
+        after 2            s x0 x1            window[:, 2 : 2 + K-1]
+
+    Returns ``([L, D]`` outputs, ``[len(counts), D, K-1]`` states), counts in ``[0, L]``.
+    """
     width = weight.shape[1]
     window = torch.cat([conv_state.to(x.dtype), x.t()], dim=1)  # [D, K-1+L]
     out = F.conv1d(window[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
-    return F.silu(out.t()), window[:, window.shape[1] - (width - 1) :]
+    index = torch.tensor(list(counts), dtype=torch.long, device=x.device)
+    states = window.unfold(1, width - 1, 1).index_select(1, index)  # [D, I, K-1]
+    return F.silu(out.t()), states.permute(1, 0, 2)
 
 
 def causal_conv1d_decode(
@@ -102,6 +126,35 @@ def ssd_scan(
     Returns:
         ``([L, H, P]`` outputs in x's dtype, ``[H, P, N]`` float32 state after the chunk).
     """
+    y, states = ssd_scan_states(x, dt, a, b, c, d, ssm_state, chunk_size, ())
+    return y, states[-1]
+
+
+def ssd_scan_states(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    ssm_state: torch.Tensor,
+    chunk_size: int,
+    counts: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ssd_scan`, with the state after each of ``counts`` tokens (in ``[1, L]``) too.
+
+    The executor checkpoints a request's state at block boundaries inside a prefill chunk
+    this way, in the same pass: the state after ``t`` tokens is the state entering t's SSD
+    chunk, decayed to t, plus that chunk's inputs up to t::
+
+        SSD chunks   [0 ........ 7] [8 ........ 15] [16 .. 20]     chunk_size 8, L = 21
+        counts                  t=6            t=12
+        state(12)  = exp(decay(8..11)) * entering(8) + sum_{s=8..11} decayed B_s x_s
+
+    Returns:
+        ``([L, H, P]`` outputs in x's dtype, ``[len(counts) + 1, H, P, N]`` float32 states:
+        after each count, then after the whole chunk).
+    """
     length, num_heads, _ = x.shape
     repeat = num_heads // b.shape[1]
     xf, dtf = x.float(), dt.float()
@@ -139,7 +192,17 @@ def ssd_scan(
     y = y + torch.einsum("clhn,chpn,chl->clhp", cs, start, torch.exp(cumulative))
     y = y.reshape(num_chunks * chunk_size, num_heads, -1)[:length]
     y = y + xf * d.float()[:, None]
-    return y.to(x.dtype), final
+    if not counts:
+        return y.to(x.dtype), final[None]
+    index = torch.tensor(list(counts), dtype=torch.long, device=x.device) - 1
+    chunk, offset = index // chunk_size, index % chunk_size
+    upto = cumulative[chunk]  # [I, H, l]
+    at = upto.gather(2, offset[:, None, None].expand(-1, num_heads, 1))  # [I, H, 1]
+    within = torch.arange(chunk_size, device=x.device)[None, :] <= offset[:, None]  # [I, l]
+    to_count = torch.exp((at - upto).masked_fill(~within[:, None, :], float("-inf")))
+    inside = torch.einsum("ihs,ishn,ishp->ihpn", to_count, bs[chunk], xs[chunk])
+    at_counts = torch.exp(at)[..., None] * start[chunk] + inside
+    return y.to(x.dtype), torch.cat([at_counts, final[None]], dim=0)
 
 
 def ssd_decode(

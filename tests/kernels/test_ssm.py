@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.kernels.ssm import causal_conv1d, causal_conv1d_decode, ssd_decode, ssd_scan
+from hybridkv.kernels.ssm import (
+    causal_conv1d,
+    causal_conv1d_decode,
+    causal_conv1d_states,
+    ssd_decode,
+    ssd_scan,
+    ssd_scan_states,
+)
 
 mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
 
@@ -128,3 +135,31 @@ def test_convolution_in_chunks_and_steps_matches_transformers() -> None:
         y, states = causal_conv1d_decode(x[i : i + 1], states, weight, bias)
         outs.append(y)
     torch.testing.assert_close(torch.cat(outs), expected, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("counts", [(1,), (8,), (5, 8, 16, 21), (7, 9, 36, 37)])
+def test_states_at_counts_equal_the_scans_cut_there(counts: tuple[int, ...]) -> None:
+    """The state after t tokens, taken inside one scan, equals the final state of a scan of
+    the first t tokens, across SSD chunk boundaries."""
+    t = inputs(2)
+    start = torch.randn(H, P, N, generator=torch.Generator().manual_seed(3))
+    y, states = ssd_scan_states(**t, ssm_state=start, chunk_size=CHUNK, counts=counts)
+    whole_y, whole_state = ssd_scan(**t, ssm_state=start, chunk_size=CHUNK)
+    torch.testing.assert_close(y, whole_y)
+    torch.testing.assert_close(states[-1], whole_state)
+    for i, count in enumerate(counts):
+        cut = {k: v[:count] if v.dim() > 1 else v for k, v in t.items()}
+        _, expected = ssd_scan(**cut, ssm_state=start, chunk_size=CHUNK)
+        torch.testing.assert_close(states[i], expected, atol=TOL, rtol=TOL)
+
+
+def test_convolution_states_at_counts_are_the_inputs_before_them() -> None:
+    """The conv state after t tokens is the final state of the convolution of t tokens."""
+    g = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(11, 6, generator=g), torch.randn(6, K, generator=g)
+    start = torch.randn(6, K - 1, generator=g)
+    out, states = causal_conv1d_states(x, start, weight, None, (0, 2, 5, 11))
+    torch.testing.assert_close(out, causal_conv1d(x, start, weight, None)[0])
+    torch.testing.assert_close(states[0], start)
+    for i, count in enumerate((2, 5, 11), start=1):
+        torch.testing.assert_close(states[i], causal_conv1d(x[:count], start, weight, None)[1])
