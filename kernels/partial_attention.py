@@ -1,0 +1,95 @@
+"""Attention over one shard of the keys, returning the output and its log-sum-exp.
+
+Context parallelism splits a request's keys over ranks; each rank attends its queries to
+the keys it holds (or that reach it around the ring) and the shards' results are merged
+exactly (``lse_merge``). A shard's keys are arbitrary tokens of arbitrary requests, so the
+mask comes from each token's request and global position, not from its index::
+
+    query (seq, p) reads key (seq', k)  iff  seq' == seq  and  p - W < k <= p
+
+(W = the sliding window; None: every earlier position). GQA folds the G query heads of a
+KV head into the rows of one matrix product, as ``attention.py`` does; soft-capping
+(``c * tanh(s / c)``) applies before the mask. Scores and the softmax are float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.kernels.errors import KernelInputError
+
+
+def partial_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    scale: float,
+    query_seq: torch.Tensor | None = None,
+    key_seq: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend ``query`` to the shard ``key``/``value`` by position; output and lse.
+
+    Args:
+        query: ``[num_queries, num_q_heads, head_dim]``.
+        key: ``[num_keys, num_kv_heads, head_dim]`` (``num_keys`` may be 0).
+        value: same shape as ``key``.
+        query_pos: ``[num_queries]`` global position of each query in its request.
+        key_pos: ``[num_keys]`` global position of each key.
+        scale: multiplier of the dot products.
+        query_seq: ``[num_queries]`` request index of each query; None: all one request.
+        key_seq: ``[num_keys]`` request index of each key (given with ``query_seq``).
+        sliding_window: W, the keys a query sees counting itself; None: all earlier ones.
+        softcap: c of ``c * tanh(scores / c)``.
+
+    Returns:
+        ``[num_queries, num_q_heads, head_dim]`` in the query's dtype (0 where a query
+        reads no key of the shard) and ``[num_queries, num_q_heads]`` float32 lse
+        (``-inf`` there).
+
+    Raises:
+        KernelInputError: shapes that disagree, or only one of the seq tensors.
+    """
+    num_queries, num_q_heads, head_dim = query.shape
+    num_keys, num_kv_heads = key.shape[0], key.shape[1]
+    if (
+        key.shape != value.shape
+        or key.shape[2] != head_dim
+        or num_q_heads % num_kv_heads
+        or query_pos.shape != (num_queries,)
+        or key_pos.shape != (num_keys,)
+    ):
+        raise KernelInputError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}, "
+            f"positions {tuple(query_pos.shape)}/{tuple(key_pos.shape)} do not agree"
+        )
+    if (query_seq is None) != (key_seq is None):
+        raise KernelInputError("query_seq and key_seq come together, or neither")
+    lse_shape = (num_queries, num_q_heads)
+    if num_keys == 0 or num_queries == 0:
+        return torch.zeros_like(query), torch.full(lse_shape, float("-inf"), device=query.device)
+    group = num_q_heads // num_kv_heads
+    # [Tq, Hq, D] -> [Hkv, G, Tq, D]; keys [Tk, Hkv, D] -> [Hkv, 1, Tk, D].
+    q = query.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    k = key.permute(1, 0, 2)[:, None]
+    v = value.permute(1, 0, 2)[:, None]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    delta = query_pos[:, None] - key_pos[None, :]
+    visible = delta >= 0
+    if sliding_window is not None:
+        visible &= delta < sliding_window
+    if query_seq is not None and key_seq is not None:
+        visible &= query_seq[:, None] == key_seq[None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, Tq]
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(scores - safe[..., None])
+    out = torch.matmul(weights, v.float())  # [Hkv, G, Tq, D]
+    out = out.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_dim)
+    return out.to(query.dtype), lse.permute(2, 0, 1).reshape(lse_shape)
