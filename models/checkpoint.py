@@ -16,16 +16,18 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from hybridkv.models.bamba import BAMBA
 from hybridkv.models.config import ModelConfig, eos_ids
 from hybridkv.models.errors import CheckpointError, ModelConfigError
 from hybridkv.models.gemma2 import GEMMA2
 from hybridkv.models.gemma3 import GEMMA3
+from hybridkv.models.granite_hybrid import GRANITE_HYBRID
 from hybridkv.models.hf_config import read_config
 from hybridkv.models.llama import LLAMA
 from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.transformer import Architecture
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA2, GEMMA3)
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA2, GEMMA3, BAMBA, GRANITE_HYBRID)
 
 
 def architecture_for(model_type: str) -> Architecture:

@@ -13,21 +13,22 @@ from typing import Any
 
 import attrs
 
-from hybridkv.memory.layout import AttentionSpec, LayerSpec
+from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.hf_config import flag_field, float_field, int_field, text_config
 from hybridkv.models.rope import RopeSpec
 from hybridkv.models.specs import FULL, SLIDING, PolicyChoices, layer_specs_from_config
+from hybridkv.models.state_shapes import Mamba2Shape
 
 __all__ = ["FULL", "SLIDING", "ModelConfig", "activation_of", "common_fields", "eos_ids"]
 
 
-def _attention_layers(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _runnable_layers(instance: ModelConfig, attribute: attrs.Attribute[Any], value: Any) -> None:
     for spec in value:
-        if not isinstance(spec, AttentionSpec):
+        if isinstance(spec, StateSpec) and instance.mamba is None:
             raise ModelConfigError(
-                f"layer {spec.name!r} is a {spec.kind or 'state'} layer; only attention "
-                "layers run here"
+                f"layer {spec.name!r} is a {spec.kind or 'state'} layer, and only Mamba2 state "
+                "layers (Bamba, Granite 4.0-H) run here"
             )
 
 
@@ -50,13 +51,20 @@ class ModelConfig:
         attn_softcap: Soft-cap of attention scores, or None.
         final_softcap: Soft-cap of the output logits, or None.
         layers: Per layer, its spec: kind, memory policy (what it keeps and attends), KV
-            heads, head dim and cached bytes per value.
+            heads, head dim and cached bytes per value; a state spec for a Mamba2 layer.
         rope: Per layer kind, its rope parameters.
         tie_word_embeddings: The LM head reuses the embedding matrix.
         attention_bias: q/k/v/o projections have biases.
         mlp_bias: MLP projections have biases.
         max_position_embeddings: Longest sequence the model supports.
         eos_token_ids: End-of-sequence tokens named by config.json.
+        mamba: The Mamba2 mixer's shape, for models with state layers; else None.
+        residual_multiplier: Each block's output is scaled by it before the residual add
+            (Granite).
+        logits_scaling: Logits are divided by it (Granite).
+        num_experts: Experts of each layer's MoE block, 0 for a dense MLP only.
+        num_experts_per_token: Experts each token is routed to.
+        expert_intermediate_size: Width of one expert's gated MLP.
     """
 
     model_type: str
@@ -72,19 +80,25 @@ class ModelConfig:
     query_scale: float
     attn_softcap: float | None
     final_softcap: float | None
-    layers: tuple[AttentionSpec, ...] = attrs.field(converter=tuple, validator=_attention_layers)
+    layers: tuple[LayerSpec, ...] = attrs.field(converter=tuple, validator=_runnable_layers)
     rope: Mapping[str, RopeSpec] = attrs.field(hash=False)
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    mamba: Mamba2Shape | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
             raise ModelConfigError("a model needs at least one layer, got none")
         # One projection shape for every layer: the decoder layers are built from it.
-        shapes = sorted({(s.num_kv_heads, s.head_dim) for s in self.layers})
+        shapes = sorted({(s.num_kv_heads, s.head_dim) for s in self.attention_layers})
         if len(shapes) > 1:
             raise ModelConfigError(
                 f"layers differ in (KV heads, head dim): {shapes}; one shape is supported"
@@ -94,7 +108,7 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
-        missing = sorted(set(self.layer_types) - set(self.rope))
+        missing = sorted({str(s.kind) for s in self.attention_layers} - set(self.rope))
         if missing:
             raise ModelConfigError(f"no rope parameters for layer types {missing}")
 
@@ -104,14 +118,21 @@ class ModelConfig:
         return len(self.layers)
 
     @property
+    def attention_layers(self) -> tuple[AttentionSpec, ...]:
+        """The specs of the attention layers, in layer order (state layers left out)."""
+        return tuple(s for s in self.layers if isinstance(s, AttentionSpec))
+
+    @property
     def num_kv_heads(self) -> int:
-        """Key/value heads of every layer (GQA when fewer than query heads)."""
-        return self.layers[0].num_kv_heads
+        """Key/value heads of every attention layer (GQA when fewer than query heads)."""
+        attention = self.attention_layers
+        return attention[0].num_kv_heads if attention else self.num_heads
 
     @property
     def head_dim(self) -> int:
-        """Width of one head, in every layer."""
-        return self.layers[0].head_dim
+        """Width of one head, in every attention layer."""
+        attention = self.attention_layers
+        return attention[0].head_dim if attention else self.hidden_size // self.num_heads
 
     @property
     def layer_types(self) -> tuple[str, ...]:

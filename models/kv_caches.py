@@ -6,7 +6,9 @@ Memory picture (a Gemma-3-like model, plan.group_size = 2 slots, N pages per slo
     slot 1  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 1 of every group
 
 Each layer views its slot tensor as ``[N, 2, kv_heads, block_size, head_dim]``. A page id
-belongs to one group at a time, so the layers sharing a slot never collide.
+belongs to one group at a time, so the layers sharing a slot never collide. A state
+(Mamba2) layer views the same bytes as float32 rows, ``[N, state_values]``, whatever the
+model's dtype (``hybridkv.models.mamba2`` has the row's layout).
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from hybridkv.memory.layout import AttentionSpec, LayoutPlan
+from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan, StateSpec
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.policies.base import MemoryPolicy
 
 
 def allocate_kv_caches(
-    plan: LayoutPlan, specs: Sequence[AttentionSpec], dtype: torch.dtype, device: torch.device
+    plan: LayoutPlan, specs: Sequence[LayerSpec], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One zeroed tensor per slot the ``specs`` use, and per layer (in ``specs`` order) its
     paged view. A pipeline stage passes only its layers, and allocates only their slots."""
@@ -38,13 +40,16 @@ def allocate_kv_caches(
     views = []
     for spec in specs:
         _, slot = plan.layer_slots[spec.name]
+        if isinstance(spec, StateSpec):
+            views.append(slots[slot].view(torch.float32)[:, : spec.state_bytes // 4])
+            continue
         shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
         layer_elems = spec.block_bytes(plan.block_size) // itemsize
         views.append(slots[slot][:, :layer_elems].view(shape))
     return views
 
 
-def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> list[AttentionSpec]:
+def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> list[LayerSpec]:
     """Per layer, its spec with the policy of its KV group in ``plan``: what its pages keep.
 
     A group may keep more than its layers attend (``uniform_layout`` keeps every position),
@@ -63,7 +68,7 @@ def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> lis
     itemsize = torch.empty((), dtype=dtype).element_size()
     kept = []
     for spec in config.layers:
-        if spec.dtype_bytes != itemsize:
+        if isinstance(spec, AttentionSpec) and spec.dtype_bytes != itemsize:
             raise ModelConfigError(
                 f"layer spec {spec.name!r} caches {spec.dtype_bytes} bytes per value, the "
                 f"model's dtype {dtype} has {itemsize}"

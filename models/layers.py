@@ -8,6 +8,7 @@ Every block works on a flat batch of tokens, ``[num_tokens, ...]``, from many re
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import attrs
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
+from hybridkv.memory.layout import AttentionSpec
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.rope import apply_rope
 
@@ -29,6 +31,23 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+class ShardedAttention(Protocol):
+    """Attention whose keys are spread over ranks (``models/context_attention.py``): it
+    stores the new K/V its rank keeps and attends the queries to every rank's keys."""
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor: ...
+
+
 @attrs.frozen
 class LayerInputs:
     """What one attention layer reads besides the hidden states, for one step.
@@ -37,13 +56,14 @@ class LayerInputs:
         cos: Rotary cosines for the layer's rope spec, ``[num_tokens, 1, head_dim]``.
         sin: Rotary sines, same shape.
         kv_cache: The layer's pages, ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``.
-        metadata: Slot mapping and block tables of the layer's KV group.
+        metadata: Slot mapping and block tables of the layer's KV group, or, under context
+            parallelism, the step's sharded attention of that group.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     kv_cache: torch.Tensor
-    metadata: PagedMetadata
+    metadata: PagedMetadata | ShardedAttention
 
 
 class RMSNorm(nn.Module):
@@ -101,6 +121,7 @@ class PagedAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         spec = config.layers[layer]
+        assert isinstance(spec, AttentionSpec), f"layer {layer} is not an attention layer"
         bias = config.attention_bias
         q_width = config.num_heads * spec.head_dim
         kv_width = spec.num_kv_heads * spec.head_dim
@@ -130,11 +151,19 @@ class PagedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, inputs.cos, inputs.sin)
         k = apply_rope(k, inputs.cos, inputs.sin)
-        write_kv(inputs.kv_cache, k, v, inputs.metadata)
+        meta = inputs.metadata
+        if not isinstance(meta, PagedMetadata):
+            # Context parallelism refuses policies without one window (live_spans).
+            out = meta.attend(
+                q, k, v, inputs.kv_cache, scale=self.scale,
+                sliding_window=self.sliding_window, softcap=self.softcap,
+            )  # fmt: skip
+            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        write_kv(inputs.kv_cache, k, v, meta)
         out = paged_attention(
             q,
             inputs.kv_cache,
-            inputs.metadata,
+            meta,
             scale=self.scale,
             sliding_window=self.sliding_window,
             live_spans=self.live_spans,

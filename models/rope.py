@@ -31,6 +31,8 @@ class RopeSpec:
         low_freq_factor: ``llama3`` only.
         high_freq_factor: ``llama3`` only.
         original_max_position_embeddings: ``llama3`` only: the pretraining context.
+        partial_rotary_factor: The share of each head rotated (its first channels; Bamba
+            rotates half); 0 rotates nothing (Granite 4.0-H without position embeddings).
     """
 
     theta: float
@@ -39,6 +41,7 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
 
     @classmethod
     def from_hf(
@@ -67,6 +70,7 @@ class RopeSpec:
             original_max_position_embeddings=int(
                 params.get("original_max_position_embeddings", max_positions)
             ),
+            partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
         )
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
@@ -113,17 +117,25 @@ class RotaryTable:
 
     def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device | str) -> None:
         self.spec = spec
-        self.inv_freq = spec.inv_freq(head_dim).to(device)
+        rotary_dim = int(head_dim * spec.partial_rotary_factor)
+        self.inv_freq = spec.inv_freq(rotary_dim).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Tables of shape ``[num_tokens, 1, head_dim]``, in ``dtype``, to broadcast on heads."""
+        """Tables ``[num_tokens, 1, rotary_dim]``, in ``dtype``, to broadcast on heads."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[num_tokens, heads, head_dim]``) by half-split pairs."""
+    """Rotate ``x`` (``[num_tokens, heads, head_dim]``) by half-split pairs.
+
+    Tables narrower than the head (partial rotary) rotate its first channels only.
+    """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        head, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat((apply_rope(head, cos, sin), rest), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

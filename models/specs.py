@@ -19,7 +19,13 @@ gemma3_text   every ``sliding_window_pattern``-th layer full (``_sliding_window_
 gemma3        as gemma3_text, read from the nested ``text_config``
 jamba         layer i attention when ``i % attn_layer_period == attn_layer_offset``, else
               mamba, with a state of ``d_inner * (d_conv + d_state)`` values
+bamba         layers in ``attn_layer_indices`` full attention, the rest Mamba2
+granitemoe-   ``layer_types``: ``attention``/``full_attention`` is full attention,
+hybrid        ``mamba``/``linear_attention`` Mamba2
 ============  ===========================================================================
+
+A Mamba2 layer's state (float32 conv and SSM state) is sized by
+``hybridkv.models.state_shapes``.
 
 A kind's policy follows from the config (``full_attention``: full, ``sliding_attention``:
 a window of ``sliding_window``, ``chunked_attention``: chunks of ``attention_chunk_size``)
@@ -35,6 +41,7 @@ from typing import Any
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.hf_config import int_field, text_config
+from hybridkv.models.state_shapes import mamba2_shape
 from hybridkv.policies import MemoryPolicy, check_policy, make_policy
 
 FULL = "full_attention"
@@ -44,6 +51,17 @@ MAMBA = "mamba"
 
 #: ``layer_types`` entries we can size.
 LAYER_TYPES = (FULL, SLIDING, CHUNKED)
+
+#: Hybrid Mamba2 models whose state layers we size from ``mamba_*`` fields.
+MAMBA2_MODEL_TYPES = ("bamba", "granitemoehybrid")
+
+#: Granite 4.0-H ``layer_types`` names, by kind (transformers writes the second of each).
+_GRANITE_KINDS = {
+    "attention": FULL,
+    "full_attention": FULL,
+    "mamba": MAMBA,
+    "linear_attention": MAMBA,
+}
 
 #: A memory policy per layer kind, chosen in place of the one the config implies.
 PolicyChoices = Mapping[str, MemoryPolicy]
@@ -87,6 +105,8 @@ def layer_specs_from_config(
 
 def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
     model_type = cfg["model_type"]
+    if model_type == "granitemoehybrid":
+        return _granite_kinds(cfg, num_layers)
     if cfg.get("layer_types") is not None:
         kinds = [str(k) for k in cfg["layer_types"]]
     elif model_type in ("llama", "mistral", "mixtral"):
@@ -99,10 +119,14 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
         period = int_field(cfg, "attn_layer_period", 8)
         offset = int_field(cfg, "attn_layer_offset", 4)
         return [FULL if i % period == offset else MAMBA for i in range(num_layers)]
+    elif model_type == "bamba":
+        attention = set(cfg.get("attn_layer_indices") or ())
+        return [FULL if i in attention else MAMBA for i in range(num_layers)]
     else:
         raise ModelConfigError(
             f"model_type {model_type!r} has no layer_types and is not one we know "
-            "(llama, mistral, mixtral, gemma2, gemma3, gemma3_text, jamba)"
+            "(llama, mistral, mixtral, gemma2, gemma3, gemma3_text, jamba, bamba, "
+            "granitemoehybrid)"
         )
     if len(kinds) != num_layers:
         raise ModelConfigError(
@@ -114,6 +138,20 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
                 f"layer {i} has layer type {kind!r}; supported: {', '.join(LAYER_TYPES)}"
             )
     return kinds
+
+
+def _granite_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
+    names = cfg.get("layer_types") or ["mamba"] * num_layers
+    if len(names) != num_layers:
+        raise ModelConfigError(
+            f"layer_types has {len(names)} entries, num_hidden_layers is {num_layers}"
+        )
+    for i, name in enumerate(names):
+        if name not in _GRANITE_KINDS:
+            raise ModelConfigError(
+                f"layer {i} has layer type {name!r}; supported: {', '.join(_GRANITE_KINDS)}"
+            )
+    return [_GRANITE_KINDS[name] for name in names]
 
 
 def _gemma3_pattern(cfg: Mapping[str, Any]) -> int:
@@ -153,14 +191,15 @@ def _spec(
     cfg: Mapping[str, Any], kind: str, layer: int, policy: MemoryPolicy, dtype_bytes: int
 ) -> LayerSpec:
     if kind == MAMBA:
-        # A mamba layer keeps its convolution window and its SSM state, d_inner channels each.
-        d_inner = int_field(cfg, "mamba_expand", 2) * int_field(cfg, "hidden_size")
-        width = int_field(cfg, "mamba_d_conv", 4) + int_field(cfg, "mamba_d_state", 16)
+        if cfg["model_type"] in MAMBA2_MODEL_TYPES:
+            state_bytes = mamba2_shape(cfg).state_bytes  # float32 whatever the model dtype
+        else:
+            # Jamba's Mamba1 state: its conv window and SSM state, d_inner channels each.
+            d_inner = int_field(cfg, "mamba_expand", 2) * int_field(cfg, "hidden_size")
+            width = int_field(cfg, "mamba_d_conv", 4) + int_field(cfg, "mamba_d_state", 16)
+            state_bytes = d_inner * width * dtype_bytes
         return StateSpec(
-            name=f"model.layers.{layer}.mamba",
-            policy=policy,
-            state_bytes=d_inner * width * dtype_bytes,
-            kind=kind,
+            name=f"model.layers.{layer}.mamba", policy=policy, state_bytes=state_bytes, kind=kind
         )
     num_heads = int_field(cfg, "num_attention_heads")
     return AttentionSpec(
@@ -222,6 +261,37 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "attn_layer_period": 8,
         "attn_layer_offset": 4,
         "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    },
+    # Bamba 9B: 32 layers, full attention in 3 (9, 18, 27), Mamba2 in the rest: 128 heads
+    # of 64 channels, a state of 128, one group.
+    "bamba-like": {
+        "model_type": "bamba",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attn_layer_indices": [9, 18, 27],
+        "mamba_n_heads": 128,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    },
+    # Granite 4.0-H Micro: 40 layers, full attention in 4 of them, Mamba2 in the rest.
+    "granite-4.0-h-like": {
+        "model_type": "granitemoehybrid",
+        "num_hidden_layers": 40,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "layer_types": ["attention" if i % 10 == 9 else "mamba" for i in range(40)],
+        "mamba_n_heads": 64,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_n_groups": 1,
         "mamba_d_conv": 4,
         "mamba_expand": 2,
     },

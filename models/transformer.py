@@ -47,11 +47,14 @@ class Architecture:
         model_types: The Hugging Face ``model_type`` values it reads.
         parse: config.json dict -> :class:`ModelConfig` (see :class:`ConfigParser`).
         layer: Builds decoder layer ``i`` of a config.
+        renames: Checkpoint tensor names that differ from ours (Bamba's final norm is
+            ``model.final_layernorm``), checkpoint name -> ours.
     """
 
     model_types: tuple[str, ...]
     parse: ConfigParser
     layer: Callable[[ModelConfig, int], nn.Module]
+    renames: Mapping[str, str] = attrs.field(factory=dict)
 
 
 class MissingLayer(nn.Identity):
@@ -134,6 +137,8 @@ class CausalLM(nn.Module):
         """
         with torch.device("meta"):
             model = cls(config, architecture, layers)
+        renames = architecture.renames
+        weights = {renames.get(name, name): tensor for name, tensor in weights.items()}
         embed = weights.get(_EMBED)
         reuses_embed = config.tie_word_embeddings or "lm_head.weight" not in weights
         if model.is_last and embed is not None and reuses_embed:
@@ -150,9 +155,9 @@ class CausalLM(nn.Module):
         head, embedding = model.lm_head, model.model.embed_tokens
         if config.tie_word_embeddings and head is not None and embedding is not None:
             head.weight = embedding.weight
-        model.rope_tables = {
+        model.rope_tables = {  # state layers have no rope
             kind: RotaryTable(config.rope[kind], config.head_dim, device)
-            for kind in sorted({config.layer_types[i] for i in model.layer_range})
+            for kind in sorted({config.layer_types[i] for i in model.layer_range} & {*config.rope})
         }
         return model.eval()
 
@@ -196,8 +201,9 @@ class CausalLM(nn.Module):
         tables = {
             kind: table.cos_sin(positions, hidden.dtype) for kind, table in self.rope_tables.items()
         }
+        no_rope = (hidden.new_empty(0), hidden.new_empty(0))
         for i, (kv_cache, metadata) in zip(self.layer_range, caches, strict=True):
-            cos, sin = tables[self.config.layer_types[i]]
+            cos, sin = tables.get(self.config.layer_types[i], no_rope)
             hidden = self.model.layers[i](hidden, LayerInputs(cos, sin, kv_cache, metadata))
         return hidden
 
@@ -205,6 +211,8 @@ class CausalLM(nn.Module):
         """Final norm, LM head and soft-cap for the selected rows; float32 ``[rows, vocab]``."""
         assert self.lm_head is not None and self.model.norm is not None, "only the last stage"
         logits = self.lm_head(self.model.norm(hidden)).float()
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

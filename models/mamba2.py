@@ -1,0 +1,203 @@
+"""The Mamba2 mixer over a flat batch, its state in pages of the shared pool.
+
+Weight names follow Bamba and Granite 4.0-H checkpoints (``in_proj``, ``conv1d``,
+``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``). A step's tokens come request
+after request (prefill chunks and decodes mixed); each request's state is read from and
+written to the pages ``hybridkv.memory.state_pages`` names, which also states the
+contract. A page of the layer is one float32 row::
+
+    page row   [ conv state: conv_dim x (K-1) | SSM state: heads x head_dim x state_size ]
+
+Requests run in batch order (a request may resume from a page an earlier request of the
+step fills); consecutive one-token steps run as one batched recurrence.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.kernels import PagedMetadata
+from hybridkv.kernels.ssm import (
+    causal_conv1d_decode,
+    causal_conv1d_states,
+    ssd_decode,
+    ssd_scan_states,
+)
+from hybridkv.memory.state_pages import StateAccess, state_access
+from hybridkv.models.layers import LayerInputs
+from hybridkv.models.state_shapes import Mamba2Shape
+
+#: Per step and mamba group (its metadata), each request's state pages: built once,
+#: read by every layer of the group.
+_ACCESS: weakref.WeakKeyDictionary[PagedMetadata, list[StateAccess]] = weakref.WeakKeyDictionary()
+
+
+def step_state_access(metadata: PagedMetadata) -> list[StateAccess]:
+    """Each request's :class:`StateAccess` in the step ``metadata`` describes (cached)."""
+    found = _ACCESS.get(metadata)
+    if found is None:
+        tables = metadata.block_table.tolist()
+        found = [
+            state_access(ctx - q, q, table, metadata.block_size)
+            for q, ctx, table in zip(
+                metadata.query_lens, metadata.context_lens, tables, strict=True
+            )
+        ]
+        _ACCESS[metadata] = found
+    return found
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of ``x * silu(gate)`` over groups of channels, in float32 (Mamba2's norm)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * F.silu(gate.float())
+        grouped = h.view(*h.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(h.shape).to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """Projections, causal conv, SSD scan (prefill) or recurrence (decode), gated norm.
+
+    ``inputs.kv_cache`` is the layer's state pages ``[num_blocks, state_values]`` float32,
+    ``inputs.metadata`` its mamba group's metadata for the step.
+    """
+
+    def __init__(self, shape: Mamba2Shape, eps: float) -> None:
+        super().__init__()
+        self.shape = shape
+        inner, heads = shape.intermediate_size, shape.num_heads
+        self.in_proj = nn.Linear(
+            shape.hidden_size, inner + shape.conv_dim + heads, bias=shape.proj_bias
+        )
+        self.conv1d = nn.Conv1d(
+            shape.conv_dim,
+            shape.conv_dim,
+            shape.conv_kernel,
+            groups=shape.conv_dim,
+            bias=shape.conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.empty(heads))
+        self.A_log = nn.Parameter(torch.empty(heads))
+        self.D = nn.Parameter(torch.empty(heads))
+        self.norm = GatedRMSNorm(inner, inner // shape.num_groups, eps)
+        self.out_proj = nn.Linear(inner, shape.hidden_size, bias=shape.proj_bias)
+        self._conv_values = shape.conv_dim * (shape.conv_kernel - 1)
+
+    def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        shape = self.shape
+        gate, xbc, dt = self.in_proj(hidden).split(
+            [shape.intermediate_size, shape.conv_dim, shape.num_heads], dim=-1
+        )
+        dt = F.softplus(dt + self.dt_bias).clamp(shape.dt_min, shape.dt_max)
+        pages, metadata = inputs.kv_cache, inputs.metadata
+        out = torch.empty(
+            hidden.shape[0], shape.intermediate_size, dtype=hidden.dtype, device=hidden.device
+        )
+        first = 0
+        run: list[tuple[int, StateAccess]] = []  # one-token steps waiting to run together
+        written: set[int] = set()
+        for access, num in zip(step_state_access(metadata), metadata.query_lens, strict=True):
+            if num == 1 and access.read_page not in written:
+                run.append((first, access))
+                written.add(access.writes[0][1])
+            else:
+                self._decode(run, xbc, dt, pages, out)
+                run, written = [], set()
+                if num == 1:
+                    run, written = [(first, access)], {access.writes[0][1]}
+                else:
+                    rows = slice(first, first + num)
+                    out[rows] = self._prefill(access, xbc[rows], dt[rows], pages)
+            first += num
+        self._decode(run, xbc, dt, pages, out)
+        return self.out_proj(self.norm(out, gate))
+
+    # -- state pages ----------------------------------------------------------------
+
+    def _read(self, pages: torch.Tensor, page_ids: list[int | None]) -> torch.Tensor:
+        """The states in ``page_ids`` (zeros for None), ``[len, state_values]`` float32."""
+        index = torch.tensor([p or 0 for p in page_ids], device=pages.device)
+        rows = pages.index_select(0, index)
+        if None in page_ids:
+            fresh = torch.tensor([p is None for p in page_ids], device=pages.device)
+            rows = rows.masked_fill(fresh[:, None], 0.0)
+        return rows
+
+    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        conv, ssm = rows.split([self._conv_values, rows.shape[1] - self._conv_values], dim=1)
+        return (
+            conv.view(-1, *self.shape.conv_shape),
+            ssm.view(-1, *self.shape.ssm_shape),
+        )
+
+    def _write(
+        self, pages: torch.Tensor, page_ids: list[int], conv: torch.Tensor, ssm: torch.Tensor
+    ) -> None:
+        rows = torch.cat([conv.flatten(1).float(), ssm.flatten(1).float()], dim=1)
+        pages.index_copy_(0, torch.tensor(page_ids, device=pages.device), rows)
+
+    # -- the two paths --------------------------------------------------------------
+
+    def _prefill(
+        self, access: StateAccess, xbc: torch.Tensor, dt: torch.Tensor, pages: torch.Tensor
+    ) -> torch.Tensor:
+        """One request's chunk through the scan, checkpointing every block it crosses."""
+        shape = self.shape
+        conv_state, ssm_state = self._split(self._read(pages, [access.read_page]))
+        counts = [n for n, _ in access.writes]
+        mixed, conv_states = causal_conv1d_states(
+            xbc, conv_state[0], self.conv1d.weight[:, 0], self.conv1d.bias, counts
+        )
+        x, b, c = self._heads(mixed)
+        y, ssm_states = ssd_scan_states(
+            x, dt, self._a(), b, c, self.D, ssm_state[0], shape.chunk_size, counts[:-1]
+        )
+        self._write(pages, [p for _, p in access.writes], conv_states, ssm_states)
+        return y.reshape(xbc.shape[0], -1)
+
+    def _decode(
+        self,
+        run: list[tuple[int, StateAccess]],
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        pages: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """One token for each request of ``run``, batched: the recurrence."""
+        if not run:
+            return
+        rows = torch.tensor([first for first, _ in run], device=xbc.device)
+        conv_state, ssm_state = self._split(self._read(pages, [a.read_page for _, a in run]))
+        mixed, conv_after = causal_conv1d_decode(
+            xbc[rows], conv_state, self.conv1d.weight[:, 0], self.conv1d.bias
+        )
+        x, b, c = self._heads(mixed)
+        y, ssm_after = ssd_decode(x, dt[rows], self._a(), b, c, self.D, ssm_state)
+        self._write(pages, [a.writes[0][1] for _, a in run], conv_after, ssm_after)
+        out[rows] = y.reshape(len(run), -1)
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output ``[T, conv_dim]`` -> x ``[T, H, P]``, B and C ``[T, G, N]``."""
+        shape = self.shape
+        size = shape.num_groups * shape.state_size
+        x, b, c = mixed.split([shape.intermediate_size, size, size], dim=-1)
+        return (
+            x.reshape(-1, shape.num_heads, shape.head_dim),
+            b.reshape(-1, shape.num_groups, shape.state_size),
+            c.reshape(-1, shape.num_groups, shape.state_size),
+        )
+
+    def _a(self) -> torch.Tensor:
+        return -torch.exp(self.A_log.float())
