@@ -5,12 +5,14 @@ Per row, in vLLM's order::
     structured output   tokens the request's grammar forbids -> -inf   (models/structured.py)
     min_tokens, logit_bias, repetition/frequency/presence penalties     (models/penalties.py)
     greedy              argmax
-    otherwise           / temperature, min_p, top_k, top_p, then one draw
+    otherwise           / temperature, min_p, top_k, top_p, then one draw shared by
+                        all sampled rows, each with its own uniform number   (models/draw.py)
 
-A request with a seed draws from a generator seeded by ``(seed, output_index)``: the
-token at each output position depends only on the seed and the logits, so the same seed
-gives the same tokens whatever else runs in the batch, and a request recomputed after
-preemption draws them again. Requests without a seed share the sampler's own generator.
+A request with a seed takes its uniform number from a generator seeded by
+``(seed, output_index)``: the token at each output position depends only on the seed and
+the logits, so the same seed gives the same tokens whatever else runs in the batch, and a
+request recomputed after preemption draws them again. Requests without a seed share the
+sampler's own generator.
 
 Rows that ask for none of the per-request processing (``params.needs_processing``
 false, no min_tokens ban due) cost what they did before it existed: greedy ones share one
@@ -25,10 +27,12 @@ import torch
 from tokenizers import Tokenizer
 
 from hybridkv.errors import HybridKVError
+from hybridkv.models.draw import draw, filter_logits
 from hybridkv.models.penalties import process_logits
 from hybridkv.models.structured import GrammarMasks
 from hybridkv.scheduler.batch import StepRequest
-from hybridkv.scheduler.params import SamplingParams
+
+__all__ = ["Sampler", "StructuredOutputUnavailableError", "filter_logits", "position_seed"]
 
 _MASK64 = (1 << 63) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads consecutive output indices over the seed space
@@ -41,31 +45,6 @@ class StructuredOutputUnavailableError(HybridKVError):
 def position_seed(seed: int, output_index: int) -> int:
     """A generator seed for one output position of a seeded request."""
     return (seed * 1_000_003 + (output_index + 1) * _GOLDEN) & _MASK64
-
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then min-p, top-k and top-p, on one row of float32 logits.
-
-    Tokens cut away get ``-inf``; the most likely token always survives.
-    """
-    # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf
-    # instead of overflowing them all to inf (NaN probabilities failing the whole step).
-    logits = (logits - logits.max()) / params.temperature
-    if params.min_p > 0.0:
-        # p(t) < min_p * p(top) with the top logit at 0 is exp(logit) < min_p.
-        logits = logits.masked_fill(logits.exp() < params.min_p, float("-inf"))
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the mass before it already reaches top_p.
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
-        drop_sorted[0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 class Sampler:
@@ -114,7 +93,8 @@ class Sampler:
                 no tokenizer was ever given.
         """
         rows = logits.detach().to("cpu", torch.float32)
-        # Greedy rows with nothing to change share one argmax; the others go row by row.
+        # Greedy rows with nothing to change share one argmax; the others are processed
+        # row by row, and all rows that sample share one draw.
         plain = [
             r.params.is_greedy
             and not r.params.needs_processing
@@ -127,14 +107,47 @@ class Sampler:
             tokens = torch.argmax(rows[greedy] if len(greedy) < len(plain) else rows, dim=-1)
             for i, token in zip(greedy, tokens.tolist(), strict=True):
                 out[i] = token
+        sampled: list[int] = []
+        processed: dict[int, torch.Tensor] = {}
         for i, ok in enumerate(plain):
-            if not ok:
-                out[i] = self._sample_row(rows[i], requests[i], tokenizer)
+            if ok:
+                continue
+            if requests[i].params.needs_processing or requests[i].output_index < (
+                requests[i].params.min_tokens
+            ):
+                processed[i] = self._process_row(rows[i], requests[i], tokenizer)
+            if requests[i].params.is_greedy:
+                out[i] = int(torch.argmax(processed.get(i, rows[i])))
+            else:
+                sampled.append(i)
+        if sampled:
+            chosen = torch.stack([processed.get(i, rows[i]) for i in sampled])
+            params = [requests[i].params for i in sampled]
+            drawn = draw(chosen, params, self._uniforms([requests[i] for i in sampled]))
+            for i, token in zip(sampled, drawn, strict=True):
+                out[i] = token
         return out
 
-    def _sample_row(
+    def _uniforms(self, requests: Sequence[StepRequest]) -> torch.Tensor:
+        """One number in [0, 1) per sampled row: from the request's seed and output index
+        where it has a seed, else from the shared generator (in row order)."""
+        uniforms = torch.empty(len(requests), dtype=torch.float64)
+        unseeded = [i for i, r in enumerate(requests) if r.params.seed is None]
+        if unseeded:
+            uniforms[unseeded] = torch.rand(
+                len(unseeded), generator=self._shared, dtype=torch.float64
+            )
+        for i, request in enumerate(requests):
+            seed = request.params.seed
+            if seed is not None:
+                generator = torch.Generator(device="cpu")
+                generator.manual_seed(position_seed(seed, request.output_index))
+                uniforms[i] = float(torch.rand(1, generator=generator, dtype=torch.float64))
+        return uniforms
+
+    def _process_row(
         self, row: torch.Tensor, request: StepRequest, tokenizer: Tokenizer | None
-    ) -> int:
+    ) -> torch.Tensor:
         params = request.params
         raw = row
         row = process_logits(row, request, self.eos_token_ids)
@@ -144,15 +157,7 @@ class Sampler:
             if request.output_index < params.min_tokens and not torch.isfinite(row.max()):
                 # min_tokens banned all the grammar allows (EOS at its end): it wins.
                 row = raw + mask
-        if params.is_greedy:
-            return int(torch.argmax(row))
-        probs = filter_logits(row, params).softmax(-1)
-        if params.seed is None:
-            generator = self._shared
-        else:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(position_seed(params.seed, request.output_index))
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return row
 
     def _grammar_masks(self, vocab_size: int, tokenizer: Tokenizer | None) -> GrammarMasks:
         if self.grammars is None or self.grammars.vocab_size != vocab_size:
