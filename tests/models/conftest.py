@@ -91,7 +91,68 @@ def _gemma3() -> Any:
     return Gemma3ForCausalLM(config)
 
 
-BUILDERS: dict[str, Callable[[], Any]] = {"llama": _llama, "gemma2": _gemma2, "gemma3": _gemma3}
+#: Mamba2 fields of the tiny hybrids: SSD chunks of 8 positions, so prefills cross them;
+#: a state of 3200 bytes, which an attention page of 16 tokens holds.
+_MAMBA2: dict[str, Any] = {
+    "mamba_n_heads": 4,
+    "mamba_d_state": 8,
+    "mamba_n_groups": 2,
+    "mamba_d_conv": 4,
+    "mamba_expand": 1,
+    "mamba_chunk_size": 8,
+}
+
+
+def _bamba() -> Any:
+    from transformers import BambaConfig, BambaForCausalLM
+
+    config = BambaConfig(
+        **_COMMON, **_MAMBA2, num_hidden_layers=4, num_key_value_heads=2, attn_layer_indices=[1]
+    )
+    return BambaForCausalLM(config)
+
+
+def _granite(**fields: Any) -> Any:
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    m, a = "mamba", "attention"
+    config = GraniteMoeHybridConfig(
+        **{**_COMMON, **_MAMBA2, **fields},
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        layer_types=[m, a, m, m],
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=3.0,
+    )
+    return GraniteMoeHybridForCausalLM(config)
+
+
+def _granite_moe() -> Any:
+    """Granite 4.0-H with experts (4, two per token) beside the shared MLP, and rope."""
+    return _granite(
+        intermediate_size=32,
+        shared_intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        position_embedding_type="rope",
+    )
+
+
+def _granite_dense() -> Any:
+    """Granite 4.0-H without experts and without position embeddings."""
+    return _granite(shared_intermediate_size=96, num_local_experts=0)
+
+
+BUILDERS: dict[str, Callable[[], Any]] = {
+    "llama": _llama,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "bamba": _bamba,
+    "granite_moe": _granite_moe,
+    "granite_dense": _granite_dense,
+}
 
 
 def _randomise(model: Any, seed: int) -> None:

@@ -1,0 +1,127 @@
+"""Bamba and Granite 4.0-H against transformers, float32, with their state in pool pages.
+
+The tiny hybrids have one attention layer and three Mamba2 layers, SSD chunks of 8
+positions and blocks of 16 tokens, so prefills cross scan chunks and block boundaries,
+and prefix hits resume from checkpointed states (``hybridkv.memory.state_pages``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.memory.layout import StateSpec
+from hybridkv.models.errors import ModelConfigError
+
+HYBRIDS = ["bamba", "granite_moe", "granite_dense"]
+BS = 16
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_prefill_across_scan_chunks_then_decodes_match(
+    name, tiny_models, make_driver, prompt_of, check_reference
+):
+    """A 45-token prompt in one step (six SSD chunks, three blocks), then 8 decodes."""
+    driver = make_driver(name, block_size=BS)
+    assert driver.executor.plan.block_size == BS
+    driver.add("a", prompt_of(45, 1))
+    driver.run(8)
+    check_reference(tiny_models[name], driver, "a")
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_batched_chunked_prefills_mixed_with_decodes_match(
+    name, tiny_models, make_driver, prompt_of, check_reference
+):
+    """Requests of 3, 20 and 50 tokens prefilled 7 at a time while the short ones decode."""
+    driver = make_driver(name, block_size=BS)
+    for i, length in enumerate((3, 20, 50)):
+        driver.add(f"r{i}", prompt_of(length, 10 + i))
+    driver.run(12, chunk=7)
+    for i in range(3):
+        check_reference(tiny_models[name], driver, f"r{i}")
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("length", [33, 47, 48, 49])
+def test_first_repeat_hits_every_full_block_but_the_last_token(
+    name, length, tiny_models, make_driver, prompt_of, check_reference
+):
+    """The same prompt again resumes from ``(len - 1) // bs * bs`` tokens and matches."""
+    driver = make_driver(name, block_size=BS)
+    prompt = prompt_of(length, 3)
+    driver.add("first", prompt)
+    driver.run(2, chunk=13)
+    again = driver.add("again", prompt)
+    driver.run(4)
+    assert again.hit_tokens == (length - 1) // BS * BS
+    check_reference(tiny_models[name], driver, "again")
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_next_chat_turn_resumes_where_the_decodes_ended(
+    name, tiny_models, make_driver, prompt_of, check_reference
+):
+    """A turn whose prompt is the previous turn's prompt and reply hits the boundaries the
+    decodes crossed, not only the prompt's."""
+    driver = make_driver(name, block_size=BS)
+    turn = driver.add("turn1", prompt_of(20, 4))
+    driver.run(30)
+    history = turn.prompt + turn.output
+    nxt = driver.add("turn2", history + prompt_of(5, 5))
+    driver.run(31)
+    computed = len(history) - 1  # the last reply token was sampled, never run
+    assert nxt.hit_tokens == computed // BS * BS == 48
+    check_reference(tiny_models[name], driver, "turn2")
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_recompute_after_preemption_matches(
+    name, tiny_models, make_driver, prompt_of, check_reference
+):
+    """A request preempted mid-decode resumes from its own checkpoints and matches."""
+    driver = make_driver(name, block_size=BS)
+    driver.add("a", prompt_of(30, 6))
+    driver.add("b", prompt_of(9, 7))
+    driver.run(6, chunk=11)
+    driver.preempt("a")
+    driver.run(12, chunk=11)
+    assert driver.active["a"].hit_tokens == BS * 2
+    for rid in ("a", "b"):
+        check_reference(tiny_models[name], driver, rid)
+
+
+def test_state_layers_view_pool_pages_as_float32(make_driver) -> None:
+    """Each Mamba2 layer's cache is a float32 row per page, holding conv and SSM state."""
+    executor = make_driver("bamba", block_size=BS).executor
+    config = executor.config
+    assert config.mamba is not None
+    for spec, cache in zip(executor.specs, executor.kv_caches, strict=True):
+        if isinstance(spec, StateSpec):
+            assert cache.dtype == torch.float32
+            assert cache.shape == (executor.plan.num_blocks, config.mamba.state_values)
+            assert spec.state_bytes == 4 * config.mamba.state_values == 3200
+
+
+def test_a_larger_state_raises_the_block_size(make_driver) -> None:
+    """Asked for blocks of 8 tokens, the planner takes 16 so one page holds a state."""
+    assert make_driver("bamba", block_size=8).executor.plan.block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"layer_types": ["mamba", "conv", "mamba", "mamba"]}, "layer type 'conv'"),
+        ({"position_embedding_type": "alibi"}, "'position_embedding_type'"),
+        ({"mamba_n_heads": 3}, "mamba_n_heads=3"),
+    ],
+)
+def test_bad_granite_configs_are_refused(tiny_models, fields, message) -> None:
+    """A config the model cannot honour fails naming the field."""
+    import json
+
+    from hybridkv.models.checkpoint import architecture_for
+
+    hf = json.loads((tiny_models["granite_dense"].path / "config.json").read_text())
+    with pytest.raises(ModelConfigError, match=message):
+        architecture_for("granitemoehybrid").parse({**hf, **fields})
