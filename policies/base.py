@@ -60,6 +60,11 @@ class MemoryPolicy(abc.ABC):
 
     name: ClassVar[str] = ""
 
+    #: A page of this policy's groups holds one state per block (a recurrent layer's),
+    #: not the K/V of the block's tokens; executors read and write such pages as
+    #: ``hybridkv.memory.state_pages`` says.
+    keeps_state: ClassVar[bool] = False
+
     @abc.abstractmethod
     def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
         """Positions that must still be resident to compute the token after the first n.

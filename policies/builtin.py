@@ -133,6 +133,7 @@ class MambaLike(MemoryPolicy):
     """
 
     name: ClassVar[str] = "mamba"
+    keeps_state: ClassVar[bool] = True
 
     def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
         return ((num_tokens - 1, num_tokens),) if num_tokens > 0 else ()
