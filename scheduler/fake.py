@@ -34,6 +34,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.memory.layout import PoolSpec
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.config import EngineConfig
+from hybridkv.scheduler.fake_state import FakeStatePages
 from hybridkv.scheduler.outputs import RequestOutput, TokenLogprobs
 
 _SEED = 0x9E3779B97F4A7C15
@@ -90,6 +91,13 @@ class FakeExecutor:
         # Flat per-group arrays (block * block_size + slot): compact, and unseen by the GC.
         size = 8 * pool.num_blocks * pool.block_size
         self._store = [array("Q", bytes(size)) for _ in pool.policies]
+        # Groups whose pages hold a state per block follow the mamba contract, checked.
+        self._kv_groups = [g for g, p in enumerate(pool.policies) if not p.keeps_state]
+        self._states = FakeStatePages(
+            [g for g, p in enumerate(pool.policies) if p.keeps_state],
+            pool.num_blocks,
+            pool.block_size,
+        )
         self.num_steps = 0
 
     @classmethod
@@ -141,24 +149,33 @@ class FakeExecutor:
         targets = request.prompt_logprob_token_ids
         num_top = request.params.prompt_logprobs or 0
         prompt_logprobs = []
+        hashes = []
         for i, token in enumerate(request.token_ids):
             h = ((h ^ token) * _PRIME) & _MASK
             block, slot = divmod(position, bs)
-            for group, table in enumerate(tables):
-                store[group][table[block] * bs + slot] = h
+            for group in self._kv_groups:
+                store[group][tables[group][block] * bs + slot] = h
+            hashes.append(h)
             position += 1
             if i < len(targets):
                 prompt_logprobs.append(fake_logprobs(h, targets[i], num_top, vocab))
+        if self._states.groups:
+            self._states.write(tables, request.start_position, hashes)
         return h, tuple(prompt_logprobs)
 
     def _read(self, tables: Sequence[Sequence[int]], position: int) -> int:
-        """The hash at ``position``, from every group that still holds its page."""
+        """The hash at ``position``, from every group that still holds its page (a state
+        group holds the state after it, checked to be exactly that one)."""
         block, slot = divmod(position, self.block_size)
         values = {
-            self._store[group][table[block] * self.block_size + slot]
-            for group, table in enumerate(tables)
-            if table[block]
+            self._store[group][tables[group][block] * self.block_size + slot]
+            for group in self._kv_groups
+            if tables[group][block]
         }
+        if self._states.groups:
+            state = self._states.read(tables, position + 1)
+            if state is not None:
+                values.add(state)
         if len(values) != 1:
             raise FakeKVMismatchError(
                 f"position {position}: groups hold {len(values)} different values "
