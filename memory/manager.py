@@ -148,6 +148,10 @@ class KVCacheManager:
         """Per group, the request's page ids (read-only; valid until its next change)."""
         return self._requests[request_id].tables
 
+    def block_hashes(self, request_id: str) -> Sequence[BlockHash]:
+        """The request's chained block hashes so far (read-only), one per cached block."""
+        return self._requests[request_id].hashes
+
     def num_blocks_needed(self, num_tokens: int) -> int:
         """Most pages a request of ``num_tokens`` holds at once, computed a token at a time."""
         return sum(
@@ -232,6 +236,52 @@ class KVCacheManager:
             state.cache_mark = state.num_cached_blocks
             return NO_NEW_BLOCKS
         return self._extend(request, state, end)
+
+    def admit_loading(
+        self, request: KVRequest, hit: PrefixHit, num_tokens: int
+    ) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+        """Admit a request that resumes at ``num_tokens`` (a block multiple beyond ``hit``)
+        whose other blocks an offload tier supplies (``hybridkv.memory.offload``).
+
+        Every group holds the hit's pages it still needs at ``num_tokens`` and a fresh page
+        for each other block its policy needs there. The fresh pages are not cached until
+        the request's next allocation (taken as the load having finished): a load that
+        fails is freed with ``free(..., computed=False)``. Returns, per group, the (block,
+        page) pairs to fill, or None when the pool cannot supply them: nothing changed.
+        """
+        bs, pool = self.block_size, self.pool
+        num_blocks = num_tokens // bs
+        hit_tables = hit.block_tables if hit.num_tokens else ((),) * self.num_groups
+        live: list[set[int]] = []
+        num_fresh = 0
+        for policy, hit_table in zip(self.policies, hit_tables, strict=True):
+            spans = policy.live_block_spans(num_tokens, bs)
+            blocks = {i for first, stop in spans for i in range(first, min(stop, num_blocks))}
+            live.append(blocks)
+            num_fresh += sum(1 for i in blocks if i >= len(hit_table) or not hit_table[i])
+        if hit.num_tokens:
+            self._check_hit(hit)
+        num_hit_free = pool.num_free_in(hit.block_tables) if hit.num_tokens else 0
+        if num_fresh + num_hit_free > pool.num_free:
+            return None
+        self._admit(request, 0, hit)
+        state = self._requests[request.request_id]
+        placed: list[tuple[tuple[int, int], ...]] = []
+        for group, (table, blocks) in enumerate(zip(state.tables, live, strict=True)):
+            dead = [i for i, page in enumerate(table) if page and i not in blocks]
+            pool.release([table[i] for i in reversed(dead)], group)
+            for i in dead:
+                table[i] = NULL_BLOCK
+            table.extend([NULL_BLOCK] * (num_blocks - len(table)))
+            missing = sorted(i for i in blocks if not table[i])
+            pages = pool.allocate(len(missing), group)
+            for i, page in zip(missing, pages, strict=True):
+                table[i] = page
+            placed.append(tuple(zip(missing, pages, strict=True)))
+        state.num_tokens = state.capacity = num_tokens
+        state.release_at = [num_tokens] * len(self._kinds)
+        state.advance_release(state.release_scan(self._kinds, num_tokens, bs, find_dead=False)[1])
+        return tuple(placed)
 
     def _extend(
         self, request: KVRequest, state: RequestBlocks, end: int

@@ -10,6 +10,7 @@ import attrs
 
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.layout import PoolSpec
+from hybridkv.memory.offload.transfers import KVTransfers, LoadReport
 from hybridkv.scheduler.outputs import TokenLogprobs
 from hybridkv.scheduler.params import SamplingParams
 
@@ -70,9 +71,15 @@ class StepRequest:
 
 @attrs.frozen
 class StepBatch:
-    """All requests of one step, prefills and decodes mixed, in scheduling order."""
+    """All requests of one step, prefills and decodes mixed, in scheduling order.
+
+    ``transfers``: with a KV connector, the loads to start and the pages to save before
+    the step's layers run (``hybridkv.memory.offload.transfers``); a step may then run
+    no request at all, only to collect loads.
+    """
 
     requests: tuple[StepRequest, ...]
+    transfers: KVTransfers | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,12 +104,15 @@ class StepResult:
             request of the step asked.
         errors: Request id -> the error that failed that request, and only it, in this
             step (its other entries are ignored); the engine fails it and goes on.
+        kv_loads: Loads of earlier steps' transfers that finished by this step, each
+            with its loaded and failed (group, block) pages.
     """
 
     token_ids: tuple[int | None, ...] = attrs.field(converter=tuple)
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
     prompt_logprobs: tuple[tuple[TokenLogprobs, ...], ...] | None = None
     errors: Mapping[str, HybridKVError] = attrs.field(factory=dict)
+    kv_loads: tuple[LoadReport, ...] = ()
 
 
 class Executor(Protocol):

@@ -27,14 +27,19 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import anyio
+import attrs
 import structlog
 
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import PromptTooLongError
 from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
+from hybridkv.memory.offload.config import OffloadConfig
+from hybridkv.memory.offload.keys import KeySpace
+from hybridkv.memory.offload.transfers import LoadReport
 from hybridkv.scheduler.batch import ExecutorResultError, StepResult
 from hybridkv.scheduler.config import EngineConfig
+from hybridkv.scheduler.connector import EngineOffload
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
 from hybridkv.scheduler.meter import ThroughputMeter
 from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
@@ -57,6 +62,7 @@ class EngineCore:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_steps_in_flight: int = 1,
+        offload: tuple[OffloadConfig, KeySpace] | None = None,
     ):
         self.config = config
         self.max_steps_in_flight = max_steps_in_flight
@@ -66,6 +72,8 @@ class EngineCore:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        # With a KV connector: loads and saves through offload tiers (connector.py).
+        self.offload = EngineOffload(*offload, self.kv) if offload else None
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self._requests: dict[str, Request] = {}
@@ -94,7 +102,8 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step could run something."""
         self._prune_running()
-        return bool(self.running) or bool(self.waiting)
+        has_transfers = self.offload is not None and self.offload.has_transfers
+        return bool(self.running) or bool(self.waiting) or has_transfers
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -168,7 +177,13 @@ class EngineCore:
         self._prune_running()
         free_steps = self.max_steps_in_flight - len(self._in_flight)
         cap = share_of_ready(self.running, self.waiting, free_steps)
-        plan = plan_step(self.running, self.waiting, self.kv, self.config, cap)
+        offload = self.offload
+        loader = offload.admit if offload is not None else None
+        plan = plan_step(self.running, self.waiting, self.kv, self.config, cap, loader)
+        if offload is not None:
+            transfers = offload.take_transfers()
+            if transfers is not None:
+                plan = attrs.evolve(plan, batch=attrs.evolve(plan.batch, transfers=transfers))
         now = self._clock()
         for request in plan.rejected:
             needed = self.kv.num_blocks_needed(len(request.all_token_ids))
@@ -202,7 +217,7 @@ class EngineCore:
                 waited_s=round(now - request.arrival_time, 6) if is_first else None,
                 is_resumed=not is_first,
             )
-        if plan.scheduled:
+        if plan.runs:
             self._in_flight.append(plan)
         self._plan_us = (time.perf_counter() - start) * 1e6
         return plan
@@ -217,6 +232,9 @@ class EngineCore:
             return
         self._pop_in_flight(plan)
         now = self._clock()
+        if result.kv_loads:
+            self._apply_loads(result.kv_loads, now)
+        offload = self.offload
         eos = self.config.eos_token_ids
         max_len = self.config.max_model_len
         kv_free = self.kv.free
@@ -245,6 +263,8 @@ class EngineCore:
                     self._fail_request(request, error, computed=False)
                     continue
             request.num_computed_tokens += len(item.token_ids)
+            if offload is not None:
+                offload.filled(request, item.start_position)
             if prompt_found:
                 gather_prompt_logprobs(request, item, prompt_found)
             if token is None:
@@ -288,6 +308,31 @@ class EngineCore:
             apply_us=round(apply_us, 1),
         )
 
+    def _apply_loads(self, reports: tuple[LoadReport, ...], now: float) -> None:
+        """Loads reported by a step: their requests run, or wait to resume a shorter
+        prefix (see ``connector.py``)."""
+        assert self.offload is not None, "load reports without a connector"
+        for report in reports:
+            outcome = self.offload.reported(report)
+            if outcome is None:
+                continue
+            request = outcome.request
+            if request.status is RequestStatus.FINISHED:  # aborted while loading
+                self.kv.free(request.request_id, computed=False)
+            elif not outcome.is_complete:
+                self.kv.free(request.request_id, computed=False)
+                request.status = RequestStatus.WAITING
+                request.num_computed_tokens = 0
+                self.waiting.push(request)
+                self._has_finished_running = True
+            else:
+                request.num_computed_tokens = outcome.planned.num_tokens
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                    request.num_cached_tokens = outcome.planned.num_tokens
+                    self._num_hit_tokens += request.num_cached_tokens
+                    self._num_query_tokens += request.num_prompt_tokens
+
     def fail(self, plan: StepPlan, error: BaseException) -> None:
         """The executor raised for the oldest step: fail its requests, free their blocks.
 
@@ -322,6 +367,9 @@ class EngineCore:
                     request.in_step = False
                     self.kv.free(request.request_id, computed=False)
         self._stale_hits.clear()
+        for request in self.offload.loading_requests() if self.offload else ():
+            request.in_step = False
+            self.kv.free(request.request_id, computed=False)
         for request in list(self._requests.values()):
             self._finish(request, None if error else FinishReason.SHUTDOWN, error=error)
         self._prune_running()
@@ -368,12 +416,16 @@ class EngineCore:
         if status is RequestStatus.WAITING:
             self.waiting.discard(request)
         elif not request.in_step:
+            if self.offload is not None and computed:
+                self.offload.ended(request)  # its pages are still held: read next step
             self.kv.free(request.request_id, computed=computed)
             self._has_finished_running = True
         else:
             self._has_finished_running = True  # freed when the step returns
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if self.offload is not None:
+            self.offload.drop(request)
         del self._requests[request.request_id]
         self.num_finished += 1
         item = error if error is not None else request.output(new_token_ids, reason, logprobs)

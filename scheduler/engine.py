@@ -36,6 +36,7 @@ import anyio.abc
 import structlog
 
 from hybridkv.errors import HybridKVError
+from hybridkv.memory.offload.config import OffloadConfig
 from hybridkv.scheduler.batch import (
     Executor,
     ExecutorBrokenError,
@@ -44,6 +45,7 @@ from hybridkv.scheduler.batch import (
     StepResult,
 )
 from hybridkv.scheduler.config import ConfigError, EngineConfig
+from hybridkv.scheduler.connector import attach_offload
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineStoppedError
 from hybridkv.scheduler.outputs import EngineStats, FinishReason
@@ -64,18 +66,26 @@ class Engine:
             the pool ``config`` describes: build the config from it
             (``EngineConfig.for_executor``), or the executor from the config.
 
+        offload: Offload tiers for KV blocks (``hybridkv.memory.offload``); the executor
+            must move pages (``attach_offload``, see ``scheduler/connector.py``).
+
     Raises:
-        ConfigError: the config describes another pool than the executor's.
+        ConfigError: the config describes another pool than the executor's, or an
+            executor that cannot offload is given tiers.
 
     Use it as an async context manager (or start :meth:`serve` in your own task group).
     All methods must be called from the thread of the event loop that runs it.
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(
+        self, config: EngineConfig, executor: Executor, *, offload: OffloadConfig | None = None
+    ) -> None:
         _check_pool(config, executor)
         self.config = config
         self.executor = executor
-        self.core = EngineCore(config, max_steps_in_flight=_steps_in_flight(executor))
+        depth = _steps_in_flight(executor)
+        attached = attach_offload(executor, offload, depth)
+        self.core = EngineCore(config, max_steps_in_flight=depth, offload=attached)
         self._wakeup: anyio.Event | None = None  # set while the loop idles
         self._has_served = False
         self._is_running = False
@@ -180,7 +190,7 @@ class Engine:
                 await self._wakeup.wait()  # idle until generate() sets it
                 continue
             plan = core.plan()
-            if not plan.scheduled:
+            if not plan.runs:
                 # Everyone was preempted (admission resumes next step), or nothing fits.
                 core.flush()
                 await anyio.lowlevel.checkpoint()

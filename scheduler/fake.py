@@ -32,6 +32,12 @@ from types import TracebackType
 
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.layout import PoolSpec
+from hybridkv.memory.offload.blob import KVBlock
+from hybridkv.memory.offload.config import OffloadConfig
+from hybridkv.memory.offload.errors import CorruptBlockError
+from hybridkv.memory.offload.keys import KeySpace
+from hybridkv.memory.offload.transfers import LoadReport
+from hybridkv.memory.offload.worker import TransferWorker
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.fake_state import FakeStatePages
@@ -99,6 +105,7 @@ class FakeExecutor:
             pool.block_size,
         )
         self.num_steps = 0
+        self.transfers: TransferWorker | None = None
 
     @classmethod
     def for_config(
@@ -111,8 +118,35 @@ class FakeExecutor:
             step_delay_s=step_delay_s,
         )
 
+    def attach_offload(self, config: OffloadConfig) -> KeySpace:
+        """Move pages to and from ``config``'s tiers (see ``scheduler/connector.py``)."""
+        self.transfers = TransferWorker(self, config)
+        kinds = [type(policy).__name__ for policy in self.pool.policies]
+        return KeySpace(f"fake{self.vocab_size}x{self.block_size}", kinds)
+
+    def close(self) -> None:
+        """Stop the transfer worker, if any."""
+        if self.transfers is not None:
+            self.transfers.close()
+
+    def read_pages(self, group: int, pages: Sequence[int]) -> list[KVBlock]:
+        """The hashes of pages of ``group`` (a ``PageIO``)."""
+        bs, store = self.block_size, self._store[group]
+        return [KVBlock("uint64", (bs,), store[p * bs : (p + 1) * bs].tobytes()) for p in pages]
+
+    def write_pages(self, group: int, pages: Sequence[int], blocks: Sequence[KVBlock]) -> None:
+        """Write hashes into pages of ``group`` (a ``PageIO``)."""
+        bs, store = self.block_size, self._store[group]
+        for page, block in zip(pages, blocks, strict=True):
+            if block.dtype != "uint64" or block.shape != (bs,):
+                raise CorruptBlockError(f"a {block.dtype} {block.shape} block for a fake page")
+            store[page * bs : (page + 1) * bs] = array("Q", bytes(block.data))
+
     def execute(self, batch: StepBatch) -> StepResult:
         """Write each token's hash into its block, then sample from the last hash."""
+        loads: tuple[LoadReport, ...] = ()
+        if self.transfers is not None:
+            loads = self.transfers.run(batch.transfers, is_idle=not batch.requests)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.num_steps += 1
@@ -134,6 +168,7 @@ class FakeExecutor:
             token_ids=tuple(tokens),
             logprobs=tuple(logprobs) if any(logprobs) else None,
             prompt_logprobs=tuple(prompt_logprobs) if any(prompt_logprobs) else None,
+            kv_loads=loads,
         )
 
     def sample(self, batch: StepBatch) -> list[int | None]:

@@ -25,7 +25,7 @@ that is in no step: never a request already planned in this step or in flight.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -48,6 +48,8 @@ class StepPlan:
         rejected: Waiting requests that cannot run even in an empty pool (still queued:
             the caller fails them). Admission checks make this a safety net.
         num_tokens: Tokens the step runs, over all requests.
+        loading: Waiting requests admitted to load their prefix from an offload tier
+            (running, ``in_step`` until the load is reported; in no batch).
     """
 
     batch: StepBatch
@@ -56,6 +58,17 @@ class StepPlan:
     preempted: Sequence[Request]
     rejected: Sequence[Request]
     num_tokens: int
+    loading: Sequence[Request] = ()
+
+    @property
+    def runs(self) -> bool:
+        """Whether the executor runs it: requests, or a connector's transfers alone."""
+        return bool(self.scheduled) or self.batch.transfers is not None
+
+
+#: Admits a waiting request to load what an offload tier adds to its prefix hit; True if
+#: it did (pages allocated), False to admit it as usual (see ``scheduler/connector.py``).
+Loader = Callable[[Request, PrefixHit], bool]
 
 
 def plan_step(
@@ -64,6 +77,7 @@ def plan_step(
     kv: KVCacheManager,
     config: EngineConfig,
     max_requests: int | None = None,
+    loader: Loader | None = None,
 ) -> StepPlan:
     """Plan the next step, allocating its pages; updates ``running`` and ``waiting``.
 
@@ -105,8 +119,11 @@ def plan_step(
 
     admitted: list[Request] = []
     rejected: list[Request] = []
+    loading: list[Request] = []
     if not preempted:
-        budget = _admit(running, waiting, kv, config, budget, admitted, rejected, items, cap)
+        budget = _admit(
+            running, waiting, kv, config, budget, (admitted, rejected, loading), items, cap, loader
+        )
         scheduled.extend(admitted)
     return StepPlan(
         batch=StepBatch(tuple(items)),
@@ -115,6 +132,7 @@ def plan_step(
         preempted=preempted,
         rejected=rejected,
         num_tokens=config.max_num_batched_tokens - budget,
+        loading=loading,
     )
 
 
@@ -137,12 +155,16 @@ def _admit(
     kv: KVCacheManager,
     config: EngineConfig,
     budget: int,
-    admitted: list[Request],
-    rejected: list[Request],
+    outcomes: tuple[list[Request], list[Request], list[Request]],
     items: list[StepRequest],
     cap: int,
+    loader: Loader | None,
 ) -> int:
-    """Move waiting requests into ``running`` while they fit; returns the budget left."""
+    """Move waiting requests into ``running`` while they fit; returns the budget left.
+
+    ``outcomes``: the admitted, rejected and loading lists to fill.
+    """
+    admitted, rejected, loading = outcomes
     chunk = config.prefill_chunk
     num_groups = kv.num_groups
     num_running = len(running)
@@ -157,6 +179,13 @@ def _admit(
         # Prompt logprobs need every prompt position computed: no prefix hit (as vLLM).
         computes_all = request.params.prompt_logprobs is not None
         hit = PrefixHit(0, (), []) if computes_all else kv.lookup(request)
+        if loader is not None and not computes_all and loader(request, hit):
+            waiting.pop()  # it runs once its load is reported (EngineCore)
+            request.status = RequestStatus.RUNNING
+            request.is_preempted = False
+            loading.append(request)
+            num_running += 1
+            continue
         num_new = _first_chunk(request, hit, min(budget, chunk), kv, is_alone=not num_running)
         if num_new is None:
             if not num_running:  # the whole pool could not take one token: never will
@@ -172,7 +201,7 @@ def _admit(
         admitted.append(request)
         budget -= num_new
         num_running += 1
-    for request in admitted:
+    for request in (*admitted, *loading):
         bisect.insort(running, request, key=_urgency)
     return budget
 

@@ -1,0 +1,48 @@
+"""Where an engine's blocks live in a tier: one key per (group, block).
+
+::
+
+    hkv:<model fingerprint>:<group>.<layer kind>:<cache salt>:<chained block hash>
+    hkv:3f2a9c...:0.full_attention:-:9b1e...          (no salt)
+    hkv:3f2a9c...:1.sliding_attention:a41c07e2...:9b1e...
+
+The fingerprint covers the model and the layout (which layers each group holds, their
+dtype, the block size), so engines of one model and layout share blocks and no other
+engine ever reads them. The chained block hash already covers the tokens and the cache
+salt; the salt is in the key too (hashed), so a tenant's entries can be found and
+dropped by pattern.
+"""
+
+from __future__ import annotations
+
+import attrs
+import xxhash
+
+from hybridkv.memory.hashing import BlockHash
+
+
+@attrs.frozen
+class KeySpace:
+    """The key prefix of one model and layout.
+
+    Attributes:
+        fingerprint: Identifies the model's weights and the layout (hex, no colon).
+        group_kinds: Per KV group, the config's layer kind of its layers
+            (``full_attention``, ``sliding_attention``, ...).
+    """
+
+    fingerprint: str
+    group_kinds: tuple[str, ...] = attrs.field(converter=tuple)
+
+    def key(self, group: int, block_hash: BlockHash, salt: str) -> bytes:
+        """The key of ``group``'s page of the block ``block_hash`` (``salt``: see
+        :func:`salt_of`)."""
+        kind = self.group_kinds[group]
+        return f"hkv:{self.fingerprint}:{group}.{kind}:{salt}:{block_hash.hex()}".encode()
+
+
+def salt_of(extra_keys: tuple[object, ...]) -> str:
+    """The key's salt field for a request's extra keys: ``-`` without any, else a hash."""
+    if not extra_keys:
+        return "-"
+    return xxhash.xxh3_64_hexdigest(repr(extra_keys).encode())

@@ -1,0 +1,44 @@
+"""The tier protocol: a key-value store of encoded blocks that the connector reads and
+writes in batches.
+
+Every method may be called from any thread. A tier that cannot answer (a server gone
+away) raises :class:`~hybridkv.memory.offload.errors.TierUnavailableError` quickly,
+never blocks for long: the connector then treats its blocks as missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+#: Makes a writable buffer of n bytes for a stored value (pinned host memory on CUDA).
+BufferFactory = Callable[[int], bytearray | memoryview]
+
+
+class Tier(Protocol):
+    """A store of encoded blocks (see ``blob.py``), keyed as in ``keys.py``."""
+
+    @property
+    def name(self) -> str:
+        """Its label in metrics and logs (``host``, ``redis``)."""
+        ...
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the tier holds it now."""
+        ...
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
+        """Per key, its stored value, or None where it is missing."""
+        ...
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Store values (a tier may drop some to stay within its budget)."""
+        ...
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Drop keys (missing ones are ignored)."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and memory."""
+        ...
