@@ -27,6 +27,7 @@ import torch
 
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
 from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
+from hybridkv.memory.offload import KeySpace, LoadReport, OffloadConfig, TransferWorker
 from hybridkv.memory.planner import plan_layout
 from hybridkv.models.batch_checks import check_batch
 from hybridkv.models.checkpoint import Checkpoint
@@ -34,6 +35,7 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.kv_caches import allocate_kv_caches, kept_specs
 from hybridkv.models.logprobs import prompt_logprobs, token_logprobs
+from hybridkv.models.offload_pages import KVPages, key_space
 from hybridkv.models.sampler import Sampler
 from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.stages import split_layers
@@ -98,6 +100,8 @@ class ModelExecutor:
         # Gather buffers reused by every step and layer: a fresh one per step pays page
         # faults on its first layer (3x slower decode attention in benchmarks/attention.py).
         self._workspace = GatherWorkspace()
+        # With a KV connector: moves pages to and from offload tiers (attach_offload).
+        self.transfers: TransferWorker | None = None
 
     @classmethod
     def from_pretrained(
@@ -203,7 +207,17 @@ class ModelExecutor:
 
     def close(self) -> None:
         """End the executor's torch thread; later steps run on the caller's thread."""
+        if self.transfers is not None:
+            self.transfers.close()
         self.torch_thread.close()
+
+    def attach_offload(self, config: OffloadConfig) -> KeySpace:
+        """Move pages to and from ``config``'s tiers at the start of each step (see
+        ``hybridkv.scheduler.connector``); returns the model's key space."""
+        pages = KVPages(self.kv_caches, self._layer_groups, self.device)
+        self.transfers = TransferWorker(pages, config)
+        dtype = next(self.model.parameters()).dtype
+        return self.torch_thread.run(key_space, self.model, self.config, self.plan, dtype)
 
     @property
     def pool(self) -> PoolSpec:
@@ -226,11 +240,20 @@ class ModelExecutor:
         return self.torch_thread.run(self._execute, batch)
 
     def _execute(self, batch: StepBatch) -> StepResult:
-        check_batch(batch, self.plan, self.max_model_len)
-        if not batch.requests:
-            return StepResult(token_ids=())
-        inputs = self.prepare(batch)
-        return self.finish(batch, inputs, self.forward(inputs))
+        loads: tuple[LoadReport, ...] = ()
+        if self.transfers is not None:  # before any layer writes a page
+            loads = self.transfers.run(batch.transfers, is_idle=not batch.requests)
+        try:
+            check_batch(batch, self.plan, self.max_model_len)
+            if not batch.requests:
+                return StepResult(token_ids=(), kv_loads=loads)
+            inputs = self.prepare(batch)
+            result = self.finish(batch, inputs, self.forward(inputs))
+        except BaseException:
+            if self.transfers is not None:
+                self.transfers.undeliver(loads)  # reported by the next step instead
+            raise
+        return attrs.evolve(result, kv_loads=loads) if loads else result
 
     def prepare(self, batch: StepBatch) -> StageInputs:
         """Paged metadata of the groups this executor's layers use, token ids if it embeds.

@@ -69,6 +69,7 @@ class TransferWorker:
         self._saves: queue.Queue[list[tuple[bytes, KVBlock]] | None] = queue.Queue()
         self._num_queued_saves = 0  # blocks in _saves (changed under _lock)
         self._fetched: deque[_Fetched] = deque()
+        self._undelivered: list[LoadReport] = []
         self._lock = threading.Condition()
         self._threads = [
             threading.Thread(target=self._load_loop, name="kv-load", daemon=True),
@@ -87,10 +88,15 @@ class TransferWorker:
             if is_idle and transfers.num_loading + len(transfers.loads) and not self._fetched:
                 with self._lock:
                     self._lock.wait_for(lambda: bool(self._fetched), timeout=self.idle_wait_s)
-        reports = []
+        reports, self._undelivered = self._undelivered, []
         while self._fetched:
             reports.append(self._write(*self._fetched.popleft()))
         return tuple(reports)
+
+    def undeliver(self, reports: Sequence[LoadReport]) -> None:
+        """Reports :meth:`run` returned for a step that then failed: the next run returns
+        them again, so every load is reported exactly once."""
+        self._undelivered[:0] = reports
 
     def wait_saved(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued save is written (or dropped); False on timeout."""

@@ -1,0 +1,115 @@
+"""The model executor's pages for the KV connector: page access and the model's key space.
+
+A group's page of one block is, for every layer of the group, its ``[2, kv_heads,
+block_size, head_dim]`` slice; a stored block stacks them as ``[layers, 2, kv_heads,
+block_size, head_dim]``. Reads and writes run on the executor's torch thread, at the start
+of a step (``hybridkv.memory.offload.worker``). On CUDA, pages go through pinned host
+buffers, and the host tier keeps its values in pinned memory too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from hybridkv.memory.layout import LayoutPlan
+from hybridkv.memory.offload.blob import KVBlock
+from hybridkv.memory.offload.errors import CorruptBlockError
+from hybridkv.memory.offload.keys import KeySpace
+from hybridkv.memory.offload.tier import BufferFactory
+from hybridkv.models.config import ModelConfig
+
+
+class KVPages:
+    """Reads and writes whole pages of a group over every layer it holds (a ``PageIO``).
+
+    Args:
+        caches: Per layer held, its paged view ``[num_blocks, 2, heads, bs, head_dim]``.
+        layer_groups: Per layer held, its KV group.
+        device: Where the caches live.
+    """
+
+    def __init__(
+        self, caches: Sequence[torch.Tensor], layer_groups: Sequence[int], device: torch.device
+    ) -> None:
+        self._layers: dict[int, list[torch.Tensor]] = {}
+        for cache, group in zip(caches, layer_groups, strict=True):
+            self._layers.setdefault(group, []).append(cache)
+        self.device = device
+        self._pin = device.type == "cuda"
+
+    def read_pages(self, group: int, pages: Sequence[int]) -> list[KVBlock]:
+        layers = self._layers[group]
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            stacked = torch.stack([cache.index_select(0, index) for cache in layers], dim=1)
+            if self._pin:
+                host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+                host.copy_(stacked, non_blocking=True)
+                torch.cuda.current_stream(self.device).synchronize()
+            else:
+                host = stacked.contiguous()
+        dtype = str(host.dtype).removeprefix("torch.")
+        shape = tuple(host.shape[1:])
+        raw = host.view(torch.uint8).numpy()
+        return [KVBlock(dtype, shape, raw[i].tobytes()) for i in range(len(pages))]
+
+    def write_pages(self, group: int, pages: Sequence[int], blocks: Sequence[KVBlock]) -> None:
+        layers = self._layers[group]
+        first = layers[0]
+        shape = (len(layers), *first.shape[1:])
+        dtype = str(first.dtype).removeprefix("torch.")
+        for block in blocks:
+            if block.dtype != dtype or block.shape != shape:
+                raise CorruptBlockError(
+                    f"a stored {block.dtype} block of shape {block.shape} does not fit group "
+                    f"{group}'s {dtype} pages of shape {shape}"
+                )
+        staging = torch.empty((len(blocks), *shape), dtype=first.dtype, pin_memory=self._pin)
+        raw = staging.view(torch.uint8).numpy().reshape(len(blocks), -1)
+        for row, block in zip(raw, blocks, strict=True):
+            row[:] = np.frombuffer(block.data, dtype=np.uint8)
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            values = staging.to(self.device, non_blocking=self._pin)
+            for j, cache in enumerate(layers):
+                cache.index_copy_(0, index, values[:, j])
+
+
+def pinned_buffers(device: torch.device) -> BufferFactory | None:
+    """The host tier's buffer factory: pinned memory on CUDA, None (bytearray) elsewhere."""
+    if device.type != "cuda":
+        return None
+
+    def allocate(num_bytes: int) -> memoryview:
+        return memoryview(torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy())
+
+    return allocate
+
+
+def key_space(
+    model: torch.nn.Module, config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype
+) -> KeySpace:
+    """The key space of a model and layout: a fingerprint of its weights, config, dtype and
+    groups, and each group's layer kind.
+
+    The weights enter by a sample: the first values of every parameter, so two checkpoints
+    of one architecture (a base model and its fine-tune) never share blocks.
+    """
+    digest = xxhash.xxh3_128()
+    digest.update(repr(config).encode())
+    digest.update(f"{dtype}|{plan.block_size}".encode())
+    for group in plan.groups:
+        digest.update(("|".join(group.layer_names) + repr(group.policy)).encode())
+    with torch.inference_mode():
+        for name, param in model.named_parameters():
+            sample = param.detach().reshape(-1)[:64].to("cpu", torch.float32)
+            digest.update(name.encode() + sample.numpy().tobytes())
+    kinds = {spec.name: spec.kind for spec in config.layers}
+    group_kinds = [
+        kinds.get(group.layer_names[0]) or type(group.policy).__name__ for group in plan.groups
+    ]
+    return KeySpace(digest.hexdigest()[:24], group_kinds)
