@@ -42,6 +42,7 @@ from hybridkv.serving.chat import ChatTemplate
 from hybridkv.serving.errors import APIError, ClientGoneError, error_body
 from hybridkv.serving.guard import AccessGuard
 from hybridkv.serving.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from hybridkv.serving.offload import OffloadCollector
 from hybridkv.serving.prompts import Prompter
 from hybridkv.serving.protocol import parse_chat, parse_completion
 from hybridkv.serving.service import GenerationService
@@ -95,6 +96,8 @@ def build_app(
     options = options or ServerOptions()
     policies = [p.name for p in engine.config.policies]
     metrics = ServerMetrics(engine.stats, policies)
+    if engine.core.offload is not None:
+        metrics.registry.register(OffloadCollector(engine.core.offload.stats))
     prompter = Prompter(
         tokenizer,
         chat_template or ChatTemplate.plain(),

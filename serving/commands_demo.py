@@ -10,6 +10,7 @@ import attrs
 
 from hybridkv.serving.console import add_log_level_argument, configure_logging
 from hybridkv.serving.loading import add_engine_arguments, add_model_argument, engine_args
+from hybridkv.serving.offload import add_offload_arguments, offload_config
 
 
 def register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,6 +36,7 @@ def register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     work.add_argument("--seed", type=int, default=0, metavar="N", help="workload seed (0)")
     add_log_level_argument(parser, "warning")
     add_engine_arguments(parser)
+    add_offload_arguments(parser)
     parser.set_defaults(handler=run_demo)
 
 
@@ -79,13 +81,14 @@ def run_demo(args: argparse.Namespace) -> int:
         write(f"  ...{' '.join(question.split())}")
         write(f"  -> {answer}\n")
 
-    result = anyio.run(_run_with_bar, loaded, requests, show)
+    offload = offload_config(args, loaded.executor)
+    result = anyio.run(_run_with_bar, loaded, requests, show, offload)
     print(f"\nsummary ({loaded.name}, {args.dtype}, {_threads()} threads)")
     print("\n".join(format_table(summary_rows(result, plan, loaded.specs))))
     return 0
 
 
-async def _run_with_bar(loaded: Any, requests: Any, show: Any) -> Any:
+async def _run_with_bar(loaded: Any, requests: Any, show: Any, offload: Any) -> Any:
     from tqdm import tqdm
 
     from hybridkv.scheduler import Engine
@@ -102,7 +105,7 @@ async def _run_with_bar(loaded: Any, requests: Any, show: Any) -> Any:
             bar.update(1)
             show(record, bar.write)
 
-        async with Engine(loaded.engine_config, loaded.executor) as engine:
+        async with Engine(loaded.engine_config, loaded.executor, offload=offload) as engine:
             return await run_workload(engine, requests, on_tokens=on_tokens, on_finish=on_finish)
 
 
@@ -129,6 +132,7 @@ def register_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     )
     add_log_level_argument(parser, "warning")
     add_engine_arguments(parser, kv_memory="256MiB")
+    add_offload_arguments(parser)
     parser.set_defaults(handler=run_bench)
 
 
@@ -163,7 +167,9 @@ def run_bench(args: argparse.Namespace) -> int:
         async def run(loaded: Any = loaded, requests: Any = requests) -> Any:
             from hybridkv.scheduler import Engine
 
-            async with Engine(loaded.engine_config, loaded.executor) as engine:
+            async with Engine(
+                loaded.engine_config, loaded.executor, offload=offload_config(args, loaded.executor)
+            ) as engine:
                 return await run_workload(engine, requests)
 
         result = anyio.run(run)

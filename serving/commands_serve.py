@@ -10,6 +10,7 @@ from typing import Any
 
 from hybridkv.serving.console import add_log_level_argument, configure_logging
 from hybridkv.serving.loading import add_engine_arguments, add_model_argument, engine_args
+from hybridkv.serving.offload import add_offload_arguments, offload_config
 from hybridkv.serving.serve_flags import add_access_and_limit_arguments, http_settings
 
 _SERVE_EPILOG = """\
@@ -59,6 +60,7 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     add_log_level_argument(http, "info")
     add_access_and_limit_arguments(parser)
     add_engine_arguments(parser)
+    add_offload_arguments(parser)
     parser.set_defaults(handler=run_serve)
 
 
@@ -109,7 +111,9 @@ async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace
     executor = loaded.executor
     if settings.step_timeout_s is not None:
         executor = StepWatchdog(executor, settings.step_timeout_s)
-    async with Engine(loaded.engine_config, executor) as engine:
+    async with Engine(
+        loaded.engine_config, executor, offload=offload_config(args, loaded.executor)
+    ) as engine:
         app = build_app(
             engine,
             loaded.tokenizer,
@@ -153,6 +157,7 @@ def register_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     )
     add_log_level_argument(parser, "warning")
     add_engine_arguments(parser, kv_memory="256MiB")
+    add_offload_arguments(parser)
     parser.set_defaults(handler=run_generate)
 
 
@@ -173,11 +178,12 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     loaded = load_model(engine_args(args))
-    anyio.run(_generate, loaded, args.prompt, params, args.chat)
+    offload = offload_config(args, loaded.executor)
+    anyio.run(_generate, loaded, args.prompt, params, args.chat, offload)
     return 0
 
 
-async def _generate(loaded: Any, prompt: str, params: Any, chat: bool) -> None:
+async def _generate(loaded: Any, prompt: str, params: Any, chat: bool, offload: Any) -> None:
     from hybridkv.scheduler import Engine
     from hybridkv.serving.text import TextStream, TokenClasses
 
@@ -189,7 +195,7 @@ async def _generate(loaded: Any, prompt: str, params: Any, chat: bool) -> None:
     texts = TextStream(loaded.tokenizer, classes=TokenClasses.of(loaded.tokenizer))
     start = time.monotonic()
     first: float | None = None
-    async with Engine(loaded.engine_config, loaded.executor) as engine:
+    async with Engine(loaded.engine_config, loaded.executor, offload=offload) as engine:
         async for out in engine.generate(ids, params):
             first = first or time.monotonic()
             sys.stdout.write(texts.push(out.new_token_ids))

@@ -1,0 +1,79 @@
+"""``--kv-offload`` on the model-running commands, and the offload metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from hybridkv.memory.offload import OffloadStats
+from hybridkv.serving.cli import main
+from hybridkv.serving.offload import OffloadCollector
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(make_tiny_checkpoint: Callable[..., Path]) -> Path:
+    """A random two-layer Gemma 3 (one sliding, one full layer) with a word tokenizer."""
+    return make_tiny_checkpoint(["sliding_attention", "full_attention"], 2048, VOCAB)
+
+
+@pytest.fixture(autouse=True)
+def _isolate() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    structlog.reset_defaults()
+
+
+def _generate(checkpoint: Path, *extra: str) -> list[str]:
+    return ["generate", str(checkpoint), "w2 w3 w4 " * 5, "--max-tokens", "5", "--ignore-eos",
+            "--kv-memory", "1MiB", "--block-size", "4", *extra]  # fmt: skip
+
+
+def test_generate_with_a_host_tier_prints_the_same_text(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--kv-offload host:SIZE` changes nothing in the output."""
+    assert main(_generate(tiny_checkpoint)) == 0
+    plain = capsys.readouterr().out
+    flags = ("--kv-offload", "host:16MiB", "--kv-offload-interval", "8")
+    assert main(_generate(tiny_checkpoint, *flags)) == 0
+    assert capsys.readouterr().out == plain
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--kv-offload", "disk:/tmp"), "expected host:SIZE"),
+        (("--kv-offload", "host:lots"), "not a size"),
+        (("--kv-offload", "host:1MiB", "--kv-offload-interval", "6"), "multiple of the block"),
+        (("--kv-offload", "host:1MiB", "--no-prefix-caching"), "needs prefix caching"),
+    ],
+)
+def test_bad_offload_flags_are_one_line_errors(
+    tiny_checkpoint: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], message: str
+) -> None:
+    """A tier value or interval that cannot work exits 2 naming the problem."""
+    assert main(_generate(tiny_checkpoint, *flags)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_offload_counters_are_exported() -> None:
+    """Hit tokens per tier, bytes and blocks moved, failures and dropped saves."""
+    stats = OffloadStats(hit_tokens={"host": 64, "redis": 16}, num_loaded_bytes=4096)
+    stats.num_failed_blocks = 2
+    registry = CollectorRegistry()
+    registry.register(OffloadCollector(stats))
+    text = generate_latest(registry).decode()
+    assert 'hybridkv_kv_offload_hit_tokens_total{tier="host"} 64.0' in text
+    assert 'hybridkv_kv_offload_hit_tokens_total{tier="redis"} 16.0' in text
+    assert "hybridkv_kv_offload_loaded_bytes_total 4096.0" in text
+    assert "hybridkv_kv_offload_failed_loads_total 2.0" in text
+    assert "hybridkv_kv_offload_dropped_saves_total 0.0" in text
