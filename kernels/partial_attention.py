@@ -72,6 +72,37 @@ def partial_attention(
     lse_shape = (num_queries, num_q_heads)
     if num_keys == 0 or num_queries == 0:
         return torch.zeros_like(query), torch.full(lse_shape, float("-inf"), device=query.device)
+    delta = query_pos[:, None] - key_pos[None, :]
+    visible = delta >= 0
+    if sliding_window is not None:
+        visible &= delta < sliding_window
+    if query_seq is not None and key_seq is not None:
+        visible &= query_seq[:, None] == key_seq[None, :]
+    rows, cols = visible.any(dim=1), visible.any(dim=0)
+    if not bool(rows.all()) or not bool(cols.all()):
+        # Only the queries that read a key of the shard, and only the keys read: a ring
+        # shard is often entirely before (or after) half of a rank's queries.
+        out = torch.zeros_like(query)
+        lse = torch.full(lse_shape, float("-inf"), device=query.device)
+        if bool(rows.any()):
+            out[rows], lse[rows] = _attend(
+                query[rows], key[cols], value[cols], visible[rows][:, cols], scale, softcap
+            )
+        return out, lse
+    return _attend(query, key, value, visible, scale, softcap)
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention with GQA; ``visible`` is ``[num_queries, num_keys]``."""
+    num_queries, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
     group = num_q_heads // num_kv_heads
     # [Tq, Hq, D] -> [Hkv, G, Tq, D]; keys [Tk, Hkv, D] -> [Hkv, 1, Tk, D].
     q = query.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -80,16 +111,11 @@ def partial_attention(
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    delta = query_pos[:, None] - key_pos[None, :]
-    visible = delta >= 0
-    if sliding_window is not None:
-        visible &= delta < sliding_window
-    if query_seq is not None and key_seq is not None:
-        visible &= query_seq[:, None] == key_seq[None, :]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    if not bool(visible.all()):
+        scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hkv, G, Tq]
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     weights = torch.exp(scores - safe[..., None])
     out = torch.matmul(weights, v.float())  # [Hkv, G, Tq, D]
     out = out.permute(2, 0, 1, 3).reshape(num_queries, num_q_heads, head_dim)
-    return out.to(query.dtype), lse.permute(2, 0, 1).reshape(lse_shape)
+    return out.to(query.dtype), lse.permute(2, 0, 1).reshape(num_queries, num_q_heads)

@@ -39,9 +39,9 @@ from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
 from hybridkv.models.batch_checks import check_batch
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import BatchError
-from hybridkv.models.executor import LogitsHook, ModelExecutor
+from hybridkv.models.executor import LogitsHook
 from hybridkv.models.pipeline_launch import StageSettings, read_stats
-from hybridkv.models.pipeline_stage import StageRunner, StageStats
+from hybridkv.models.pipeline_stage import StageExecutor, StageRunner, StageStats
 from hybridkv.models.pipeline_wire import PipelineChannels, StepMessage
 from hybridkv.models.pipeline_workers import WorkerSet, launch
 from hybridkv.models.specs import PolicyChoices
@@ -58,7 +58,8 @@ class PipelineExecutor:
     ``tokenizer``, ``eos_token_ids``, ``max_model_len``, ``vocab_size``), from stage 0.
 
     Attributes:
-        num_stages: Pipeline stages (processes).
+        num_stages: Pipeline stages.
+        world_size: Processes: stages times context ranks.
         max_steps_in_flight: Steps the engine may have submitted and unfinished.
         step_timeout_s: With steps in flight, the longest wait for one to finish.
         logits_hook: Called, on the collector thread, with each sampled request's logits
@@ -69,7 +70,7 @@ class PipelineExecutor:
 
     def __init__(
         self,
-        stage0: ModelExecutor,
+        stage0: StageExecutor,
         channels: PipelineChannels,
         workers: WorkerSet,
         *,
@@ -78,7 +79,8 @@ class PipelineExecutor:
         logits_hook: LogitsHook | None = None,
     ) -> None:
         self.stage0 = stage0
-        self.num_stages = workers.num_stages
+        self.num_stages = channels.num_stages
+        self.world_size = workers.world_size
         self.max_steps_in_flight = max_steps_in_flight
         self.step_timeout_s = step_timeout_s
         self.logits_hook = logits_hook
@@ -120,6 +122,8 @@ class PipelineExecutor:
         logits_hook: LogitsHook | None = None,
         step_timeout_s: float = 120.0,
         max_steps_in_flight: int | None = None,
+        context_parallel_size: int = 1,
+        kv_interleave: int = 1,
     ) -> PipelineExecutor:
         """Start the stages of a checkpoint: this process runs stage 0, workers the rest.
 
@@ -127,7 +131,12 @@ class PipelineExecutor:
         :func:`~hybridkv.models.pipeline_launch.run_worker`). Each stage loads only its
         layers and lays out ``kv_cache_bytes`` for their pages; the other arguments are
         :meth:`ModelExecutor.from_pretrained`'s (``num_threads`` is per stage, and
-        defaults, on the CPU, to the cores divided among the stages).
+        defaults, on the CPU, to the cores divided among the ranks).
+
+        With ``context_parallel_size`` cp > 1 each stage is cp processes sharing every
+        request's tokens and pages (``models/context_executor.py``); ``kv_interleave``
+        tokens (1 or ``block_size``) go to a rank at a time. The engine then sees blocks
+        of ``block_size * cp`` tokens, as many as one rank has pages.
 
         Raises:
             ParallelConfigError: fewer than 2 stages, more stages than layers, fewer GPUs
@@ -139,7 +148,8 @@ class PipelineExecutor:
             path, pipeline_parallel_size=pipeline_parallel_size, kv_cache_bytes=kv_cache_bytes,
             block_size=block_size, dtype=dtype, device=device, num_threads=num_threads,
             seed=seed, uniform_layout=uniform_layout, policies=policies,
-            step_timeout_s=step_timeout_s,
+            step_timeout_s=step_timeout_s, context_parallel_size=context_parallel_size,
+            kv_interleave=kv_interleave,
         )  # fmt: skip
         stage0, channels, workers = launch(settings)
         log.info("pipeline_started", num_stages=pipeline_parallel_size, pool=repr(stage0.pool))
@@ -320,7 +330,7 @@ class PipelineExecutor:
         if self._error is None:
             # Every worker received what was sent to it before it stopped.
             self.stage0.torch_thread.run(self._channels.outbox.drain)
-            workers = [read_stats(self._workers.store, r) for r in range(1, self.num_stages)]
+            workers = [read_stats(self._workers.store, r) for r in range(1, self.world_size)]
             self.stage_stats = (self._runner.stats(), *(s for s in workers if s is not None))
         if dist.is_initialized():
             dist.destroy_process_group()

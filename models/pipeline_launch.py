@@ -1,7 +1,9 @@
 """Starting the stages of a pipeline: where they meet, what they load, a worker's life.
 
-Rank 0 is the engine's process and runs stage 0 (``models/pipeline_executor.py``). The
-other ranks are workers, started one of two ways:
+Rank 0 is the engine's process and runs stage 0 (``models/pipeline_executor.py``). With
+context parallelism each stage is ``cp`` ranks (``ParallelConfig(pipeline, context)``
+places them; rank 0 is stage 0's context rank 0). The other ranks are workers, started
+one of two ways:
 
 - **spawned** by rank 0 (``torch.multiprocessing``, spawn): rank 0 hosts a
   ``torch.distributed`` TCP store on a free loopback port and passes its address;
@@ -45,10 +47,13 @@ import torch.distributed as dist
 
 from hybridkv.memory.layout import PoolSpec
 from hybridkv.models.checkpoint import Checkpoint
+from hybridkv.models.context_attention import ContextRanks, open_context_group
+from hybridkv.models.context_executor import ContextParallelExecutor
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.executor import ModelExecutor
-from hybridkv.models.pipeline_stage import StageRunner, StageStats, serve_stage
+from hybridkv.models.pipeline_stage import StageExecutor, StageRunner, StageStats, serve_stage
 from hybridkv.models.pipeline_wire import PipelineChannels
+from hybridkv.models.rank_layout import ParallelConfig
 from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.stages import split_layers
 from hybridkv.policies.base import MemoryPolicy
@@ -76,6 +81,8 @@ class StageSettings:
     policies: tuple[tuple[str, MemoryPolicy], ...]
     step_timeout_s: float
     log_level: int = logging.NOTSET
+    context_parallel_size: int = 1
+    kv_interleave: int = 1
 
     @classmethod
     def create(
@@ -92,10 +99,12 @@ class StageSettings:
         uniform_layout: bool = False,
         policies: PolicyChoices | None = None,
         step_timeout_s: float = 120.0,
+        context_parallel_size: int = 1,
+        kv_interleave: int = 1,
     ) -> StageSettings:
         """Settings for a checkpoint, checked: every stage must hold a layer.
 
-        ``num_threads`` defaults, on the CPU, to the cores divided among the stages. The
+        ``num_threads`` defaults, on the CPU, to the cores divided among the ranks. The
         workers log at this process's structlog level, to stderr.
 
         Raises:
@@ -104,9 +113,10 @@ class StageSettings:
         """
         checkpoint = Checkpoint.open(path, policies=policies)
         split_layers(checkpoint.config.num_layers, pipeline_parallel_size)
+        layout = ParallelConfig(pipeline=pipeline_parallel_size, context=context_parallel_size)
         device_type = torch.device(device).type
         if num_threads is None and device_type == "cpu":
-            num_threads = max(1, (os.cpu_count() or 1) // pipeline_parallel_size)
+            num_threads = max(1, (os.cpu_count() or 1) // layout.world_size)
         return cls(
             path=str(path), num_stages=pipeline_parallel_size,
             hidden_size=checkpoint.config.hidden_size, kv_cache_bytes=kv_cache_bytes,
@@ -114,7 +124,18 @@ class StageSettings:
             num_threads=num_threads, seed=seed, uniform_layout=uniform_layout,
             policies=tuple((policies or {}).items()), step_timeout_s=step_timeout_s,
             log_level=structlog.get_logger().bind().get_effective_level(),
+            context_parallel_size=context_parallel_size, kv_interleave=kv_interleave,
         )  # fmt: skip
+
+    @property
+    def layout(self) -> ParallelConfig:
+        """Where each rank sits: its pipeline stage and its context rank."""
+        return ParallelConfig(pipeline=self.num_stages, context=self.context_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: stages times context ranks."""
+        return self.layout.world_size
 
     def device(self, local_rank: int) -> torch.device:
         """The device of a stage: the CPU, or the GPU of its local rank."""
@@ -123,7 +144,7 @@ class StageSettings:
         return torch.device(self.device_type)
 
     def load(self, rank: int, local_rank: int) -> ModelExecutor:
-        """Load stage ``rank``'s layers and lay out their pages."""
+        """Load rank ``rank``'s stage's layers and lay out their pages."""
         return ModelExecutor.from_pretrained(
             self.path,
             kv_cache_bytes=self.kv_cache_bytes,
@@ -134,9 +155,15 @@ class StageSettings:
             seed=self.seed,
             uniform_layout=self.uniform_layout,
             policies=dict(self.policies),
-            pipeline_stage=rank,
+            pipeline_stage=self.layout.coordinates(rank)["pipeline"],
             pipeline_parallel_size=self.num_stages,
         )
+
+    def shard(self, executor: ModelExecutor, context: ContextRanks | None) -> StageExecutor:
+        """The executor of one context rank (itself without context parallelism)."""
+        if context is None:
+            return executor
+        return ContextParallelExecutor(executor, context, self.kv_interleave)
 
 
 @attrs.frozen
@@ -183,12 +210,13 @@ class TorchrunEnv:
         rank = int(env["RANK"])
         return cls(rendezvous, rank, int(env.get("LOCAL_RANK", rank)), int(env["WORLD_SIZE"]))
 
-    def check(self, num_stages: int) -> None:
-        """Refuse a world that is not one rank per stage."""
-        if self.world_size != num_stages:
+    def check(self, layout: ParallelConfig) -> None:
+        """Refuse a world that is not one rank per stage and context rank."""
+        if self.world_size != layout.world_size:
             raise ParallelConfigError(
                 f"the launcher started {self.world_size} processes for "
-                f"pipeline_parallel_size={num_stages}; start one per stage"
+                f"pipeline_parallel_size={layout.pipeline} x context_parallel_size="
+                f"{layout.context}; start one per stage and context rank"
             )
 
 
@@ -211,7 +239,7 @@ def open_channels(settings: StageSettings, rank: int, local_rank: int) -> Pipeli
     """
     return PipelineChannels(
         rank,
-        settings.num_stages,
+        settings.layout,
         hidden_size=settings.hidden_size,
         dtype=settings.dtype,
         device=settings.device(local_rank),
@@ -233,13 +261,14 @@ def run_worker(
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )
     timeout = timedelta(seconds=2 * settings.step_timeout_s)
-    store = rendezvous.connect(rank, settings.num_stages, timeout)
+    store = rendezvous.connect(rank, settings.world_size, timeout)
     store.set(f"{KEY}/hello/{rank}", str(os.getpid()))
-    init_distributed(store, rank, settings.num_stages, settings.device_type, timeout)
+    init_distributed(store, rank, settings.world_size, settings.device_type, timeout)
     local_rank = rank if local_rank is None else local_rank
     channels = open_channels(settings, rank, local_rank)
+    context = open_context_group(settings.layout, rank)
     try:
-        executor = settings.load(rank, local_rank)
+        executor = settings.shard(settings.load(rank, local_rank), context)
     except Exception as exc:  # reported to rank 0, which raises it at start
         store.set(f"{KEY}/ready/{rank}", pickle.dumps((os.getpid(), _describe(exc), None)))
         return 1
@@ -264,7 +293,7 @@ def run_torchrun_worker(settings: StageSettings) -> int:
     launched = TorchrunEnv.read()
     if launched is None:
         raise ParallelConfigError("not launched by torchrun: RANK or MASTER_ADDR is unset")
-    launched.check(settings.num_stages)
+    launched.check(settings.layout)
     if launched.rank == 0:
         raise ParallelConfigError("rank 0 runs the engine and stage 0, not a worker")
     return run_worker(launched.rank, launched.rendezvous, settings, launched.local_rank)

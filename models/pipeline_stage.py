@@ -20,8 +20,12 @@ import time
 import attrs
 import torch
 
+from hybridkv.models.context_executor import ContextParallelExecutor
 from hybridkv.models.executor import ModelExecutor
 from hybridkv.models.pipeline_wire import PipelineChannels, StepMessage
+
+#: What runs a stage's share of a step: the stage's layers, or one context rank of them.
+StageExecutor = ModelExecutor | ContextParallelExecutor
 
 
 @attrs.frozen(kw_only=True)
@@ -52,7 +56,7 @@ class StageStats:
 class StageRunner:
     """Runs a stage's share of each step over its executor and channels."""
 
-    def __init__(self, executor: ModelExecutor, channels: PipelineChannels) -> None:
+    def __init__(self, executor: StageExecutor, channels: PipelineChannels) -> None:
         self.executor = executor
         self.channels = channels
         self._num_steps = 0
@@ -72,7 +76,8 @@ class StageRunner:
         hidden, waited = None, 0.0
         if channels.prev is not None:
             before = time.perf_counter()
-            hidden = channels.recv_hidden(batch.num_tokens)
+            # This rank's tokens: all of the step's, or its context shard of them.
+            hidden = channels.recv_hidden(int(inputs.positions.numel()))
             waited = time.perf_counter() - before
         hidden = executor.forward(inputs, hidden)
         if channels.next is not None:
@@ -81,7 +86,8 @@ class StageRunner:
             executor.logits_hook = self._keep_logits if message.want_logits else None
             result = executor.finish(batch, inputs, hidden)
             logits, self._logits = self._logits, []
-            channels.send_result((result, logits or None))
+            if channels.sends_results:
+                channels.send_result((result, logits or None))
         self._last_end = time.perf_counter()
         self._num_steps += 1
         self._busy_s += self._last_end - started - waited

@@ -7,6 +7,11 @@
     activations  hidden of step k ──send──▶ hidden ──send──▶ ...
     results      ◀──────────────────────────────────────────── step k's StepResult
 
+With context parallelism (``cp`` ranks per stage) control spans every rank; each
+context rank c has its own activations chain (stage s, rank c to stage s + 1, rank c, its
+share of the tokens) and only the last stage's rank 0 sends results. A single stage's
+results stay in rank 0's process.
+
 Each group is used by a single thread in each process, so every process issues its
 operations in the same order; gloo matches them by a per-group sequence number. The
 control group never times out (a server may idle for hours between steps); the other
@@ -25,6 +30,7 @@ whose shape every stage knows from the batch (``[num_tokens, hidden_size]``).
 from __future__ import annotations
 
 import pickle
+import queue
 from collections import deque
 from datetime import timedelta
 from typing import Any
@@ -59,10 +65,11 @@ class WireCounters:
     result_bytes: int = 0
 
 
-def _groups_of(layout: ParallelConfig, rank: int, **options: Any) -> dist.ProcessGroup:
-    """Create every pipeline group (each process must create all, in order); return ours."""
+def _groups_of(layout: ParallelConfig, rank: int, *axes: str, **options: Any) -> dist.ProcessGroup:
+    """Create every group over ``axes`` (each process must create all, in order); return
+    ours."""
     mine: dist.ProcessGroup | None = None
-    for ranks in layout.group_ranks("pipeline"):
+    for ranks in layout.group_ranks(*axes):
         group: dist.ProcessGroup = dist.new_group(ranks, **options)
         if rank in ranks:
             mine = group
@@ -95,13 +102,13 @@ class Outbox:
 
 
 class PipelineChannels:
-    """One process's end of the three channels of a pipeline of ``num_stages`` ranks.
+    """One process's end of the three channels of a pipeline of ``layout.pipeline`` stages.
 
-    ``torch.distributed`` must be initialised with every rank of the pipeline.
+    ``torch.distributed`` must be initialised with every rank of ``layout``.
 
     Args:
         rank: This process's rank (its stage, in a pipeline-only world).
-        num_stages: Ranks in the pipeline.
+        layout: The stages and context ranks.
         hidden_size: Width of the hidden states.
         dtype: Their dtype.
         device: Where this stage keeps them (CUDA sends go over NCCL).
@@ -111,22 +118,29 @@ class PipelineChannels:
     def __init__(
         self,
         rank: int,
-        num_stages: int,
+        layout: ParallelConfig,
         *,
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
         step_timeout_s: float,
     ) -> None:
-        layout = ParallelConfig(pipeline=num_stages)
         timeout = timedelta(seconds=2 * step_timeout_s)
-        self.control = _groups_of(layout, rank, backend="gloo", timeout=IDLE_TIMEOUT)
+        self.control = _groups_of(
+            layout, rank, "pipeline", "context", backend="gloo", timeout=IDLE_TIMEOUT
+        )
         data_backend = "nccl" if device.type == "cuda" else "gloo"
-        self.activations = _groups_of(layout, rank, backend=data_backend, timeout=timeout)
-        self.results = _groups_of(layout, rank, backend="gloo", timeout=timeout)
+        self.activations = _groups_of(
+            layout, rank, "pipeline", backend=data_backend, timeout=timeout
+        )
+        self.results = _groups_of(layout, rank, "pipeline", backend="gloo", timeout=timeout)
         ranks = layout.group_of(rank, "pipeline")
         self.stage = ranks.index(rank)
-        self.first, self.last = ranks[0], ranks[-1]
+        self.num_stages = len(ranks)
+        # Rank 0 broadcasts every step and receives every result.
+        self.first, self.last = 0, layout.group_of(0, "pipeline")[-1]
+        self.sends_results = rank == self.last
+        self._local_results: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.prev = ranks[self.stage - 1] if self.stage > 0 else None
         self.next = ranks[self.stage + 1] if self.stage + 1 < len(ranks) else None
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
@@ -181,6 +195,9 @@ class PipelineChannels:
 
     def send_result(self, result: object) -> None:
         """Send a step's result to rank 0, without waiting (the last stage)."""
+        if self.last == self.first:  # one stage: rank 0 itself
+            self._local_results.put(result)
+            return
         payload = _encode(result)
         header = torch.tensor([payload.numel()])
         for tensor in (header, payload):
@@ -190,6 +207,8 @@ class PipelineChannels:
 
     def recv_result(self) -> object:
         """The next step's result from the last stage (rank 0)."""
+        if self.last == self.first:
+            return self._local_results.get()
         header = torch.empty(1, dtype=torch.long)
         dist.recv(header, src=self.last, group=self.results)
         payload = torch.empty(int(header), dtype=torch.uint8)

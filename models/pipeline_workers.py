@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridkv.memory.layout import PoolSpec
+from hybridkv.models.context_attention import open_context_group
 from hybridkv.models.errors import ParallelConfigError, PipelineError
-from hybridkv.models.executor import ModelExecutor
 from hybridkv.models.pipeline_launch import (
     KEY,
     Rendezvous,
@@ -39,6 +39,7 @@ from hybridkv.models.pipeline_launch import (
     read_ready,
     spawned_worker,
 )
+from hybridkv.models.pipeline_stage import StageExecutor
 from hybridkv.models.pipeline_wire import PipelineChannels
 
 log = structlog.get_logger(__name__)
@@ -56,17 +57,17 @@ class WorkerSet:
     """
 
     def __init__(
-        self, store: dist.TCPStore, processes: Sequence[BaseProcess], num_stages: int
+        self, store: dist.TCPStore, processes: Sequence[BaseProcess], world_size: int
     ) -> None:
         self.store = store
         self.processes = tuple(processes)
-        self.num_stages = num_stages
+        self.world_size = world_size
 
     @classmethod
     def spawn(cls, settings: StageSettings, timeout: timedelta) -> WorkerSet:
         """Host a store on a free loopback port and spawn a process per worker rank."""
         store = dist.TCPStore(
-            "127.0.0.1", 0, settings.num_stages, is_master=True, timeout=timeout,
+            "127.0.0.1", 0, settings.world_size, is_master=True, timeout=timeout,
             wait_for_workers=False,
         )  # fmt: skip
         rendezvous = Rendezvous("127.0.0.1", store.port)
@@ -78,19 +79,20 @@ class WorkerSet:
                 name=f"hybridkv-stage-{rank}",
                 daemon=True,
             )
-            for rank in range(1, settings.num_stages)
+            for rank in range(1, settings.world_size)
         ]
         for process in processes:
             process.start()
         log.info("pipeline_workers_spawned", pids=[p.pid for p in processes])
-        return cls(store, processes, settings.num_stages)
+        return cls(store, processes, settings.world_size)
 
     @classmethod
     def join_torchrun(
         cls, rendezvous: Rendezvous, settings: StageSettings, timeout: timedelta
     ) -> WorkerSet:
         """Meet the workers torchrun started, at its store."""
-        return cls(rendezvous.connect(0, settings.num_stages, timeout), [], settings.num_stages)
+        world_size = settings.world_size
+        return cls(rendezvous.connect(0, world_size, timeout), [], world_size)
 
     def wait_until_joined(self, deadline: float) -> None:
         """Wait for every worker's hello key (it connected and joins the group)."""
@@ -104,7 +106,7 @@ class WorkerSet:
                 did not answer by ``deadline`` (``time.monotonic()``).
         """
         self._wait_for("ready", deadline)
-        for rank in range(1, self.num_stages):
+        for rank in range(1, self.world_size):
             pid, error, theirs = read_ready(self.store, rank)
             if error is not None:
                 raise PipelineError(f"pipeline stage {rank} (pid {pid}) failed to load: {error}")
@@ -149,7 +151,7 @@ class WorkerSet:
         """
         deadline = time.monotonic() + timeout_s
         if not self.processes:
-            keys = [f"{KEY}/stats/{rank}" for rank in range(1, self.num_stages)]
+            keys = [f"{KEY}/stats/{rank}" for rank in range(1, self.world_size)]
             while not self.store.check(keys) and time.monotonic() < deadline:
                 time.sleep(0.02)
         for process in self.processes:
@@ -159,7 +161,7 @@ class WorkerSet:
             process.join()
 
     def _wait_for(self, what: str, deadline: float) -> None:
-        keys = [f"{KEY}/{what}/{rank}" for rank in range(1, self.num_stages)]
+        keys = [f"{KEY}/{what}/{rank}" for rank in range(1, self.world_size)]
         while not self.store.check(keys):
             exited = self.exits()
             if exited is not None:
@@ -184,7 +186,7 @@ _STEPS = {
 STARTUP_TIMEOUT_S = 600.0
 
 
-def launch(settings: StageSettings) -> tuple[ModelExecutor, PipelineChannels, WorkerSet]:
+def launch(settings: StageSettings) -> tuple[StageExecutor, PipelineChannels, WorkerSet]:
     """From rank 0: start the workers, load stage 0, join them all; stop them all on error.
 
     Raises:
@@ -199,16 +201,17 @@ def launch(settings: StageSettings) -> tuple[ModelExecutor, PipelineChannels, Wo
     if launched is None:
         workers, local_rank = WorkerSet.spawn(settings, timeout), 0
     else:
-        launched.check(settings.num_stages)
+        launched.check(settings.layout)
         if launched.rank != 0:
             raise ParallelConfigError(f"rank {launched.rank} runs a worker stage, not the engine")
         local_rank = launched.local_rank
         workers = WorkerSet.join_torchrun(launched.rendezvous, settings, timeout)
     try:
-        stage0 = settings.load(0, local_rank)  # while the workers start
+        loaded = settings.load(0, local_rank)  # while the workers start
         workers.wait_until_joined(deadline)
-        init_distributed(workers.store, 0, settings.num_stages, settings.device_type, timeout)
+        init_distributed(workers.store, 0, settings.world_size, settings.device_type, timeout)
         channels = open_channels(settings, 0, local_rank)
+        stage0 = settings.shard(loaded, open_context_group(settings.layout, 0))
         workers.wait_until_loaded(stage0.pool, deadline)
     except BaseException:
         workers.kill()
@@ -221,18 +224,19 @@ def launch(settings: StageSettings) -> tuple[ModelExecutor, PipelineChannels, Wo
 
 def _check_launch(settings: StageSettings, *, spawns: bool) -> None:
     """Refuse settings no launch can run, before any process starts."""
-    num_stages = settings.num_stages
-    if num_stages < 2:
+    num_ranks = settings.world_size
+    if num_ranks < 2:
         raise ParallelConfigError(
-            f"a pipeline needs at least 2 stages, got {num_stages}; use ModelExecutor"
+            f"a pipeline needs at least 2 stages or context ranks, got {num_ranks}; "
+            "use ModelExecutor"
         )
     if dist.is_initialized():
         raise ParallelConfigError(
             "torch.distributed is already initialised in this process; a pipeline owns "
             "its process group (close the other pipeline first)"
         )
-    visible = torch.cuda.device_count() if settings.device_type == "cuda" else num_stages
-    if spawns and visible < num_stages:
+    visible = torch.cuda.device_count() if settings.device_type == "cuda" else num_ranks
+    if spawns and visible < num_ranks:
         raise ParallelConfigError(
-            f"{num_stages} pipeline stages on CUDA need a GPU each, {visible} are visible"
+            f"{num_ranks} pipeline ranks on CUDA need a GPU each, {visible} are visible"
         )

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.errors import HybridKVError
 
 if TYPE_CHECKING:
-    from hybridkv.memory.layout import LayoutPlan
+    from hybridkv.memory.layout import LayerSpec, LayoutPlan
     from hybridkv.memory.planner import PlanReport
 
 #: Subcommand name -> ``"module:function"`` of its registrar, in ``--help`` order.
@@ -194,6 +194,14 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the KV cache")
     parser.add_argument("--pp-stages", type=int, default=1, help="pipeline stages")
     parser.add_argument(
+        "--context-parallel-size",
+        "-cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="context-parallel ranks sharing each request's pages, each with --kv-memory",
+    )
+    parser.add_argument(
         "--request-tokens",
         type=int,
         default=4096,
@@ -230,6 +238,12 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     if plan.groups:
         print("\n".join(format_plan(plan, report)))
+        if args.context_parallel_size > 1:
+            print(
+                "\n".join(
+                    format_context(plan, specs, args.request_tokens, args.context_parallel_size)
+                )
+            )
     else:
         print("no KV cache: the model has no attention or state layers")
     return 0
@@ -284,6 +298,32 @@ def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
         f"padding {report.padding_fraction:.1%} of the bytes held by requests of {n} tokens; "
         f"at most {_bytes(plan.padding_bytes)} {where}",
         "uniform: one group of every layer as full attention, in the same bytes",
+    ]
+
+
+def format_context(
+    plan: LayoutPlan, specs: Sequence[LayerSpec], request_tokens: int, cp: int
+) -> list[str]:
+    """Capacity with ``cp`` context-parallel ranks, each with the plan's memory: the engine
+    counts virtual blocks of ``block_size * cp`` tokens, as many as one rank has pages."""
+    import attrs
+
+    from hybridkv.memory.planner import describe
+
+    if cp < 1:
+        raise UsageError(f"--context-parallel-size must be >= 1, got {cp}")
+    rows = []
+    for ranks in sorted({1, cp}):
+        virtual = attrs.evolve(plan, block_size=plan.block_size * ranks)
+        report = describe(virtual, specs, request_tokens)
+        rows.append([ranks, virtual.block_size, report.max_request_tokens, report.max_requests])
+    return [
+        "",
+        f"context parallelism: {cp} ranks, {_bytes(plan.budget_bytes)} of KV each",
+        *_table(
+            ["ranks", "tokens/block", "longest request", f"requests of {request_tokens} tokens"],
+            rows,
+        ),
     ]
 
 

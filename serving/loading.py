@@ -5,7 +5,8 @@ once: the KV byte budget, the block size, the per-step token budget, the running
 limit, prefix caching, threads, dtype, the memory policy of each kind of layer, and the
 number of pipeline stages (``--pipeline-parallel-size N``: this process runs stage 0 and
 starts N - 1 workers, or, under torchrun, ranks other than 0 serve their stage instead of
-the command: :func:`pipeline_worker_status`).
+the command: :func:`pipeline_worker_status`), and context-parallel ranks per stage
+(``--context-parallel-size N``: every request's tokens and KV pages shared by N processes).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ class EngineArgs:
     uniform_kv: bool = False
     layer_policies: tuple[tuple[str, MemoryPolicy], ...] = ()
     pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    kv_interleave: str = "token"
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes the model runs in: stages times context ranks."""
+        return self.pipeline_parallel_size * self.context_parallel_size
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +127,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         help="split the layers into N pipeline stages, one process each, steps overlapping; "
         "--kv-memory is then per stage (1)",
     )
+    group.add_argument(
+        "--context-parallel-size",
+        "-cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="share every request's tokens and KV pages among N processes per stage "
+        "(ring attention for prefills, all-gather for decodes); --kv-memory is per process, "
+        "so requests may be N times longer (1)",
+    )
+    group.add_argument(
+        "--kv-interleave",
+        choices=("token", "block"),
+        default="token",
+        help="context parallelism deals a request's KV to the processes a token or a "
+        "block at a time (token)",
+    )
 
 
 def add_layer_policy_argument(parser: argparse._ActionsContainer) -> None:
@@ -178,7 +203,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     from hybridkv.serving.cli import UsageError, parse_size
 
     flags = ("block_size", "max_num_batched_tokens", "max_num_seqs", "threads")
-    for flag in (*flags, "pipeline_parallel_size"):
+    for flag in (*flags, "pipeline_parallel_size", "context_parallel_size"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -195,6 +220,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         uniform_kv=getattr(args, "uniform_kv", False),
         layer_policies=parse_layer_policies(getattr(args, "layer_policies", [])),
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
+        kv_interleave=getattr(args, "kv_interleave", "token"),
     )
 
 
@@ -243,7 +270,7 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
     if not quiet:
         print(f"loading {name} from {folder}", file=sys.stderr, flush=True)
     executor: ModelExecutor | PipelineExecutor
-    if settings.pipeline_parallel_size > 1:
+    if settings.num_ranks > 1:
         executor = _start_pipeline(folder, settings)
     else:
         executor = ModelExecutor.from_pretrained(folder, **_executor_options(settings))
@@ -300,9 +327,16 @@ def _start_pipeline(folder: Path, settings: EngineArgs) -> PipelineExecutor:
         folder,
         pipeline_parallel_size=settings.pipeline_parallel_size,
         **_executor_options(settings),
+        **_context_options(settings),
     )
     _pipelines.append(pipeline)
     return pipeline
+
+
+def _context_options(settings: EngineArgs) -> dict[str, Any]:
+    """Context ranks per stage, and the tokens dealt to a rank at a time."""
+    interleave = settings.block_size if settings.kv_interleave == "block" else 1
+    return {"context_parallel_size": settings.context_parallel_size, "kv_interleave": interleave}
 
 
 def close_pipelines() -> None:
@@ -318,7 +352,8 @@ def pipeline_worker_status(args: argparse.Namespace) -> int | None:
     ``torchrun --nproc-per-node 2 --no-python hybridkv serve MODEL -pp 2`` starts two
     ranks: rank 0 serves HTTP and runs stage 0, rank 1 runs stage 1.
     """
-    if getattr(args, "pipeline_parallel_size", 1) < 2 or os.environ.get("RANK", "0") == "0":
+    ranks = getattr(args, "pipeline_parallel_size", 1) * getattr(args, "context_parallel_size", 1)
+    if ranks < 2 or os.environ.get("RANK", "0") == "0":
         return None
     from hybridkv.models.pipeline_launch import StageSettings, run_torchrun_worker
     from hybridkv.serving.console import configure_logging
@@ -328,5 +363,7 @@ def pipeline_worker_status(args: argparse.Namespace) -> int | None:
     _, folder = resolve_model(settings.model)
     num_stages = settings.pipeline_parallel_size
     options = _executor_options(settings)
-    stage = StageSettings.create(folder, pipeline_parallel_size=num_stages, **options)
+    stage = StageSettings.create(
+        folder, pipeline_parallel_size=num_stages, **options, **_context_options(settings)
+    )
     return run_torchrun_worker(stage)

@@ -109,3 +109,19 @@ def test_shapes_that_disagree_are_refused() -> None:
     q, k, v, q_pos, k_pos, q_seq, _ = _case(0)
     with pytest.raises(KernelInputError, match="query_seq and key_seq"):
         partial_attention(q, k, v, q_pos, k_pos, scale=1.0, query_seq=q_seq)
+
+
+def test_queries_that_read_no_key_of_the_shard_are_skipped_exactly() -> None:
+    """A shard of request 0's last two keys: earlier queries and request 1's get 0 and
+    -inf; the others match attention over those two keys alone."""
+    q, k, v, q_pos, k_pos, q_seq, k_seq = _case(5)
+    shard = slice(7, 9)
+    out, lse = partial_attention(
+        q, k[shard], v[shard], q_pos, k_pos[shard], scale=0.3, query_seq=q_seq,
+        key_seq=k_seq[shard],
+    )  # fmt: skip
+    reads = (q_seq == 0) & (q_pos >= 7)
+    assert torch.isneginf(lse[~reads]).all() and (out[~reads] == 0).all()
+    expected = _reference(q, k[shard], v[shard], q_pos, k_pos[shard], q_seq, k_seq[shard],
+                          0.3, None, None)  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)

@@ -21,6 +21,7 @@ from hybridkv.models.errors import BatchError, ParallelConfigError, PipelineErro
 from hybridkv.models.executor import ModelExecutor
 from hybridkv.models.pipeline_executor import PipelineExecutor
 from hybridkv.models.pipeline_launch import TorchrunEnv
+from hybridkv.models.rank_layout import ParallelConfig
 from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
 from hybridkv.scheduler.batch import ExecutorBrokenError, StepBatch, StepRequest
 
@@ -186,6 +187,7 @@ _ORPHAN_SCRIPT = """
 import sys, time
 from hybridkv.models.pipeline_executor import PipelineExecutor
 from hybridkv.models.pipeline_launch import TorchrunEnv
+from hybridkv.models.rank_layout import ParallelConfig
 
 if __name__ == "__main__":
     pipeline = PipelineExecutor.from_pretrained(
@@ -254,4 +256,4 @@ def test_a_launcher_world_must_have_one_rank_per_stage() -> None:
     assert (launched.rank, launched.local_rank, launched.world_size) == (1, 1, 3)
     assert TorchrunEnv.read({"RANK": "0"}) is None
     with pytest.raises(ParallelConfigError, match="started 3 processes for pipeline_parallel"):
-        launched.check(2)
+        launched.check(ParallelConfig(pipeline=2))

@@ -53,6 +53,19 @@ def test_plan_with_pipeline_stages_prints_stage_slots(capsys: pytest.CaptureFixt
     assert "stage  layers  slot tensors\n0      13      2\n1      13      2" in out
 
 
+def test_plan_with_context_ranks_shows_the_longest_request_per_rank(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Four context ranks, each with the same memory, hold a request about 4x as long."""
+    code, out, _ = run(capsys, "plan", "llama-like", "--kv-memory", "1GiB", "-cp", "4")
+    assert code == 0
+    assert "context parallelism: 4 ranks, 1.00 GiB of KV each" in out
+    table = out.split("context parallelism")[1].splitlines()[2:4]
+    (one, bs1, long1, _), (four, bs4, long4, _) = ([int(x) for x in r.split()] for r in table)
+    assert (one, four, bs4) == (1, 4, 4 * bs1)
+    assert 3.9 < long4 / long1 <= 4.0
+
+
 def test_plan_mamba_hybrid_states_the_raised_block(capsys: pytest.CaptureFixture[str]) -> None:
     """jamba-like raises the block size so one page holds a mamba state."""
     code, out, _ = run(capsys, "plan", "jamba-like", "--kv-memory", "2GiB")

@@ -1,5 +1,6 @@
-"""``--pipeline-parallel-size`` on the commands: stage processes started by the command or
-by torchrun give the text one process gives; impossible settings are one-line errors."""
+"""``--pipeline-parallel-size`` and ``--context-parallel-size`` on the commands: stage and
+context processes started by the command or by torchrun give the text one process gives;
+impossible settings are one-line errors."""
 
 from __future__ import annotations
 
@@ -57,6 +58,20 @@ def test_generate_with_stages_prints_what_one_process_prints(
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
+def test_generate_with_context_ranks_prints_what_one_process_prints(
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`generate -cp 2 --kv-interleave block` streams one process's text; ranks stopped."""
+    model = str(three_layer_checkpoint)
+    prompt = ["w2 w3 w4 w5 w6 w7 w8", *GENERATE[1:]]
+    expected = _generate(capsys, model, *prompt)
+    got = _generate(capsys, model, *prompt, "-cp", "2", "--kv-interleave", "block")
+    assert got == expected
+    close_pipelines()
+    assert not multiprocessing.active_children()
+
+
 def test_more_stages_than_layers_is_a_one_line_error(
     three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -68,11 +83,12 @@ def test_more_stages_than_layers_is_a_one_line_error(
     assert not multiprocessing.active_children()
 
 
-def test_a_non_positive_size_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    """`-pp 0` is a usage error naming the flag."""
-    code = main(["generate", "no-such-model", "w2", "--pipeline-parallel-size", "0"])
+@pytest.mark.parametrize("flag", ["--pipeline-parallel-size", "--context-parallel-size"])
+def test_a_non_positive_size_is_refused(capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    """`-pp 0` or `-cp 0` is a usage error naming the flag."""
+    code = main(["generate", "no-such-model", "w2", flag, "0"])
     assert code == 2
-    assert "--pipeline-parallel-size must be >= 1, got 0" in capsys.readouterr().err
+    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_generate_under_torchrun(

@@ -1,0 +1,372 @@
+"""Attention of one step on one context-parallel rank: the ring for prefills, the
+all-gather for decodes, both merged exactly by log-sum-exp.
+
+Attention is the only operation that mixes tokens, so each rank runs every other layer
+on its own tokens (``context_shards``: a prefill's chunks i and 2cp-1-i, every decode
+token) and only attention communicates, on the ranks' context group::
+
+    decodes (every rank has the query)           prefills (2 x cp chunks, pass-KV)
+    write the new K/V if this rank stores it     shard = my chunks' K/V + my cached K/V
+    attend all query heads to the local keys     cp - 1 times: send shard to rank+1 and
+    all-gather (out, lse), merge                   receive rank-1's, while attending my
+                                                   queries to the shard in hand; store
+                                                   the tokens of it I own; merge all
+
+Keys are masked by each token's request and global position, so a rank's queries read
+exactly the keys they would in one process, sliding windows and soft-capping included. A
+prefill over a cached prefix (a prefix hit, a later chunk) sends the cached keys a query
+of the chunk can read with its shard (pass-KV, see the README for pass-Q's byte rule).
+Every rank knows every shard's length from the batch, so nothing but K/V and partial
+outputs travel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from hybridkv.kernels.lse_merge import merge_partials
+from hybridkv.kernels.partial_attention import partial_attention
+from hybridkv.models.context_shards import KVInterleave, rank_positions
+from hybridkv.models.rank_layout import ParallelConfig
+
+_T = TypeVar("_T")
+
+
+@attrs.frozen(eq=False)
+class LayerCall:
+    """One layer's call: its KV group and pages, scale, sliding window (None: full) and
+    soft-cap."""
+
+    group: int
+    kv_cache: torch.Tensor
+    scale: float
+    sliding_window: int | None
+    softcap: float | None
+
+
+@attrs.define
+class ContextCounters:
+    """Bytes this rank sent for context parallelism."""
+
+    ring_bytes: int = 0
+    gather_bytes: int = 0
+
+
+@attrs.frozen(eq=False)
+class ContextRanks:
+    """This process's place among the context-parallel ranks of its pipeline stage.
+
+    Attributes:
+        group: Their process group.
+        rank: This process's index in it.
+        size: cp.
+        counters: Bytes sent, for the benchmark.
+    """
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+    counters: ContextCounters = attrs.field(factory=ContextCounters)
+
+
+def open_context_group(layout: ParallelConfig, rank: int) -> ContextRanks | None:
+    """Create every context group of ``layout`` (each process creates all, in the same
+    order, as ``torch.distributed`` requires) and return ``rank``'s; None without cp."""
+    if layout.context == 1:
+        return None
+    mine = None
+    for ranks in layout.group_ranks("context"):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = ContextRanks(group, ranks.index(rank), len(ranks))
+    assert mine is not None, "every rank is in one context group"
+    return mine
+
+
+@attrs.frozen(eq=False)
+class _Keys:
+    """Where some keys sit in this rank's pages, and whose they are."""
+
+    pages: torch.Tensor
+    offsets: torch.Tensor
+    positions: torch.Tensor
+    seqs: torch.Tensor
+
+
+class ContextStep:
+    """One step's tokens on this rank and what its attention layers exchange.
+
+    Args:
+        query_lens: New tokens per request (1: a decode, every rank runs it).
+        context_lens: Tokens per request after the step.
+        tables: Per KV group, per request, its virtual block table.
+        place: The round-robin KV placement.
+        ranks: This rank's context group.
+        device: Where the tensors live.
+    """
+
+    def __init__(
+        self,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        tables: dict[int, Sequence[Sequence[int]]],
+        place: KVInterleave,
+        ranks: ContextRanks,
+        device: torch.device,
+    ) -> None:
+        self.place, self.ranks, self.device = place, ranks, device
+        self.starts = [c - q for q, c in zip(query_lens, context_lens, strict=True)]
+        self.ends = list(context_lens)
+        self.decodes = [i for i, q in enumerate(query_lens) if q == 1]
+        self.prefills = [i for i, q in enumerate(query_lens) if q > 1]
+        self._tables = {g: [list(row) for row in rows] for g, rows in tables.items()}
+        self._computed = [self._positions(src) for src in range(ranks.size)]
+        firsts = [0]
+        for q in query_lens:
+            firsts.append(firsts[-1] + q)
+        self.num_tokens = firsts[-1]
+        mine = self._computed[ranks.rank]
+        # This rank's tokens, request by request: where each sits in the step's batch.
+        self.global_rows = self._tensor([firsts[i] + p - self.starts[i] for i, p in mine])
+        self.positions = self._tensor([p for _, p in mine])
+        kinds = [query_lens[i] == 1 for i, _ in mine]
+        self._decode_rows = self._tensor([j for j, d in enumerate(kinds) if d])
+        self._prefill_rows = self._tensor([j for j, d in enumerate(kinds) if not d])
+        self._cache: dict[tuple[object, ...], object] = {}
+
+    # -- the tokens -----------------------------------------------------------------------
+
+    def _positions(self, rank: int) -> list[tuple[int, int]]:
+        """(request, position) of each token ``rank`` runs, in its batch order."""
+        out = []
+        for i, (start, end) in enumerate(zip(self.starts, self.ends, strict=True)):
+            if end - start == 1:
+                out.append((i, start))
+            else:
+                cp = self.ranks.size
+                out.extend((i, p) for p in rank_positions(start, end - start, cp, rank))
+        return out
+
+    def _prefill_tokens(self, rank: int) -> list[tuple[int, int]]:
+        """(request, position) of the prefill tokens ``rank`` runs: its shard's new keys."""
+        return [(i, p) for i, p in self._computed[rank] if self.ends[i] - self.starts[i] > 1]
+
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.long, device=self.device)
+
+    def _keys(self, group: int, seq_positions: Sequence[tuple[int, int]]) -> _Keys:
+        """This rank's page and offset of each (request, position) it stores."""
+        place, table, bs = self.place, self._tables[group], self.place.block_size
+        local = [(i, p, place.local_index(p)) for i, p in seq_positions]
+        return _Keys(
+            pages=self._tensor([table[i][j // bs] for i, _, j in local]),
+            offsets=self._tensor([j % bs for _, _, j in local]),
+            positions=self._tensor([p for _, p, _ in local]),
+            seqs=self._tensor([i for i, _, _ in local]),
+        )
+
+    def _stored(
+        self, rank: int, requests: Sequence[int], lows: Sequence[int], highs: Sequence[int]
+    ) -> list[tuple[int, int]]:
+        """(request, position) of ``rank``'s stored tokens in ``[low, high)`` per request."""
+        place = self.place
+        return [
+            (i, place.position(rank, local))
+            for i, low, high in zip(requests, lows, highs, strict=True)
+            for local in place.local_range(max(low, 0), high, rank)
+        ]
+
+    def _memo(self, key: tuple[object, ...], build: Callable[[], _T]) -> _T:
+        """``build()``, once per step: every layer of a group and window shares it."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        value: Any = self._cache[key]
+        return value  # type: ignore[no-any-return]
+
+    # -- attention ------------------------------------------------------------------------
+
+    def attend(
+        self, layer: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Store the K/V this rank owns and attend its queries to every rank's keys."""
+        out = torch.empty_like(query)
+        if self.decodes:
+            rows = self._decode_rows
+            out[rows] = self._decode(layer, query[rows], key[rows], value[rows])
+        if self.prefills:
+            rows = self._prefill_rows
+            out[rows] = self._ring(layer, query[rows], key[rows], value[rows])
+        return out
+
+    def _decode(
+        self, layer: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Decodes: write what this rank stores, attend the local keys, all-gather, merge."""
+        rank, window, group = self.ranks.rank, layer.sliding_window, layer.group
+        kv_cache = layer.kv_cache
+        ends = [self.ends[i] for i in self.decodes]
+        owned = [j for j, end in enumerate(ends) if self.place.owner(end - 1) == rank]
+        if owned:
+            new = self._memo(("dnew", group), lambda: self._keys(
+                group, [(self.decodes[j], ends[j] - 1) for j in owned]))  # fmt: skip
+            rows = self._tensor(owned)
+            kv_cache[new.pages, :, :, new.offsets] = torch.stack((key[rows], value[rows]), 1)
+        lows = [end - window if window is not None else 0 for end in ends]
+        keys = self._memo(("dkeys", group, window), lambda: self._keys(
+            group, self._stored(rank, self.decodes, lows, ends)))  # fmt: skip
+        kv = kv_cache[keys.pages, :, :, keys.offsets]
+        out, lse = partial_attention(
+            query, kv[:, 0], kv[:, 1], self._tensor([e - 1 for e in ends]), keys.positions,
+            query_seq=self._tensor(self.decodes), key_seq=keys.seqs, scale=layer.scale,
+            sliding_window=window, softcap=layer.softcap,
+        )  # fmt: skip
+        packed = torch.cat((out.float(), lse[..., None]), dim=-1)
+        gathered = [torch.empty_like(packed) for _ in range(self.ranks.size)]
+        dist.all_gather(gathered, packed, group=self.ranks.group)
+        self.ranks.counters.gather_bytes += packed.nbytes
+        stacked = torch.stack(gathered)
+        merged, _ = merge_partials(stacked[..., :-1], stacked[..., -1])
+        return merged.to(query.dtype)
+
+    def _ring(
+        self, layer: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefills, pass-KV: every rank's shard passes every rank once, around the ring."""
+        ranks, window, group, kv_cache = (
+            self.ranks,
+            layer.sliding_window,
+            layer.group,
+            layer.kv_cache,
+        )
+        cp, rank = ranks.size, ranks.rank
+        mine = self._prefill_tokens(rank)
+        query_pos, query_seq = (
+            self._tensor([p for _, p in mine]),
+            self._tensor([i for i, _ in mine]),
+        )
+        cached = self._cached(group, window, rank)
+        old = kv_cache[cached.pages, :, :, cached.offsets].transpose(0, 1)
+        shard = torch.cat((torch.stack((key, value)), old), dim=1).contiguous()
+        outs, lses = [], []
+        for step in range(cp):
+            src = (rank - step) % cp
+            works, incoming = [], None
+            if step + 1 < cp:
+                if shard.shape[1]:
+                    works.append(dist.isend(shard, group=ranks.group, group_dst=(rank + 1) % cp))
+                    ranks.counters.ring_bytes += shard.nbytes
+                size = self._shard_len(group, window, (src - 1) % cp)
+                if size:
+                    incoming = shard.new_empty((2, size, *shard.shape[2:]))
+                    works.append(dist.irecv(incoming, group=ranks.group, group_src=(rank - 1) % cp))
+            self._store_owned(group, src, shard, kv_cache)
+            positions, seqs = self._shard_keys(group, window, src)
+            out, lse = partial_attention(
+                query, shard[0], shard[1], query_pos, positions, query_seq=query_seq,
+                key_seq=seqs, scale=layer.scale, sliding_window=window, softcap=layer.softcap,
+            )  # fmt: skip
+            outs.append(out)
+            lses.append(lse)
+            for work in works:
+                assert work is not None
+                work.wait()
+            shard = incoming if incoming is not None else shard[:, :0]
+        merged, _ = merge_partials(torch.stack(outs), torch.stack(lses))
+        return merged
+
+    # -- the ring's shards ----------------------------------------------------------------
+
+    def _cached(self, group: int, window: int | None, rank: int) -> _Keys:
+        """``rank``'s stored keys before each prefill's chunk that a query of it may read."""
+
+        def build() -> _Keys:
+            starts = [self.starts[i] for i in self.prefills]
+            lows = [s - window + 1 if window is not None else 0 for s in starts]
+            return self._keys(group, self._stored(rank, self.prefills, lows, starts))
+
+        return self._memo(("cached", group, window, rank), build)
+
+    def _shard_len(self, group: int, window: int | None, rank: int) -> int:
+        return len(self._prefill_tokens(rank)) + int(
+            self._cached(group, window, rank).pages.numel()
+        )
+
+    def _shard_keys(
+        self, group: int, window: int | None, rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions and requests of ``rank``'s shard: its new keys, then its cached ones."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            new = self._prefill_tokens(rank)
+            cached = self._cached(group, window, rank)
+            positions = torch.cat((self._tensor([p for _, p in new]), cached.positions))
+            return positions, torch.cat((self._tensor([i for i, _ in new]), cached.seqs))
+
+        return self._memo(("keys", group, window, rank), build)
+
+    def _store_owned(
+        self, group: int, src: int, shard: torch.Tensor, kv_cache: torch.Tensor
+    ) -> None:
+        """Write the new tokens of ``src``'s shard that this rank stores."""
+
+        def build() -> tuple[torch.Tensor, _Keys]:
+            new = self._prefill_tokens(src)
+            rows = [j for j, (_, p) in enumerate(new) if self.place.owner(p) == self.ranks.rank]
+            return self._tensor(rows), self._keys(group, [new[j] for j in rows])
+
+        rows, keys = self._memo(("own", group, src), build)
+        if rows.numel():
+            kv_cache[keys.pages, :, :, keys.offsets] = shard[:, rows].transpose(0, 1)
+
+    # -- the step's hidden states ---------------------------------------------------------
+
+    def gather_hidden(self, hidden: torch.Tensor, *, every_row: bool) -> torch.Tensor:
+        """``[num_tokens, hidden]`` in batch order on rank 0: every row if ``every_row``
+        (all ranks send theirs), else only each request's last token (rank 0 runs them
+        all) and zeros elsewhere. Other ranks get their own rows placed the same way."""
+        full = hidden.new_zeros((self.num_tokens, hidden.shape[1]))
+        if not every_row:
+            full[self.global_rows] = hidden
+            return full
+        counts = [len(self._computed[r]) for r in range(self.ranks.size)]
+        padded = hidden.new_zeros((max(counts), hidden.shape[1]))
+        padded[: hidden.shape[0]] = hidden
+        gathered = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(gathered, padded, group=self.ranks.group)
+        self.ranks.counters.gather_bytes += padded.nbytes
+        for r, (rows, count) in enumerate(zip(gathered, counts, strict=True)):
+            order = self._tensor([self._global_row(i, p) for i, p in self._computed[r]])
+            full[order] = rows[:count]
+        return full
+
+    def _global_row(self, request: int, position: int) -> int:
+        before = sum(self.ends[i] - self.starts[i] for i in range(request))
+        return before + position - self.starts[request]
+
+
+@attrs.frozen(eq=False)
+class ContextLayer:
+    """A step's sharded attention over one KV group (a layer's ``LayerInputs.metadata``)."""
+
+    step: ContextStep
+    group: int
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """See :meth:`ContextStep.attend`."""
+        layer = LayerCall(self.group, kv_cache, scale, sliding_window, softcap)
+        return self.step.attend(layer, query, key, value)
