@@ -41,6 +41,7 @@ from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.stages import split_layers
 from hybridkv.models.torch_thread import TorchThread
 from hybridkv.models.transformer import CausalLM, holds_weight
+from hybridkv.models.weights import check_weight_format, quantize_linears
 from hybridkv.policies.builtin import FullAttention
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
@@ -119,6 +120,7 @@ class ModelExecutor:
         logits_hook: LogitsHook | None = None,
         pipeline_stage: int = 0,
         pipeline_parallel_size: int = 1,
+        weights: str = "dtype",
     ) -> ModelExecutor:
         """Load a checkpoint folder and lay out ``kv_cache_bytes`` of KV cache for it.
 
@@ -145,6 +147,8 @@ class ModelExecutor:
             pipeline_stage: Load only this stage's layers and allocate only their pages.
             pipeline_parallel_size: Stages the model is split into (the layout is
                 planned for all of them: ``kv_cache_bytes`` is per stage).
+            weights: Storage of the linear layers and LM head: ``dtype`` (``dtype``'s,
+                exact), ``int8`` or ``int4`` weight-only (``models/weights.py``).
 
         Raises:
             CheckpointError: a folder without config.json or safetensors weights.
@@ -152,7 +156,9 @@ class ModelExecutor:
                 the model has no attention layers of.
             ParallelConfigError: more stages than layers, or a stage index outside them.
             PolicyError: a value of ``policies`` that is not a MemoryPolicy.
+            WeightFormatError: an unknown ``weights`` format, or int8/int4 off the CPU.
         """
+        check_weight_format(weights)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         thread = TorchThread(num_threads)
@@ -170,10 +176,12 @@ class ModelExecutor:
         def load() -> CausalLM:
             names = checkpoint.weight_names()
             keep = functools.partial(holds_weight, config=config, layers=layers, names=names)
-            weights = checkpoint.load_weights(dtype, target, keep=keep)
-            return CausalLM.from_weights(
-                config, checkpoint.architecture, weights, target, layers=layers
+            tensors = checkpoint.load_weights(dtype, target, keep=keep)
+            model = CausalLM.from_weights(
+                config, checkpoint.architecture, tensors, target, layers=layers
             )
+            quantize_linears(model, weights, device=target)
+            return model
 
         model = thread.run(load)
         specs: Sequence[LayerSpec] = config.layers

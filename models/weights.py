@@ -1,0 +1,134 @@
+"""Weight precision: which format the linear layers and the LM head are stored in.
+
+A decode step reads every weight of the model once per step (the LM head's tied
+embedding, 640 x 262,144 for Gemma 3 270M, is most of them), so on a CPU its time is
+bounded below by weight bytes / memory bandwidth. Fewer bytes per weight lower that floor::
+
+    format   linear layers and LM head                     activations, KV cache
+    dtype    in the model dtype (--dtype), exact path      the model dtype
+    int8     int8, one scale per output row                the model dtype
+    int4     4 bits, a (scale, zero) per row and 32 inputs the model dtype
+
+Norms, softmax, rotary tables, the embedding lookup, sampling and any Mamba state keep
+the model dtype or float32 as before; only ``nn.Linear`` modules are replaced (a weight
+whose shape the int4 kernel cannot pack stays as it is). ``--dtype bfloat16`` with
+``--weights dtype`` is the bfloat16 mode.
+
+``auto`` is the machine's default: the fastest format whose quality stays within the
+bound ``benchmarks/weight_quality.py`` checks (mean KL against float32 <= 0.05), as
+measured by ``benchmarks/bandwidth.py`` (see :func:`machine_default`).
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hybridkv.errors import HybridKVError
+from hybridkv.models.quantized_linear import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    fits_int4,
+    linear_weight_bytes,
+)
+
+WEIGHT_FORMATS = ("dtype", "int8", "int4")
+WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
+
+
+class WeightFormatError(HybridKVError, ValueError):
+    """An unknown weight format, or one this model or device cannot take."""
+
+
+def check_weight_format(weights: str) -> str:
+    """``weights`` if it names a format (or ``auto``); raises otherwise."""
+    if weights not in WEIGHT_CHOICES:
+        raise WeightFormatError(
+            f"weight format {weights!r} is unknown; known: {', '.join(WEIGHT_CHOICES)}"
+        )
+    return weights
+
+
+def machine_default() -> str:
+    """The weight format ``auto`` means on this machine.
+
+    int8 where torch's weight-only int8 CPU kernel has a vectorised path (x86 with AVX2,
+    or ARM): measured fastest at 1 and 8 concurrent requests with mean KL well within the
+    bound (README, "Weight precision"); the model dtype elsewhere.
+    """
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return "int8"
+    if machine in ("x86_64", "amd64") and "avx2" in _cpu_flags():
+        return "int8"
+    return "dtype"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def quantize_linears(model: nn.Module, weights: str, *, device: torch.device) -> int:
+    """Replace ``model``'s ``nn.Linear`` modules by ``weights``-format ones, in place.
+
+    Args:
+        model: The model (a :class:`~hybridkv.models.transformer.CausalLM`).
+        weights: One of :data:`WEIGHT_FORMATS` (``dtype`` changes nothing).
+        device: Where the model lives; the weight-only kernels run on the CPU.
+
+    Returns:
+        The number of layers replaced.
+
+    Raises:
+        WeightFormatError: an unknown format, or int8/int4 on a device other than the CPU.
+    """
+    if check_weight_format(weights) == "dtype":
+        return 0
+    if weights == "auto":
+        raise WeightFormatError("resolve 'auto' with machine_default() before loading")
+    if device.type != "cpu":
+        raise WeightFormatError(f"--weights {weights} runs on the CPU only, not {device}")
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        weight, bias = module.weight, module.bias
+        if weights == "int4" and not fits_int4(*weight.shape):
+            continue
+        new: QuantizedLinear = (Int8Linear if weights == "int8" else Int4Linear)(weight, bias)
+        model.set_submodule(name, new)
+        replaced += 1
+    return replaced
+
+
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every linear layer and the LM head once,
+    plus the norms and any other parameter outside the embedding (whose lookup reads a
+    row per token; when the LM head is tied to it, the head counts it once)."""
+    total = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, QuantizedLinear)):
+            total += linear_weight_bytes(module)
+            if isinstance(module, nn.Linear):
+                seen.add(id(module.weight))
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    embedded = {id(p) for p in embed.parameters()} if isinstance(embed, nn.Module) else set()
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, QuantizedLinear)):
+            continue
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen | embedded:
+                total += param.numel() * param.element_size()
+    return total
