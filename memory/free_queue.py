@@ -11,9 +11,10 @@ prefix's end. The queue keeps such prefixes (:class:`KeptPrefix`, chosen by
     [ kept prefix, least recent first ]  [ gave up, in order   ]    prefix }
     taken first --------------------------------------------------------> taken last
 
-When cold and given-up pages run out, the least recently used kept prefix gives up
-pages. A prefix whose every group needs all of its blocks (full attention, or a window
-longer than the prefix) is *nested*: dropping its last block leaves a prefix one block
+When cold and given-up pages run out, a kept prefix gives up pages: the one whose next
+resume is predicted farthest off (``hybridkv.memory.eviction_order``). A prefix whose
+every group needs all of its blocks (full attention, or a window longer than the prefix)
+is *nested*: dropping its last block leaves a prefix one block
 shorter that still resumes, so it gives up blocks from its end, every group's page of a
 block together. Any other prefix is a *unit*: one lost page loses the whole resume point,
 so it gives up all its pages at once, and they are reused before any other kept prefix
@@ -26,51 +27,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-import attrs
-
+from hybridkv.memory.eviction_order import EvictionOrder, KeptPrefix
 from hybridkv.memory.hashing import BlockHash
+
+__all__ = ["FreeQueue", "KeptPrefix"]
 
 #: Pages a nested prefix gives up at least, once it must give up any: the bookkeeping
 #: of shrinking it is paid once per run of blocks rather than per page.
 _MIN_GIVE_UP = 8
-
-
-@attrs.define(slots=True, eq=False)
-class KeptPrefix:
-    """A prefix of ``num_blocks`` blocks that a future request can resume from.
-
-    Attributes:
-        hashes: The path's chained block hashes (at least ``num_blocks`` of them).
-        pages: The pages it needs, all groups; a nested prefix lists them last block
-            first, every group's page of a block together.
-        num_blocks: Blocks of the prefix now (a nested prefix shrinks as it is evicted).
-        num_groups: For a nested prefix, pages per block (the groups); 0 for a unit.
-        is_branch: Requests branched off here (kept across hits), rather than a request
-            ended here (given up by the request that continues it).
-        is_carried: A running request continues it and will extend it when it ends.
-    """
-
-    hashes: Sequence[BlockHash]
-    pages: list[int]
-    num_blocks: int
-    num_groups: int
-    is_branch: bool
-    is_carried: bool = False
-    first_num_blocks: int = attrs.field(init=False)
-    cursor: int = 0  # pages[:cursor] are no longer held
-
-    def __attrs_post_init__(self) -> None:
-        self.first_num_blocks = self.num_blocks
-
-    @property
-    def key(self) -> BlockHash:
-        """The chained hash of its last block: equal keys, equal prefixes."""
-        return self.hashes[self.num_blocks - 1]
-
-    @property
-    def held_pages(self) -> list[int]:
-        """The pages it still holds."""
-        return self.pages[self.cursor :]
 
 
 class FreeQueue:
@@ -86,7 +50,7 @@ class FreeQueue:
         self._given_up: OrderedDict[int, None] = OrderedDict()
         self._warm: dict[int, None] = {}  # a dict: stores and deletes are not method calls
         self._count = [0] * num_blocks  # kept prefixes holding each page
-        self._lru: OrderedDict[KeptPrefix, None] = OrderedDict()  # least recently used first
+        self._order = EvictionOrder(horizon=num_blocks)
         self._by_key: dict[BlockHash, KeptPrefix] = {}
 
     def __len__(self) -> int:
@@ -104,8 +68,8 @@ class FreeQueue:
         return self._by_key.get(key)
 
     def kept_prefixes(self) -> Iterable[KeptPrefix]:
-        """Every prefix kept now, least recently used first."""
-        return self._lru.keys()
+        """Every prefix kept now."""
+        return self._order
 
     # -- pages -------------------------------------------------------------------------
 
@@ -139,8 +103,9 @@ class FreeQueue:
         """The next ``num`` pages to reuse; the caller has checked ``num <= len(self)``.
 
         Cold pages first, then given-up ones; when none are left, kept prefixes give up
-        pages, least recently used first. The caller evicts the pages' hashes.
+        pages in :class:`EvictionOrder`'s order. The caller evicts the pages' hashes.
         """
+        self._order.clock += num
         cold = self._cold
         popitem = cold.popitem
         pages: list[int] = []
@@ -157,7 +122,7 @@ class FreeQueue:
                 append(given_up.popitem(last=False)[0])
             else:  # the pages given up serve this call first, the rest wait in order
                 need = num - len(pages)
-                freed = self._give_up(next(iter(self._lru)), need)
+                freed = self._give_up(self._order.victim(), need)
                 pages += freed[:need]
                 given_up.update(dict.fromkeys(freed[need:]))
         return pages
@@ -169,7 +134,7 @@ class FreeQueue:
         """
         if not self._count[page]:
             return
-        for prefix in list(self._lru):
+        for prefix in list(self._order):
             held = prefix.held_pages
             if page not in held:
                 continue
@@ -181,19 +146,23 @@ class FreeQueue:
 
     # -- prefixes ----------------------------------------------------------------------
 
-    def keep(self, prefix: KeptPrefix, *, in_use: bool = False) -> KeptPrefix:
-        """Keep ``prefix``'s pages for future hits, as the most recently used prefix.
+    def keep(self, prefix: KeptPrefix, *, in_use: bool = False, pinned: bool = False) -> KeptPrefix:
+        """Keep ``prefix``'s pages for future hits, used now.
 
-        ``in_use``: every page is held by a request now, so none is free to move. Returns
-        the prefix kept: an equal one (same key) already kept is refreshed instead, and a
-        branch makes it a branch.
+        ``in_use``: every page is held by a request now, so none is free to move;
+        ``pinned``: by a running request, until it calls :meth:`release`. Returns the
+        prefix kept: an equal one (same key) already kept is used instead, and a branch
+        makes it a branch.
         """
         kept = self._by_key.setdefault(prefix.key, prefix)
         if kept is not prefix:
             kept.is_branch |= prefix.is_branch
-            self._lru.move_to_end(kept)
+            if pinned:
+                self._order.resume(kept)
+            else:
+                self._order.used(kept)
             return kept
-        self._lru[prefix] = None
+        self._order.add(prefix, pinned=pinned)
         count = self._count
         if in_use:
             for page in prefix.pages:
@@ -210,9 +179,13 @@ class FreeQueue:
                 warm[page] = None
         return prefix
 
-    def touch(self, prefix: KeptPrefix) -> None:
-        """A request resumed from ``prefix``: it becomes the most recently used."""
-        self._lru.move_to_end(prefix)
+    def resume(self, prefix: KeptPrefix) -> None:
+        """A request resumed from kept ``prefix``: pinned until it calls :meth:`release`."""
+        self._order.resume(prefix)
+
+    def release(self, prefix: KeptPrefix) -> None:
+        """A request that pinned ``prefix`` ended (it may have been given up since)."""
+        self._order.release(prefix)
 
     def let_go(self, prefix: KeptPrefix, *, in_use: bool = False) -> None:
         """Stop keeping ``prefix`` (a request continues from it); unheld pages go cold.
@@ -220,7 +193,7 @@ class FreeQueue:
         ``in_use``: every page it holds is held by a request now, so none is free to move.
         A prefix no longer kept (given up meanwhile) is left alone.
         """
-        if prefix in self._lru:
+        if prefix in self._order:
             self._cold.update(dict.fromkeys(self._shrink(prefix, 0, in_use=in_use)))
 
     def extend(
@@ -232,12 +205,14 @@ class FreeQueue:
     ) -> bool:
         """Grow a kept nested ``prefix`` to ``num_blocks`` blocks of the path ``hashes``.
 
-        ``pages``: the new blocks' pages, last block first, all held by a request. It
-        becomes the most recently used prefix. False, with nothing changed, if ``prefix``
-        is no longer kept whole, or another prefix of that length is kept already.
+        ``pages``: the new blocks' pages, last block first, all held by a request. False,
+        with nothing changed, if ``prefix`` is no longer kept whole, or another prefix of
+        that length is kept already.
         """
         key = hashes[num_blocks - 1]
-        if prefix not in self._lru or prefix.cursor or self._by_key.get(key, prefix) is not prefix:
+        if prefix not in self._order or prefix.cursor:
+            return False
+        if self._by_key.get(key, prefix) is not prefix:
             return False
         del self._by_key[prefix.key]
         count = self._count
@@ -248,7 +223,6 @@ class FreeQueue:
         prefix.num_blocks = prefix.first_num_blocks = num_blocks
         prefix.is_carried = False
         self._by_key[key] = prefix
-        self._lru.move_to_end(prefix)
         return True
 
     def _give_up(self, prefix: KeptPrefix, num: int) -> list[int]:
@@ -288,7 +262,7 @@ class FreeQueue:
             else:
                 num_blocks = 0  # an equal, shorter prefix is kept already
         if num_blocks == 0:
-            del self._lru[prefix]
+            self._order.remove(prefix)
         warm, count = self._warm, self._count
         freed: list[int] = []
         if in_use:
@@ -308,13 +282,14 @@ class FreeQueue:
         parts = (self._cold.keys(), self._given_up.keys(), self._warm.keys())
         assert sum(map(len, parts)) == len(set().union(*parts)), "a page in two parts"
         count = [0] * len(self._count)
-        for prefix in self._lru:
+        self._order.check_integrity()
+        for prefix in self._order:
             assert self._by_key[prefix.key] is prefix
             for page in prefix.held_pages:
                 assert hashes[page] is not None, page
                 count[page] += 1
         assert count == self._count
-        assert len(self._by_key) == len(self._lru)
+        assert len(self._by_key) == len(self._order)
         for page in self._warm:
             assert count[page], page
         for page in (*self._cold, *self._given_up):

@@ -359,7 +359,7 @@ class KVCacheManager:
         self._requests[request.request_id] = state
         self._cache_full_blocks(request, state)
         if hit is not None and num_hit:
-            state.carried = self._retention.request_resumed(hashes, hit_blocks, hit.block_tables)
+            state.resumed = self._retention.request_resumed(hashes, hit_blocks, hit.block_tables)
         if self.enable_prefix_caching:
             self._hit_tokens += num_hit
             self._query_tokens += len(request.all_token_ids)
@@ -408,14 +408,14 @@ class KVCacheManager:
                 for i in range(state.cache_mark, state.num_cached_blocks):
                     if table[i]:
                         self.pool.uncache(table[i])
-        if self.enable_prefix_caching and num_filled:
+        if self.enable_prefix_caching and (num_filled or state.resumed.pinned):
             self._retention.request_ended(
                 state.hashes,
                 num_filled,
                 state.tables,
                 tables_are_cached=not state.num_uncached
                 and state.uncache_mark == self.pool.num_uncached,
-                carried=state.carried,
+                resumed=state.resumed,
             )
         for group, table in enumerate(state.tables):
             self.pool.release([p for p in reversed(table) if p], group)
@@ -431,4 +431,4 @@ class KVCacheManager:
         refs[NULL_BLOCK] = 0
         for page in range(1, self.pool.num_blocks):
             assert refs[page] == self.pool.ref_count(page), page
-        self._retention.check_integrity()
+        self._retention.check_integrity([s.resumed.pinned for s in self._requests.values()])

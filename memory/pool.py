@@ -3,8 +3,8 @@
 Free pages wait in a :class:`~hybridkv.memory.free_queue.FreeQueue`, in eviction order::
 
     taken first                                               taken when nothing else is
-    [ unhashed | hashed, needed by no kept prefix ]  [ needed by a kept prefix: the least
-                                                       recently used prefix gives up first ]
+    [ unhashed | hashed, needed by no kept prefix ]  [ needed by a kept prefix: the one
+                                                       resumed farthest off gives up first ]
 
 A page that carries a block hash stays findable through the cache map after it is freed,
 until a fresh allocation takes it from the queue and evicts the hash; a prefix hit can
@@ -156,9 +156,9 @@ class BlockPool:
                 used[owner[page]] -= 1
         self._free.push(freed, self._hash)
 
-    def keep(self, prefix: KeptPrefix, *, in_use: bool = False) -> KeptPrefix:
+    def keep(self, prefix: KeptPrefix, *, in_use: bool = False, pinned: bool = False) -> KeptPrefix:
         """Keep a resumable prefix's pages for future hits (see ``FreeQueue.keep``)."""
-        return self._free.keep(prefix, in_use=in_use)
+        return self._free.keep(prefix, in_use=in_use, pinned=pinned)
 
     def stop_keeping(self, prefix: KeptPrefix, *, in_use: bool) -> None:
         """A request continues from ``prefix``: its pages need no longer be kept for it
@@ -175,9 +175,13 @@ class BlockPool:
         """Grow a kept nested prefix by its continuation's blocks (see ``FreeQueue.extend``)."""
         return self._free.extend(prefix, hashes, pages, num_blocks)
 
-    def touch(self, prefix: KeptPrefix) -> None:
-        """A request resumed from a kept ``prefix``: it becomes the most recently used."""
-        self._free.touch(prefix)
+    def resume(self, prefix: KeptPrefix) -> None:
+        """A request resumed from a kept ``prefix``: pinned until :meth:`release_kept`."""
+        self._free.resume(prefix)
+
+    def release_kept(self, prefix: KeptPrefix) -> None:
+        """The request that pinned ``prefix`` ended (see ``FreeQueue.release``)."""
+        self._free.release(prefix)
 
     def kept_prefix(self, key: BlockHash) -> KeptPrefix | None:
         """The kept prefix whose last block hashes to ``key``, if any."""

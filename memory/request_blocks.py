@@ -29,6 +29,24 @@ from hybridkv.policies.base import MemoryPolicy, cdiv
 Kind = tuple[MemoryPolicy, tuple[int, ...]]
 
 
+@attrs.frozen
+class Resumed:
+    """What a request resumed, for :meth:`Retention.request_ended`.
+
+    Attributes:
+        pinned: The kept prefix it continues or branched at, pinned while it runs.
+        reuse_distance: Its conversation's last measured reuse distance (0: unknown),
+            which the prefix it ends with inherits.
+    """
+
+    pinned: KeptPrefix | None
+    reuse_distance: int
+
+
+#: A request that took no hit.
+NOT_RESUMED = Resumed(None, 0)
+
+
 @attrs.define(slots=True)
 class RequestBlocks:
     """One request's pages and progress (the manager's private record)."""
@@ -45,7 +63,7 @@ class RequestBlocks:
     min_release_at: int = 0
     num_uncached: int = 0  # filled blocks whose page is not the cached one (a duplicate)
     uncache_mark: int = 0  # pool.num_uncached at admission: a held page may have lost it
-    carried: KeptPrefix | None = None  # the nested prefix it resumed, extended at its end
+    resumed: Resumed = NOT_RESUMED  # the kept prefix it resumed (pinned), for its end
 
     def release_scan(
         self, kinds: list[Kind], n: int, block_size: int, *, find_dead: bool = True

@@ -23,12 +23,13 @@ Whatever a policy needs at a prefix's end is asked of the policy itself
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 from hybridkv.memory.free_queue import KeptPrefix
 from hybridkv.memory.hashing import BlockHash
 from hybridkv.memory.pool import BlockPool
-from hybridkv.memory.request_blocks import Kind
+from hybridkv.memory.request_blocks import NOT_RESUMED, Kind, Resumed
 from hybridkv.policies.base import Span
 
 
@@ -59,23 +60,32 @@ class Retention:
         tables: Sequence[list[int]],
         *,
         tables_are_cached: bool,
-        carried: KeptPrefix | None = None,
+        resumed: Resumed = NOT_RESUMED,
     ) -> KeptPrefix | None:
         """Keep the prefix a request ended with (its ``num_blocks`` filled blocks).
 
         Call it before the request's pages are released. ``tables_are_cached``: every
         filled block's page in ``tables`` is the one the cache map names (no block was
-        computed twice); otherwise the pages are looked up. ``carried``: what
-        :meth:`request_resumed` handed the request, extended here when it can be.
+        computed twice); otherwise the pages are looked up. ``resumed``: what
+        :meth:`request_resumed` returned for the request; a carried prefix is extended
+        here when it can be, a pinned one released.
         """
-        built = self._prefix(hashes, num_blocks, tables, tables_are_cached, is_branch=False)
-        if carried is not None and carried.is_carried and not carried.is_branch:
-            if built is not None and self._extend(carried, built[0], built[1]):
-                return carried
-            self.pool.stop_keeping(carried, in_use=False)
+        built = None
+        if num_blocks:
+            built = self._prefix(hashes, num_blocks, tables, tables_are_cached, is_branch=False)
+        pinned = resumed.pinned
+        if pinned is not None and pinned.is_carried and not pinned.is_branch:
+            if built is not None and self._extend(pinned, built[0], built[1]):
+                self.pool.release_kept(pinned)
+                return pinned
+            self.pool.stop_keeping(pinned, in_use=False)
+        elif pinned is not None:
+            self.pool.release_kept(pinned)
         if built is None:
             return None
         prefix, looked_up = built
+        # The conversation's next turn is expected as far off as this one was.
+        prefix.reuse_distance = resumed.reuse_distance
         # Pages taken from the request's tables are all in use until it is released.
         return self.pool.keep(prefix, in_use=not looked_up)
 
@@ -89,36 +99,38 @@ class Retention:
 
     def request_resumed(
         self, hashes: Sequence[BlockHash], num_blocks: int, tables: Sequence[Sequence[int]]
-    ) -> KeptPrefix | None:
+    ) -> Resumed:
         """A request took a hit of ``num_blocks`` blocks (``tables``: the hit's pages).
 
         A request that ended there is continued: its prefix is no longer kept for itself;
-        a nested one is returned instead, for the request to carry (see
-        :meth:`request_ended`), and a second request resuming it makes it a branch.
-        Otherwise the hit is a branch point, kept, unless the path goes on in some group
-        (the hit was cut short by a block another group lost, not shared up to here).
+        a nested one is carried instead (see :meth:`request_ended`), and a second request
+        resuming it makes it a branch. Otherwise the hit is a branch point, kept, unless
+        the path goes on in some group (the hit was cut short by a block another group
+        lost, not shared up to here). A kept prefix the request resumes or branches at
+        is pinned until the request ends.
         """
         kept = self.pool.kept_prefix(hashes[num_blocks - 1])
         if kept is not None:
+            self.pool.resume(kept)
             if kept.is_carried:
                 kept.is_branch = True  # a second request resumes it: shared
             if kept.is_branch:
-                self.pool.touch(kept)
-            elif kept.num_groups:
+                return Resumed(kept, 0)
+            if kept.num_groups:
                 kept.is_carried = True
-                self.pool.touch(kept)
-                return kept
             else:
                 self.pool.stop_keeping(kept, in_use=True)
-            return None
+                return Resumed(None, kept.reuse_distance)
+            return Resumed(kept, kept.reuse_distance)
         if num_blocks < len(hashes):
             following = hashes[num_blocks]
             if any(self.pool.lookup(following, g) is not None for g in range(self._num_groups)):
-                return None
+                return NOT_RESUMED
         built = self._prefix(hashes, num_blocks, tables, True, is_branch=True)
-        if built is not None:
-            self.pool.keep(built[0], in_use=True)  # the resuming request holds them
-        return None
+        if built is None:
+            return NOT_RESUMED
+        # The resuming request holds its pages, and pins it.
+        return Resumed(self.pool.keep(built[0], in_use=True, pinned=True), 0)
 
     def _needs(self, num_blocks: int) -> list[tuple[Span, ...]]:
         """Per kind, the block spans that resuming after ``num_blocks`` blocks reads."""
@@ -206,9 +218,12 @@ class Retention:
             pages.append(page)
         return pages
 
-    def check_integrity(self) -> None:
-        """Assert that each kept prefix holds exactly the cached pages its end needs."""
+    def check_integrity(self, pinned: Iterable[KeptPrefix | None]) -> None:
+        """Assert that each kept prefix holds exactly the cached pages its end needs, and
+        is pinned once by each running request in ``pinned`` (what each resumed)."""
+        pins = Counter(pinned)
         for prefix in self.pool.kept_prefixes():
+            assert prefix.num_pins == pins[prefix], (prefix.num_pins, pins[prefix])
             held = set(prefix.held_pages)
             want = self._cached_pages(
                 prefix.hashes,

@@ -1,4 +1,4 @@
-"""The free queue: cold pages first, then kept prefixes, least recently used first."""
+"""The free queue: cold pages first, then kept prefixes (see test_eviction_order.py)."""
 
 from __future__ import annotations
 
@@ -55,10 +55,10 @@ def test_a_unit_prefix_gives_up_all_its_pages_at_once() -> None:
     freed(queue, [1, 2, 3, 4, 5, 6], hashes)
     old = queue.keep(KeptPrefix(path("a", 5), [1, 2, 3], 5, 0, False))
     new = queue.keep(KeptPrefix(path("b", 5), [4, 5, 6], 5, 0, False))
-    assert queue.take(1) == [1]
-    assert not any(queue.is_kept(p) for p in (2, 3)) and queue.find(old.key) is None
-    assert queue.take(2) == [2, 3]  # the rest of the lost prefix, before the other one
-    assert all(queue.is_kept(p) for p in (4, 5, 6)) and queue.find(new.key) is new
+    assert queue.take(1) == [4]  # neither was resumed: the newer goes first
+    assert not any(queue.is_kept(p) for p in (5, 6)) and queue.find(new.key) is None
+    assert queue.take(2) == [5, 6]  # the rest of the lost prefix, before the other one
+    assert all(queue.is_kept(p) for p in (1, 2, 3)) and queue.find(old.key) is old
 
 
 def test_a_page_shared_with_another_kept_prefix_stays_kept() -> None:
@@ -66,8 +66,8 @@ def test_a_page_shared_with_another_kept_prefix_stays_kept() -> None:
     hashes = hashes_for(13, range(1, 13))
     queue = FreeQueue(13)
     freed(queue, list(range(1, 13)), hashes)
-    queue.keep(KeptPrefix(path("a", 12), list(range(12, 0, -1)), 12, 1, False))
-    shared = queue.keep(KeptPrefix(path("a", 2), [2, 1], 2, 1, True))  # its first 2 blocks
+    shared = queue.keep(KeptPrefix(path("a", 2), [2, 1], 2, 1, True))  # a's first 2 blocks
+    queue.keep(KeptPrefix(path("a", 12), list(range(12, 0, -1)), 12, 1, False))  # newer
     assert queue.take(9) == list(range(12, 3, -1))  # a's blocks 11..3
     assert queue.is_kept(1) and queue.is_kept(2) and shared.num_blocks == 2
     assert queue.take(2) == [3, 2]  # a is gone: the shared prefix gives up now

@@ -5,8 +5,10 @@ Each machine drives one KV cache manager over a small pool with a mix of groups:
 readmit, finish, start a finished request's next turn, and fail a step. The pool is small,
 so allocations evict cached blocks all the time. The machine mirrors what every page
 should hold, so a prefix hit that would serve the wrong tokens fails the test; it checks
-that no allocation takes a page a running request holds, and that a page a kept prefix
-needs is evicted only once no page that none needs is left.
+that no allocation takes a page a running request holds, that a page a kept prefix needs
+is evicted only once no page that none needs is left, and that a prefix a running request
+resumed (pinned) gives up pages only once no other kept prefix holds a free page. The
+manager's own check asserts each kept prefix's pins and eviction order entries.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         free = [p for p in range(1, pool.num_blocks) if pool.is_free(p)]
         kept = {p for p in free if pool.is_kept(p)}
         cold = set(free) - kept
+        held_idle = {p for k in pool.kept_prefixes() if not k.num_pins for p in k.held_pages}
+        pinned_only = kept - held_idle
         hit_pages: set[int] = set()
         if admit:
             hit = self.mgr.lookup(req)
@@ -114,6 +118,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert not taken & held_by_others, "a page a running request holds was taken"
         if taken & kept:  # evicting a kept prefix's page: nothing else was left
             assert cold <= taken | hit_pages, "a kept page went before an unneeded one"
+        if taken & pinned_only:  # a resumed prefix gave up pages: no other was left
+            assert kept & held_idle <= taken | hit_pages, "a pinned prefix went first"
         for group, pages in enumerate(new):
             for page in pages:
                 self.content[group].pop(page, None)
@@ -263,6 +269,13 @@ class FullAndUserPolicy(AllocatorMachine):
     POLICIES = (FullAttention(), SinksAndWindow(sinks=3, window=6))
 
 
+class ManySessionsTightPool(AllocatorMachine):
+    """Conversations resumed again and again through a pool that holds few of them."""
+
+    POLICIES = (FullAttention(), SlidingWindow(window=6), SlidingWindow(window=6))
+    NUM_BLOCKS = 20
+
+
 class FullOnly(AllocatorMachine):
     """Nested prefixes alone: eviction shrinks them block by block."""
 
@@ -276,6 +289,7 @@ TestFullAndMamba = FullAndMamba.TestCase
 TestChunkedAndWindows = ChunkedAndWindows.TestCase
 TestFullAndUserPolicy = FullAndUserPolicy.TestCase
 TestFullOnly = FullOnly.TestCase
+TestManySessionsTightPool = ManySessionsTightPool.TestCase
 for _case in (
     TestFullAndWindow,
     TestTwoWindowsAndFull,
@@ -283,5 +297,6 @@ for _case in (
     TestChunkedAndWindows,
     TestFullAndUserPolicy,
     TestFullOnly,
+    TestManySessionsTightPool,
 ):
     _case.settings = SETTINGS

@@ -76,15 +76,16 @@ def test_a_full_attention_prefix_shrinks_one_block_at_a_time() -> None:
 
 
 def test_a_window_prefix_gives_up_every_group_together() -> None:
-    """Losing one page of a hybrid prefix frees all its pages before another prefix's."""
+    """Losing one page of a hybrid prefix frees all its pages before another prefix's
+    (neither was resumed yet: the newer one, b, goes first)."""
     mgr = KVCacheManager([FULL, SlidingWindow(window=5)], num_blocks=19, block_size=4)
     serve(mgr, "a", list(range(16)), [])
     serve(mgr, "b", list(range(100, 116)), [])
     cold = mgr.num_free_blocks - sum(map(mgr.pool.is_kept, range(1, 19)))
-    fill(mgr, cold // 2 + 1)  # one kept page more than the cold ones: a goes, wholly
-    assert mgr.lookup(Req("a2", [*range(16), 9])).num_tokens == 0
-    assert mgr.lookup(Req("b2", [*range(100, 116), 9])).num_tokens == 16
-    assert sum(map(mgr.pool.is_kept, range(1, 19))) == 5  # b: 4 full + 1 window block
+    fill(mgr, cold // 2 + 1)  # one kept page more than the cold ones: b goes, wholly
+    assert mgr.lookup(Req("b2", [*range(100, 116), 9])).num_tokens == 0
+    assert mgr.lookup(Req("a2", [*range(16), 9])).num_tokens == 16
+    assert sum(map(mgr.pool.is_kept, range(1, 19))) == 5  # a: 4 full + 1 window block
 
 
 def test_a_continued_prefix_is_no_longer_kept_for_itself() -> None:
@@ -164,3 +165,19 @@ def test_two_requests_resuming_one_end_make_it_a_branch() -> None:
     mgr.check_integrity()
     lengths = sorted((p.num_blocks, p.is_branch) for p in mgr.pool.kept_prefixes())
     assert lengths == [(4, True), (5, False), (5, False)]
+
+
+def test_sessions_in_a_loop_larger_than_the_pool_keep_some_resumable() -> None:
+    """Four chats served in turn through a pool that keeps fewer: every round some hit.
+    Least recently used evicted each one just before its turn, and no turn hit at all."""
+    mgr = KVCacheManager([FULL, SlidingWindow(window=5)], num_blocks=22, block_size=4)
+    chats = {n: list(range(100 * n, 100 * n + 16)) for n in range(4)}
+    rounds = []
+    for turn in range(4):
+        hits = []
+        for name, history in chats.items():
+            reply = [5000 + 10 * turn + k for k in range(4)]
+            hits.append(serve(mgr, f"{name}-{turn}", history, reply[:-1]))
+            chats[name] = [*history, *reply]
+        rounds.append(hits)
+    assert all(any(hits) for hits in rounds[1:]), rounds
