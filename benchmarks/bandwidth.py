@@ -1,0 +1,112 @@
+"""The memory-bandwidth floor of a decode step, per weight mode, and how close we get.
+
+A decode step reads every weight once (the built-in Gemma 3 270M: 18 layers and a tied
+640 x 262,144 LM head), so its time is at least weight bytes / read bandwidth. This
+measures the machine's read bandwidth (summing a buffer far larger than the caches, with
+the same threads as the model), then per mode:
+
+    weight MB   bytes one decode step reads (linear layers, LM head, norms)
+    floor ms    weight MB / bandwidth
+    step ms     median decode step, batch 1 and batch N, after a short prefill
+    of floor    floor / step: 1.0 is the bandwidth limit
+
+Modes interleave step by step (each decodes its own requests), so they see the same
+machine load; the spread is the quartiles over ``--steps`` steps.
+
+    python benchmarks/bandwidth.py [--modes float32 bfloat16 int8 int4] [--batch 1 8]
+                                   [--threads 2] [--steps 20] [--context 256]
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+from _weight_modes import MODES, Sequence, builtin_folder, load, new_cache, step_batch
+
+from hybridkv.models.weights import decode_weight_bytes
+
+
+def read_bandwidth(threads: int, size_mb: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second ``torch.sum`` reads from a ``size_mb`` float32 buffer (best of)."""
+    torch.set_num_threads(threads)
+    buffer = torch.ones(size_mb << 18)
+    buffer.sum()  # fault the pages in
+    best = min(_timed(buffer.sum) for _ in range(repeats))
+    return buffer.numel() * buffer.element_size() / best
+
+
+def _timed(fn: Any) -> float:
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--context", type=int, default=256)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    bandwidth = read_bandwidth(args.threads)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
+    folder = builtin_folder()
+    runs: dict[tuple[str, int], Any] = {}
+    executors = {mode: load(folder, mode, threads=args.threads) for mode in args.modes}
+    weight_bytes = {mode: decode_weight_bytes(ex.model) for mode, ex in executors.items()}
+    for mode, executor in executors.items():
+        for batch in args.batch:
+            kv = new_cache(executor)
+            seqs = [
+                Sequence(f"{mode}-{batch}-{i}", [(i * 31 + j * 7) % 30000 + 3 for j in range(2048)])
+                for i in range(batch)
+            ]
+            executor.execute(step_batch(kv, seqs, 0, args.context))  # prefill, untimed
+            runs[mode, batch] = (kv, seqs, [])
+    for step in range(args.steps):
+        for (mode, _), (kv, seqs, times) in runs.items():
+            batch_of = step_batch(kv, seqs, args.context + step, 1)
+            begin = time.perf_counter()
+            executors[mode].execute(batch_of)
+            times.append(time.perf_counter() - begin)
+    result: dict[str, Any] = {"bandwidth_gb_s": bandwidth / 1e9, "threads": args.threads}
+    print(
+        f"{'mode':9s} {'weight MB':>9s} {'floor ms':>8s}  "
+        + "  ".join(
+            f"{'batch ' + str(b) + ' ms (q1-q3)':>24s} {'of floor':>8s}" for b in args.batch
+        )
+    )
+    for mode in args.modes:
+        floor = weight_bytes[mode] / bandwidth
+        row: dict[str, Any] = {"weight_mb": weight_bytes[mode] / 1e6, "floor_ms": floor * 1e3}
+        cells = []
+        for batch in args.batch:
+            q1, median, q3 = statistics.quantiles(runs[mode, batch][2], n=4)
+            row[f"batch{batch}"] = {
+                "median_ms": median * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
+                "of_floor": floor / median,
+            }  # fmt: skip
+            cells.append(
+                f"{median * 1e3:8.1f} ({q1 * 1e3:6.1f}-{q3 * 1e3:6.1f}) {floor / median:8.2f}"
+            )
+        result[mode] = row
+        print(
+            f"{mode:9s} {row['weight_mb']:9.0f} {row['floor_ms']:8.1f}  "
+            + "  ".join(f"{c:>33s}" for c in cells)
+        )
+    for executor in executors.values():
+        executor.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
