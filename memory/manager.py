@@ -294,11 +294,13 @@ class KVCacheManager:
             dead, scanned = state.release_scan(self._kinds, n, bs)
         num_new = cdiv(end, bs) - len(state.tables[0])
         tables = state.tables
+        wanted = None
         if num_new > 0:
+            wanted = self._fresh_blocks(len(tables[0]), n, end)
             num_freed = 0
             for g, i in dead:
                 num_freed += pool.ref_count(tables[g][i]) == 1
-            if num_new * self.num_groups > pool.num_free + num_freed:
+            if self._num_fresh(wanted, num_new) > pool.num_free + num_freed:
                 return None
         # Commit: release first (tail first), then take fresh pages.
         if n >= state.min_release_at:
@@ -309,9 +311,7 @@ class KVCacheManager:
             state.advance_release(scanned)
         new_pages: tuple[list[int], ...] = NO_NEW_BLOCKS
         if num_new > 0:
-            new_pages = pool.allocate_groups(num_new, self._groups)
-            for table, pages in zip(state.tables, new_pages, strict=True):
-                table.extend(pages)
+            new_pages = self._take_fresh(state.tables, wanted, num_new)
             state.capacity = len(state.tables[0]) * bs
         state.num_tokens = end
         self._cache_full_blocks(request, state)
@@ -326,11 +326,12 @@ class KVCacheManager:
         end = num_hit + num_new_tokens
         num_new = cdiv(end, bs) - hit_blocks
         hashes = hit.hashes if hit is not None else []
+        wanted = self._fresh_blocks(hit_blocks, num_hit, end)
         num_hit_free = 0
         if hit is not None and num_hit:
             self._check_hit(hit)
             num_hit_free = pool.num_free_in(hit.block_tables)
-        if num_new * self.num_groups + num_hit_free > pool.num_free:
+        if self._num_fresh(wanted, num_new) + num_hit_free > pool.num_free:
             return None
         # Commit: claim every group's cached pages before any group takes a fresh one.
         if hit is not None and num_hit:
@@ -338,9 +339,7 @@ class KVCacheManager:
             pool.take_tables(tables)
         else:
             tables = [[] for _ in self._groups]
-        new_pages = pool.allocate_groups(num_new, self._groups)
-        for table, pages in zip(tables, new_pages, strict=True):
-            table.extend(pages)
+        new_pages = self._take_fresh(tables, wanted, num_new)
         num_kinds = len(self._kinds)
         state = RequestBlocks(
             tables=tables,
@@ -364,6 +363,44 @@ class KVCacheManager:
             self._hit_tokens += num_hit
             self._query_tokens += len(request.all_token_ids)
         return new_pages
+
+    def _fresh_blocks(self, first: int, start: int, end: int) -> list[list[int]] | None:
+        """Per group, the blocks from ``first`` on that take a fresh page in a step over
+        ``[start, end)`` (``MemoryPolicy.page_blocks``); None when every group takes one
+        for each block (K/V groups only, or a decode: the common case)."""
+        by_kind = [p.page_blocks(start, end, self.block_size) for p, _ in self._kinds]
+        if all(blocks is None for blocks in by_kind):
+            return None
+        every = list(range(first, cdiv(end, self.block_size)))
+        wanted: list[list[int]] = [every] * self.num_groups
+        for blocks, (_, groups) in zip(by_kind, self._kinds, strict=True):
+            if blocks is not None:
+                for group in groups:
+                    wanted[group] = [i for i in blocks if i >= first]
+        return None if all(len(w) == len(every) for w in wanted) else wanted
+
+    def _num_fresh(self, wanted: list[list[int]] | None, num_new: int) -> int:
+        """Fresh pages a step takes, over every group."""
+        return num_new * self.num_groups if wanted is None else sum(map(len, wanted))
+
+    def _take_fresh(
+        self, tables: list[list[int]], wanted: list[list[int]] | None, num_new: int
+    ) -> tuple[list[int], ...]:
+        """Extend every table by ``num_new`` blocks: a fresh page where ``wanted`` (every
+        block when None), the null block elsewhere. Returns the pages, per group."""
+        if wanted is None:
+            new_pages = self.pool.allocate_groups(num_new, self._groups)
+            for table, pages in zip(tables, new_pages, strict=True):
+                table.extend(pages)
+            return new_pages
+        out = []
+        for group, (table, blocks) in enumerate(zip(tables, wanted, strict=True)):
+            table.extend([NULL_BLOCK] * num_new)
+            pages = self.pool.allocate(len(blocks), group) if blocks else []
+            for i, page in zip(blocks, pages, strict=True):
+                table[i] = page
+            out.append(pages)
+        return tuple(out)
 
     def _check_hit(self, hit: PrefixHit) -> None:
         for group, table in enumerate(hit.block_tables):

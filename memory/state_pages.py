@@ -7,20 +7,25 @@ the fake's checks) agree on what each page holds::
     tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     bs=4, 10 tokens computed
     page     [ s3  ] | [ s7  ] | [ s9  ]     s<t>: the state after token t
 
-* The page of block j holds the state after the last token of block j once the block is
-  complete (a checkpoint), and the running state after the latest token while the block
-  is being filled. A complete block's page is never written again.
-* A step running tokens ``[start, end)`` of a request reads the state after token
-  ``start - 1`` from the page of block ``(start - 1) // bs`` (zeros when ``start`` is 0),
-  and writes, for every block it touches, the state after its last token in that block.
-  A prefill chunk therefore checkpoints every block boundary it crosses (the scan hands
-  out those states in the same pass), and a decode that starts a block starts the new
-  page from the previous block's.
-* So every full block of a request holds a checkpoint by the time its step has run, and
-  the manager may cache it like any other page: a prefix hit of k blocks resumes from the
-  page of block k-1 (``MambaLike.live_spans``), which holds the state after ``k * bs``
-  tokens. A block cached by an allocation whose step never ran is uncached again
-  (``KVCacheManager.free(computed=False)``).
+* A block's page, where it has one, holds the state after the last token of the block
+  once the block is complete (a checkpoint), and the running state after the latest
+  token while the block is being filled. A complete block's page is never written again.
+* The manager gives a step over positions ``[start, end)`` a page only in the blocks its
+  policy's ``page_blocks`` names (``MambaLike``: the block the step ends in, the block
+  before it when that block ends inside the step, every k-th with ``checkpoint_every``);
+  the other blocks of the step stay the null block, never read, never cached.
+* The step reads the state after token ``start - 1`` from the page of block
+  ``(start - 1) // bs`` (zeros when ``start`` is 0), and writes, in every block of the
+  step that has a page, the state after its last token in that block. A prefill chunk
+  takes those states from one pass of the scan; a decode that starts a block starts the
+  new page from the previous block's.
+* So the last full block of a request always holds a checkpoint once its step has run,
+  as does every block a decode completed (a chat's next turn resumes from the end of the
+  previous reply), and the block before ``(len - 1) // bs * bs`` of a prompt (its first
+  repeat resumes there). Only pages, never null blocks, are cached, so a prefix hit of k
+  blocks resumes from the page of block k-1 (``MambaLike.live_spans``), which holds the
+  state after ``k * bs`` tokens. A block cached by an allocation whose step never ran is
+  uncached again (``KVCacheManager.free(computed=False)``).
 * Within a step, a request may read a page another request of the same step fills (a
   prefix hit on blocks cached at allocation); executors run requests in batch order, so
   the writer, allocated first, runs first.
@@ -47,11 +52,30 @@ class StateAccess:
     Attributes:
         read_page: The page holding the state the step starts from, or None (from zeros).
         writes: ``(tokens, page)`` pairs: after ``tokens`` of the step's tokens, the state
-            goes to ``page``; one per block touched, in order, the last after all tokens.
+            goes to ``page``; one per block of the step that has a page, in order, the
+            last after all tokens.
     """
 
     read_page: int | None
     writes: tuple[tuple[int, int], ...]
+
+
+def read_page(start: int, table: Sequence[int], block_size: int) -> int | None:
+    """The page holding the state after ``start`` tokens (None at 0: zeros).
+
+    Raises:
+        StateContractError: the table holds no page for the block of token ``start - 1``.
+    """
+    if start == 0:
+        return None
+    block = (start - 1) // block_size
+    page = table[block] if block < len(table) else NULL_BLOCK
+    if page == NULL_BLOCK:
+        raise StateContractError(
+            f"the state after {start} tokens is in block {block}, which the block table "
+            "does not hold"
+        )
+    return page
 
 
 def state_access(start: int, num_tokens: int, table: Sequence[int], block_size: int) -> StateAccess:
@@ -59,23 +83,52 @@ def state_access(start: int, num_tokens: int, table: Sequence[int], block_size: 
 
     Raises:
         StateContractError: the block of token ``start - 1`` is the null block in ``table``
-            (nothing holds the state the step needs), or a block written is.
+            (nothing holds the state the step needs), or the block the step ends in is.
     """
-    read = None
-    if start > 0:
-        read = table[(start - 1) // block_size] if (start - 1) // block_size < len(table) else 0
-        if read == NULL_BLOCK:
-            raise StateContractError(
-                f"the state after {start} tokens is in block {(start - 1) // block_size}, "
-                "which the block table does not hold"
-            )
+    read = read_page(start, table, block_size)
     end = start + num_tokens
-    writes = []
-    for block in range(start // block_size, (end - 1) // block_size + 1):
-        page = table[block] if block < len(table) else NULL_BLOCK
-        if page == NULL_BLOCK:
-            raise StateContractError(
-                f"block {block} of a step over positions [{start}, {end}) has no page"
-            )
-        writes.append((min((block + 1) * block_size, end) - start, page))
+    last = (end - 1) // block_size
+    if last >= len(table) or table[last] == NULL_BLOCK:
+        raise StateContractError(
+            f"block {last}, where a step over positions [{start}, {end}) ends, has no page"
+        )
+    writes = [
+        ((block + 1) * block_size - start, table[block])
+        for block in range(start // block_size, last)
+        if table[block] != NULL_BLOCK
+    ]
+    writes.append((end - start, table[last]))
     return StateAccess(read, tuple(writes))
+
+
+@attrs.frozen
+class StepStates:
+    """Every request's :class:`StateAccess` in one step, for one state group: what the
+    layers of the group read instead of paged metadata (built once per step).
+
+    Attributes:
+        accesses: Per request, in batch order, its state pages.
+        query_lens: Per request, the tokens it runs.
+    """
+
+    accesses: tuple[StateAccess, ...]
+    query_lens: tuple[int, ...]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        block_size: int,
+    ) -> StepStates:
+        """The accesses of a step's requests (``context_lens``: tokens after the step).
+
+        Raises:
+            StateContractError: as :func:`state_access`.
+        """
+        accesses = tuple(
+            state_access(ctx - q, q, table, block_size)
+            for q, ctx, table in zip(query_lens, context_lens, tables, strict=True)
+        )
+        return cls(accesses, tuple(query_lens))

@@ -48,7 +48,10 @@ def _check_request(request: StepRequest, plan: LayoutPlan, max_model_len: int) -
                 f"request {request.request_id!r}: block table of group {group} has "
                 f"{len(table)} pages, {end} tokens need {need}"
             )
-        if 0 in table[start // bs : need]:
+        # A state group's page holds a state, not tokens: a step needs only the page of
+        # its last block (hybridkv.memory.state_pages); the K/V groups need every block.
+        first = need - 1 if plan.groups[group].policy.keeps_state else start // bs
+        if 0 in table[first:need]:
             raise BatchError(
                 f"request {request.request_id!r}: block table of group {group} maps a "
                 f"position in [{start}, {end}) to the null block"

@@ -29,6 +29,7 @@ from hybridkv.kernels import GatherWorkspace, PagedMetadata
 from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
 from hybridkv.memory.offload import KeySpace, LoadReport, OffloadConfig, TransferWorker
 from hybridkv.memory.planner import plan_layout
+from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.batch_checks import check_batch
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.config import ModelConfig
@@ -271,22 +272,28 @@ class ModelExecutor:
         requests = batch.requests
         query_lens = [r.num_tokens for r in requests]
         context_lens = [r.start_position + r.num_tokens for r in requests]
+        bs, groups = self.plan.block_size, self.plan.groups
+        kv_groups = [g for g in self._groups if not groups[g].policy.keeps_state]
         built = PagedMetadata.build_groups(
             query_lens,
             context_lens,
-            [[r.block_tables[g] for r in requests] for g in self._groups],
-            self.plan.block_size,
+            [[r.block_tables[g] for r in requests] for g in kv_groups],
+            bs,
             device=self.device,
             workspace=self._workspace,
         )
-        metadata = dict(zip(self._groups, built, strict=True))
+        metadata: dict[int, PagedMetadata | StepStates] = dict(zip(kv_groups, built, strict=True))
+        for g in self._groups:  # state (Mamba2) groups: which page each request reads, writes
+            if groups[g].policy.keeps_state:
+                tables = [r.block_tables[g] for r in requests]
+                metadata[g] = StepStates.build(query_lens, context_lens, tables, bs)
         input_ids = None
         if self.model.is_first:
             ids = [t for r in requests for t in r.token_ids]
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return StageInputs(
             query_lens=query_lens,
-            positions=built[0].positions,
+            positions=built[0].positions if built else _positions(requests, self.device),
             caches=[
                 (cache, metadata[group])
                 for cache, group in zip(self.kv_caches, self._layer_groups, strict=True)
@@ -361,6 +368,13 @@ class ModelExecutor:
         return tuple(out)
 
 
+def _positions(requests: Sequence[StepRequest], device: torch.device) -> torch.Tensor:
+    """Each token's position in its request (a model without attention builds no paged
+    metadata, which holds them otherwise)."""
+    spans = [torch.arange(r.start_position, r.start_position + r.num_tokens) for r in requests]
+    return torch.cat(spans).to(device)
+
+
 @attrs.frozen(eq=False)
 class StageInputs:
     """What :meth:`ModelExecutor.prepare` builds for one step, before any layer runs.
@@ -368,11 +382,12 @@ class StageInputs:
     Attributes:
         query_lens: Tokens run per request.
         positions: ``[num_tokens]`` position of each token within its request.
-        caches: Per layer held, its KV cache and its group's paged metadata.
+        caches: Per layer held, its KV cache and its group's paged metadata (a state
+            group's: its :class:`StepStates`).
         input_ids: ``[num_tokens]`` token ids where the executor embeds, else None.
     """
 
     query_lens: list[int]
     positions: torch.Tensor
-    caches: list[tuple[torch.Tensor, PagedMetadata]]
+    caches: list[tuple[torch.Tensor, PagedMetadata | StepStates]]
     input_ids: torch.Tensor | None

@@ -17,6 +17,7 @@ from torch import nn
 
 from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
 from hybridkv.memory.layout import AttentionSpec
+from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.rope import apply_rope
 
@@ -55,15 +56,17 @@ class LayerInputs:
     Attributes:
         cos: Rotary cosines for the layer's rope spec, ``[num_tokens, 1, head_dim]``.
         sin: Rotary sines, same shape.
-        kv_cache: The layer's pages, ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``.
+        kv_cache: The layer's pages, ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``
+            (a state layer's: ``[num_blocks, state_values]`` float32).
         metadata: Slot mapping and block tables of the layer's KV group, or, under context
-            parallelism, the step's sharded attention of that group.
+            parallelism, the step's sharded attention of that group; for a state layer,
+            the state pages each request reads and writes.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     kv_cache: torch.Tensor
-    metadata: PagedMetadata | ShardedAttention
+    metadata: PagedMetadata | ShardedAttention | StepStates
 
 
 class RMSNorm(nn.Module):

@@ -14,41 +14,19 @@ step fills); consecutive one-token steps run as one batched recurrence.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kernels import PagedMetadata
 from hybridkv.kernels.ssm import (
     causal_conv1d_decode,
     causal_conv1d_states,
     ssd_decode,
     ssd_scan_states,
 )
-from hybridkv.memory.state_pages import StateAccess, state_access
+from hybridkv.memory.state_pages import StateAccess, StepStates
 from hybridkv.models.layers import LayerInputs
 from hybridkv.models.state_shapes import Mamba2Shape
-
-#: Per step and mamba group (its metadata), each request's state pages: built once,
-#: read by every layer of the group.
-_ACCESS: weakref.WeakKeyDictionary[PagedMetadata, list[StateAccess]] = weakref.WeakKeyDictionary()
-
-
-def step_state_access(metadata: PagedMetadata) -> list[StateAccess]:
-    """Each request's :class:`StateAccess` in the step ``metadata`` describes (cached)."""
-    found = _ACCESS.get(metadata)
-    if found is None:
-        tables = metadata.block_table.tolist()
-        found = [
-            state_access(ctx - q, q, table, metadata.block_size)
-            for q, ctx, table in zip(
-                metadata.query_lens, metadata.context_lens, tables, strict=True
-            )
-        ]
-        _ACCESS[metadata] = found
-    return found
 
 
 class GatedRMSNorm(nn.Module):
@@ -71,7 +49,7 @@ class Mamba2Mixer(nn.Module):
     """Projections, causal conv, SSD scan (prefill) or recurrence (decode), gated norm.
 
     ``inputs.kv_cache`` is the layer's state pages ``[num_blocks, state_values]`` float32,
-    ``inputs.metadata`` its mamba group's metadata for the step.
+    ``inputs.metadata`` its group's :class:`StepStates` for the step.
     """
 
     def __init__(self, shape: Mamba2Shape, eps: float) -> None:
@@ -101,14 +79,15 @@ class Mamba2Mixer(nn.Module):
             [shape.intermediate_size, shape.conv_dim, shape.num_heads], dim=-1
         )
         dt = F.softplus(dt + self.dt_bias).clamp(shape.dt_min, shape.dt_max)
-        pages, metadata = inputs.kv_cache, inputs.metadata
+        pages, states = inputs.kv_cache, inputs.metadata
+        assert isinstance(states, StepStates), "a Mamba2 layer in a group without state"
         out = torch.empty(
             hidden.shape[0], shape.intermediate_size, dtype=hidden.dtype, device=hidden.device
         )
         first = 0
         run: list[tuple[int, StateAccess]] = []  # one-token steps waiting to run together
         written: set[int] = set()
-        for access, num in zip(step_state_access(metadata), metadata.query_lens, strict=True):
+        for access, num in zip(states.accesses, states.query_lens, strict=True):
             if num == 1 and access.read_page not in written:
                 run.append((first, access))
                 written.add(access.writes[0][1])

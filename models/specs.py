@@ -80,9 +80,9 @@ def layer_specs_from_config(
     Args:
         config: The parsed config.json (a multimodal config's ``text_config`` is used).
         dtype_bytes: Bytes per cached value (2 for bfloat16).
-        policies: Per attention layer kind (``full_attention``, ...), the memory policy its
-            layers keep and attend instead of the config's. Layers of one kind share one
-            policy object.
+        policies: Per layer kind (``full_attention``, ...), the memory policy its layers
+            keep and attend instead of the config's (for ``mamba``, a state policy such as
+            ``MambaLike(checkpoint_every=4)``). Layers of one kind share one policy object.
 
     Raises:
         ModelConfigError: a missing or bad field, a layer type or model type we cannot
@@ -163,17 +163,25 @@ def _gemma3_pattern(cfg: Mapping[str, Any]) -> int:
 
 
 def _check_choices(policies: PolicyChoices, kinds: list[str]) -> dict[str, MemoryPolicy]:
-    """``policies``, once every key is an attention kind of the model and every value a policy."""
-    attention = [k for k in dict.fromkeys(kinds) if k != MAMBA]
+    """``policies``, once every key is a kind of the model and every value a policy that
+    keeps what the kind needs (a state for ``mamba``, K/V for attention kinds)."""
+    present = list(dict.fromkeys(kinds))
     for kind in policies:
-        if kind not in attention:
+        if kind not in present:
             raise ModelConfigError(
-                f"a policy is chosen for layer kind {kind!r}, but the model has no attention "
-                f"layers of that kind; its kinds: {', '.join(attention) or 'none'}"
+                f"a policy is chosen for layer kind {kind!r}, but the model has no layers of "
+                f"that kind; its kinds: {', '.join(present) or 'none'}"
             )
-    return {
+    chosen = {
         kind: check_policy(p, f"the policy chosen for {kind!r}") for kind, p in policies.items()
     }
+    for kind, policy in chosen.items():
+        if policy.keeps_state != (kind == MAMBA):
+            need = "keeps a state (mamba)" if kind == MAMBA else "keeps K/V"
+            raise ModelConfigError(
+                f"the policy chosen for layer kind {kind!r} must be one that {need}, got {policy!r}"
+            )
+    return chosen
 
 
 def _policy(cfg: Mapping[str, Any], kind: str) -> MemoryPolicy:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hybridkv.kernels import PagedMetadata
+from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
 from hybridkv.models.layers import LayerInputs, RMSNorm
@@ -165,7 +166,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        caches: Sequence[tuple[torch.Tensor, PagedMetadata]],
+        caches: Sequence[tuple[torch.Tensor, PagedMetadata | StepStates]],
     ) -> torch.Tensor:
         """Embed and run every layer over a flat token batch; hidden states before the norm.
 
@@ -189,7 +190,7 @@ class CausalLM(nn.Module):
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        caches: Sequence[tuple[torch.Tensor, PagedMetadata]],
+        caches: Sequence[tuple[torch.Tensor, PagedMetadata | StepStates]],
     ) -> torch.Tensor:
         """Run the layers this model holds, in order, over ``[num_tokens, hidden]``.
 

@@ -99,6 +99,16 @@ class MemoryPolicy(abc.ABC):
         """
         return None
 
+    def page_blocks(self, start: int, end: int, block_size: int) -> Sequence[int] | None:
+        """Blocks that take a page in a step over positions ``[start, end)``.
+
+        None (the generic answer) means every block the positions touch: a page holds the
+        K/V of its tokens, so each one needs its page. A policy that ``keeps_state`` needs
+        fewer (one state per page, see ``hybridkv.memory.state_pages``); the others stay
+        the null block and are never read.
+        """
+        return None
+
     # -- derived, in blocks ------------------------------------------------------------
 
     def live_block_spans(self, num_tokens: int, block_size: int) -> tuple[Span, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from typing import ClassVar
 
 import attrs
@@ -123,24 +124,48 @@ class ChunkedLocal(MemoryPolicy):
 class MambaLike(MemoryPolicy):
     """A recurrent layer: position n needs only the state left by token n-1.
 
-    The state is one page per request, the page of the block holding token n-1, so a
-    request holds one page, or two while its state crosses into a new block (the new
-    page is written from the old). Prefix caching keeps the state at block boundaries::
+    A page holds the state after the last token of its block (``keeps_state``), so a
+    request resumes from the page of the block holding token n-1; prefix caching keeps
+    those pages at block boundaries::
 
         tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     bs=4, n=10
         live                           9        live_spans(10) == ((9, 10),)
-        blocks   [null ] | [null ] | [ s2  ]
+        blocks   [null ] | [ s7  ] | [ s9  ]    s7 kept until block 2 is complete
+
+    A step takes pages only where it leaves a state (:meth:`page_blocks`): the block it
+    ends in, the last block boundary before its end (the checkpoint a repeat of a prompt
+    resumes from), and with ``checkpoint_every`` k, every k-th boundary it crosses.
     """
 
     name: ClassVar[str] = "mamba"
     keeps_state: ClassVar[bool] = True
+    checkpoint_every: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(positive)
+    )
 
     def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
         return ((num_tokens - 1, num_tokens),) if num_tokens > 0 else ()
+
+    def page_blocks(self, start: int, end: int, block_size: int) -> Sequence[int] | None:
+        """The blocks a step over ``[start, end)`` leaves a state in::
+
+        tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     bs=4, a step over [1, 10)
+        pages    [null ] | [ s7  ] | [ s9  ]    the running state, the last boundary
+        """
+        last = (end - 1) // block_size
+        blocks = {last}
+        if last * block_size > start:  # the boundary before the last block is in the step
+            blocks.add(last - 1)
+        every = self.checkpoint_every
+        if every is not None:
+            first = start // block_size
+            blocks.update(j for j in range(first, last) if (j + 1) % every == 0)
+        return sorted(blocks)
 
     def next_release(self, num_tokens: int, block_size: int) -> int:
         # The state's block dies once token n-1 moves into the next block.
         return max(num_tokens + 1, ((num_tokens - 1) // block_size + 1) * block_size + 1)
 
     def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
-        return min(2, cdiv(max(num_tokens, 1), block_size))
+        # The state read, the last boundary's checkpoint and the running state of a step.
+        return min(3, cdiv(max(num_tokens, 1), block_size))

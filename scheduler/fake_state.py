@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Sequence
 
 from hybridkv.errors import HybridKVError
-from hybridkv.memory.state_pages import state_access
+from hybridkv.memory.state_pages import read_page, state_access
 
 
 class FakeStateMismatchError(HybridKVError):
@@ -51,7 +51,7 @@ class FakeStatePages:
         """
         found: set[int] = set()
         for g in self.groups:
-            page = state_access(start, 1, tables[g], self.block_size).read_page
+            page = read_page(start, tables[g], self.block_size)
             if page is None:
                 continue
             if self._covers[g][page] != start:

@@ -62,16 +62,25 @@ def test_two_windows_release_at_their_own_pace(make_request) -> None:
 
 
 def test_mamba_keeps_the_last_boundary_state_plus_the_one_being_written(make_request) -> None:
-    """A mamba group holds the state at its last block boundary and the page being written."""
+    """A mamba group holds the state at its last block boundary and the page being written;
+    a prefill takes no page for blocks it leaves no state in (block 0 of 9 tokens)."""
     mgr = KVCacheManager([FULL, MambaLike()], num_blocks=20, block_size=4)
     req = make_request("r", list(range(9)))
     admit(mgr, req)
-    assert mgr.block_tables("r") == [[1, 2, 3], [4, 5, 6]]
+    assert mgr.block_tables("r") == [[1, 2, 3], [0, 4, 5]]
     decode(mgr, req, 70)  # position 9: the prefix of 2 blocks resumes from block 1's state
-    assert mgr.block_tables("r") == [[1, 2, 3], [0, 5, 6]]
+    assert mgr.block_tables("r") == [[1, 2, 3], [0, 4, 5]]
     for token in (71, 72, 73):  # position 12: block 2's state is the boundary's now
         decode(mgr, req, token)
-    assert mgr.block_tables("r") == [[1, 2, 3, 7], [0, 0, 6, 8]]
+    assert mgr.block_tables("r") == [[1, 2, 3, 6], [0, 0, 5, 7]]
+    mgr.check_integrity()
+
+
+def test_mamba_checkpoints_every_k_blocks_when_asked(make_request) -> None:
+    """With checkpoint_every=2 a prefill of 21 tokens also keeps blocks 1 and 3's states."""
+    mgr = KVCacheManager([MambaLike(checkpoint_every=2)], num_blocks=20, block_size=4)
+    admit(mgr, make_request("r", list(range(21))))
+    assert [i for i, page in enumerate(mgr.block_tables("r")[0]) if page] == [1, 3, 4, 5]
     mgr.check_integrity()
 
 
@@ -209,8 +218,8 @@ def test_prefix_caching_off_never_hits(make_request) -> None:
 def test_blocks_needed_counts_every_group_at_its_peak() -> None:
     """The admission bound is the live blocks of each group at the last position."""
     mgr = KVCacheManager([FULL, SlidingWindow(window=5), MambaLike()], 100, 4)
-    # full: cdiv(40, 4) = 10; window: cdiv(4, 4) + 1 = 2; mamba: 2
-    assert mgr.num_blocks_needed(40) == 14
+    # full: cdiv(40, 4) = 10; window: cdiv(4, 4) + 1 = 2; mamba: 3 (read, checkpoint, new)
+    assert mgr.num_blocks_needed(40) == 15
 
 
 def test_chunked_local_drops_the_previous_chunk_at_a_chunk_start(make_request) -> None:
@@ -243,4 +252,4 @@ def test_mamba_hit_needs_only_the_state_at_the_boundary(make_request) -> None:
     mgr.free("a")
     hit = mgr.lookup(make_request("b", [*range(12), 99]))
     assert hit.num_tokens == 12
-    assert hit.block_tables == ((0, 0, 3),)
+    assert hit.block_tables == ((0, 0, 1),)

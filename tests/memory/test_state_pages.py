@@ -33,7 +33,12 @@ def test_reading_a_released_block_is_an_error() -> None:
         state_access(8, 1, [0, 0, 9], 4)
 
 
-def test_writing_into_the_null_block_is_an_error() -> None:
-    """Every block a step touches needs a page."""
-    with pytest.raises(StateContractError, match="block 2 of a step over positions"):
+def test_blocks_without_a_page_are_not_written() -> None:
+    """A block the manager left null in the middle of a step gets no checkpoint."""
+    assert state_access(0, 10, [0, 3, 9], 4) == StateAccess(None, ((8, 3), (10, 9)))
+
+
+def test_a_step_must_end_in_a_page() -> None:
+    """The running state needs the page of the block the step ends in."""
+    with pytest.raises(StateContractError, match="block 2, where a step over positions"):
         state_access(4, 5, [3, 5, 0], 4)

@@ -177,7 +177,28 @@ def test_chosen_policy_replaces_the_policy_of_a_kind() -> None:
     assert [s.kind for s in specs] == ["sliding_attention", "full_attention"] * 2
 
 
-def test_state_layers_take_no_chosen_policy() -> None:
-    """Only attention kinds can be given a policy; mamba layers keep their state."""
-    with pytest.raises(ModelConfigError, match=r"kind 'mamba'.*its kinds: full_attention"):
+def test_state_layers_take_only_a_state_policy() -> None:
+    """A mamba kind may get another state policy (checkpoints every k blocks), never one
+    that keeps K/V, and an attention kind never a state policy."""
+    specs = layer_specs_from_config(
+        BUILTIN_CONFIGS["bamba-like"], policies={"mamba": MambaLike(checkpoint_every=4)}
+    )
+    assert {s.policy for s in specs if s.kind == "mamba"} == {MambaLike(checkpoint_every=4)}
+    with pytest.raises(ModelConfigError, match=r"kind 'mamba' must be one that keeps a state"):
         layer_specs_from_config(BUILTIN_CONFIGS["jamba-like"], policies={"mamba": FULL})
+    with pytest.raises(ModelConfigError, match=r"'full_attention' must be one that keeps K/V"):
+        layer_specs_from_config(
+            BUILTIN_CONFIGS["bamba-like"], policies={"full_attention": MambaLike()}
+        )
+
+
+def test_bamba_and_granite_configs_give_mamba2_state_layers() -> None:
+    """Bamba's attn_layer_indices and Granite's layer_types name the attention layers; a
+    Mamba2 state is float32 conv (x, B, C by K-1) plus SSM (heads x head_dim x state)."""
+    bamba = layer_specs_from_config(BUILTIN_CONFIGS["bamba-like"])
+    assert [i for i, s in enumerate(bamba) if s.kind == "full_attention"] == [9, 18, 27]
+    state = bamba[0]
+    assert isinstance(state, StateSpec)
+    assert state.state_bytes == 4 * ((8192 + 2 * 128) * 3 + 128 * 64 * 128)
+    granite = layer_specs_from_config(BUILTIN_CONFIGS["granite-4.0-h-like"])
+    assert [i for i, s in enumerate(granite) if s.kind == "full_attention"] == [9, 19, 29, 39]
