@@ -8,11 +8,19 @@ every session's turn 2, ...; a session's next turn is queued when its reply ends
 most ``--in-flight`` requests run at once, so a session comes back only after every
 other one was served: the least recently used prefix is always the next one needed.
 
-The pool holds the sessions' working set divided by an occupancy. The working set is what
-every session holds at its longest, in every group: ``KVCacheManager.num_blocks_needed``
-of its last turn's length (every block in a full-attention group, a window's worth in a
-sliding-window one). Occupancy 1.0 is a pool that can keep every session resumable and
-no more; above 1.0 some must lose their prefix.
+The pool holds the sessions' working set divided by an occupancy, under two definitions
+of the working set (``--working-set``; both are printed by default):
+
+- peak (vLLM issue 48435's): what every session holds at its longest, in every group:
+  ``KVCacheManager.num_blocks_needed`` of its last turn's length (every block in a
+  full-attention group, a window's worth in a sliding-window one). Occupancy 1.0 is a
+  pool that can keep every session resumable to the end and no more.
+- mean: the pages the sessions' prefixes need to be resumed (``prefix_pages``), averaged
+  over the turns a next turn resumes from. The peak definition puts the layouts under
+  unequal pressure: a session's windows cost the same from its first turn on, so the
+  hybrid's prefixes need 0.77 of its peak after turn 1 where full attention's need 0.52
+  (``--per-turn``), and at equal peak occupancy the hybrid's pool is fuller at every
+  turn but the last. Equal mean occupancy is equal pressure averaged over the run.
 
 The allocator is driven with the verbs of ``allocator.py``'s replay (lookup, admit,
 extend, append, free), by a loop that follows the engine's planner: running requests
@@ -30,8 +38,13 @@ vLLM's own KVCacheManager serves the same workload in a run of its own.
 
     python benchmarks/multisession.py [--repeats N] [--per-turn] [--reference-src DIR]
 
-The last line printed is one JSON object: per allocator, layout and occupancy the hit
-rate, preemptions and the allocator's microseconds per step (the best of the repeats).
+The last line printed is one JSON object: per working-set definition, allocator, layout
+and occupancy the hit rate, preemptions and the allocator's microseconds per step (the
+best of the repeats).
+
+Other benchmarks reuse the workload: ``parse_args([])`` gives the defaults, ``Session``
+generates a chat, and ``Run(make, LAYOUTS[name], occupancy, args).run()`` serves it
+through any allocator with ``OursAllocator``'s verbs (``make(groups, num_blocks)``).
 """
 
 from __future__ import annotations
@@ -59,7 +72,7 @@ LAYOUTS: dict[str, list[dict[str, Any]]] = {
     "1 full + 5 sliding": [{"type": "full"}]
     + [{"type": "sliding_window", "sliding_window": WINDOW}] * 5,
 }
-OCCUPANCIES = (0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
+OCCUPANCIES = (0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 
 
 def policies(groups: list[dict[str, Any]]) -> list[MemoryPolicy]:
@@ -129,17 +142,17 @@ class Run:
         rng = random.Random(args.seed)
         self.sessions = [Session(i, rng, args) for i in range(args.sessions)]
         probe = KVCacheManager(policies(groups), 2, BLOCK_SIZE)
-        self.working_set = sum(probe.num_blocks_needed(s.final_length()) for s in self.sessions)
-        # Pages every session's prefix needs after each turn, over the working set: what a
-        # pool must keep to let every next turn hit.
-        self.prefix_share = [
-            round(
-                sum(prefix_pages(groups, s.turn_length(t)) for s in self.sessions)
-                / self.working_set,
-                3,
-            )
+        peak = sum(probe.num_blocks_needed(s.final_length()) for s in self.sessions)
+        # Pages every session's prefix needs after each turn: what a pool must keep to let
+        # every next turn hit.
+        needs = [
+            sum(prefix_pages(groups, s.turn_length(t)) for s in self.sessions)
             for t in range(args.turns)
         ]
+        self.prefix_share = [round(n / peak, 3) for n in needs]
+        self.working_set = peak
+        if args.definition == "mean":  # over the turns a next turn resumes from
+            self.working_set = round(statistics.fmean(needs[:-1]))
         self.num_blocks = round(self.working_set / occupancy) + 1
         self.alloc = make(groups, self.num_blocks)
         self.args = args
@@ -282,6 +295,17 @@ def main() -> None:
         f"{args.user_tokens[1]}, replies {args.reply_tokens[0]}-{args.reply_tokens[1]};"
         f" block {BLOCK_SIZE}, window {WINDOW}, {args.budget} tokens a step"
     )
+    definitions = ("peak", "mean") if args.working_set == "both" else (args.working_set,)
+    out = {}
+    for definition in definitions:
+        args.definition = definition
+        print(f"\n== working set: {definition}")
+        out[definition] = report(args)
+    print(json.dumps(out, separators=(",", ":")))
+
+
+def report(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every allocator and layout at every occupancy, under ``args.definition``; printed."""
     occ = [str(o) for o in args.occupancy]
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for name, make in allocators(args).items():
@@ -290,9 +314,12 @@ def main() -> None:
             results[f"{layout}, {name}"] = row
     width = max(map(len, results)) + 2
     head = f"{'occupancy':<{width}}" + "".join(f"{o:>8}" for o in occ)
-    print(f"\nprefix hit rate over turns 2-{args.turns}\n{head}")
+    print(f"prefix hit rate over turns 2-{args.turns}\n{head}")
     for label, row in results.items():
         print(f"{label:<{width}}" + "".join(f"{row[o]['hit_rate']:>8.3f}" for o in occ))
+    full, hybrid = (results[f"{layout}, hybridkv"] for layout in LAYOUTS)
+    gaps = "".join(f"{full[o]['hit_rate'] - hybrid[o]['hit_rate']:>8.3f}" for o in occ)
+    print(f"{'full minus hybrid, hybridkv':<{width}}{gaps}")
     print(f"\nallocator us per step, mean over steps (best of {args.repeats} runs)\n{head}")
     for label, row in results.items():
         print(f"{label:<{width}}" + "".join(f"{row[o]['step_us_mean']:>8.1f}" for o in occ))
@@ -300,7 +327,7 @@ def main() -> None:
     for label, row in results.items():
         print(f"{label:<{width}}" + "".join(f"{row[o]['preemptions']:>8}" for o in occ))
     if args.per_turn:
-        print("\nsessions' prefixes after each turn, in pages, over the working set")
+        print("\nsessions' prefixes after each turn, in pages, over the peak working set")
         for layout in LAYOUTS:
             row = next(r for label, r in results.items() if label.startswith(layout + ","))
             shares = " ".join(f"{x:.2f}" for x in row[occ[0]]["prefix_share"])
@@ -310,10 +337,11 @@ def main() -> None:
             for o in occ:
                 turns = " ".join(f"{h:.2f}" for h in row[o]["per_turn"][1:])
                 print(f"{label:<{width}} {o:>5}  {turns}")
-    print(json.dumps(results, separators=(",", ":")))
+    return results
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, or ``sys.argv``); ``parse_args([])``: the defaults."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--occupancy", type=float, nargs="+", default=list(OCCUPANCIES))
     p.add_argument("--sessions", type=int, default=16)
@@ -326,8 +354,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="runs per cell; times: the best")
     p.add_argument("--per-turn", action="store_true", help="also print each turn's hit rate")
     p.add_argument("--reference-src", help="vLLM source tree (holding vllm/) to compare")
+    p.add_argument(
+        "--working-set",
+        choices=("peak", "mean", "both"),
+        default="both",
+        help="what occupancy 1.0 holds: every session at its longest (peak), or the "
+        "sessions' resumable prefixes averaged over the turns (mean: equal pressure)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.definition = "peak" if args.working_set == "both" else args.working_set
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     return args
 
