@@ -222,8 +222,8 @@ def _assign_slots(
 
 
 def policy_label(policy: MemoryPolicy) -> str:
-    """``sliding_window(window=512)``: the registry name and the parameters."""
-    params = ", ".join(f"{k}={v}" for k, v in attrs.asdict(policy).items())
+    """``sliding_window(window=512)``: the registry name and the parameters set."""
+    params = ", ".join(f"{k}={v}" for k, v in attrs.asdict(policy).items() if v is not None)
     return f"{policy.name}({params})" if params else policy.name
 
 

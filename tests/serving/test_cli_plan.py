@@ -182,3 +182,21 @@ def test_layer_policy_flags_parse_to_policies() -> None:
     assert parsed == (("full_attention", SlidingWindow(64)), ("x", FullAttention()))
     with pytest.raises(UsageError, match="twice"):
         parse_layer_policies(["x=full", "x=full"])
+
+
+@pytest.mark.parametrize("model", ["bamba-like", "granite-4.0-h-like"])
+def test_plan_shows_a_mamba2_hybrid_layout(capsys: pytest.CaptureFixture[str], model: str) -> None:
+    """A Bamba or Granite 4.0-H layout: state and attention groups share one page size,
+    the block raised until an attention page holds a float32 Mamba2 state."""
+    code, out, _ = run(capsys, "plan", model, "--kv-memory", "8GiB")
+    assert code == 0
+    assert "block size 1056 (raised from 16 so a page holds a state)" in out
+    assert "\nmamba  " in out and "\nfull  " in out and "padding" in out
+
+
+def test_plan_takes_a_state_policy_for_the_mamba_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    """--layer-policy mamba=mamba:checkpoint_every=4 keeps a state every 4 blocks."""
+    argv = ["plan", "bamba-like", "--kv-memory", "8GiB"]
+    code, out, _ = run(capsys, *argv, "--layer-policy", "mamba=mamba:checkpoint_every=4")
+    assert code == 0
+    assert "29 mamba(checkpoint_every=4), 3 full" in out
