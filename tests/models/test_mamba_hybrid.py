@@ -157,3 +157,42 @@ def test_without_inner_checkpoints_a_shared_prefix_resumes_only_where_states_wer
     driver.run(3)
     assert second.hit_tokens == 0
     check_reference(tiny_models["bamba"], driver, "second")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ["bamba", "granite_moe"])
+async def test_engine_outputs_match_transformers_under_preemption(name, tiny_models, prompt_of):
+    """Three concurrent greedy requests through the async Engine, in a pool of 20 pages
+    too small for all of them, give transformers' greedy tokens."""
+    import anyio
+
+    from hybridkv.models.executor import ModelExecutor
+    from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
+
+    model = tiny_models[name]
+    executor = ModelExecutor.from_pretrained(model.path, kv_cache_bytes=20 * 4096, block_size=BS)
+    config = EngineConfig.for_executor(
+        executor, max_model_len=128, max_num_batched_tokens=24, max_prefill_chunk=8
+    )
+    prompts = [prompt_of(n, 40 + n) for n in (21, 30, 37)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs: dict[int, list[int]] = {}
+
+    async def consume(engine: Engine, i: int) -> None:
+        async with engine.generate(prompts[i], params) as stream:
+            async for output in stream:
+                outputs[i] = list(output.token_ids)
+
+    with anyio.fail_after(60):
+        async with Engine(config, executor) as engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(consume, engine, i)
+            stats = engine.stats()
+    assert stats.num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = model.reference.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+            )
+        assert outputs[i] == out[0, len(prompt) :].tolist()
