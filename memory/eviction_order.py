@@ -9,8 +9,9 @@ prefix must outlive)::
 
     predicted resume = last use + reuse distance
     last use         when the last request that read it ended (or when it was kept)
-    reuse distance   measured when a request resumes it (now - last use); the prefix a
-                     request ends with inherits the distance of the one it continued;
+    reuse distance   measured when a request resumes it (now - last use), or comes back
+                     to it after eviction gave it up (its key is remembered); the prefix
+                     a request ends with inherits the distance of the one it continued;
                      one never resumed is expected no sooner than any measured reuse,
                      nor than a pool's worth of churn
 
@@ -27,7 +28,9 @@ Two rules keep it safe outside loops:
 - a prefix idle for twice the longest reuse distance measured so far is stale (its
   conversation is over): the least recently used prefix goes first when stale, so
   abandoned prefixes do not stay behind the ones still awaited (LIRS demotes the same way:
-  only a reuse seen shorter than an entry's idle time displaces it);
+  only a reuse seen shorter than an entry's idle time displaces it). Reuse of evicted
+  prefixes counts (ARC's ghost entries do the same), so a pool that has evicted every
+  prefix that came back still learns how far apart reuse is;
 - a prefix that a running request resumed is pinned (its pages are in use: giving it up
   frees nothing now) and gives up pages only when no other kept prefix is left.
 """
@@ -106,6 +109,8 @@ class EvictionOrder:
         # (-predicted resume, -stamp, prefix): the first entry goes first (ties: the newer)
         self._heap: list[tuple[int, int, KeptPrefix]] = []
         self._stamps = 0
+        # The keys of prefixes eviction gave up wholly, with their last use (oldest first).
+        self._ghosts: OrderedDict[BlockHash, int] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._idle) + len(self._pinned)
@@ -128,6 +133,8 @@ class EvictionOrder:
         """Order a newly kept ``prefix``, used now; ``pinned``: by the running request
         that computed it."""
         prefix.last_use = self.clock
+        if self._ghosts:
+            self._ghosts.pop(prefix.key, None)
         if pinned:
             prefix.num_pins += 1
             self._pinned[prefix] = None
@@ -159,6 +166,29 @@ class EvictionOrder:
         if not prefix.num_pins and self._pinned.pop(prefix, True) is None:
             self._idle[prefix] = None
             self._push(prefix)
+
+    def remember(self, prefix: KeptPrefix) -> None:
+        """Eviction gave ``prefix`` up wholly: a request that comes back to it later still
+        tells its reuse distance (:meth:`recall`). The last ``horizon`` are remembered."""
+        ghosts = self._ghosts
+        ghosts[prefix.key] = prefix.last_use
+        ghosts.move_to_end(prefix.key)
+        if len(ghosts) > self._horizon:
+            ghosts.popitem(last=False)
+
+    def recall(self, hashes: Sequence[BlockHash]) -> int:
+        """The reuse distance of the longest evicted prefix on the path ``hashes`` (which a
+        request is admitted with), forgotten now; 0 if none."""
+        ghosts = self._ghosts
+        if not ghosts:
+            return 0
+        for key in reversed(hashes):
+            last_use = ghosts.pop(key, None)
+            if last_use is not None:
+                distance = max(1, self.clock - last_use)
+                self._longest = max(self._longest, distance)
+                return distance
+        return 0
 
     def remove(self, prefix: KeptPrefix) -> None:
         """``prefix`` is no longer kept (its heap entry is dropped lazily)."""
@@ -201,6 +231,7 @@ class EvictionOrder:
         """Assert that pinned prefixes are exactly those with pins, and each idle one has
         a current heap entry."""
         assert not set(self._idle) & set(self._pinned)
+        assert len(self._ghosts) <= self._horizon
         for prefix in self._pinned:
             assert prefix.num_pins > 0, prefix.num_pins
         current = {-stamp for _, stamp, _ in self._heap}

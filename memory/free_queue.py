@@ -122,7 +122,10 @@ class FreeQueue:
                 append(given_up.popitem(last=False)[0])
             else:  # the pages given up serve this call first, the rest wait in order
                 need = num - len(pages)
-                freed = self._give_up(self._order.victim(), need)
+                victim = self._order.victim()
+                freed = self._give_up(victim, need)
+                if victim not in self._order:
+                    self._order.remember(victim)
                 pages += freed[:need]
                 given_up.update(dict.fromkeys(freed[need:]))
         return pages
@@ -186,6 +189,10 @@ class FreeQueue:
     def release(self, prefix: KeptPrefix) -> None:
         """A request that pinned ``prefix`` ended (it may have been given up since)."""
         self._order.release(prefix)
+
+    def recall(self, hashes: Sequence[BlockHash]) -> int:
+        """The reuse distance of the longest prefix of ``hashes`` that eviction gave up."""
+        return self._order.recall(hashes)
 
     def let_go(self, prefix: KeptPrefix, *, in_use: bool = False) -> None:
         """Stop keeping ``prefix`` (a request continues from it); unheld pages go cold.

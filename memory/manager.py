@@ -357,8 +357,8 @@ class KVCacheManager:
         state.advance_release(state.release_scan(self._kinds, num_hit, bs, find_dead=False)[1])
         self._requests[request.request_id] = state
         self._cache_full_blocks(request, state)
-        if hit is not None and num_hit:
-            state.resumed = self._retention.request_resumed(hashes, hit_blocks, hit.block_tables)
+        if hit is not None and hashes:
+            state.resumed = self._retention.request_admitted(hashes, hit_blocks, hit.block_tables)
         if self.enable_prefix_caching:
             self._hit_tokens += num_hit
             self._query_tokens += len(request.all_token_ids)

@@ -183,6 +183,10 @@ class BlockPool:
         """The request that pinned ``prefix`` ended (see ``FreeQueue.release``)."""
         self._free.release(prefix)
 
+    def recall_evicted(self, hashes: Sequence[BlockHash]) -> int:
+        """The reuse distance of the longest prefix of ``hashes`` eviction gave up, or 0."""
+        return self._free.recall(hashes)
+
     def kept_prefix(self, key: BlockHash) -> KeptPrefix | None:
         """The kept prefix whose last block hashes to ``key``, if any."""
         return self._free.find(key)

@@ -97,6 +97,23 @@ class Retention:
             return False
         return self.pool.extend_kept(carried, prefix.hashes, prefix.pages[:new], prefix.num_blocks)
 
+    def request_admitted(
+        self, hashes: Sequence[BlockHash], num_blocks: int, tables: Sequence[Sequence[int]]
+    ) -> Resumed:
+        """A request was admitted with a hit of ``num_blocks`` blocks (maybe 0; ``tables``:
+        the hit's pages) on the path ``hashes``: see :meth:`request_resumed`. A request
+        that comes back to a prefix eviction gave up (a miss, or a shorter hit) still
+        tells its conversation's reuse distance, which the prefix it ends with inherits.
+        """
+        resumed = NOT_RESUMED
+        if num_blocks:
+            resumed = self.request_resumed(hashes, num_blocks, tables)
+        if not resumed.reuse_distance:
+            distance = self.pool.recall_evicted(hashes)
+            if distance:
+                resumed = Resumed(resumed.pinned, distance)
+        return resumed
+
     def request_resumed(
         self, hashes: Sequence[BlockHash], num_blocks: int, tables: Sequence[Sequence[int]]
     ) -> Resumed:

@@ -94,3 +94,20 @@ def test_the_heap_stays_exact_through_many_uses() -> None:
     order.remove(prefixes[7])
     latest = max(prefixes[:7], key=order.predicted_resume)
     assert order.victim() is latest
+
+
+def test_a_conversation_back_after_eviction_tells_its_reuse_distance() -> None:
+    """Evicted prefixes are remembered by key: a request that comes back to one measures
+    the reuse distance, and prefixes idle twice that long turn stale."""
+    order = EvictionOrder(horizon=1000)
+    abandoned = kept_at(order, 0, "abandoned")
+    new = kept_at(order, 50, "new")
+    assert order.victim() is new  # neither resumed yet: the newer one goes
+    order.remove(new)
+    order.remember(new)
+    recent = kept_at(order, 70, "recent")
+    order.clock = 80
+    assert order.victim() is recent  # no reuse seen yet: nothing is stale
+    assert order.recall([BlockHash(b"system"), BlockHash(b"new"), BlockHash(b"turn 2")]) == 30
+    assert order.recall([BlockHash(b"new")]) == 0  # forgotten once recalled
+    assert order.victim() is abandoned  # idle 80 > 2 x 30: its conversation is over

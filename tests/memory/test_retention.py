@@ -181,3 +181,16 @@ def test_sessions_in_a_loop_larger_than_the_pool_keep_some_resumable() -> None:
             chats[name] = [*history, *reply]
         rounds.append(hits)
     assert all(any(hits) for hits in rounds[1:]), rounds
+
+
+def test_a_turn_that_missed_its_evicted_prefix_still_measures_its_reuse() -> None:
+    """The conversation came back though its prefix was given up: the next turn's end is
+    kept with the distance measured, like one that hit."""
+    mgr = KVCacheManager([FULL, SlidingWindow(window=5)], num_blocks=14, block_size=4)
+    first = [*range(16)]
+    serve(mgr, "t1", first, [])
+    fill(mgr, 6)  # 12 of the 13 pages: t1's prefix (5 pages) is evicted
+    mgr.free("filler")
+    assert serve(mgr, "t2", [*first, 1, 2, 3, 4, 5], []) == 0
+    (kept,) = (p for p in mgr.pool.kept_prefixes() if p.num_blocks == 5)
+    assert kept.reuse_distance > 0
