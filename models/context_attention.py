@@ -11,13 +11,14 @@ token) and only attention communicates, on the ranks' context group::
     all-gather (out, lse), merge                   receive rank-1's, while attending my
                                                    queries to the shard in hand; store
                                                    the tokens of it I own; merge all
+                                                   (``context_ring``)
 
 Keys are masked by each token's request and global position, so a rank's queries read
 exactly the keys they would in one process, sliding windows and soft-capping included. A
-prefill over a cached prefix (a prefix hit, a later chunk) sends the cached keys a query
-of the chunk can read with its shard (pass-KV, see the README for pass-Q's byte rule).
-Every rank knows every shard's length from the batch, so nothing but K/V and partial
-outputs travel.
+prefill over a cached prefix (a prefix hit, a later chunk) reads the cached keys either by
+sending them with the shard (pass-KV) or by passing the queries instead (pass-Q), whichever
+sends fewer bytes (``context_ring``). Every rank knows every shard's length from the
+batch, so nothing but K/V, queries and partial outputs travel.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from hybridkv.kernels.lse_merge import merge_partials
 from hybridkv.kernels.partial_attention import partial_attention
+from hybridkv.models.context_ring import ring_attention
 from hybridkv.models.context_shards import KVInterleave, rank_positions
 from hybridkv.models.rank_layout import ParallelConfig
 
@@ -51,9 +53,12 @@ class LayerCall:
 
 @attrs.define
 class ContextCounters:
-    """Bytes this rank sent for context parallelism."""
+    """Bytes this rank sent for context parallelism: K/V around the ring, queries around
+    the ring and partial outputs back (pass-Q), decode partials and hidden rows gathered."""
 
     ring_bytes: int = 0
+    query_bytes: int = 0
+    partial_bytes: int = 0
     gather_bytes: int = 0
 
 
@@ -89,13 +94,18 @@ def open_context_group(layout: ParallelConfig, rank: int) -> ContextRanks | None
 
 
 @attrs.frozen(eq=False)
-class _Keys:
+class StoredKeys:
     """Where some keys sit in this rank's pages, and whose they are."""
 
     pages: torch.Tensor
     offsets: torch.Tensor
     positions: torch.Tensor
     seqs: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Keys held."""
+        return int(self.pages.numel())
 
 
 class ContextStep:
@@ -108,6 +118,8 @@ class ContextStep:
         place: The round-robin KV placement.
         ranks: This rank's context group.
         device: Where the tensors live.
+        pass_q: Whether prefills over cached keys pass queries (``context_ring``); None
+            chooses per layer by the bytes each would send.
     """
 
     def __init__(
@@ -118,8 +130,9 @@ class ContextStep:
         place: KVInterleave,
         ranks: ContextRanks,
         device: torch.device,
+        pass_q: bool | None = None,
     ) -> None:
-        self.place, self.ranks, self.device = place, ranks, device
+        self.place, self.ranks, self.device, self.pass_q = place, ranks, device, pass_q
         self.starts = [c - q for q, c in zip(query_lens, context_lens, strict=True)]
         self.ends = list(context_lens)
         self.decodes = [i for i, q in enumerate(query_lens) if q == 1]
@@ -132,11 +145,11 @@ class ContextStep:
         self.num_tokens = firsts[-1]
         mine = self._computed[ranks.rank]
         # This rank's tokens, request by request: where each sits in the step's batch.
-        self.global_rows = self._tensor([firsts[i] + p - self.starts[i] for i, p in mine])
-        self.positions = self._tensor([p for _, p in mine])
+        self.global_rows = self.tensor([firsts[i] + p - self.starts[i] for i, p in mine])
+        self.positions = self.tensor([p for _, p in mine])
         kinds = [query_lens[i] == 1 for i, _ in mine]
-        self._decode_rows = self._tensor([j for j, d in enumerate(kinds) if d])
-        self._prefill_rows = self._tensor([j for j, d in enumerate(kinds) if not d])
+        self._decode_rows = self.tensor([j for j, d in enumerate(kinds) if d])
+        self._prefill_rows = self.tensor([j for j, d in enumerate(kinds) if not d])
         self._cache: dict[tuple[object, ...], object] = {}
 
     # -- the tokens -----------------------------------------------------------------------
@@ -152,22 +165,23 @@ class ContextStep:
                 out.extend((i, p) for p in rank_positions(start, end - start, cp, rank))
         return out
 
-    def _prefill_tokens(self, rank: int) -> list[tuple[int, int]]:
+    def prefill_tokens(self, rank: int) -> list[tuple[int, int]]:
         """(request, position) of the prefill tokens ``rank`` runs: its shard's new keys."""
         return [(i, p) for i, p in self._computed[rank] if self.ends[i] - self.starts[i] > 1]
 
-    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+    def tensor(self, values: Sequence[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on the step's device."""
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
 
-    def _keys(self, group: int, seq_positions: Sequence[tuple[int, int]]) -> _Keys:
+    def _keys(self, group: int, seq_positions: Sequence[tuple[int, int]]) -> StoredKeys:
         """This rank's page and offset of each (request, position) it stores."""
         place, table, bs = self.place, self._tables[group], self.place.block_size
         local = [(i, p, place.local_index(p)) for i, p in seq_positions]
-        return _Keys(
-            pages=self._tensor([table[i][j // bs] for i, _, j in local]),
-            offsets=self._tensor([j % bs for _, _, j in local]),
-            positions=self._tensor([p for _, p, _ in local]),
-            seqs=self._tensor([i for i, _, _ in local]),
+        return StoredKeys(
+            pages=self.tensor([table[i][j // bs] for i, _, j in local]),
+            offsets=self.tensor([j % bs for _, _, j in local]),
+            positions=self.tensor([p for _, p, _ in local]),
+            seqs=self.tensor([i for i, _, _ in local]),
         )
 
     def _stored(
@@ -200,7 +214,7 @@ class ContextStep:
             out[rows] = self._decode(layer, query[rows], key[rows], value[rows])
         if self.prefills:
             rows = self._prefill_rows
-            out[rows] = self._ring(layer, query[rows], key[rows], value[rows])
+            out[rows] = ring_attention(self, layer, query[rows], key[rows], value[rows])
         return out
 
     def _decode(
@@ -214,15 +228,15 @@ class ContextStep:
         if owned:
             new = self._memo(("dnew", group), lambda: self._keys(
                 group, [(self.decodes[j], ends[j] - 1) for j in owned]))  # fmt: skip
-            rows = self._tensor(owned)
+            rows = self.tensor(owned)
             kv_cache[new.pages, :, :, new.offsets] = torch.stack((key[rows], value[rows]), 1)
         lows = [end - window if window is not None else 0 for end in ends]
         keys = self._memo(("dkeys", group, window), lambda: self._keys(
             group, self._stored(rank, self.decodes, lows, ends)))  # fmt: skip
         kv = kv_cache[keys.pages, :, :, keys.offsets]
         out, lse = partial_attention(
-            query, kv[:, 0], kv[:, 1], self._tensor([e - 1 for e in ends]), keys.positions,
-            query_seq=self._tensor(self.decodes), key_seq=keys.seqs, scale=layer.scale,
+            query, kv[:, 0], kv[:, 1], self.tensor([e - 1 for e in ends]), keys.positions,
+            query_seq=self.tensor(self.decodes), key_seq=keys.seqs, scale=layer.scale,
             sliding_window=window, softcap=layer.softcap,
         )  # fmt: skip
         packed = torch.cat((out.float(), lse[..., None]), dim=-1)
@@ -233,91 +247,47 @@ class ContextStep:
         merged, _ = merge_partials(stacked[..., :-1], stacked[..., -1])
         return merged.to(query.dtype)
 
-    def _ring(
-        self, layer: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> torch.Tensor:
-        """Prefills, pass-KV: every rank's shard passes every rank once, around the ring."""
-        ranks, window, group, kv_cache = (
-            self.ranks,
-            layer.sliding_window,
-            layer.group,
-            layer.kv_cache,
-        )
-        cp, rank = ranks.size, ranks.rank
-        mine = self._prefill_tokens(rank)
-        query_pos, query_seq = (
-            self._tensor([p for _, p in mine]),
-            self._tensor([i for i, _ in mine]),
-        )
-        cached = self._cached(group, window, rank)
-        old = kv_cache[cached.pages, :, :, cached.offsets].transpose(0, 1)
-        shard = torch.cat((torch.stack((key, value)), old), dim=1).contiguous()
-        outs, lses = [], []
-        for step in range(cp):
-            src = (rank - step) % cp
-            works, incoming = [], None
-            if step + 1 < cp:
-                if shard.shape[1]:
-                    works.append(dist.isend(shard, group=ranks.group, group_dst=(rank + 1) % cp))
-                    ranks.counters.ring_bytes += shard.nbytes
-                size = self._shard_len(group, window, (src - 1) % cp)
-                if size:
-                    incoming = shard.new_empty((2, size, *shard.shape[2:]))
-                    works.append(dist.irecv(incoming, group=ranks.group, group_src=(rank - 1) % cp))
-            self._store_owned(group, src, shard, kv_cache)
-            positions, seqs = self._shard_keys(group, window, src)
-            out, lse = partial_attention(
-                query, shard[0], shard[1], query_pos, positions, query_seq=query_seq,
-                key_seq=seqs, scale=layer.scale, sliding_window=window, softcap=layer.softcap,
-            )  # fmt: skip
-            outs.append(out)
-            lses.append(lse)
-            for work in works:
-                assert work is not None
-                work.wait()
-            shard = incoming if incoming is not None else shard[:, :0]
-        merged, _ = merge_partials(torch.stack(outs), torch.stack(lses))
-        return merged
-
     # -- the ring's shards ----------------------------------------------------------------
 
-    def _cached(self, group: int, window: int | None, rank: int) -> _Keys:
+    def cached_keys(self, group: int, window: int | None, rank: int) -> StoredKeys:
         """``rank``'s stored keys before each prefill's chunk that a query of it may read."""
 
-        def build() -> _Keys:
+        def build() -> StoredKeys:
             starts = [self.starts[i] for i in self.prefills]
             lows = [s - window + 1 if window is not None else 0 for s in starts]
             return self._keys(group, self._stored(rank, self.prefills, lows, starts))
 
         return self._memo(("cached", group, window, rank), build)
 
-    def _shard_len(self, group: int, window: int | None, rank: int) -> int:
-        return len(self._prefill_tokens(rank)) + int(
-            self._cached(group, window, rank).pages.numel()
-        )
+    def shard_len(self, group: int, window: int | None, rank: int, *, with_cached: bool) -> int:
+        """Tokens of ``rank``'s ring shard: its new keys (and its cached ones)."""
+        cached = self.cached_keys(group, window, rank).num_tokens if with_cached else 0
+        return len(self.prefill_tokens(rank)) + cached
 
-    def _shard_keys(
-        self, group: int, window: int | None, rank: int
+    def shard_keys(
+        self, group: int, window: int | None, rank: int, *, with_cached: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and requests of ``rank``'s shard: its new keys, then its cached ones."""
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            new = self._prefill_tokens(rank)
-            cached = self._cached(group, window, rank)
-            positions = torch.cat((self._tensor([p for _, p in new]), cached.positions))
-            return positions, torch.cat((self._tensor([i for i, _ in new]), cached.seqs))
+            new = self.prefill_tokens(rank)
+            positions, seqs = self.tensor([p for _, p in new]), self.tensor([i for i, _ in new])
+            if not with_cached:
+                return positions, seqs
+            cached = self.cached_keys(group, window, rank)
+            return torch.cat((positions, cached.positions)), torch.cat((seqs, cached.seqs))
 
-        return self._memo(("keys", group, window, rank), build)
+        return self._memo(("keys", group, window, rank, with_cached), build)
 
-    def _store_owned(
+    def store_owned(
         self, group: int, src: int, shard: torch.Tensor, kv_cache: torch.Tensor
     ) -> None:
         """Write the new tokens of ``src``'s shard that this rank stores."""
 
-        def build() -> tuple[torch.Tensor, _Keys]:
-            new = self._prefill_tokens(src)
+        def build() -> tuple[torch.Tensor, StoredKeys]:
+            new = self.prefill_tokens(src)
             rows = [j for j, (_, p) in enumerate(new) if self.place.owner(p) == self.ranks.rank]
-            return self._tensor(rows), self._keys(group, [new[j] for j in rows])
+            return self.tensor(rows), self._keys(group, [new[j] for j in rows])
 
         rows, keys = self._memo(("own", group, src), build)
         if rows.numel():
@@ -340,7 +310,7 @@ class ContextStep:
         dist.all_gather(gathered, padded, group=self.ranks.group)
         self.ranks.counters.gather_bytes += padded.nbytes
         for r, (rows, count) in enumerate(zip(gathered, counts, strict=True)):
-            order = self._tensor([self._global_row(i, p) for i, p in self._computed[r]])
+            order = self.tensor([self._global_row(i, p) for i, p in self._computed[r]])
             full[order] = rows[:count]
         return full
 

@@ -125,3 +125,16 @@ def test_queries_that_read_no_key_of_the_shard_are_skipped_exactly() -> None:
     expected = _reference(q, k[shard], v[shard], q_pos, k_pos[shard], q_seq, k_seq[shard],
                           0.3, None, None)  # fmt: skip
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_a_causal_square_shard_matches_the_reference(softcap) -> None:
+    """Queries and keys at the same positions (a rank's own chunk): causal, exactly."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(12, h, 8, generator=g) for h in (4, 2, 2))
+    pos, seq = torch.arange(12), torch.zeros(12, dtype=torch.long)
+    out, lse = partial_attention(q, k, v, pos, pos, scale=0.4, softcap=softcap)
+    torch.testing.assert_close(
+        out, _reference(q, k, v, pos, pos, seq, seq, 0.4, None, softcap), atol=1e-6, rtol=1e-5
+    )
+    assert torch.isfinite(lse).all()

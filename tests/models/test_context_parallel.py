@@ -37,7 +37,10 @@ def test_two_ranks_match_one_process_llama(
     with _context(tiny_models["llama"].path, 2) as executor:
         assert executor.pool.block_size == 8  # virtual blocks of block_size x cp
         got = run_scenario(drive(executor))
+        counters = executor.stage0.ranks.counters
     check_same_outputs(got, expected)
+    # Chunks over 3-4x their length of cached keys pass Q, the others pass K/V.
+    assert counters.ring_bytes and counters.query_bytes and counters.partial_bytes
     assert not multiprocessing.active_children()
 
 
