@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from hybridkv.memory.manager import KVCacheManager
-from hybridkv.models.executor import ModelExecutor
-from hybridkv.scheduler.batch import StepBatch, StepRequest
+from hybridkv.models.batch_checks import check_batch
+from hybridkv.models.executor import LogitsHook, ModelExecutor
+from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.params import SamplingParams
 
 WINDOW = 8
@@ -381,3 +382,32 @@ def check_same_outputs() -> Callable[[Outputs, Outputs], None]:
 def drive() -> Callable[..., Driver]:
     """``drive(executor)``: a Driver over any executor (a pipeline, chained stages)."""
     return Driver
+
+
+class ChainedStages:
+    """Stage executors run one after the other in this process: a pipeline without
+    processes, testing the slicing of the model and of its pages on their own."""
+
+    def __init__(self, stages: Sequence[ModelExecutor]) -> None:
+        self.stages = list(stages)
+        self.plan = stages[0].plan
+        self.logits_hook: LogitsHook | None = None
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        first, last = self.stages[0], self.stages[-1]
+        check_batch(batch, first.plan, first.max_model_len)
+        if not batch.requests:
+            return StepResult(token_ids=())
+        hidden = None
+        for stage in self.stages:
+            inputs = stage.prepare(batch)
+            hidden = stage.forward(inputs, hidden)
+        assert hidden is not None
+        last.logits_hook = self.logits_hook
+        return last.finish(batch, inputs, hidden)
+
+
+@pytest.fixture
+def chain() -> type[ChainedStages]:
+    """``chain(stages)``: stage executors chained in one process, run as one executor."""
+    return ChainedStages

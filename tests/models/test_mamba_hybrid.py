@@ -196,3 +196,33 @@ async def test_engine_outputs_match_transformers_under_preemption(name, tiny_mod
                 torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
             )
         assert outputs[i] == out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", ["bamba", "granite_moe"])
+def test_pipeline_stages_hold_their_state_pages_and_match_transformers(
+    name, tiny_models, drive, chain, prompt_of, check_reference
+):
+    """Two stages chained in one process (Mamba2 and attention layers split between them,
+    each holding only its layers' pages) give transformers' logits, through chunked
+    prefill, a prefix hit on a checkpoint and decodes."""
+    from hybridkv.models.executor import ModelExecutor
+
+    stages = [
+        ModelExecutor.from_pretrained(
+            tiny_models[name].path,
+            kv_cache_bytes=1 << 20,
+            block_size=BS,
+            pipeline_stage=i,
+            pipeline_parallel_size=2,
+        )
+        for i in range(2)
+    ]
+    driver = drive(chain(stages))
+    prompt = prompt_of(40, 11)
+    driver.add("first", prompt)
+    driver.run(3, chunk=13)
+    again = driver.add("again", prompt)
+    driver.run(5, chunk=13)
+    assert again.hit_tokens == 32
+    check_reference(tiny_models[name], driver, "first")
+    check_reference(tiny_models[name], driver, "again")

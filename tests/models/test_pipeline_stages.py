@@ -3,43 +3,17 @@ the model's outputs. (The same stages over processes: test_pipeline_processes.py
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-from hybridkv.models.batch_checks import check_batch
 from hybridkv.models.errors import ParallelConfigError
-from hybridkv.models.executor import LogitsHook, ModelExecutor
+from hybridkv.models.executor import ModelExecutor
 from hybridkv.models.stages import split_layers
 from hybridkv.models.transformer import MissingLayer
-from hybridkv.scheduler.batch import StepBatch, StepResult
 
 KV_BYTES = 1 << 20
-
-
-class ChainedStages:
-    """Stage executors run one after the other in this process: a pipeline without
-    processes, testing the slicing of the model and of its pages on their own."""
-
-    def __init__(self, stages: Sequence[ModelExecutor]) -> None:
-        self.stages = list(stages)
-        self.plan = stages[0].plan
-        self.logits_hook: LogitsHook | None = None
-
-    def execute(self, batch: StepBatch) -> StepResult:
-        first, last = self.stages[0], self.stages[-1]
-        check_batch(batch, first.plan, first.max_model_len)
-        if not batch.requests:
-            return StepResult(token_ids=())
-        hidden = None
-        for stage in self.stages:
-            inputs = stage.prepare(batch)
-            hidden = stage.forward(inputs, hidden)
-        assert hidden is not None
-        last.logits_hook = self.logits_hook
-        return last.finish(batch, inputs, hidden)
 
 
 def _stages(path: Path, num_stages: int) -> list[ModelExecutor]:
@@ -78,12 +52,12 @@ def test_more_stages_than_layers_is_refused(tiny_models) -> None:
 @pytest.mark.parametrize("num_stages", [2, 3])
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3"])
 def test_chained_stages_match_one_process(
-    name, num_stages, tiny_models, make_driver, drive, run_scenario, check_same_outputs
+    name, num_stages, tiny_models, make_driver, drive, run_scenario, check_same_outputs, chain
 ) -> None:
     """Stages run in turn give one process's tokens and logits, through chunked prefill, a
     prefix hit and a preemption."""
     expected = run_scenario(make_driver(name))
-    chained = ChainedStages(_stages(tiny_models[name].path, num_stages))
+    chained = chain(_stages(tiny_models[name].path, num_stages))
     check_same_outputs(run_scenario(drive(chained)), expected)
 
 
@@ -136,7 +110,7 @@ def seed_000_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_seed_000_stages_hold_one_layer_per_group(
-    seed_000_checkpoint, drive, run_scenario, check_same_outputs
+    seed_000_checkpoint, drive, run_scenario, check_same_outputs, chain
 ) -> None:
     """Two stages of {full.0, sw.0, sw.1} and {full.1, sw.2, sw.3}: groups (full.0, full.1),
     (sw.0, sw.2), (sw.1, sw.3), so each stage needs one slot tensor, no padding slot."""
@@ -152,4 +126,4 @@ def test_seed_000_stages_hold_one_layer_per_group(
     one = ModelExecutor.from_pretrained(seed_000_checkpoint, kv_cache_bytes=KV_BYTES, block_size=4)
     assert stages[0].pool.num_blocks == 2 * one.pool.num_blocks  # half the layers per device
     expected = run_scenario(drive(one))
-    check_same_outputs(run_scenario(drive(ChainedStages(stages))), expected)
+    check_same_outputs(run_scenario(drive(chain(stages))), expected)
