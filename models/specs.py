@@ -106,7 +106,8 @@ def layer_specs_from_config(
 def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
     model_type = cfg["model_type"]
     if model_type == "granitemoehybrid":
-        return _granite_kinds(cfg, num_layers)
+        names = [str(k) for k in cfg.get("layer_types") or ["mamba"] * num_layers]
+        return _named_kinds(names, num_layers, _GRANITE_KINDS)
     if cfg.get("layer_types") is not None:
         kinds = [str(k) for k in cfg["layer_types"]]
     elif model_type in ("llama", "mistral", "mixtral"):
@@ -128,30 +129,21 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
             "(llama, mistral, mixtral, gemma2, gemma3, gemma3_text, jamba, bamba, "
             "granitemoehybrid)"
         )
-    if len(kinds) != num_layers:
-        raise ModelConfigError(
-            f"layer_types has {len(kinds)} entries, num_hidden_layers is {num_layers}"
-        )
-    for i, kind in enumerate(kinds):
-        if kind not in LAYER_TYPES:
-            raise ModelConfigError(
-                f"layer {i} has layer type {kind!r}; supported: {', '.join(LAYER_TYPES)}"
-            )
-    return kinds
+    return _named_kinds(kinds, num_layers, {k: k for k in LAYER_TYPES})
 
 
-def _granite_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
-    names = cfg.get("layer_types") or ["mamba"] * num_layers
+def _named_kinds(names: list[str], num_layers: int, kinds: Mapping[str, str]) -> list[str]:
+    """Each layer's kind from its ``layer_types`` name, once the count and names check."""
     if len(names) != num_layers:
         raise ModelConfigError(
             f"layer_types has {len(names)} entries, num_hidden_layers is {num_layers}"
         )
     for i, name in enumerate(names):
-        if name not in _GRANITE_KINDS:
+        if name not in kinds:
             raise ModelConfigError(
-                f"layer {i} has layer type {name!r}; supported: {', '.join(_GRANITE_KINDS)}"
+                f"layer {i} has layer type {name!r}; supported: {', '.join(kinds)}"
             )
-    return [_GRANITE_KINDS[name] for name in names]
+    return [kinds[name] for name in names]
 
 
 def _gemma3_pattern(cfg: Mapping[str, Any]) -> int:

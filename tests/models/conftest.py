@@ -411,3 +411,33 @@ class ChainedStages:
 def chain() -> type[ChainedStages]:
     """``chain(stages)``: stage executors chained in one process, run as one executor."""
     return ChainedStages
+
+
+async def _serve_all(
+    executor: Any, config: Any, prompts: Sequence[Sequence[int]], params: SamplingParams
+) -> tuple[dict[int, list[int]], Any]:
+    """Every prompt through one async Engine at once; each one's tokens, and the stats."""
+    import anyio
+
+    from hybridkv.scheduler import Engine
+
+    outputs: dict[int, list[int]] = {}
+
+    async def consume(engine: Engine, i: int) -> None:
+        async with engine.generate(prompts[i], params) as stream:
+            async for output in stream:
+                outputs[i] = list(output.token_ids)
+
+    with anyio.fail_after(60):
+        async with Engine(config, executor) as engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(consume, engine, i)
+            stats = engine.stats()
+    return outputs, stats
+
+
+@pytest.fixture
+def serve_all() -> Callable[..., Any]:
+    """``await serve_all(executor, config, prompts, params)``: (tokens by index, stats)."""
+    return _serve_all

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
 
 from hybridkv.models.executor import ModelExecutor
-from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
+from hybridkv.scheduler import EngineConfig, SamplingParams
 
 # About 30 pages of 4 tokens per group: three requests of ~30 tokens cannot all fit.
 SMALL_POOL = 30 * 2 * 1024
@@ -22,7 +21,9 @@ def _hf_greedy(reference, prompt: list[int], num: int) -> list[int]:
 
 
 @pytest.mark.asyncio
-async def test_engine_outputs_match_transformers_under_preemption(tiny_models, prompt_of):
+async def test_engine_outputs_match_transformers_under_preemption(
+    tiny_models, prompt_of, serve_all
+):
     """Three concurrent greedy requests in a pool too small for all match transformers."""
     model = tiny_models["gemma3"]
     executor = ModelExecutor.from_pretrained(model.path, kv_cache_bytes=SMALL_POOL, block_size=4)
@@ -31,19 +32,7 @@ async def test_engine_outputs_match_transformers_under_preemption(tiny_models, p
     )
     prompts = [prompt_of(n, 30 + n) for n in (14, 19, 23)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    outputs: dict[int, list[int]] = {}
-
-    async def consume(engine: Engine, i: int) -> None:
-        async with engine.generate(prompts[i], params) as stream:
-            async for output in stream:
-                outputs[i] = list(output.token_ids)
-
-    with anyio.fail_after(60):
-        async with Engine(config, executor) as engine:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(consume, engine, i)
-            stats = engine.stats()
+    outputs, stats = await serve_all(executor, config, prompts, params)
     assert stats.num_preemptions > 0
     for i, prompt in enumerate(prompts):
         assert outputs[i] == _hf_greedy(model.reference, prompt, 10)

@@ -161,13 +161,13 @@ def test_without_inner_checkpoints_a_shared_prefix_resumes_only_where_states_wer
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("name", ["bamba", "granite_moe"])
-async def test_engine_outputs_match_transformers_under_preemption(name, tiny_models, prompt_of):
+async def test_engine_outputs_match_transformers_under_preemption(
+    name, tiny_models, prompt_of, serve_all
+):
     """Three concurrent greedy requests through the async Engine, in a pool of 20 pages
     too small for all of them, give transformers' greedy tokens."""
-    import anyio
-
     from hybridkv.models.executor import ModelExecutor
-    from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
+    from hybridkv.scheduler import EngineConfig, SamplingParams
 
     model = tiny_models[name]
     executor = ModelExecutor.from_pretrained(model.path, kv_cache_bytes=20 * 4096, block_size=BS)
@@ -176,19 +176,7 @@ async def test_engine_outputs_match_transformers_under_preemption(name, tiny_mod
     )
     prompts = [prompt_of(n, 40 + n) for n in (21, 30, 37)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outputs: dict[int, list[int]] = {}
-
-    async def consume(engine: Engine, i: int) -> None:
-        async with engine.generate(prompts[i], params) as stream:
-            async for output in stream:
-                outputs[i] = list(output.token_ids)
-
-    with anyio.fail_after(60):
-        async with Engine(config, executor) as engine:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(consume, engine, i)
-            stats = engine.stats()
+    outputs, stats = await serve_all(executor, config, prompts, params)
     assert stats.num_preemptions > 0
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
