@@ -129,34 +129,22 @@ def test_bad_granite_configs_are_refused(tiny_models, fields, message) -> None:
 
 
 @pytest.mark.parametrize("name", ["bamba", "granite_moe"])
-def test_checkpoints_every_block_let_a_shared_prefix_hit_inside_a_prompt(
-    name, tiny_models, make_driver, prompt_of, check_reference
+@pytest.mark.parametrize(("every", "hit"), [(1, 32), (None, 0)])
+def test_a_shared_prefix_hits_inside_a_prompt_only_with_inner_checkpoints(
+    name, every, hit, tiny_models, make_driver, prompt_of, check_reference
 ):
-    """With ``MambaLike(checkpoint_every=1)`` chosen for the mamba kind, a prompt sharing
-    only the first 40 tokens of another resumes from 32 (inside the other's prefill)."""
-    driver = make_driver(name, block_size=BS, policies={"mamba": MambaLike(checkpoint_every=1)})
+    """A prompt sharing the first 40 tokens of a 70-token prompt prefilled at once resumes
+    from 32 with ``MambaLike(checkpoint_every=1)`` chosen for the mamba kind; by default a
+    prefill keeps only its last boundaries' states, so it finds none and recomputes."""
+    policies = {"mamba": MambaLike(checkpoint_every=every)}
+    driver = make_driver(name, block_size=BS, policies=policies)
     shared = prompt_of(40, 8)
     driver.add("first", shared + prompt_of(30, 9))
     driver.run(2)
     second = driver.add("second", shared + prompt_of(9, 10))
     driver.run(3)
-    assert second.hit_tokens == 32
+    assert second.hit_tokens == hit
     check_reference(tiny_models[name], driver, "second")
-
-
-def test_without_inner_checkpoints_a_shared_prefix_resumes_only_where_states_were_kept(
-    tiny_models, make_driver, prompt_of, check_reference
-):
-    """By default a prefill keeps the state of its last boundaries only: a prompt sharing
-    40 tokens of a 70-token prompt prefilled at once finds no state at 32 and recomputes."""
-    driver = make_driver("bamba", block_size=BS)
-    shared = prompt_of(40, 8)
-    driver.add("first", shared + prompt_of(30, 9))
-    driver.run(2)
-    second = driver.add("second", shared + prompt_of(9, 10))
-    driver.run(3)
-    assert second.hit_tokens == 0
-    check_reference(tiny_models["bamba"], driver, "second")
 
 
 @pytest.mark.asyncio
