@@ -91,10 +91,12 @@ def test_a_non_positive_size_is_refused(capsys: pytest.CaptureFixture[str], flag
     assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["-pp", pytest.param("-cp", marks=pytest.mark.slow)])
 def test_generate_under_torchrun(
-    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str], flag: str
 ) -> None:
-    """torchrun starts both ranks: rank 0 prints the text one process prints."""
+    """torchrun starts both ranks (two stages, or two context ranks): rank 0 prints the
+    text one process prints."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     hybridkv = shutil.which("hybridkv", path=str(Path(sys.executable).parent))
     assert torchrun and hybridkv
@@ -102,7 +104,7 @@ def test_generate_under_torchrun(
     expected = _generate(capsys, model, *GENERATE)
     done = subprocess.run(
         [torchrun, "--nproc-per-node", "2", "--no-python", hybridkv, "generate", model,
-         *GENERATE, "-pp", "2"],
+         *GENERATE, flag, "2"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
