@@ -202,3 +202,21 @@ def test_pipeline_stages_hold_their_state_pages_and_match_transformers(
     assert again.hit_tokens == 32
     check_reference(tiny_models[name], driver, "first")
     check_reference(tiny_models[name], driver, "again")
+
+
+def test_bfloat16_models_keep_their_state_in_float32(tiny_models, make_driver, prompt_of):
+    """A bfloat16 model's state pages are float32 (its K/V pages bfloat16); its logits stay
+    within bfloat16 rounding (0.1, logits of about 2) of the float32 reference."""
+    driver = make_driver("bamba", block_size=BS, dtype=torch.bfloat16)
+    executor = driver.executor
+    dtypes = {
+        type(spec).__name__: cache.dtype
+        for spec, cache in zip(executor.specs, executor.kv_caches, strict=True)
+    }
+    assert dtypes == {"StateSpec": torch.float32, "AttentionSpec": torch.bfloat16}
+    driver.add("a", prompt_of(37, 12))
+    driver.run(5, chunk=13)
+    seq = driver.active["a"]
+    expected = tiny_models["bamba"].reference_logits(seq.prompt + seq.output[:-1])
+    got = torch.stack(driver.logits["a"])
+    torch.testing.assert_close(got, expected[len(seq.prompt) - 1 :], atol=0.1, rtol=0)
