@@ -23,7 +23,7 @@ batch, so nothing but K/V, queries and partial outputs travel.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -126,7 +126,7 @@ class ContextStep:
         self,
         query_lens: Sequence[int],
         context_lens: Sequence[int],
-        tables: dict[int, Sequence[Sequence[int]]],
+        tables: Mapping[int, Sequence[Sequence[int]]],
         place: KVInterleave,
         ranks: ContextRanks,
         device: torch.device,
