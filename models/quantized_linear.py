@@ -102,14 +102,25 @@ class Int4Linear(QuantizedLinear):
     packed: torch.Tensor
     scales_zeros: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        steps: torch.Tensor | None = None,
+    ) -> None:
+        """Min-max scales per group, or the given grid ``steps`` per group (a weight
+        already on a 4-bit grid, see ``models/weight_grid.py``: packed losslessly)."""
         out_features, in_features = weight.shape
         if not fits_int4(out_features, in_features):
             raise ValueError(f"int4 needs N and K multiples of 32, got {tuple(weight.shape)}")
         super().__init__(in_features, out_features, bias)
         groups = weight.detach().float().reshape(out_features, -1, INT4_GROUP)
         low, high = groups.amin(-1), groups.amax(-1)
-        scales = ((high - low) / 15.0).clamp(min=1e-8)
+        if steps is None:
+            scales = ((high - low) / 15.0).clamp(min=1e-8)
+        else:
+            scales = steps.reshape(low.shape)
         q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
         # The kernel computes (q - 8) * scale + zero.
         zeros = low + 8.0 * scales

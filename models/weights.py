@@ -8,6 +8,7 @@ bounded below by weight bytes / memory bandwidth. Fewer bytes per weight lower t
     dtype    in the model dtype (--dtype), exact path      the model dtype
     int8     int8, one scale per output row                the model dtype
     int4     4 bits, a (scale, zero) per row and 32 inputs the model dtype
+             (int8 for a tensor a quantised GGUF shipped at 5-8 bits)
 
 Norms, softmax, rotary tables, the embedding lookup, sampling and any Mamba state keep
 the model dtype or float32 as before; only ``nn.Linear`` modules are replaced (a weight
@@ -29,12 +30,14 @@ from torch import nn
 
 from hybridkv.errors import HybridKVError
 from hybridkv.models.quantized_linear import (
+    INT4_GROUP,
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
     fits_int4,
     linear_weight_bytes,
 )
+from hybridkv.models.weight_grid import grid_steps, on_grid
 
 WEIGHT_FORMATS = ("dtype", "int8", "int4")
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
@@ -106,10 +109,27 @@ def quantize_linears(model: nn.Module, weights: str, *, device: torch.device) ->
         weight, bias = module.weight, module.bias
         if weights == "int4" and not fits_int4(*weight.shape):
             continue
-        new: QuantizedLinear = (Int8Linear if weights == "int8" else Int4Linear)(weight, bias)
+        new = Int8Linear(weight, bias) if weights == "int8" else _four_bits(weight, bias)
         model.set_submodule(name, new)
         replaced += 1
     return replaced
+
+
+def _four_bits(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
+    """int4 for one weight, never below the bits a quantised file shipped it with.
+
+    On a 4-bit grid per 32 inputs (a GGUF Q4_K tensor): packed on that grid, losslessly.
+    On a finer grid per 16 (Q5_0, Q6_K, Q8_0): int8, as llama.cpp's Q4_K_M keeps those
+    tensors above 4 bits (requantising them, the built-in model's mean KL against
+    float32 was 0.24, ``benchmarks/weight_quality.py``). A float weight: min-max int4.
+    """
+    if on_grid(weight, INT4_GROUP, 16):
+        found = grid_steps(weight, INT4_GROUP)
+        if found is not None and found[1] <= 16:
+            return Int4Linear(weight, bias, steps=found[0])
+    if on_grid(weight, 16, 256):
+        return Int8Linear(weight, bias)
+    return Int4Linear(weight, bias)
 
 
 def decode_weight_bytes(model: nn.Module) -> int:

@@ -122,3 +122,30 @@ def test_tiny_model_stays_close_to_float32(name, weights, tiny_models, make_driv
         agree.append(recorded.argmax(-1) == expected.argmax(-1))
     assert float(torch.cat(kls).mean()) < max_kl
     assert float(torch.cat(agree).float().mean()) >= min_agree
+
+
+def _on_grid(levels: int, group: int, seed: int = 3) -> torch.Tensor:
+    """A [64, 128] weight whose groups lie on grids of ``levels`` levels (like a GGUF
+    tensor dequantised to float32): per group a step and an offset, integer levels."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, levels, (64 * 128 // group, group), generator=gen).float()
+    steps = (torch.rand(q.shape[0], 1, generator=gen) * 0.01 + 0.001).half().float()
+    offsets = -(steps * (levels // 2))
+    return (q * steps + offsets).reshape(64, 128)
+
+
+def test_int4_keeps_the_precision_a_quantised_file_shipped():
+    """A weight on a 4-bit grid per 32 packs losslessly (to bfloat16 scales); one on a
+    6-bit grid per 16 (GGUF Q6_K-like) keeps 8 bits; a float weight gets min-max int4."""
+    cpu = torch.device("cpu")
+    for levels, group, kind in ((16, 32, Int4Linear), (64, 16, Int8Linear), (0, 0, Int4Linear)):
+        weight = _on_grid(levels, group) if levels else _weight(64, 128)
+        model = nn.Sequential(nn.Linear(128, 64, bias=False))
+        with torch.no_grad():
+            model[0].weight.copy_(weight)
+        quantize_linears(model, "int4", device=cpu)
+        assert isinstance(model[0], kind)
+        if levels == 16:
+            step = weight.abs().amax()
+            expanded = model[0].expand(0, 64, torch.float32)
+            assert (expanded - weight).abs().max() < step * 2**-7
