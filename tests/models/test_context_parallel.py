@@ -47,15 +47,15 @@ def test_two_ranks_match_one_process_llama(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "cp", "block_size", "interleave"),
-    [("gemma3", 2, 4, 4), ("gemma3", 4, 2, 1), ("gemma2", 2, 4, 1)],
+    [("gemma3", 2, 4, 4), ("gemma3", 4, 2, 1), ("llama", 4, 2, 2), ("gemma2", 2, 4, 1)],
 )
-def test_sliding_windows_and_softcaps_match_one_process(
+def test_more_ranks_windows_and_softcaps_match_one_process(
     name, cp, block_size, interleave, tiny_models, make_driver, drive, run_scenario,
     check_same_outputs,
 ) -> None:  # fmt: skip
     """Gemma 3 (sliding windows of 8, GQA, full layers) on cp = 2 with a block interleave
-    and cp = 4 with a token interleave, Gemma 2 (soft-capped attention) on cp = 2: the
-    scenario's tokens and logits within 1e-5."""
+    and cp = 4 with a token interleave, Llama on cp = 4 (a block interleave), Gemma 2
+    (soft-capped attention) on cp = 2: the scenario's tokens and logits within 1e-5."""
     expected = run_scenario(make_driver(name))
     path = tiny_models[name].path
     with _context(path, cp, block_size=block_size, kv_interleave=interleave) as executor:
