@@ -7,7 +7,8 @@ so allocations evict cached blocks all the time. The machine mirrors what every 
 should hold, so a prefix hit that would serve the wrong tokens fails the test; it checks
 that no allocation takes a page a running request holds, that a page a kept prefix needs
 is evicted only once no page that none needs is left, and that a prefix a running request
-resumed (pinned) gives up pages only once no other kept prefix holds a free page. The
+resumed (pinned) gives up pages only once no other kept prefix holds a free page that
+giving it up would free (a page a pinned prefix shares stays kept). The
 manager's own check asserts each kept prefix's pins and eviction order entries.
 """
 
@@ -99,7 +100,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         kept = {p for p in free if pool.is_kept(p)}
         cold = set(free) - kept
         held_idle = {p for k in pool.kept_prefixes() if not k.num_pins for p in k.held_pages}
-        pinned_only = kept - held_idle
+        held_pinned = {p for k in pool.kept_prefixes() if k.num_pins for p in k.held_pages}
+        pinned_only, idle_only = kept - held_idle, kept & held_idle - held_pinned
         hit_pages: set[int] = set()
         if admit:
             hit = self.mgr.lookup(req)
@@ -118,8 +120,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert not taken & held_by_others, "a page a running request holds was taken"
         if taken & kept:  # evicting a kept prefix's page: nothing else was left
             assert cold <= taken | hit_pages, "a kept page went before an unneeded one"
-        if taken & pinned_only:  # a resumed prefix gave up pages: no other was left
-            assert kept & held_idle <= taken | hit_pages, "a pinned prefix went first"
+        if taken & pinned_only:  # a resumed prefix gave up pages: no other could free one
+            assert idle_only <= taken | hit_pages, "a pinned prefix went first"
         for group, pages in enumerate(new):
             for page in pages:
                 self.content[group].pop(page, None)
