@@ -154,9 +154,13 @@ class EngineOffload:
     def ended(self, request: Request) -> None:
         """``request`` ends holding its pages: save what a resume at its end needs."""
         self._attempts.pop(request.request_id, None)
-        stop = request.num_computed_tokens // self.connector.kv.block_size
+        bs = self.connector.kv.block_size
+        stop = request.num_computed_tokens // bs
         if stop:
             self._saves += self.connector.saves_filled(request, stop, stop, is_end=True)
+        resumed = request.num_cached_tokens // bs
+        if 0 < resumed < stop:
+            self.connector.supersede(request, resumed, stop)
 
     def drop(self, request: Request) -> None:
         """Forget a request that ends without its pages (aborted, failed, shut down)."""

