@@ -66,6 +66,12 @@ class KVConnector:
             raise OffloadConfigError(
                 f"the key space names {len(keys.group_kinds)} groups, the pool has {kv.num_groups}"
             )
+        stateful = [g for g, p in enumerate(kv.policies) if p.keeps_state]
+        if stateful:
+            raise OffloadConfigError(
+                f"groups {stateful} keep mamba-like state: offloading state pages is not "
+                "supported (their pages hold one state per block boundary, not K/V)"
+            )
         bs = kv.block_size
         if config.save_interval % bs:
             raise OffloadConfigError(

@@ -181,3 +181,15 @@ def test_a_stored_prefix_larger_than_the_free_pool_loads_what_fits() -> None:
         assert tokens == reference_tokens([*prompt(120), 9], 4, VOCAB)
     finally:
         fake.close()
+
+
+def test_a_pool_with_state_groups_is_refused() -> None:
+    """Mamba-like state pages are not offloaded: the connector says so at once."""
+    from hybridkv.memory import KVCacheManager
+    from hybridkv.memory.offload import KeySpace, KVConnector, OffloadConfigError
+    from hybridkv.policies import MambaLike
+
+    kv = KVCacheManager([FullAttention(), MambaLike()], 16, BS)
+    config = OffloadConfig(tiers=[HostTier(1 << 20)], save_interval=16)
+    with pytest.raises(OffloadConfigError, match="mamba-like state"):
+        KVConnector(config, KeySpace("m", ["full", "mamba"]), kv)
