@@ -22,7 +22,8 @@ rather than wall time and is much steadier.
 The last line printed is one JSON object with the ratios (paged / contiguous).
 
 Decode attend, batch 32, 8 KV heads, head dim 128, context 2048, block 16, random page
-order, ``--clock process --repeats 5``, on a 2-core CPU machine (paged / contiguous ms):
+order, ``--clock process --repeats 5``, on a 2-core CPU machine with native bfloat16
+(paged / contiguous ms; on an AVX2-only CPU the ratios differ, see the README):
 
     threads  dtype      before (gather K+V, SDPA)   after (gather K, embedding_bag V)
     1        float32    ratio 1.70                  86.8 / 75.2 = 1.15
