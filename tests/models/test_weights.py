@@ -25,9 +25,10 @@ from hybridkv.models.weights import (
 # Bounds on a tiny random model (near-flat logits, random weights: the worst case for
 # 4 bits): mean KL of the next-token distribution against float32, and the share of
 # greedy steps whose argmax agrees.
-# Measured: int8 2e-4 and 0.95-1.0, int4 0.027 and 0.55-0.75 (a real model's logits are
-# far more peaked: benchmarks/weight_quality.py measures the built-in one).
-BOUNDS = {"int8": (1e-3, 0.9), "int4": (0.06, 0.5)}
+# Measured: int8 2e-4 and 0.90-1.0 (18 to 20 of 20 steps, by thread count), int4 0.027 and
+# 0.55-0.75 (a real model's logits are far more peaked: benchmarks/weight_quality.py
+# measures the built-in one).
+BOUNDS = {"int8": (1e-3, 0.85), "int4": (0.06, 0.5)}
 
 
 def _weight(rows: int = 96, cols: int = 640, seed: int = 0) -> torch.Tensor:
@@ -121,7 +122,7 @@ def test_tiny_model_stays_close_to_float32(name, weights, tiny_models, make_driv
         kls.append(_kl(expected, recorded))
         agree.append(recorded.argmax(-1) == expected.argmax(-1))
     assert float(torch.cat(kls).mean()) < max_kl
-    assert float(torch.cat(agree).float().mean()) >= min_agree
+    assert torch.cat(agree).double().mean().item() >= min_agree
 
 
 def _on_grid(levels: int, group: int, seed: int = 3) -> torch.Tensor:
