@@ -53,8 +53,15 @@ class Sequence:
         self.extra_keys: tuple[object, ...] = ()
 
 
-def step_batch(kv: KVCacheManager, seqs: list[Sequence], start: int, num: int) -> StepBatch:
-    """Every sequence runs tokens ``[start, start + num)``, greedy; blocks are allocated."""
+def step_batch(
+    kv: KVCacheManager,
+    seqs: list[Sequence],
+    start: int,
+    num: int,
+    params: SamplingParams = GREEDY,
+) -> StepBatch:
+    """Every sequence runs tokens ``[start, start + num)`` (greedy unless ``params`` says
+    otherwise); their blocks are allocated."""
     items = []
     for seq in seqs:
         assert kv.allocate(seq, num) is not None, "the pool is too small for the workload"
@@ -65,7 +72,7 @@ def step_batch(kv: KVCacheManager, seqs: list[Sequence], start: int, num: int) -
                 start_position=start,
                 block_tables=kv.block_tables(seq.request_id),
                 sample=True,
-                params=GREEDY,
+                params=params,
                 output_index=0,
             )
         )

@@ -24,41 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _weight_modes import Sequence, step_batch
 from throughput import MODEL, make_checkpoint_off_main
 
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.models.executor import ModelExecutor
-from hybridkv.scheduler import SamplingParams, StepBatch, StepRequest
-
-
-class _Sequence:
-    """What the KV cache manager reads of a request."""
-
-    def __init__(self, request_id: str, tokens: list[int]) -> None:
-        self.request_id = request_id
-        self.all_token_ids = tokens
-        self.extra_keys: tuple[object, ...] = ()
-
-
-def _batch(
-    kv: KVCacheManager, seqs: list[_Sequence], start: int, num: int, params: SamplingParams
-) -> StepBatch:
-    """Every sequence runs tokens ``[start, start + num)``; their blocks are allocated."""
-    items = []
-    for seq in seqs:
-        assert kv.allocate(seq, num) is not None, "the pool is too small for the workload"
-        items.append(
-            StepRequest(
-                request_id=seq.request_id,
-                token_ids=seq.all_token_ids[start : start + num],
-                start_position=start,
-                block_tables=kv.block_tables(seq.request_id),
-                sample=True,
-                params=params,
-                output_index=0,
-            )
-        )
-    return StepBatch(tuple(items))
+from hybridkv.scheduler import SamplingParams
 
 
 def quartiles(values: list[float]) -> dict[str, float]:
@@ -100,18 +71,18 @@ def main() -> None:
     groups = {}
     for name in variants:
         seqs = [
-            _Sequence(f"{name}-{i}", [(i * 31 + j * 7) % vocab + 3 for j in range(total)])
+            Sequence(f"{name}-{i}", [(i * 31 + j * 7) % vocab + 3 for j in range(total)])
             for i in range(args.requests)
         ]
         for start in range(0, args.context, 256):  # prefill, untimed
             num = min(256, args.context - start)
-            executor.execute(_batch(kv, seqs, start, num, greedy))
+            executor.execute(step_batch(kv, seqs, start, num, greedy))
         groups[name] = seqs
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     for step in range(args.steps):
         for name, params in variants.items():
             seqs = groups[name]
-            batch = _batch(kv, seqs, args.context + step, 1, params)
+            batch = step_batch(kv, seqs, args.context + step, 1, params)
             begin = clock()
             executor.execute(batch)
             times[name].append(clock() - begin)

