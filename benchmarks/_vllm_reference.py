@@ -141,6 +141,10 @@ class ReferenceAllocator:
             self.num_running += 1
         return new
 
+    def spare_chunk(self, index: int, num_new: int, at_least: int) -> int:
+        """vLLM's scheduler never shortens a chunk to spare cached blocks."""
+        return num_new
+
     def extend(self, index: int, num_new: int) -> Any:
         request = self.requests[index]
         new = self.manager.allocate_slots(request, num_new)

@@ -81,6 +81,12 @@ class OursAllocator:
     def extend(self, index: int, num_new: int) -> Any:
         return self.manager.allocate(self.requests[index], num_new)
 
+    def spare_chunk(self, index: int, num_new: int, at_least: int) -> int:
+        """The engine planner's prefill chunk (``KVCacheManager.spare_chunk``), for the
+        request's next allocation (a first one resumes from its looked-up hit)."""
+        request = self.requests[index]
+        return self.manager.spare_chunk(request, num_new, self._hits.get(index), at_least=at_least)
+
     def append(self, index: int, token: int) -> None:
         self.requests[index].all_token_ids.append(token)
 

@@ -59,6 +59,11 @@ class FreeQueue:
     def __contains__(self, page: int) -> bool:
         return page in self._cold or page in self._warm or page in self._given_up
 
+    @property
+    def num_reusable(self) -> int:
+        """Free pages no kept prefix holds: taking up to this many evicts no prefix."""
+        return len(self._cold) + len(self._given_up)
+
     def is_kept(self, page: int) -> bool:
         """Whether some kept prefix holds ``page``."""
         return self._count[page] > 0

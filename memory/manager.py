@@ -124,6 +124,8 @@ class KVCacheManager:
         self._groups = tuple(range(len(self.policies)))
         self._retention = Retention(self.pool, self._kinds, block_size)
         self._requests: dict[str, RequestBlocks] = {}
+        # Some group lets pages go as a request advances (a window, a state).
+        self._releases_pages = any(_releases_pages(policy, block_size) for policy in kinds)
         self._hit_tokens = 0
         self._query_tokens = 0
 
@@ -236,6 +238,60 @@ class KVCacheManager:
             state.cache_mark = state.num_cached_blocks
             return NO_NEW_BLOCKS
         return self._extend(request, state, end)
+
+    def spare_chunk(
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        *,
+        at_least: int,
+    ) -> int:
+        """How many of the next ``num_new_tokens`` positions to allocate so that no kept
+        prefix gives up a page for them: ``num_new_tokens``, halved while a kept prefix
+        would, but not below ``at_least`` (``hit``: as for a first :meth:`allocate`).
+
+        Only where some group lets pages go as a request advances (a window, a state): a
+        prefill chunk holds more pages there during its step than after it, and a
+        resumable prefix of such a group is whole or lost, so a long chunk's extra pages
+        can cost a waiting request its whole hit while a short one fits in pages nobody
+        keeps. Where every group keeps every block, a shorter chunk would only delay the
+        same eviction: ``num_new_tokens`` is returned.
+        """
+        if num_new_tokens <= at_least or not self._releases_pages:
+            return num_new_tokens
+        spare = self.pool.num_reusable
+        most = (num_new_tokens // self.block_size + 2) * self.num_groups  # fresh pages, at most
+        if hit is not None:
+            most += sum(map(len, hit.block_tables))  # the hit's own pages may be unkept
+        if spare >= most:
+            return num_new_tokens  # the common case: pages nobody keeps are plenty
+        while num_new_tokens > at_least and self._num_taken(request, num_new_tokens, hit) > spare:
+            num_new_tokens = max(at_least, num_new_tokens // 2)
+        return num_new_tokens
+
+    def _num_taken(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None) -> int:
+        """Pages nobody keeps that :meth:`allocate` would take, less those it releases."""
+        bs, pool = self.block_size, self.pool
+        state = self._requests.get(request.request_id)
+        taken = 0
+        if state is None:
+            start = hit.num_tokens if hit is not None else 0
+            first = start // bs
+            if hit is not None and start:
+                taken = pool.num_reusable_in(hit.block_tables)
+        else:
+            start, first = state.num_tokens, len(state.tables[0])
+            if start >= state.min_release_at:
+                tables = state.tables
+                for g, i in state.release_scan(self._kinds, start, bs)[0]:
+                    page = tables[g][i]
+                    taken -= pool.ref_count(page) == 1 and not pool.is_kept(page)
+        end = start + num_new_tokens
+        num_new = cdiv(end, bs) - first
+        if num_new > 0:
+            taken += self._num_fresh(self._fresh_blocks(first, start, end), num_new)
+        return taken
 
     def admit_loading(
         self, request: KVRequest, hit: PrefixHit, num_tokens: int
@@ -469,3 +525,11 @@ class KVCacheManager:
         for page in range(1, self.pool.num_blocks):
             assert refs[page] == self.pool.ref_count(page), page
         self._retention.check_integrity([s.resumed.pinned for s in self._requests.values()])
+
+
+def _releases_pages(policy: MemoryPolicy, block_size: int) -> bool:
+    """Whether ``policy`` stops reading some block of a long request (see
+    :meth:`KVCacheManager.spare_chunk`)."""
+    num_blocks = 1 << 16
+    spans = policy.live_block_spans(num_blocks * block_size, block_size)
+    return spans[0][0] > 0 or len(spans) > 1

@@ -54,6 +54,11 @@ class BlockPool:
         """Pages that an allocation may take (cached free pages included)."""
         return len(self._free)
 
+    @property
+    def num_reusable(self) -> int:
+        """Free pages that no kept prefix holds (taken before any kept prefix's)."""
+        return self._free.num_reusable
+
     def ref_count(self, page: int) -> int:
         """References held on ``page`` by request tables."""
         return self._ref[page]
@@ -99,6 +104,13 @@ class BlockPool:
         """How many pages of these per-group tables are free (the null block skipped)."""
         ref = self._ref
         return sum(1 for table in tables for page in table if page and not ref[page])
+
+    def num_reusable_in(self, tables: Sequence[Sequence[int]]) -> int:
+        """How many pages of these per-group tables are free and held by no kept prefix."""
+        ref, is_kept = self._ref, self._free.is_kept
+        return sum(
+            1 for table in tables for page in table if page and not ref[page] and not is_kept(page)
+        )
 
     def allocate(self, num: int, group: int) -> list[int]:
         """Take ``num`` pages for ``group`` from the free queue, evicting their hashes.

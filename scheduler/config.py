@@ -55,6 +55,9 @@ class EngineConfig:
         max_prefill_chunk: Most prompt tokens one request runs in one step, so that several
             long prompts share a step and decodes are not starved; None: only the budget
             limits it. Prompts longer than what a step can take are always chunked.
+        min_prefill_chunk: Fewest prompt tokens a prefill chunk is shortened to so that
+            kept prefixes keep their pages, in a pool with window or state groups (see
+            ``KVCacheManager.spare_chunk``); a shorter prompt's chunk is never cut.
         max_waiting: Most requests waiting for admission; beyond it ``generate`` refuses.
         enable_prefix_caching: Reuse the pages of cached prompt prefixes.
         eos_token_ids: Tokens that end a request unless its params say ``ignore_eos``.
@@ -68,6 +71,7 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=256, validator=_at_least(1))
     max_num_batched_tokens: int = attrs.field(default=8192, validator=_at_least(1))
     max_prefill_chunk: int | None = attrs.field(default=None, validator=_optional_at_least_one)
+    min_prefill_chunk: int = attrs.field(default=256, validator=_at_least(1))
     max_waiting: int = attrs.field(default=4096, validator=_at_least(1))
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)

@@ -8,9 +8,11 @@ on its own. Order of business::
        up to ``prefill_chunk`` of a prompt) within the step's token budget; when the pool
        cannot supply it, the least urgent running request (largest priority, latest
        arrival) is preempted, repeatedly; a request that is itself the least urgent
-       halves its prefill chunk before it preempts itself. Requests of a step still in
-       flight (``in_step``) are neither planned nor preempted: their step has not been
-       applied, and their blocks are in use;
+       halves its prefill chunk before it preempts itself. A prefill chunk is first
+       shortened (not below ``min_prefill_chunk``) where a shorter one spares a kept
+       prefix its pages (``KVCacheManager.spare_chunk``: pools with window or state
+       groups). Requests of a step still in flight (``in_step``) are neither planned
+       nor preempted: their step has not been applied, and their blocks are in use;
     2. only if nobody was preempted: waiting requests, most urgent first, while the
        budget, ``max_num_seqs`` and the pool allow. Admission looks up the prefix cache
        and allocates every group at once; the first refusal ends admission (no
@@ -88,7 +90,7 @@ def plan_step(
     """
     cap = len(running) + len(waiting) if max_requests is None else max_requests
     budget = config.max_num_batched_tokens
-    chunk = config.prefill_chunk
+    chunk, floor = config.prefill_chunk, config.min_prefill_chunk
     scheduled: list[Request] = []
     items: list[StepRequest] = []
     preempted: list[Request] = []
@@ -101,6 +103,8 @@ def plan_step(
             i += 1
             continue
         num_new = min(len(request.all_token_ids) - request.num_computed_tokens, budget, chunk)
+        if num_new > floor:
+            num_new = kv.spare_chunk(request, num_new, at_least=floor)
         while allocate(request, num_new) is None:
             victim = _victim(running, i)
             if victim != i:
@@ -186,7 +190,9 @@ def _admit(
             loading.append(request)
             num_running += 1
             continue
-        num_new = _first_chunk(request, hit, min(budget, chunk), kv, is_alone=not num_running)
+        num_new = _first_chunk(
+            request, hit, min(budget, chunk), kv, config, is_alone=not num_running
+        )
         if num_new is None:
             if not num_running:  # the whole pool could not take one token: never will
                 rejected.append(request)
@@ -207,10 +213,18 @@ def _admit(
 
 
 def _first_chunk(
-    request: Request, hit: PrefixHit, limit: int, kv: KVCacheManager, *, is_alone: bool
+    request: Request,
+    hit: PrefixHit,
+    limit: int,
+    kv: KVCacheManager,
+    config: EngineConfig,
+    *,
+    is_alone: bool,
 ) -> int | None:
     """Allocate a newcomer's first chunk (at most ``limit`` tokens); its size, or None."""
     num_new = min(len(request.all_token_ids) - hit.num_tokens, limit)
+    if num_new > config.min_prefill_chunk:
+        num_new = kv.spare_chunk(request, num_new, hit, at_least=config.min_prefill_chunk)
     while kv.allocate(request, num_new, hit) is None:
         if not is_alone or num_new == 1:
             return None

@@ -253,3 +253,23 @@ def test_mamba_hit_needs_only_the_state_at_the_boundary(make_request) -> None:
     hit = mgr.lookup(make_request("b", [*range(12), 99]))
     assert hit.num_tokens == 12
     assert hit.block_tables == ((0, 0, 1),)
+
+
+def test_spare_chunk_fits_the_pages_nobody_keeps_and_never_goes_below_its_floor(
+    make_request,
+) -> None:
+    """A window pool's chunk is halved until its pages come from pages no kept prefix
+    holds, not below ``at_least``; a chunk at or under the floor is left alone."""
+    window = SlidingWindow(window=8)
+    mgr = KVCacheManager([FULL, window], num_blocks=25, block_size=4)
+    first = make_request("first", list(range(100, 124)))
+    admit(mgr, first)
+    mgr.free("first")  # its prefix is kept: 6 full-attention pages and the window's
+    assert mgr.pool.num_reusable < 24 - 6
+    long = make_request("long", list(range(40)))
+    hit = mgr.lookup(long)
+    assert mgr.spare_chunk(long, 40, hit, at_least=8) == 20  # 10 pages: fits
+    assert mgr.spare_chunk(long, 40, hit, at_least=32) == 32  # the floor
+    assert mgr.spare_chunk(long, 6, hit, at_least=8) == 6
+    alone = KVCacheManager([FULL], num_blocks=25, block_size=4)
+    assert alone.spare_chunk(make_request("x", list(range(40))), 40, at_least=8) == 40

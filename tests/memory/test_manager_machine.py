@@ -86,7 +86,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             [dict(pool.cached_blocks(g)) for g in range(len(self.POLICIES))],
         )
 
-    def allocate(self, req: Req, num: int, admit: bool) -> bool:
+    def allocate(self, req: Req, num: int, admit: bool, spare: int = 0) -> bool:
+        """Allocate ``num`` tokens (``spare``: first shortened by ``spare_chunk`` with
+        ``at_least=spare``, as the planner does) and check what the pool gave."""
         before = self.snapshot()
         pool = self.mgr.pool
         held_by_others = {
@@ -109,9 +111,15 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.check_hit_content(req, hit.block_tables)
             hit_pages = {p for table in hit.block_tables for p in table}
             start = hit.num_tokens
+            asked = num
+            if spare:
+                num = self.mgr.spare_chunk(req, num, hit, at_least=spare)
             new = self.mgr.allocate(req, num, hit)
         else:
             start = req.end
+            asked = num
+            if spare:
+                num = self.mgr.spare_chunk(req, num, at_least=spare)
             new = self.mgr.allocate(req, num)
         if new is None:
             assert self.snapshot() == before, "a failed allocation changed state"
@@ -122,6 +130,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert cold <= taken | hit_pages, "a kept page went before an unneeded one"
         if taken & pinned_only:  # a resumed prefix gave up pages: no other could free one
             assert idle_only <= taken | hit_pages, "a pinned prefix went first"
+        if spare and spare < num < asked:  # shortened, above the floor: it had to fit
+            assert not taken & kept, "a spared chunk took a kept prefix's page"
         for group, pages in enumerate(new):
             for page in pages:
                 self.content[group].pop(page, None)
@@ -154,18 +164,20 @@ class AllocatorMachine(RuleBasedStateMachine):
         prefix=st.sampled_from(PREFIXES),
         tail=st.lists(st.integers(0, 3), min_size=1, max_size=12),
         chunk=st.integers(1, 16),
+        spare=st.sampled_from((0, 0, 1, 2, 5)),
     )
-    def admit(self, prefix: tuple[int, ...], tail: list[int], chunk: int) -> None:
+    def admit(self, prefix: tuple[int, ...], tail: list[int], chunk: int, spare: int) -> None:
         self.count += 1
         tokens = [*prefix, *tail]
-        self.allocate(Req(f"r{self.count}", tokens, prompt_len=len(tokens)), chunk, admit=True)
+        req = Req(f"r{self.count}", tokens, prompt_len=len(tokens))
+        self.allocate(req, chunk, admit=True, spare=spare)
 
     @precondition(lambda self: any(r.end < r.prompt_len for r in self.running.values()))
-    @rule(data=st.data(), chunk=st.integers(1, 16))
-    def extend_prefill(self, data: st.DataObject, chunk: int) -> None:
+    @rule(data=st.data(), chunk=st.integers(1, 16), spare=st.sampled_from((0, 0, 1, 2, 5)))
+    def extend_prefill(self, data: st.DataObject, chunk: int, spare: int) -> None:
         todo = sorted(r for r, q in self.running.items() if q.end < q.prompt_len)
         req = self.running[data.draw(st.sampled_from(todo))]
-        self.allocate(req, min(chunk, req.prompt_len - req.end), admit=False)
+        self.allocate(req, min(chunk, req.prompt_len - req.end), admit=False, spare=spare)
 
     @precondition(lambda self: any(r.end >= r.prompt_len for r in self.running.values()))
     @rule(data=st.data(), token=st.integers(0, 3))

@@ -30,6 +30,7 @@ BASE: dict[str, Any] = {
         ("max_num_seqs", 0),
         ("max_num_batched_tokens", -1),
         ("max_prefill_chunk", 0),
+        ("min_prefill_chunk", 0),
         ("max_waiting", 0),
         ("max_model_len", True),
     ],

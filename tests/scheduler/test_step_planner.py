@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridkv.policies import FullAttention
+from hybridkv.policies import FullAttention, SlidingWindow
 from hybridkv.scheduler import EngineConfig, SamplingParams
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.fake import CollectingSink, FakeExecutor
@@ -166,3 +166,48 @@ def test_prefix_hit_starts_admission_after_the_cached_blocks() -> None:
     item = plan.batch.requests[-1]
     assert item.request_id == "b" and item.start_position == 20
     assert b.num_cached_tokens == 20
+
+
+def _chat_then_long_prompt(min_prefill_chunk: int) -> tuple[list[int], int]:
+    """Run a chat turn, then a long unrelated prompt in a tight hybrid pool, then the chat's
+    next turn; returns the long prompt's chunk sizes and the next turn's cached tokens."""
+    core = make_core(
+        policies=[FullAttention(), SlidingWindow(window=8)],
+        num_blocks=25,
+        min_prefill_chunk=min_prefill_chunk,
+    )
+    fake = FakeExecutor.for_config(core.config)
+    turn = list(range(100, 124))
+    params = SamplingParams(max_tokens=1)
+    core.add_request(turn, params, CollectingSink(), request_id="turn1")
+    while core.has_work:
+        step(core, fake)
+    add(core, "long", 40, max_tokens=1)
+    chunks = []
+    while core.has_work:
+        chunks += [item.num_tokens for item in step(core, fake).batch.requests]
+    # The next turn: the first one's 24 computed tokens (its sample is never computed).
+    nxt = core.add_request([*turn, 1, 2, 3, 4], params, CollectingSink(), request_id="turn2")
+    core.plan()
+    return chunks, nxt.num_cached_tokens
+
+
+def test_a_short_chunk_spares_a_kept_prefix_in_a_window_pool() -> None:
+    """With sliding-window groups a prefill chunk holds a window's pages more during its step
+    than after it; where pages nobody keeps are too few for that, the planner runs a
+    shorter chunk rather than evict a chat's kept prefix, and the chat's next turn hits."""
+    spared_chunks, spared_hit = _chat_then_long_prompt(min_prefill_chunk=8)
+    whole_chunks, whole_hit = _chat_then_long_prompt(min_prefill_chunk=64)
+    assert whole_chunks == [40] and whole_hit == 0  # one chunk: the prefix was evicted
+    assert spared_chunks == [20, 10, 10] and spared_hit == 24
+
+
+def test_full_attention_chunks_are_never_shortened_to_spare_prefixes() -> None:
+    """Where every group keeps every block a shorter chunk would only delay the eviction."""
+    core = make_core(num_blocks=20, min_prefill_chunk=4)
+    fake = FakeExecutor.for_config(core.config)
+    add(core, "a", 32, max_tokens=1)
+    while core.has_work:
+        step(core, fake)
+    add(core, "b", 40, max_tokens=1)
+    assert [item.num_tokens for item in core.plan().batch.requests] == [40]
