@@ -28,11 +28,13 @@ first (chunked prefill within a token budget, one token per decode; when one can
 grow, the newest other running request is preempted and recomputed later), then
 admissions in queue order, each with a prefix lookup. A prefill chunk is first shortened
 as the planner does (``KVCacheManager.spare_chunk``, not below ``--min-chunk``) where a
-shorter one spares a kept prefix its pages; vLLM's scheduler never does. Printed: the prefix hit rate of
-turns 2 to the last (cached prompt tokens over prompt tokens, at each turn's first
-admission) per layout and occupancy, and the allocator's time per step
-(``perf_counter_ns`` around each of the step's calls to it, appending sampled tokens
-included as in ``allocator.py``: vLLM hashes blocks there; mean over steps). Under the hit
+shorter one spares a kept prefix its pages; vLLM's scheduler never does.
+
+Printed: the prefix hit rate of turns 2 to the last (cached prompt tokens over prompt
+tokens, at each turn's first admission) per layout and occupancy, and the allocator's
+time per step (``perf_counter_ns`` around each of the step's calls to it, appending
+sampled tokens included as in ``allocator.py``: vLLM hashes blocks there; mean over
+steps). Under the hit
 rates, a *capacity estimate* per layout (``capacity_estimate``): what an eviction order
 could reach if the pool could be shared out among the waiting sessions' prefixes at will.
 With ``--per-turn``, also each turn's hit rate and the pages the sessions' prefixes need

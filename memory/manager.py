@@ -18,73 +18,30 @@ request can resume from needs them, is decided in ``hybridkv.memory.retention``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
-import attrs
-
-from hybridkv.errors import HybridKVError
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.hashing import BlockHash, BlockHasher
+from hybridkv.memory.interface import (
+    NO_NEW_BLOCKS,
+    KVRequest,
+    KVUsage,
+    PrefixHit,
+    StaleHitError,
+)
 from hybridkv.memory.pool import NULL_BLOCK, BlockPool
 from hybridkv.memory.request_blocks import Kind, RequestBlocks
 from hybridkv.memory.retention import Retention
+from hybridkv.memory.step_pages import StepPages
 from hybridkv.policies.base import MemoryPolicy, cdiv
 
-
-class StaleHitError(HybridKVError):
-    """A prefix hit was used after the pages it named were reused; look it up again."""
-
-
-class KVRequest(Protocol):
-    """What the manager reads of a request."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def all_token_ids(self) -> Sequence[int]: ...
-
-    @property
-    def extra_keys(self) -> tuple[object, ...]: ...
-
-
-@attrs.frozen
-class PrefixHit:
-    """The longest cached prefix usable by every group (from :meth:`KVCacheManager.lookup`).
-
-    Attributes:
-        num_tokens: Cached tokens, a multiple of the block size; at least one prompt token
-            is always left to compute.
-        block_tables: Per group, the table of the hit: the blocks the policy needs to
-            resume, the null block elsewhere.
-        hashes: The request's block hashes computed so far (kept, not recomputed).
-    """
-
-    num_tokens: int
-    block_tables: tuple[tuple[int, ...], ...]
-    hashes: list[BlockHash] = attrs.field(eq=False, repr=False)
-
-
-@attrs.frozen(kw_only=True)
-class KVUsage:
-    """A snapshot of pool usage and prefix-cache counters."""
-
-    num_blocks: int
-    num_free_blocks: int
-    blocks_used_per_group: tuple[int, ...]
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Cached prompt tokens over prompt tokens looked up, at admission."""
-        if not self.prefix_query_tokens:
-            return 0.0
-        return self.prefix_hit_tokens / self.prefix_query_tokens
-
-
-#: Returned by an allocation that took no page (most decode steps).
-NO_NEW_BLOCKS: tuple[list[int], ...] = ()
+__all__ = [
+    "NO_NEW_BLOCKS",
+    "KVCacheManager",
+    "KVRequest",
+    "KVUsage",
+    "PrefixHit",
+    "StaleHitError",
+]
 
 
 class KVCacheManager:
@@ -124,8 +81,7 @@ class KVCacheManager:
         self._groups = tuple(range(len(self.policies)))
         self._retention = Retention(self.pool, self._kinds, block_size)
         self._requests: dict[str, RequestBlocks] = {}
-        # Some group lets pages go as a request advances (a window, a state).
-        self._releases_pages = any(_releases_pages(policy, block_size) for policy in kinds)
+        self._pages = StepPages(self.pool, self._kinds, block_size)
         self._hit_tokens = 0
         self._query_tokens = 0
 
@@ -258,7 +214,7 @@ class KVCacheManager:
         keeps. Where every group keeps every block, a shorter chunk would only delay the
         same eviction: ``num_new_tokens`` is returned.
         """
-        if num_new_tokens <= at_least or not self._releases_pages:
+        if num_new_tokens <= at_least or not self._pages.releases_pages:
             return num_new_tokens
         spare = self.pool.num_reusable
         most = (num_new_tokens // self.block_size + 2) * self.num_groups  # fresh pages, at most
@@ -266,32 +222,11 @@ class KVCacheManager:
             most += sum(map(len, hit.block_tables))  # the hit's own pages may be unkept
         if spare >= most:
             return num_new_tokens  # the common case: pages nobody keeps are plenty
-        while num_new_tokens > at_least and self._num_taken(request, num_new_tokens, hit) > spare:
+        state = self._requests.get(request.request_id)
+        taken = self._pages.num_taken
+        while num_new_tokens > at_least and taken(state, num_new_tokens, hit) > spare:
             num_new_tokens = max(at_least, num_new_tokens // 2)
         return num_new_tokens
-
-    def _num_taken(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None) -> int:
-        """Pages nobody keeps that :meth:`allocate` would take, less those it releases."""
-        bs, pool = self.block_size, self.pool
-        state = self._requests.get(request.request_id)
-        taken = 0
-        if state is None:
-            start = hit.num_tokens if hit is not None else 0
-            first = start // bs
-            if hit is not None and start:
-                taken = pool.num_reusable_in(hit.block_tables)
-        else:
-            start, first = state.num_tokens, len(state.tables[0])
-            if start >= state.min_release_at:
-                tables = state.tables
-                for g, i in state.release_scan(self._kinds, start, bs)[0]:
-                    page = tables[g][i]
-                    taken -= pool.ref_count(page) == 1 and not pool.is_kept(page)
-        end = start + num_new_tokens
-        num_new = cdiv(end, bs) - first
-        if num_new > 0:
-            taken += self._num_fresh(self._fresh_blocks(first, start, end), num_new)
-        return taken
 
     def admit_loading(
         self, request: KVRequest, hit: PrefixHit, num_tokens: int
@@ -352,11 +287,11 @@ class KVCacheManager:
         tables = state.tables
         wanted = None
         if num_new > 0:
-            wanted = self._fresh_blocks(len(tables[0]), n, end)
+            wanted = self._pages.wanted(len(tables[0]), n, end)
             num_freed = 0
             for g, i in dead:
                 num_freed += pool.ref_count(tables[g][i]) == 1
-            if self._num_fresh(wanted, num_new) > pool.num_free + num_freed:
+            if self._pages.count(wanted, num_new) > pool.num_free + num_freed:
                 return None
         # Commit: release first (tail first), then take fresh pages.
         if n >= state.min_release_at:
@@ -367,7 +302,7 @@ class KVCacheManager:
             state.advance_release(scanned)
         new_pages: tuple[list[int], ...] = NO_NEW_BLOCKS
         if num_new > 0:
-            new_pages = self._take_fresh(state.tables, wanted, num_new)
+            new_pages = self._pages.take(state.tables, wanted, num_new)
             state.capacity = len(state.tables[0]) * bs
         state.num_tokens = end
         self._cache_full_blocks(request, state)
@@ -382,12 +317,12 @@ class KVCacheManager:
         end = num_hit + num_new_tokens
         num_new = cdiv(end, bs) - hit_blocks
         hashes = hit.hashes if hit is not None else []
-        wanted = self._fresh_blocks(hit_blocks, num_hit, end)
+        wanted = self._pages.wanted(hit_blocks, num_hit, end)
         num_hit_free = 0
         if hit is not None and num_hit:
             self._check_hit(hit)
             num_hit_free = pool.num_free_in(hit.block_tables)
-        if self._num_fresh(wanted, num_new) + num_hit_free > pool.num_free:
+        if self._pages.count(wanted, num_new) + num_hit_free > pool.num_free:
             return None
         # Commit: claim every group's cached pages before any group takes a fresh one.
         if hit is not None and num_hit:
@@ -395,7 +330,7 @@ class KVCacheManager:
             pool.take_tables(tables)
         else:
             tables = [[] for _ in self._groups]
-        new_pages = self._take_fresh(tables, wanted, num_new)
+        new_pages = self._pages.take(tables, wanted, num_new)
         num_kinds = len(self._kinds)
         state = RequestBlocks(
             tables=tables,
@@ -419,44 +354,6 @@ class KVCacheManager:
             self._hit_tokens += num_hit
             self._query_tokens += len(request.all_token_ids)
         return new_pages
-
-    def _fresh_blocks(self, first: int, start: int, end: int) -> list[list[int]] | None:
-        """Per group, the blocks from ``first`` on that take a fresh page in a step over
-        ``[start, end)`` (``MemoryPolicy.page_blocks``); None when every group takes one
-        for each block (K/V groups only, or a decode: the common case)."""
-        by_kind = [p.page_blocks(start, end, self.block_size) for p, _ in self._kinds]
-        if all(blocks is None for blocks in by_kind):
-            return None
-        every = list(range(first, cdiv(end, self.block_size)))
-        wanted: list[list[int]] = [every] * self.num_groups
-        for blocks, (_, groups) in zip(by_kind, self._kinds, strict=True):
-            if blocks is not None:
-                for group in groups:
-                    wanted[group] = [i for i in blocks if i >= first]
-        return None if all(len(w) == len(every) for w in wanted) else wanted
-
-    def _num_fresh(self, wanted: list[list[int]] | None, num_new: int) -> int:
-        """Fresh pages a step takes, over every group."""
-        return num_new * self.num_groups if wanted is None else sum(map(len, wanted))
-
-    def _take_fresh(
-        self, tables: list[list[int]], wanted: list[list[int]] | None, num_new: int
-    ) -> tuple[list[int], ...]:
-        """Extend every table by ``num_new`` blocks: a fresh page where ``wanted`` (every
-        block when None), the null block elsewhere. Returns the pages, per group."""
-        if wanted is None:
-            new_pages = self.pool.allocate_groups(num_new, self._groups)
-            for table, pages in zip(tables, new_pages, strict=True):
-                table.extend(pages)
-            return new_pages
-        out = []
-        for group, (table, blocks) in enumerate(zip(tables, wanted, strict=True)):
-            table.extend([NULL_BLOCK] * num_new)
-            pages = self.pool.allocate(len(blocks), group) if blocks else []
-            for i, page in zip(blocks, pages, strict=True):
-                table[i] = page
-            out.append(pages)
-        return tuple(out)
 
     def _check_hit(self, hit: PrefixHit) -> None:
         for group, table in enumerate(hit.block_tables):
@@ -525,11 +422,3 @@ class KVCacheManager:
         for page in range(1, self.pool.num_blocks):
             assert refs[page] == self.pool.ref_count(page), page
         self._retention.check_integrity([s.resumed.pinned for s in self._requests.values()])
-
-
-def _releases_pages(policy: MemoryPolicy, block_size: int) -> bool:
-    """Whether ``policy`` stops reading some block of a long request (see
-    :meth:`KVCacheManager.spare_chunk`)."""
-    num_blocks = 1 << 16
-    spans = policy.live_block_spans(num_blocks * block_size, block_size)
-    return spans[0][0] > 0 or len(spans) > 1

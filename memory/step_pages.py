@@ -1,0 +1,112 @@
+"""Which fresh pages a step over ``[start, end)`` takes in each group, and how many.
+
+Most steps take a page for each new block in every group. A policy that keeps its state
+in pages (``MemoryPolicy.page_blocks``) takes one only where the step leaves a state, and
+its groups' tables hold the null page elsewhere::
+
+    step over tokens [16, 48), bs=16, first new block 1
+    full attention        blocks 1 2   -> 2 fresh pages
+    mamba-like            block    2   -> 1 fresh page (the state after token 47)
+
+The KV cache manager counts with these before it commits (check, then mutate), and the
+planner asks how many free pages nobody keeps a chunk would take
+(``KVCacheManager.spare_chunk``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.memory.interface import PrefixHit
+from hybridkv.memory.pool import NULL_BLOCK, BlockPool
+from hybridkv.memory.request_blocks import Kind, RequestBlocks
+from hybridkv.policies.base import MemoryPolicy, cdiv
+
+
+class StepPages:
+    """The page arithmetic of one step, over every group of a pool.
+
+    Args:
+        pool: The pool pages come from.
+        kinds: Each distinct policy with the groups that use it.
+        block_size: Tokens per block.
+    """
+
+    def __init__(self, pool: BlockPool, kinds: Sequence[Kind], block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._kinds = list(kinds)
+        self.num_groups = sum(len(groups) for _, groups in kinds)
+        self._groups = tuple(range(self.num_groups))
+        #: Some group lets pages go as a request advances (a window, a state).
+        self.releases_pages = any(_releases_pages(policy, block_size) for policy, _ in kinds)
+
+    def wanted(self, first: int, start: int, end: int) -> list[list[int]] | None:
+        """Per group, the blocks from ``first`` on that take a fresh page in a step over
+        ``[start, end)``; None when every group takes one for each block (K/V groups
+        only, or a decode: the common case)."""
+        by_kind = [p.page_blocks(start, end, self.block_size) for p, _ in self._kinds]
+        if all(blocks is None for blocks in by_kind):
+            return None
+        every = list(range(first, cdiv(end, self.block_size)))
+        wanted: list[list[int]] = [every] * self.num_groups
+        for blocks, (_, groups) in zip(by_kind, self._kinds, strict=True):
+            if blocks is not None:
+                for group in groups:
+                    wanted[group] = [i for i in blocks if i >= first]
+        return None if all(len(w) == len(every) for w in wanted) else wanted
+
+    def count(self, wanted: list[list[int]] | None, num_new: int) -> int:
+        """Fresh pages a step takes, over every group (``num_new`` blocks per table)."""
+        return num_new * self.num_groups if wanted is None else sum(map(len, wanted))
+
+    def take(
+        self, tables: list[list[int]], wanted: list[list[int]] | None, num_new: int
+    ) -> tuple[list[int], ...]:
+        """Extend every table by ``num_new`` blocks: a fresh page where ``wanted`` (every
+        block when None), the null block elsewhere. Returns the pages, per group."""
+        if wanted is None:
+            new_pages = self.pool.allocate_groups(num_new, self._groups)
+            for table, pages in zip(tables, new_pages, strict=True):
+                table.extend(pages)
+            return new_pages
+        out = []
+        for group, (table, blocks) in enumerate(zip(tables, wanted, strict=True)):
+            table.extend([NULL_BLOCK] * num_new)
+            pages = self.pool.allocate(len(blocks), group) if blocks else []
+            for i, page in zip(blocks, pages, strict=True):
+                table[i] = page
+            out.append(pages)
+        return tuple(out)
+
+    def num_taken(
+        self, state: RequestBlocks | None, num_new_tokens: int, hit: PrefixHit | None
+    ) -> int:
+        """Free pages nobody keeps that a step of ``num_new_tokens`` would take, less those
+        it releases: for a running request's ``state``, or a newcomer resuming ``hit``."""
+        bs, pool = self.block_size, self.pool
+        taken = 0
+        if state is None:
+            start = hit.num_tokens if hit is not None else 0
+            first = start // bs
+            if hit is not None and start:
+                taken = pool.num_reusable_in(hit.block_tables)
+        else:
+            start, first = state.num_tokens, len(state.tables[0])
+            if start >= state.min_release_at:
+                tables = state.tables
+                for g, i in state.release_scan(self._kinds, start, bs)[0]:
+                    page = tables[g][i]
+                    taken -= pool.ref_count(page) == 1 and not pool.is_kept(page)
+        end = start + num_new_tokens
+        num_new = cdiv(end, bs) - first
+        if num_new > 0:
+            taken += self.count(self.wanted(first, start, end), num_new)
+        return taken
+
+
+def _releases_pages(policy: MemoryPolicy, block_size: int) -> bool:
+    """Whether ``policy`` stops reading some block of a long request."""
+    num_blocks = 1 << 16
+    spans = policy.live_block_spans(num_blocks * block_size, block_size)
+    return spans[0][0] > 0 or len(spans) > 1
