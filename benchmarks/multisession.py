@@ -56,6 +56,7 @@ through any allocator with ``OursAllocator``'s verbs (``make(groups, num_blocks)
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import random
@@ -316,11 +317,19 @@ def allocators(args: argparse.Namespace) -> dict[str, Any]:
     if args.reference_src:
         import _vllm_reference
 
-        vllm = _vllm_reference.load(args.reference_src)
+        vllm = _load_reference(args.reference_src)
         out[f"vLLM {vllm.version}"] = lambda groups, num: _vllm_reference.ReferenceAllocator(
             vllm, groups, num, BLOCK_SIZE, **kw
         )
     return out
+
+
+@functools.cache
+def _load_reference(src: str) -> Any:
+    """vLLM's modules from ``src``, imported once (both working-set definitions use them)."""
+    import _vllm_reference
+
+    return _vllm_reference.load(src)
 
 
 def measure(make: Any, groups: list[dict[str, Any]], occupancy: float, args: Any) -> Any:
