@@ -207,12 +207,14 @@ class KVCacheManager:
         prefix gives up a page for them: ``num_new_tokens``, halved while a kept prefix
         would, but not below ``at_least`` (``hit``: as for a first :meth:`allocate`).
 
-        Only where some group lets pages go as a request advances (a window, a state): a
-        prefill chunk holds more pages there during its step than after it, and a
-        resumable prefix of such a group is whole or lost, so a long chunk's extra pages
-        can cost a waiting request its whole hit while a short one fits in pages nobody
-        keeps. Where every group keeps every block, a shorter chunk would only delay the
-        same eviction: ``num_new_tokens`` is returned.
+        Only where some K/V group stops reading blocks as a request advances (a window, a
+        user's policy that drops blocks): a prefill chunk holds more pages there during
+        its step than after it, and a resumable prefix of such a group is whole or lost,
+        so a long chunk's extra pages can cost a waiting request its whole hit while a
+        short one fits in pages nobody keeps. Where every K/V group keeps every block, a
+        shorter chunk would only delay the same eviction (a state group takes a page only
+        where a step leaves a state, so it adds next to nothing): ``num_new_tokens`` is
+        returned.
         """
         if num_new_tokens <= at_least or not self._pages.releases_pages:
             return num_new_tokens

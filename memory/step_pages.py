@@ -38,7 +38,7 @@ class StepPages:
         self._kinds = list(kinds)
         self.num_groups = sum(len(groups) for _, groups in kinds)
         self._groups = tuple(range(self.num_groups))
-        #: Some group lets pages go as a request advances (a window, a state).
+        #: Some K/V group stops reading blocks as a request advances (a window).
         self.releases_pages = any(_releases_pages(policy, block_size) for policy, _ in kinds)
 
     def wanted(self, first: int, start: int, end: int) -> list[list[int]] | None:
@@ -106,7 +106,9 @@ class StepPages:
 
 
 def _releases_pages(policy: MemoryPolicy, block_size: int) -> bool:
-    """Whether ``policy`` stops reading some block of a long request."""
+    """Whether ``policy`` keeps K/V and stops reading some block of a long request."""
+    if policy.keeps_state:
+        return False
     num_blocks = 1 << 16
     spans = policy.live_block_spans(num_blocks * block_size, block_size)
     return spans[0][0] > 0 or len(spans) > 1

@@ -56,7 +56,7 @@ class EngineConfig:
             long prompts share a step and decodes are not starved; None: only the budget
             limits it. Prompts longer than what a step can take are always chunked.
         min_prefill_chunk: Fewest prompt tokens a prefill chunk is shortened to so that
-            kept prefixes keep their pages, in a pool with window or state groups (see
+            kept prefixes keep their pages, in a pool with sliding-window groups (see
             ``KVCacheManager.spare_chunk``); a shorter prompt's chunk is never cut.
         max_waiting: Most requests waiting for admission; beyond it ``generate`` refuses.
         enable_prefix_caching: Reuse the pages of cached prompt prefixes.

@@ -10,7 +10,7 @@ on its own. Order of business::
        arrival) is preempted, repeatedly; a request that is itself the least urgent
        halves its prefill chunk before it preempts itself. A prefill chunk is first
        shortened (not below ``min_prefill_chunk``) where a shorter one spares a kept
-       prefix its pages (``KVCacheManager.spare_chunk``: pools with window or state
+       prefix its pages (``KVCacheManager.spare_chunk``: pools with sliding-window
        groups). Requests of a step still in flight (``in_step``) are neither planned
        nor preempted: their step has not been applied, and their blocks are in use;
     2. only if nobody was preempted: waiting requests, most urgent first, while the
