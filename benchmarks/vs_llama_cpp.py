@@ -100,9 +100,18 @@ def _wait_ready(port: int, process: subprocess.Popen[bytes], timeout_s: float = 
 
 
 def drive(
-    port: int, prompt: int, concurrency: int, requests: int, out: Path, output: int = OUTPUT_TOKENS
+    port: int,
+    prompt: int,
+    concurrency: int,
+    requests: int,
+    out: Path,
+    *,
+    seed: int,
+    output: int = OUTPUT_TOKENS,
 ) -> dict[str, float]:
-    """One guidellm run; the metrics of :data:`METRICS`."""
+    """One guidellm run; the metrics of :data:`METRICS`. ``seed`` picks the synthetic
+    prompts: equal for both servers in a round, new for every workload and round, so no
+    run's prompts are already in a server's prompt cache from the warm-up or a repeat."""
     guidellm = llama_peers.guidellm()
     assert guidellm is not None
     from _weight_modes import builtin_folder
@@ -122,6 +131,7 @@ def drive(
          "--profile", f"kind=concurrent,streams={concurrency}",
          "--constraint", f"kind=max_requests,count={requests}",
          "--data", f"kind=synthetic_text,prompt_tokens={prompt},output_tokens={output}",
+         "--seed", f"kind=static,value={seed}",
          "--tokenizer", f"kind=huggingface_auto,model={builtin_folder()}",
          "--output", f"kind=json,path={out}", "--disable-console"],
         check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -155,13 +165,19 @@ def main() -> None:
                 command = server_command(name, args, gguf, server)
                 with running(command, PORTS[name], folder / f"{name}.log"):
                     # Untimed: first calls pay allocations and page faults (tens of s).
-                    drive(PORTS[name], 1024, SLOTS, SLOTS, folder / "warmup.json", output=8)
-                    for prompt, concurrency in WORKLOADS:
+                    warmup = folder / "warmup.json"
+                    drive(PORTS[name], 1024, SLOTS, SLOTS, warmup, seed=0, output=8)
+                    for seed, (prompt, concurrency) in enumerate(WORKLOADS, 1):
                         key = f"{prompt} in, {OUTPUT_TOKENS} out, {concurrency} at a time"
                         requests = max(4, concurrency * args.requests_per_stream)
                         out = folder / f"{name}-{round_}-{prompt}-{concurrency}.json"
                         runs.setdefault(key, {})[name] = drive(
-                            PORTS[name], prompt, concurrency, requests, out
+                            PORTS[name],
+                            prompt,
+                            concurrency,
+                            requests,
+                            out,
+                            seed=round_ * len(WORKLOADS) + seed,
                         )
                         print(f"round {round_ + 1} {name:9s} {key}: {runs[key][name]}", flush=True)
             for key, pair in runs.items():
