@@ -182,6 +182,7 @@ class ModelExecutor:
                 config, checkpoint.architecture, tensors, target, layers=layers
             )
             quantize_linears(model, weights, device=target)
+            model.fuse_projections()
             return model
 
         model = thread.run(load)

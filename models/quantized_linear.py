@@ -4,7 +4,12 @@ weight-only CPU kernels.
     Int8Linear   w ~ q * scale            q int8 [N, K], one float scale per output row
     Int4Linear   w ~ (q - 8) * s + z      q 4-bit [N, K], (s, z) per row and group of 32
                                           inputs, packed as ``_weight_int4pack_mm_for_cpu``
-                                          reads it
+                                          reads it, and two levels a byte in row order
+
+torch packs int4 weights for its kernel in a layout that depends on the CPU (blocks of
+32 output rows with AVX2, of 64 with AVX-512, the rows of a last partial block paired
+otherwise), so the many-rows path and joining layers (``fused_linear.py``) read the
+levels from the row-order copy, never from the kernel's packing.
 
 A few rows (decode: one per request) go through ``aten._weight_int8pack_mm`` /
 ``aten._weight_int4pack_mm_for_cpu``, which read the small weights directly; the kernels
@@ -17,6 +22,7 @@ through the ordinary matmul, never holding a whole float copy of a large matrix.
 from __future__ import annotations
 
 import abc
+from typing import Self
 
 import torch
 from torch import nn
@@ -25,7 +31,7 @@ from torch import nn
 DEQUANT_ROWS = 32
 #: Inputs per int4 scale/zero pair (llama.cpp's Q4 sub-blocks are 32 too).
 INT4_GROUP = 32
-#: Output rows per block of the int4 kernel's packed layout.
+#: The int4 kernel packs output rows in multiples of this (blocks of 32 or 64 by CPU).
 _INT4_ROWS = 32
 #: Output rows expanded at a time on the many-rows path (bounds the float copy).
 _SLICE_ROWS = 8192
@@ -62,9 +68,19 @@ class QuantizedLinear(nn.Module):
     def expand(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Output rows ``start .. stop-1`` of ``W`` as ``dtype`` ``[stop - start, K]``."""
 
+    @classmethod
+    @abc.abstractmethod
+    def cat_rows(cls, parts: list[Self], bias: torch.Tensor | None) -> Self:
+        """One layer whose output rows are those of ``parts`` in order (one input
+        width), from their stored form: no weight is quantised again."""
+
     def weight_bytes(self) -> int:
-        """Bytes of weights (and their scales) one full pass reads."""
-        return sum(t.numel() * t.element_size() for t in self.buffers() if t is not self.bias)
+        """Bytes of weights (and their scales) one decode pass reads."""
+        return sum(t.numel() * t.element_size() for t in self.kernel_buffers())
+
+    @abc.abstractmethod
+    def kernel_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers the weight-only kernel reads."""
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -95,11 +111,25 @@ class Int8Linear(QuantizedLinear):
         scales = self.scales[start:stop, None].float()
         return (self.qweight[start:stop].to(torch.float32) * scales).to(dtype)
 
+    def kernel_buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.qweight, self.scales)
+
+    @classmethod
+    def cat_rows(cls, parts: list[Int8Linear], bias: torch.Tensor | None) -> Int8Linear:
+        out = cls.__new__(cls)
+        QuantizedLinear.__init__(
+            out, parts[0].in_features, sum(p.out_features for p in parts), bias
+        )
+        out.register_buffer("qweight", torch.cat([p.qweight for p in parts]))
+        out.register_buffer("scales", torch.cat([p.scales for p in parts]))
+        return out
+
 
 class Int4Linear(QuantizedLinear):
     """Asymmetric 4-bit weights, a bfloat16 (scale, zero) per row and group of inputs."""
 
     packed: torch.Tensor
+    levels: torch.Tensor
     scales_zeros: torch.Tensor
 
     def __init__(
@@ -124,12 +154,16 @@ class Int4Linear(QuantizedLinear):
         q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
         # The kernel computes (q - 8) * scale + zero.
         zeros = low + 8.0 * scales
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).reshape(out_features, in_features), 1
-        )
-        self.register_buffer("packed", packed)
         pairs = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_zeros", pairs.to(torch.bfloat16))
+        self._store(q.reshape(out_features, in_features), pairs.to(torch.bfloat16))
+
+    def _store(self, q: torch.Tensor, scales_zeros: torch.Tensor) -> None:
+        """Keep levels ``q`` ``[N, K]`` (0..15) in both layouts, and their scales."""
+        q = q.to(torch.uint8)
+        self.register_buffer("levels", q[:, 0::2] | (q[:, 1::2] << 4))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
 
     def matmul_bf16(self, rows: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -138,7 +172,21 @@ class Int4Linear(QuantizedLinear):
         return out
 
     def expand(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        return unpack_int4(self.packed[start:stop], self.scales_zeros[:, start:stop]).to(dtype)
+        return unpack_int4(self.levels[start:stop], self.scales_zeros[:, start:stop]).to(dtype)
+
+    def kernel_buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.scales_zeros)
+
+    @classmethod
+    def cat_rows(cls, parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
+        out = cls.__new__(cls)
+        QuantizedLinear.__init__(
+            out, parts[0].in_features, sum(p.out_features for p in parts), bias
+        )
+        levels = torch.cat([p.levels for p in parts])
+        q = torch.stack([levels & 15, levels >> 4], dim=-1).flatten(-2)
+        out._store(q, torch.cat([p.scales_zeros for p in parts], dim=1))
+        return out
 
 
 def fits_int4(out_features: int, in_features: int) -> bool:
@@ -146,19 +194,11 @@ def fits_int4(out_features: int, in_features: int) -> bool:
     return out_features % _INT4_ROWS == 0 and in_features % INT4_GROUP == 0
 
 
-def unpack_int4(packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """float32 weights ``[N, K]`` from the int4 kernel's packing (N a multiple of 32).
-
-    Packed layout, per block of 32 output rows and 4 inputs: 16 bytes whose low nibbles
-    are rows 0-15 of the block and high nibbles rows 16-31::
-
-        packed[b*32 + k//4, (k%4)*16 + r%16]  holds  q[b*32 + r, k]   (low: r < 16)
-    """
-    num_rows, half = packed.shape
-    in_features = half * 2
-    blocks = packed.reshape(num_rows // _INT4_ROWS, in_features // 4, 4, 16)
-    nibbles = torch.stack([blocks & 15, blocks >> 4], dim=1)  # [b, hi, k4, kr, r16]
-    q = nibbles.permute(0, 1, 4, 2, 3).reshape(num_rows, in_features).to(torch.float32)
+def unpack_int4(levels: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """float32 weights ``[N, K]`` from levels two a byte (``levels[n, k // 2]``: the low
+    nibble is input ``k`` when even, the high one when odd) and ``[K / 32, N, 2]`` bfloat16
+    (scale, zero) pairs: ``(q - 8) * scale + zero``, as the kernel computes."""
+    q = torch.stack([levels & 15, levels >> 4], dim=-1).flatten(-2).to(torch.float32)
     scales = scales_zeros[..., 0].T.float().repeat_interleave(INT4_GROUP, dim=1)
     zeros = scales_zeros[..., 1].T.float().repeat_interleave(INT4_GROUP, dim=1)
     return (q - 8.0) * scales + zeros

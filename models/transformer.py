@@ -27,7 +27,7 @@ from hybridkv.kernels import PagedMetadata
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
-from hybridkv.models.layers import LayerInputs, RMSNorm
+from hybridkv.models.layers import GatedMLP, LayerInputs, PagedAttention, RMSNorm
 from hybridkv.models.rope import RotaryTable
 from hybridkv.models.specs import PolicyChoices
 
@@ -162,6 +162,15 @@ class CausalLM(nn.Module):
         }
         return model.eval()
 
+    def fuse_projections(self) -> int:
+        """Join each layer's q/k/v and gate/up projections, in their stored form (after
+        any quantisation: ``models/fused_linear.py``); returns the number joined."""
+        return sum(
+            module.fuse()
+            for module in list(self.modules())
+            if isinstance(module, (PagedAttention, GatedMLP))
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -203,8 +212,9 @@ class CausalLM(nn.Module):
             kind: table.cos_sin(positions, hidden.dtype) for kind, table in self.rope_tables.items()
         }
         no_rope = (hidden.new_empty(0), hidden.new_empty(0))
+        kinds = self.config.layer_types  # a property that builds the tuple: read it once
         for i, (kv_cache, metadata) in zip(self.layer_range, caches, strict=True):
-            cos, sin = tables.get(self.config.layer_types[i], no_rope)
+            cos, sin = tables.get(kinds[i], no_rope)
             hidden = self.model.layers[i](hidden, LayerInputs(cos, sin, kv_cache, metadata))
         return hidden
 

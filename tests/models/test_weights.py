@@ -35,12 +35,24 @@ def _weight(rows: int = 96, cols: int = 640, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
-def test_int4_unpacking_reads_torchs_packing():
-    """unpack_int4 inverts aten._convert_weight_to_int4pack_for_cpu (ones scales, zero 8)."""
+def test_int4_levels_unpack_in_row_order():
+    """unpack_int4 reads two levels a byte, the even input in the low nibble, and
+    applies ``(q - 8) * scale + zero`` per group of 32 inputs."""
     q = torch.randint(0, 16, (64, 128), generator=torch.Generator().manual_seed(1))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    levels = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
     identity = torch.tensor([1.0, 8.0]).expand(128 // INT4_GROUP, 64, 2)
-    assert torch.equal(unpack_int4(packed, identity), q.float())
+    assert torch.equal(unpack_int4(levels, identity), q.float())
+
+
+@pytest.mark.parametrize("rows", [64, 96, 160])
+def test_int4_expands_what_the_kernel_multiplies(rows):
+    """The many-rows path expands the weights the kernel reads, whatever torch's packing
+    layout on this CPU (blocks of 32 or 64 rows, a partial last block paired)."""
+    module = Int4Linear(_weight(rows, 128, seed=rows))
+    eye = torch.eye(128, dtype=torch.bfloat16)
+    kernel = module.matmul_bf16(eye).float().T  # [rows, 128]: W as the kernel sees it
+    expanded = module.expand(0, rows, torch.float32)
+    torch.testing.assert_close(kernel, expanded.bfloat16().float(), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
