@@ -8,12 +8,12 @@ with float32's, as llama.cpp's perplexity tool does with ``--kl-divergence``:
     agree       share of positions whose argmax (the greedy token) is float32's
     ppl         perplexity of the text under the mode
 
-The text runs 16 tokens a step through the executor, so the quantised layers use the
-weight-only kernels a decode step uses (bfloat16 activations), not the expanded weights
-of long prefill chunks. The goal (issue 15): mean KL <= 0.01 for bfloat16, <= 0.05 for
-int8 and int4.
+The text runs 16 tokens a step through the executor (``--chunk``), so the quantised
+layers use the weight-only kernels a decode step uses (bfloat16 activations); ``--chunk
+512`` measures the expanded weights of long prefill chunks instead. The goal (issue
+15): mean KL <= 0.01 for bfloat16, <= 0.05 for int8 and int4.
 
-    python benchmarks/weight_quality.py [--modes bfloat16 int8 int4] [--threads 2]
+    python benchmarks/weight_quality.py [--modes bfloat16 int8 int4] [--threads 2] [--chunk 16]
 
 The last line printed is one JSON object.
 """
@@ -80,6 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="+", choices=list(MODES)[1:], default=list(MODES)[1:])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=16, help="tokens a step")
     args = parser.parse_args()
     folder = builtin_folder()
     torch.set_grad_enabled(False)
@@ -91,7 +92,7 @@ def main() -> None:
         if not tokens:
             assert executor.tokenizer is not None
             tokens = executor.tokenizer.encode(TEXT).ids  # type: ignore[attr-defined]
-        logits = all_logits(executor, tokens, chunk=16)[:-1]
+        logits = all_logits(executor, tokens, chunk=args.chunk)[:-1]
         executor.close()
         del executor
         if reference is None:

@@ -15,8 +15,9 @@ A few rows (decode: one per request) go through ``aten._weight_int8pack_mm`` /
 ``aten._weight_int4pack_mm_for_cpu``, which read the small weights directly; the kernels
 take bfloat16 activations (their float32 path is a slow reference loop), so the input is
 cast to bfloat16 and the output back. Many rows (a prefill chunk) are compute-bound: the
-weights are expanded to the activation dtype a slice of output rows at a time and go
-through the ordinary matmul, never holding a whole float copy of a large matrix.
+weights are expanded a slice of output rows at a time and go through the ordinary matmul,
+never holding a whole float copy of a large matrix; in bfloat16 where the CPU has native
+bfloat16 products (``cpu_features.py``), in the activation dtype elsewhere.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Self
 
 import torch
 from torch import nn
+
+from hybridkv.models.cpu_features import has_native_bfloat16
 
 #: Rows from which dequantising and an ordinary matmul beat the weight-only kernels.
 DEQUANT_ROWS = 32
@@ -53,9 +56,14 @@ class QuantizedLinear(nn.Module):
         if rows.shape[0] < DEQUANT_ROWS:
             out = self.matmul_bf16(rows.to(torch.bfloat16)).to(x.dtype)
         else:
+            # bfloat16 where the CPU multiplies it natively, as the few-rows kernels do
+            # anyway: a 1024-row chunk's product 2.2x faster than in float32.
+            dtype = torch.bfloat16 if has_native_bfloat16() else x.dtype
+            rows = rows.to(dtype)
             stops = range(_SLICE_ROWS, self.out_features + _SLICE_ROWS, _SLICE_ROWS)
             slices = [(stop - _SLICE_ROWS, min(stop, self.out_features)) for stop in stops]
-            out = torch.cat([rows @ self.expand(a, b, x.dtype).T for a, b in slices], dim=-1)
+            parts = [rows @ self.expand(a, b, dtype).T for a, b in slices]
+            out = torch.cat(parts, dim=-1).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)

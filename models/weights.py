@@ -23,12 +23,12 @@ measured by ``benchmarks/bandwidth.py`` (see :func:`machine_default`).
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from hybridkv.errors import HybridKVError
+from hybridkv.models.cpu_features import cpu_flags
 from hybridkv.models.quantized_linear import (
     INT4_GROUP,
     Int4Linear,
@@ -69,17 +69,6 @@ def machine_default() -> str:
     if machine in ("x86_64", "amd64") and "avx2" in cpu_flags():
         return "int8"
     return "dtype"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def quantize_linears(model: nn.Module, weights: str, *, device: torch.device) -> int:

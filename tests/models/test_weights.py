@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.models import quantized_linear
 from hybridkv.models.quantized_linear import (
     DEQUANT_ROWS,
     INT4_GROUP,
@@ -72,17 +73,22 @@ def test_rounding_error_is_half_a_step(layer, step):
     assert ((expanded - weight).abs() <= spread * step * 0.5 * 1.02 + 1e-3 * spread).all()
 
 
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["float32-many", "bf16-many"])
 @pytest.mark.parametrize("layer", [Int8Linear, Int4Linear], ids=["int8", "int4"])
-def test_kernel_and_expanded_paths_agree(layer):
+def test_kernel_and_expanded_paths_agree(layer, native_bf16, monkeypatch):
     """Few rows (the weight-only kernel, bfloat16 activations) and many rows (expanded
-    weights, float32 matmul) compute the same product up to bfloat16 rounding."""
+    weights: a float32 matmul, or bfloat16 where the CPU has native bfloat16 products)
+    compute the same product, exactly in float32 and up to bfloat16 rounding else."""
+    monkeypatch.setattr(quantized_linear, "has_native_bfloat16", lambda: native_bf16)
     weight, bias = _weight(), torch.randn(96)
     module = layer(weight, bias)
     x = torch.randn(DEQUANT_ROWS + 3, 640, generator=torch.Generator().manual_seed(2))
     many = module(x)
     few = torch.cat([module(x[i : i + 1]) for i in range(4)])
     exact = F.linear(x, module.expand(0, 96, torch.float32), bias)
-    torch.testing.assert_close(many, exact, atol=1e-4, rtol=1e-4)
+    assert many.dtype == torch.float32
+    tolerance = {"atol": 0.05, "rtol": 0.02} if native_bf16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(many, exact, **tolerance)
     torch.testing.assert_close(few, exact[:4], atol=0.05, rtol=0.02)
 
 
