@@ -183,6 +183,7 @@ class ModelExecutor:
             )
             quantize_linears(model, weights, device=target)
             model.fuse_projections()
+            model.rescore_head()
             return model
 
         model = thread.run(load)

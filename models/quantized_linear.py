@@ -214,8 +214,9 @@ def unpack_int4(levels: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tenso
 
 def linear_weight_bytes(module: nn.Module) -> int:
     """Bytes of weight a pass through ``module`` reads (a float or quantized linear)."""
-    if isinstance(module, QuantizedLinear):
-        return module.weight_bytes()
+    weight_bytes = getattr(module, "weight_bytes", None)
+    if weight_bytes is not None:  # a quantised layer, or a head wrapping one
+        return int(weight_bytes())
     assert isinstance(module, nn.Linear)
     weight = module.weight
     return weight.numel() * weight.element_size()

@@ -28,6 +28,8 @@ from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
 from hybridkv.models.layers import GatedMLP, LayerInputs, PagedAttention, RMSNorm
+from hybridkv.models.quantized_linear import QuantizedLinear
+from hybridkv.models.rescored_head import RescoredHead
 from hybridkv.models.rope import RotaryTable
 from hybridkv.models.specs import PolicyChoices
 
@@ -99,7 +101,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.layer_range = range(config.num_layers) if layers is None else layers
         self.model = _Backbone(config, architecture, self.layer_range)
-        self.lm_head = (
+        self.lm_head: nn.Module | None = (
             nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.is_last else None
         )
         self.rope_tables: dict[str, RotaryTable] = {}
@@ -170,6 +172,18 @@ class CausalLM(nn.Module):
             for module in list(self.modules())
             if isinstance(module, (PagedAttention, GatedMLP))
         )
+
+    def rescore_head(self) -> bool:
+        """Give a quantised LM head a 4-bit pass with its best candidates recomputed
+        exactly (``models/rescored_head.py``); whether it did. The exact rows are the
+        embedding's where the head is tied to it."""
+        head, embedding = self.lm_head, self.model.embed_tokens
+        exact = embedding.weight if self.config.tie_word_embeddings and embedding else None
+        if head is None or not RescoredHead.fits(head, has_exact_rows=exact is not None):
+            return False
+        assert isinstance(head, QuantizedLinear)
+        self.lm_head = RescoredHead(head, exact)
+        return True
 
     def forward(
         self,

@@ -37,6 +37,7 @@ from hybridkv.models.quantized_linear import (
     fits_int4,
     linear_weight_bytes,
 )
+from hybridkv.models.rescored_head import RescoredHead
 from hybridkv.models.weight_grid import grid_steps, on_grid
 
 WEIGHT_FORMATS = ("dtype", "int8", "int4")
@@ -122,22 +123,21 @@ def _four_bits(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLine
 
 
 def decode_weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads: every linear layer and the LM head once,
-    plus the norms and any other parameter outside the embedding (whose lookup reads a
-    row per token; when the LM head is tied to it, the head counts it once)."""
-    total = 0
-    seen: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, QuantizedLinear)):
-            total += linear_weight_bytes(module)
-            if isinstance(module, nn.Linear):
-                seen.add(id(module.weight))
+    """Bytes of weights one decode step reads: every linear layer and the LM head once
+    (as its kernel reads it: a rescored head its 4-bit pass), plus the norms and any
+    other parameter outside the embedding (whose lookup reads a row per token; when the
+    LM head is tied to it, the head counts it once)."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    embedded = {id(p) for p in embed.parameters()} if isinstance(embed, nn.Module) else set()
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, QuantizedLinear)):
-            continue
-        for param in module.parameters(recurse=False):
-            if id(param) not in seen | embedded:
-                total += param.numel() * param.element_size()
-    return total
+    skip = {id(p) for p in embed.parameters()} if isinstance(embed, nn.Module) else set()
+
+    def walk(module: nn.Module) -> int:
+        if isinstance(module, (nn.Linear, QuantizedLinear, RescoredHead)):
+            return linear_weight_bytes(module)
+        own = [p for p in module.parameters(recurse=False) if id(p) not in skip]
+        return sum(p.numel() * p.element_size() for p in own) + sum(
+            walk(child) for child in module.children()
+        )
+
+    # A float head tied to a parameter elsewhere counts once, as the head.
+    skip.update(id(m.weight) for m in model.modules() if isinstance(m, nn.Linear))
+    return walk(model)
