@@ -4,7 +4,9 @@ Both serve the built-in Gemma 3 270M: hybridkv from its converted folder, llama-
 from the GGUF file the built-in model is made from (Q4_K_M), with the same threads and 8
 slots (continuous batching). guidellm drives each with OpenAI completions of fixed
 lengths (``ignore_eos``, server-default sampling) at 1 and 8 concurrent requests, with
-256- and 1024-token prompts and 64 output tokens. Every workload runs in two rounds with
+256- and 1024-token prompts and 64 output tokens; the prompts are written to a file
+before each run (:func:`prompt_file`), so the load generator does not make them while
+the servers are measured. Every workload runs in two rounds with
 the order flipped (ours first, then theirs first); a round's ratio is ours / llama.cpp's,
 and the table shows the median of the rounds' ratios:
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -99,6 +102,44 @@ def _wait_ready(port: int, process: subprocess.Popen[bytes], timeout_s: float = 
     raise RuntimeError(f"server on port {port} not ready after {timeout_s} s")
 
 
+def prompt_file(folder: Path, num_tokens: int, count: int, *, seed: int, output: int) -> Path:
+    """``count`` prompts of ``num_tokens`` tokens (the built-in model's tokenizer, which
+    llama-server's GGUF shares), written as guidellm's JSON lines before a run.
+
+    guidellm's own synthetic prompts are made by a data worker while the run goes on, and
+    kept a core 60-90% busy throughout (``top``): on a 2-core machine that is a core taken
+    from the server under test. Made here, the worker only reads ``count`` rows.
+    """
+    from _weight_modes import builtin_folder
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(builtin_folder() / "tokenizer.json"))
+    rng = random.Random(seed)
+    vocabulary = _WORDS.split()
+    path = folder / f"prompts-{num_tokens}-{seed}.jsonl"
+    with path.open("w") as out:
+        for _ in range(count):
+            words = " ".join(rng.choice(vocabulary) for _ in range(num_tokens))
+            ids = tokenizer.encode(words, add_special_tokens=False).ids[:num_tokens]
+            text = tokenizer.decode(ids)
+            row = {"prompt": text, "prompt_tokens_count": num_tokens, "output_tokens_count": output}
+            out.write(json.dumps(row) + "\n")
+    return path
+
+
+# Common English words for the prompts (their order is random: no prompt repeats).
+_WORDS = (
+    "time year people way day man thing woman life child world school state family "
+    "student group country problem hand part place case week company system program "
+    "question work government number night point home water room mother area money "
+    "story fact month lot right study book eye job word business issue side kind head "
+    "house service friend father power hour game line end member law car city name "
+    "president team minute idea kid body information back parent face others level "
+    "office door health person art war history party result change morning reason "
+    "research girl guy moment air teacher force education light river sea stone"
+)
+
+
 def drive(
     port: int,
     prompt: int,
@@ -109,12 +150,14 @@ def drive(
     seed: int,
     output: int = OUTPUT_TOKENS,
 ) -> dict[str, float]:
-    """One guidellm run; the metrics of :data:`METRICS`. ``seed`` picks the synthetic
-    prompts: equal for both servers in a round, new for every workload and round, so no
-    run's prompts are already in a server's prompt cache from the warm-up or a repeat."""
+    """One guidellm run; the metrics of :data:`METRICS`. ``seed`` picks the prompts:
+    equal for both servers in a round, new for every workload and round, so no run's
+    prompts are already in a server's prompt cache from the warm-up or a repeat."""
     guidellm = llama_peers.guidellm()
     assert guidellm is not None
     from _weight_modes import builtin_folder
+
+    data = prompt_file(out.parent, prompt, requests, seed=seed, output=output)
 
     backend = {
         "kind": "openai_http",
@@ -130,7 +173,7 @@ def drive(
          "--backend", json.dumps(backend),
          "--profile", f"kind=concurrent,streams={concurrency}",
          "--constraint", f"kind=max_requests,count={requests}",
-         "--data", f"kind=synthetic_text,prompt_tokens={prompt},output_tokens={output}",
+         "--data", f"kind=json_file,path={data}",
          "--seed", f"kind=static,value={seed}",
          "--tokenizer", f"kind=huggingface_auto,model={builtin_folder()}",
          "--output", f"kind=json,path={out}", "--disable-console"],
