@@ -4,8 +4,8 @@ candidates of each row recomputed exactly.
 A decode step's LM head is most of the weights it reads (Gemma 3 270M: 640 x 262,144,
 168 MB at int8, the 18 layers 100 MB together). Storing it at 4 bits halves that but
 moves the logits that matter: the built-in model's mean KL against float32 went from
-0.006 to 0.055 (``benchmarks/weight_quality.py``). The logits that matter are few, so
-the head keeps both::
+0.006 to 0.055 (measured as ``benchmarks/weight_quality.py`` measures). The logits that
+matter are few, so the head keeps both::
 
     rows x [M, K] --4-bit pass, all N--> coarse [M, N] --top k per row--> ids [M, k]
                   --exact rows W[ids] [M, k, K] @ x--> exact [M, k] --scatter--> logits
@@ -13,11 +13,11 @@ the head keeps both::
 Sampling, greedy choice and logprobs see exact logits for the ``k`` best candidates
 of the 4-bit pass, and the 4-bit values for the tail, whose probabilities are small
 (mean KL 0.0062 against int8's 0.0058 with k = 256, greedy agreement 0.956 against
-0.934, at 0.45x the head's time at batch 1 and 0.6x at batch 8: README, "Decode on the
-CPU"). The exact rows are the tied embedding's where the head is the embedding (the
-model dtype, no copy), an int8 head's own rows otherwise; an int4 head (a float
-checkpoint under ``--weights int4``) is its own first pass, rescored where it is tied.
-Many rows (a prompt's logprobs) take the stored head as before: there the product is
+0.934, at 0.42x the head's time at batch 1 and 0.59x at batch 8: README, "Decode on the
+CPU", ``benchmarks/lm_head.py``). The exact rows are the tied embedding's where the head
+is the embedding (the model dtype, no copy), an int8 head's own rows otherwise; an int4
+head (a float checkpoint under ``--weights int4``) is its own first pass, rescored where
+it is tied. Many rows (a prompt's logprobs) take the stored head as before: there the product is
 compute-bound and the pass saves nothing.
 """
 
