@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.quantized_linear import DEQUANT_ROWS, Int4Linear, Int8Linear
-from hybridkv.models.rescored_head import RescoredHead
+from hybridkv.models.rescored_head import STORED_ROWS, RescoredHead
 from hybridkv.models.weights import decode_weight_bytes
 
 
@@ -47,12 +47,15 @@ def test_the_tail_keeps_the_four_bit_logits():
 
 
 def test_many_rows_take_the_int8_head():
-    """A prompt's logprobs (DEQUANT_ROWS rows or more) go through the int8 head."""
+    """From STORED_ROWS rows (a long prompt's logprobs) the int8 head computes them; below,
+    a batch of 32 decodes (the int8 head's expanded path) is rescored."""
     weight = _head()
     int8 = Int8Linear(weight)
     head = RescoredHead(int8, weight)
-    x = _rows(DEQUANT_ROWS)
+    x = _rows(STORED_ROWS)
     assert torch.equal(head(x), int8(x))
+    x = _rows(DEQUANT_ROWS)
+    assert torch.equal(head(x).argmax(-1), (x @ weight.T).argmax(-1))
 
 
 def test_small_vocabularies_rescore_every_token():
