@@ -178,7 +178,9 @@ class CausalLM(nn.Module):
         exactly (``models/rescored_head.py``); whether it did. The exact rows are the
         embedding's where the head is tied to it."""
         head, embedding = self.lm_head, self.model.embed_tokens
-        exact = embedding.weight if self.config.tie_word_embeddings and embedding else None
+        exact = None
+        if self.config.tie_word_embeddings and embedding is not None:
+            exact = embedding.weight
         if head is None or not RescoredHead.fits(head, has_exact_rows=exact is not None):
             return False
         assert isinstance(head, QuantizedLinear)
