@@ -168,3 +168,11 @@ def test_int4_keeps_the_precision_a_quantised_file_shipped():
             step = weight.abs().amax()
             expanded = model[0].expand(0, 64, torch.float32)
             assert (expanded - weight).abs().max() < step * 2**-7
+
+
+def test_int8_expands_to_bfloat16_as_through_float32():
+    """Expanding int8 straight to bfloat16 gives exactly the bfloat16 rounding of the
+    float32 expansion."""
+    module = Int8Linear(_weight(96, 640, seed=5))
+    through_float = module.expand(0, 96, torch.float32).bfloat16()
+    assert torch.equal(module.expand(0, 96, torch.bfloat16), through_float)
