@@ -14,6 +14,11 @@ layers use the weight-only kernels a decode step uses (bfloat16 activations); ``
 15): mean KL <= 0.01 for bfloat16, <= 0.05 for int8 and int4.
 
     python benchmarks/weight_quality.py [--modes bfloat16 int8 int4] [--threads 2] [--chunk 16]
+                                        [--head rescored|stored|four-bit]
+
+``--head`` picks the LM head of the quantised modes: ``rescored`` (what they load: a
+4-bit pass, its best candidates exact, ``models/rescored_head.py``), ``stored`` (the head
+as stored, int8 for the built-in model) or ``four-bit`` (the 4-bit pass alone).
 
 The last line printed is one JSON object.
 """
@@ -26,6 +31,8 @@ from typing import Any
 
 import torch
 from _weight_modes import MODES, all_logits, builtin_folder, load
+
+from hybridkv.models.rescored_head import RescoredHead
 
 BOUNDS = {"bfloat16": 0.01, "int8": 0.05, "int4": 0.05}
 
@@ -76,11 +83,23 @@ def kl_stats(reference: torch.Tensor, other: torch.Tensor, targets: torch.Tensor
     }
 
 
+HEADS = ("rescored", "stored", "four-bit")
+
+
+def use_head(model: torch.nn.Module, head: str) -> None:
+    """Replace a rescored LM head by the head it wraps (``stored``) or its 4-bit pass."""
+    rescored = getattr(model, "lm_head", None)
+    if head == "rescored" or not isinstance(rescored, RescoredHead):
+        return
+    model.lm_head = rescored.head if head == "stored" else rescored.coarse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="+", choices=list(MODES)[1:], default=list(MODES)[1:])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=16, help="tokens a step")
+    parser.add_argument("--head", choices=HEADS, default="rescored")
     args = parser.parse_args()
     folder = builtin_folder()
     torch.set_grad_enabled(False)
@@ -89,6 +108,7 @@ def main() -> None:
     tokens: list[int] = []
     for mode in ["float32", *args.modes]:
         executor = load(folder, mode, threads=args.threads)
+        use_head(executor.model, args.head)
         if not tokens:
             assert executor.tokenizer is not None
             tokens = executor.tokenizer.encode(TEXT).ids  # type: ignore[attr-defined]
@@ -108,7 +128,7 @@ def main() -> None:
             + ("" if stats["bound"] is None else f"  bound {stats['bound']} ok={stats['within']}"),
             flush=True,
         )
-    print(json.dumps({"tokens": len(tokens), "modes": results}))
+    print(json.dumps({"tokens": len(tokens), "head": args.head, "modes": results}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ candidates of each row recomputed exactly.
 A decode step's LM head is most of the weights it reads (Gemma 3 270M: 640 x 262,144,
 168 MB at int8, the 18 layers 100 MB together). Storing it at 4 bits halves that but
 moves the logits that matter: the built-in model's mean KL against float32 went from
-0.006 to 0.055 (measured as ``benchmarks/weight_quality.py`` measures). The logits that
+0.006 to 0.055 (``benchmarks/weight_quality.py --head four-bit``). The logits that
 matter are few, so the head keeps both::
 
     rows x [M, K] --4-bit pass, all N--> coarse [M, N] --top k per row--> ids [M, k]
