@@ -18,6 +18,7 @@ import torch
 
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.models.executor import ModelExecutor
+from hybridkv.models.torch_thread import TorchThread
 from hybridkv.scheduler import SamplingParams, StepBatch, StepRequest
 
 MODES: dict[str, tuple[torch.dtype, str]] = {
@@ -36,11 +37,24 @@ def builtin_folder() -> Path:
     return resolve_model(None)[1]
 
 
-def load(folder: Path, mode: str, *, threads: int, kv_bytes: int = 256 << 20) -> ModelExecutor:
-    """The model of ``folder`` in weight mode ``mode``."""
+def load(
+    folder: Path,
+    mode: str,
+    *,
+    threads: int,
+    kv_bytes: int = 256 << 20,
+    torch_thread: TorchThread | None = None,
+) -> ModelExecutor:
+    """The model of ``folder`` in weight mode ``mode``; ``torch_thread``: shared with the
+    other executors of the run (one OpenMP team, ``models/torch_thread.py``)."""
     dtype, weights = MODES[mode]
     return ModelExecutor.from_pretrained(
-        folder, kv_cache_bytes=kv_bytes, dtype=dtype, weights=weights, num_threads=threads
+        folder,
+        kv_cache_bytes=kv_bytes,
+        dtype=dtype,
+        weights=weights,
+        num_threads=threads,
+        torch_thread=torch_thread,
     )
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from _weight_modes import MODES, Sequence, builtin_folder, load, new_cache, step_batch
 
+from hybridkv.models.torch_thread import TorchThread
 from hybridkv.models.weights import decode_weight_bytes
 
 
@@ -63,11 +64,17 @@ def main() -> None:
     args = parser.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     torch.set_grad_enabled(False)
-    bandwidth = read_bandwidth(args.threads)
+    # One thread runs every torch op of the run: a second OpenMP team (the bandwidth
+    # sum on this thread, or a thread per executor) makes libgomp stop spinning between
+    # parallel regions, and a batch-1 step read 1.6x slower (models/torch_thread.py).
+    thread = TorchThread(args.threads)
+    bandwidth = thread.run(read_bandwidth, args.threads)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)
     folder = builtin_folder()
     runs: dict[tuple[str, int], Any] = {}
-    executors = {mode: load(folder, mode, threads=args.threads) for mode in args.modes}
+    executors = {
+        mode: load(folder, mode, threads=args.threads, torch_thread=thread) for mode in args.modes
+    }
     weight_bytes = {mode: decode_weight_bytes(ex.model) for mode, ex in executors.items()}
     for mode, executor in executors.items():
         for batch in args.batch:

@@ -122,6 +122,7 @@ class ModelExecutor:
         pipeline_stage: int = 0,
         pipeline_parallel_size: int = 1,
         weights: str = "dtype",
+        torch_thread: TorchThread | None = None,
     ) -> ModelExecutor:
         """Load a checkpoint folder and lay out ``kv_cache_bytes`` of KV cache for it.
 
@@ -150,6 +151,9 @@ class ModelExecutor:
                 planned for all of them: ``kv_cache_bytes`` is per stage).
             weights: Storage of the linear layers and LM head: ``dtype`` (``dtype``'s,
                 exact), ``int8`` or ``int4`` weight-only (``models/weights.py``).
+            torch_thread: The thread to run its torch work on, shared with other
+                executors of the process (one OpenMP team: ``models/torch_thread.py``);
+                None for a thread of its own. ``close`` ends it either way.
 
         Raises:
             CheckpointError: a folder without config.json or safetensors weights.
@@ -162,7 +166,9 @@ class ModelExecutor:
         check_weight_format(weights)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        thread = TorchThread(num_threads)
+        thread = torch_thread or TorchThread()
+        if num_threads is not None:
+            thread.run(torch.set_num_threads, num_threads)
         itemsize = torch.empty((), dtype=dtype).element_size()
         checkpoint = Checkpoint.open(path, dtype_bytes=itemsize, policies=policies)
         config = checkpoint.config

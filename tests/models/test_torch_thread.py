@@ -63,3 +63,23 @@ def test_submit_after_close_runs_inline_and_keeps_the_error() -> None:
     assert worker.submit(threading.get_ident).result() == threading.get_ident()
     failed = worker.submit(int, "not a number")
     assert isinstance(failed.exception(), ValueError)
+
+
+def test_executors_can_share_one_thread(tiny_models) -> None:
+    """Two executors loaded with the same TorchThread run their torch work on it."""
+    from hybridkv.models.executor import ModelExecutor
+
+    thread = TorchThread(1)
+    executors = [
+        ModelExecutor.from_pretrained(
+            tiny_models[name].path, kv_cache_bytes=1 << 20, torch_thread=thread
+        )
+        for name in ("llama", "gemma3")
+    ]
+    try:
+        assert all(e.torch_thread is thread for e in executors)
+        names = {e.torch_thread.run(lambda: threading.current_thread().name) for e in executors}
+        assert len(names) == 1 and names != {threading.current_thread().name}
+    finally:
+        for executor in executors:
+            executor.close()
