@@ -164,10 +164,9 @@ class ModelExecutor:
             WeightFormatError: an unknown ``weights`` format, or int8/int4 off the CPU.
         """
         check_weight_format(weights)
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
         thread = torch_thread or TorchThread()
         if num_threads is not None:
+            torch.set_num_threads(num_threads)
             thread.run(torch.set_num_threads, num_threads)
         itemsize = torch.empty((), dtype=dtype).element_size()
         checkpoint = Checkpoint.open(path, dtype_bytes=itemsize, policies=policies)
