@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from hybridkv.kernels.cache_ops import check_cache
 from hybridkv.kernels.errors import KernelInputError
 from hybridkv.kernels.gather_plan import Region
+from hybridkv.kernels.geometry import CacheGeometry
 from hybridkv.kernels.metadata import PagedMetadata
 from hybridkv.kernels.span_mask import LiveSpans
 
@@ -95,16 +96,32 @@ def paged_attention(
     torch.index_select(geometry.rows_view(kv_cache), 0, plan.runs, out=runs)
     if plan.zero_rows is not None:
         gathered.index_fill_(0, plan.zero_rows, 0)
+    regions = plan.regions
+    index = regions[0].token_index
+    if len(regions) == 1 and isinstance(index, slice) and index == slice(0, meta.num_tokens):
+        # Every token in one region, in order (a decode batch, one prompt): no copy.
+        return _attend(query, gathered, kv_cache, regions[0], geometry, scale, softcap)
     out = torch.empty_like(query)
-    for region in plan.regions:
+    for region in regions:
         q = query[region.token_index]
-        if region.value_bags is not None:
-            values = geometry.token_rows_view(kv_cache)
-            o = _attend_decodes(q, gathered, values, region, scale, softcap)
-        else:
-            o = _attend_region(q, gathered, region, num_kv_heads, scale, softcap)
-        out[region.token_index] = o
+        out[region.token_index] = _attend(q, gathered, kv_cache, region, geometry, scale, softcap)
     return out
+
+
+def _attend(
+    query: torch.Tensor,
+    gathered: torch.Tensor,
+    kv_cache: torch.Tensor,
+    region: Region,
+    geometry: CacheGeometry,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One region's queries against its gathered keys (and values, or values in place)."""
+    if region.value_bags is not None:
+        values = geometry.token_rows_view(kv_cache)
+        return _attend_decodes(query, gathered, values, region, scale, softcap)
+    return _attend_region(query, gathered, region, geometry.num_kv_heads, scale, softcap)
 
 
 def _attend_decodes(
@@ -134,7 +151,7 @@ def _attend_decodes(
     if softcap is not None:
         scores = torch.tanh(scores.float() / softcap) * softcap
     if region.mask is not None:
-        scores = scores.masked_fill(~region.mask, float("-inf"))
+        scores = torch.where(region.mask, scores, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype).reshape(-1)
     if bags.keep is not None:
         weights = weights[bags.keep]

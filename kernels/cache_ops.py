@@ -61,6 +61,6 @@ def write_kv(
         raise KernelInputError(
             f"key {key.dtype} / value {value.dtype} must match kv_cache dtype {kv_cache.dtype}"
         )
-    # Advanced indices around a slice: the indexed view is [num_tokens, num_kv_heads, head_dim].
-    kv_cache[:, 0][meta.write_blocks, :, meta.write_offsets] = key
-    kv_cache[:, 1][meta.write_blocks, :, meta.write_offsets] = value
+    # Advanced indices around slices: the indexed view is [num_tokens, 2, num_kv_heads,
+    # head_dim], keys and values in one write.
+    kv_cache[meta.write_blocks, :, :, meta.write_offsets] = torch.stack((key, value), dim=1)

@@ -52,7 +52,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.shape[0] < DEQUANT_ROWS:
             out = self.matmul_bf16(rows.to(torch.bfloat16)).to(x.dtype)
         else:
@@ -66,7 +66,7 @@ class QuantizedLinear(nn.Module):
             out = torch.cat(parts, dim=-1).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     @abc.abstractmethod
     def matmul_bf16(self, rows: torch.Tensor) -> torch.Tensor:

@@ -121,21 +121,25 @@ class RotaryTable:
         self.inv_freq = spec.inv_freq(rotary_dim).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Tables ``[num_tokens, 1, rotary_dim]``, in ``dtype``, to broadcast on heads."""
+        """``(cos, signed_sin)`` tables ``[num_tokens, 1, rotary_dim]`` in ``dtype``, to
+        broadcast on heads, as :func:`apply_rope` takes them: the sines of the first half
+        negated."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        sin = freqs.sin()
+        cos = freqs.cos().repeat(1, 2)[:, None, :]
+        return cos.to(dtype), torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (``[num_tokens, heads, head_dim]``) by half-split pairs.
 
-    Tables narrower than the head (partial rotary) rotate its first channels only.
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (-x2, x1)``, as
+    ``x * cos + (x2, x1) * (-sin, sin)``: the half swap is one ``roll`` and the sign lives in
+    the table (the same values in 4 ops instead of 7). Tables narrower than the head
+    (partial rotary) rotate its first channels only.
     """
     rotary_dim = cos.shape[-1]
     if rotary_dim < x.shape[-1]:
         head, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-        return torch.cat((apply_rope(head, cos, sin), rest), dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return torch.cat((apply_rope(head, cos, signed_sin), rest), dim=-1)
+    return x * cos + x.roll(rotary_dim // 2, dims=-1) * signed_sin
