@@ -9,6 +9,11 @@ the same threads as the model), then per mode:
     floor ms    weight MB / bandwidth
     step ms     median decode step, batch 1 and batch N, after a short prefill
     of floor    floor / step: 1.0 is the bandwidth limit
+    kernel ms   of a step, the time in the products with the weights (torch's weight-only
+                kernels, or mm/addmm in the float modes), from torch's profiler over
+                ``--profile-steps`` further steps: the part of the step no op outside
+                them can remove
+    ops         torch ops one step dispatches (counted, not timed: the same every run)
 
 Modes interleave step by step (each decodes its own requests), so they see the same
 machine load; the spread is the quartiles over ``--steps`` steps. ``--clock process``
@@ -18,7 +23,7 @@ not comparable).
 
     python benchmarks/bandwidth.py [--modes float32 bfloat16 int8 int4] [--batch 1 8]
                                    [--threads 2] [--steps 20] [--context 256]
-                                   [--clock wall|process]
+                                   [--clock wall|process] [--profile-steps 5]
 
 The last line printed is one JSON object.
 """
@@ -33,6 +38,8 @@ from typing import Any
 
 import torch
 from _weight_modes import MODES, Sequence, builtin_folder, load, new_cache, step_batch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridkv.models.torch_thread import TorchThread
 from hybridkv.models.weights import decode_weight_bytes
@@ -45,6 +52,47 @@ def read_bandwidth(threads: int, size_mb: int = 1024, repeats: int = 5) -> float
     buffer.sum()  # fault the pages in
     best = min(_timed(buffer.sum) for _ in range(repeats))
     return buffer.numel() * buffer.element_size() / best
+
+
+#: The ops that multiply by the weights (in the float modes mm/addmm: attention's
+#: products are bmm).
+WEIGHT_KERNELS = frozenset(
+    {
+        "aten::_weight_int8pack_mm",
+        "aten::_weight_int4pack_mm_for_cpu",
+        "aten::mm",
+        "aten::addmm",
+    }
+)
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the ops dispatched while it is active (on the thread that enters it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def profile_steps(executor: Any, batches: list[Any]) -> tuple[float, int]:
+    """Per step of ``batches`` (run here, on the executor's torch thread): milliseconds in
+    the weight kernels, and ops dispatched (counted on the last step)."""
+
+    def step(batch: Any) -> None:
+        inputs = executor.prepare(batch)
+        executor.finish(batch, inputs, executor.forward(inputs))
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for batch in batches[:-1]:
+            step(batch)
+    kernel_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in WEIGHT_KERNELS)
+    with _OpCount() as counter:
+        step(batches[-1])
+    return kernel_us / 1e3 / (len(batches) - 1), counter.count
 
 
 def _timed(fn: Any) -> float:
@@ -61,6 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--clock", choices=("wall", "process"), default="wall")
+    parser.add_argument("--profile-steps", type=int, default=5)
     args = parser.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     torch.set_grad_enabled(False)
@@ -91,6 +140,11 @@ def main() -> None:
             begin = clock()
             executors[mode].execute(batch_of)
             times.append(clock() - begin)
+    profiled: dict[tuple[str, int], tuple[float, int]] = {}
+    for (mode, batch), (kv, seqs, _) in runs.items():
+        start = args.context + args.steps
+        batches = [step_batch(kv, seqs, start + i, 1) for i in range(args.profile_steps + 1)]
+        profiled[mode, batch] = thread.run(profile_steps, executors[mode], batches)
     result: dict[str, Any] = {
         "bandwidth_gb_s": bandwidth / 1e9,
         "threads": args.threads,
@@ -99,7 +153,9 @@ def main() -> None:
     print(
         f"{'mode':9s} {'weight MB':>9s} {'floor ms':>8s}  "
         + "  ".join(
-            f"{'batch ' + str(b) + ' ms (q1-q3)':>24s} {'of floor':>8s}" for b in args.batch
+            f"{'batch ' + str(b) + ' ms (q1-q3)':>24s} {'of floor':>8s} {'kernel ms':>9s} "
+            f"{'ops':>5s}"
+            for b in args.batch
         )
     )
     for mode in args.modes:
@@ -108,17 +164,19 @@ def main() -> None:
         cells = []
         for batch in args.batch:
             q1, median, q3 = statistics.quantiles(runs[mode, batch][2], n=4)
+            kernel_ms, ops = profiled[mode, batch]
             row[f"batch{batch}"] = {
                 "median_ms": median * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
-                "of_floor": floor / median,
+                "of_floor": floor / median, "kernel_ms": kernel_ms, "ops": ops,
             }  # fmt: skip
             cells.append(
-                f"{median * 1e3:8.1f} ({q1 * 1e3:6.1f}-{q3 * 1e3:6.1f}) {floor / median:8.2f}"
+                f"{median * 1e3:8.1f} ({q1 * 1e3:6.1f}-{q3 * 1e3:6.1f}) {floor / median:8.2f} "
+                f"{kernel_ms:9.1f} {ops:5d}"
             )
         result[mode] = row
         print(
             f"{mode:9s} {row['weight_mb']:9.0f} {row['floor_ms']:8.1f}  "
-            + "  ".join(f"{c:>33s}" for c in cells)
+            + "  ".join(f"{c:>49s}" for c in cells)
         )
     for executor in executors.values():
         executor.close()
