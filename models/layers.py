@@ -229,8 +229,8 @@ class PagedAttention(nn.Module):
             qk, v = self.qkv_proj(x).split(
                 (self._widths[0] + self._widths[1], self._widths[2]), dim=-1
             )
-        # q and k heads side by side: one norm and one rotation for both (a decode step
-        # ran some 20 ops a layer for them, a twentieth of its time).
+        # q and k heads side by side: one norm and one rotation for both (apart they were
+        # some 20 ops a layer, a decode step's ops: benchmarks/bandwidth.py).
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
