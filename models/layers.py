@@ -109,10 +109,10 @@ def rms_norm(
     the last dimensions of ``x``), cast back to ``x``'s dtype after the product where
     ``scale_first`` (Gemma), before it otherwise (Llama)."""
     dim = (x.shape[-1],)
-    if x.dtype == torch.float32 or scale_first:
+    is_float = x.dtype == torch.float32
+    if is_float or scale_first:
         # One fused float32 kernel where the scale is the last dimension's (15 vs 23 us
         # at 64 x 256; in bfloat16 half the ops of the unfused form).
-        is_float = x.dtype == torch.float32
         fused = scale.shape == dim
         normed = F.rms_norm(x if is_float else x.float(), dim, scale if fused else None, eps)
         normed = normed if fused else normed * scale
@@ -179,7 +179,8 @@ class PagedAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias)
         self.qkv_proj: nn.Module | None = None
-        self._widths = (q_width, kv_width, kv_width)
+        # The joined projection's output: q and k heads side by side, then v.
+        self._qk_v_widths = (q_width + kv_width, kv_width)
         if config.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, config.norm_offset)
             self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, config.norm_offset)
@@ -226,9 +227,7 @@ class PagedAttention(nn.Module):
             qk = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1)
             v = self.v_proj(x)
         else:
-            qk, v = self.qkv_proj(x).split(
-                (self._widths[0] + self._widths[1], self._widths[2]), dim=-1
-            )
+            qk, v = self.qkv_proj(x).split(self._qk_v_widths, dim=-1)
         # q and k heads side by side: one norm and one rotation for both (apart they were
         # some 20 ops a layer, a decode step's ops: benchmarks/bandwidth.py).
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
