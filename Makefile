@@ -31,7 +31,7 @@ lint: $(VENV)/.test
 # gives the folders their installed names (hybridkv.memory, hybridkv.policies).
 typecheck: $(VENV)/.test
 	rm -rf .typecheck && mkdir -p .typecheck/hybridkv
-	for d in errors scheduler policies memory kernels models serving; do ln -s ../../$$d .typecheck/hybridkv/$$d; done
+	for d in errors scheduler policies memory kernels models executor parallel serving; do ln -s ../../$$d .typecheck/hybridkv/$$d; done
 	cd .typecheck && MYPYPATH=. ../$(VENV)/bin/mypy --strict -p hybridkv.errors -p hybridkv.memory -p hybridkv.policies
 
 test: lint typecheck

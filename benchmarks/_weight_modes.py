@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.memory.manager import KVCacheManager
-from hybridkv.models.executor import ModelExecutor
-from hybridkv.models.torch_thread import TorchThread
 from hybridkv.scheduler import SamplingParams, StepBatch, StepRequest
 
 MODES: dict[str, tuple[torch.dtype, str]] = {
@@ -32,7 +32,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
 def builtin_folder() -> Path:
     """The built-in model's converted folder (converted on first use)."""
-    from hybridkv.serving.builtin_models import resolve_model
+    from hybridkv.serving.cli.builtin_models import resolve_model
 
     return resolve_model(None)[1]
 
@@ -46,7 +46,7 @@ def load(
     torch_thread: TorchThread | None = None,
 ) -> ModelExecutor:
     """The model of ``folder`` in weight mode ``mode``; ``torch_thread``: shared with the
-    other executors of the run (one OpenMP team, ``models/torch_thread.py``)."""
+    other executors of the run (one OpenMP team, ``executor/torch_thread.py``)."""
     dtype, weights = MODES[mode]
     return ModelExecutor.from_pretrained(
         folder,

@@ -41,8 +41,8 @@ from _weight_modes import MODES, Sequence, builtin_folder, load, new_cache, step
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hybridkv.models.torch_thread import TorchThread
-from hybridkv.models.weights import decode_weight_bytes
+from hybridkv.executor.torch_thread import TorchThread
+from hybridkv.models.weights.precision import decode_weight_bytes
 
 
 def read_bandwidth(threads: int, size_mb: int = 1024, repeats: int = 5) -> float:
@@ -115,7 +115,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     # One thread runs every torch op of the run: a second OpenMP team (the bandwidth
     # sum on this thread, or a thread per executor) makes libgomp stop spinning between
-    # parallel regions, and a batch-1 step read 1.6x slower (models/torch_thread.py).
+    # parallel regions, and a batch-1 step read 1.6x slower (executor/torch_thread.py).
     thread = TorchThread(args.threads)
     bandwidth = thread.run(read_bandwidth, args.threads)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)

@@ -47,9 +47,9 @@ from typing import Any
 import structlog
 import torch
 
-from hybridkv.models.context_shards import prefill_chunks
-from hybridkv.models.executor import ModelExecutor
-from hybridkv.models.pipeline_executor import PipelineExecutor
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.parallel.context_shards import prefill_chunks
+from hybridkv.parallel.pipeline_executor import PipelineExecutor
 from hybridkv.scheduler import SamplingParams
 from hybridkv.scheduler.batch import StepBatch, StepRequest
 

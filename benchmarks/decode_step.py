@@ -27,8 +27,8 @@ import torch
 from _weight_modes import Sequence, step_batch
 from throughput import MODEL, make_checkpoint_off_main
 
+from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.manager import KVCacheManager
-from hybridkv.models.executor import ModelExecutor
 from hybridkv.scheduler import SamplingParams
 
 

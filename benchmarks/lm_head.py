@@ -1,7 +1,7 @@
 """The rescored LM head against the stored one, on the built-in model, in one executor.
 
 A quantised head runs a 4-bit pass over the vocabulary and recomputes its best
-candidates exactly (``models/rescored_head.py``). This loads the built-in Gemma 3 270M
+candidates exactly (``models/weights/rescored_head.py``). This loads the built-in Gemma 3 270M
 per ``--modes`` and, with ``--batch`` requests decoding after a short prefill, swaps the
 model's head between the rescored one and the stored one (the int8 head it wraps) step
 by step, so both see the same machine load and the same KV cache:
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from _weight_modes import Sequence, builtin_folder, load, new_cache, step_batch
 
-from hybridkv.models.rescored_head import RescoredHead
+from hybridkv.models.weights.rescored_head import RescoredHead
 from hybridkv.scheduler import SamplingParams
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=1 << 20)

@@ -41,7 +41,7 @@ from typing import Any
 import structlog
 
 from hybridkv.memory import KVCacheManager
-from hybridkv.memory.planner import describe, plan_layout
+from hybridkv.memory.layout_planner import describe, plan_layout
 from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config
 from hybridkv.policies import FullAttention, MemoryPolicy
 from hybridkv.policies.base import cdiv
@@ -158,7 +158,7 @@ def prefill_speed(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import BambaConfig, BambaForCausalLM
 
-    from hybridkv.models.executor import ModelExecutor
+    from hybridkv.executor.model_executor import ModelExecutor
     from hybridkv.scheduler.batch import StepBatch, StepRequest
 
     torch.manual_seed(0)

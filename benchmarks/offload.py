@@ -207,7 +207,7 @@ async def time_first_tokens(folder: Path, tier: Tier | None, args: Any) -> list[
     """Seconds to the first token of the repeated document, once per repeat."""
     import anyio
 
-    from hybridkv.models.executor import ModelExecutor
+    from hybridkv.executor.model_executor import ModelExecutor
     from hybridkv.scheduler import Engine
 
     executor = ModelExecutor.from_pretrained(
@@ -256,7 +256,7 @@ async def time_first_tokens(folder: Path, tier: Tier | None, args: Any) -> list[
 def run_ttft(args: Any) -> dict[str, Any]:
     import anyio
 
-    from hybridkv.serving.builtin_models import resolve_model
+    from hybridkv.serving.cli.builtin_models import resolve_model
 
     _, folder = resolve_model(None)
     results: dict[str, Any] = {}

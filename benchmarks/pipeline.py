@@ -53,8 +53,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from throughput import MODEL, generate_all, make_checkpoint_off_main, workload
 
-from hybridkv.models.executor import ModelExecutor
-from hybridkv.models.pipeline_executor import PipelineExecutor
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.parallel.pipeline_executor import PipelineExecutor
 from hybridkv.scheduler import Engine, EngineConfig
 
 BLOCK_SIZE = 16

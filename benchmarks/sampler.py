@@ -4,7 +4,7 @@ Rows of random logits (262,144 wide, scaled like a small model's), per sampling 
 
     per-row     filter_logits (full sort for top-p), softmax, torch.multinomial, per row
                 (the sampler before the batched draw)
-    batched     models/draw.py: one pass for temperature and min-p, top-k/top-p from
+    batched     executor/draw.py: one pass for temperature and min-p, top-k/top-p from
                 candidates, one inverse-CDF draw for all rows
 
 Both run in the same process, interleaved, CPU time of one thread, median of
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from hybridkv.models.draw import draw, filter_logits
+from hybridkv.executor.draw import draw, filter_logits
 from hybridkv.scheduler.params import SamplingParams
 
 VOCAB = 262_144

@@ -25,10 +25,10 @@ import time
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from hybridkv.models.sampler import Sampler
+from hybridkv.executor.sampler import Sampler
 from hybridkv.scheduler import SamplingParams, StepRequest
 from hybridkv.scheduler.params import StructuredOutput
-from hybridkv.serving.builtin_models import cache_dir
+from hybridkv.serving.cli.builtin_models import cache_dir
 
 SCHEMA = {
     "type": "object",

@@ -38,8 +38,8 @@ import anyio
 import structlog
 import torch
 
-from hybridkv.memory.planner import describe
-from hybridkv.models.executor import ModelExecutor
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.memory.layout_planner import describe
 from hybridkv.scheduler import Engine, EngineConfig, PoolSpec, SamplingParams, StepBatch, StepResult
 
 WINDOW = 128
@@ -72,7 +72,7 @@ def make_checkpoint_off_main(folder: Path) -> Path:
 
     The engine runs its model on its executor's torch thread and transformers runs on the
     main thread: each system then has the process's only live OpenMP team while it is
-    timed (a second, idle team makes libgomp stop spinning, see models/torch_thread.py).
+    timed (a second, idle team makes libgomp stop spinning, see executor/torch_thread.py).
     """
     worker = threading.Thread(target=make_checkpoint, args=(folder,))
     worker.start()

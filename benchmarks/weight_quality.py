@@ -17,7 +17,7 @@ layers use the weight-only kernels a decode step uses (bfloat16 activations); ``
                                         [--head rescored|stored|four-bit]
 
 ``--head`` picks the LM head of the quantised modes: ``rescored`` (what they load: a
-4-bit pass, its best candidates exact, ``models/rescored_head.py``), ``stored`` (the head
+4-bit pass, its best candidates exact, ``models/weights/rescored_head.py``), ``stored`` (the head
 as stored, int8 for the built-in model) or ``four-bit`` (the 4-bit pass alone).
 
 The last line printed is one JSON object.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from _weight_modes import MODES, all_logits, builtin_folder, load
 
-from hybridkv.models.rescored_head import RescoredHead
+from hybridkv.models.weights.rescored_head import RescoredHead
 
 BOUNDS = {"bfloat16": 0.01, "int8": 0.05, "int4": 0.05}
 

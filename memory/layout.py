@@ -1,6 +1,6 @@
 """Layer specs in, layout plan out: the value types of the layout planner.
 
-The planner (``hybridkv.memory.planner``) turns per-layer specs and a byte budget into a
+The planner (``hybridkv.memory.layout_planner``) turns per-layer specs and a byte budget into a
 :class:`LayoutPlan`. The executor reads the plan to allocate KV tensors; the KV cache
 manager reads it for its groups and pool size.
 

@@ -1,30 +1,8 @@
-"""Hugging Face-format models (Llama, Gemma 2, Gemma 3 text) on paged KV caches.
+"""Model architectures on paged KV caches: Llama, Gemma 2, Gemma 3 (text), Bamba, Granite 4.0-H.
 
-``ModelExecutor`` (in ``hybridkv.models.executor``) loads a checkpoint folder, lays out the
-KV tensors from the planner and runs the engine's steps; ``PipelineExecutor``
-(``hybridkv.models.pipeline_executor``) splits the layers into stages over processes.
-They are imported lazily so that ``import hybridkv.models.specs`` (used by ``hybridkv
-plan``) does not load torch.
+Architectures only: the config parse (``config``, ``specs``, ``hf_config``,
+``state_shapes``), checkpoint reading (``checkpoint``), the shared blocks (``layers``,
+``rope``, ``mamba2``, ``moe``, ``transformer``), one module per family, and the weight
+formats in ``weights/``. Nothing here imports the scheduler, the executor or the server:
+``hybridkv.executor.ModelExecutor`` runs these models as the engine's executor.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from hybridkv.models.executor import ModelExecutor
-    from hybridkv.models.pipeline_executor import PipelineExecutor
-
-__all__ = ["ModelExecutor", "PipelineExecutor"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ModelExecutor":
-        from hybridkv.models.executor import ModelExecutor
-
-        return ModelExecutor
-    if name == "PipelineExecutor":
-        from hybridkv.models.pipeline_executor import PipelineExecutor
-
-        return PipelineExecutor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Errors of the model layer: checkpoints we cannot read, batches we cannot run."""
+"""Errors of the model layer: checkpoints and configs we cannot read, splits we cannot make."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ class ModelConfigError(HybridKVError, ValueError):
     """A config.json names an unsupported architecture or holds values we cannot honour."""
 
 
-class BatchError(HybridKVError, ValueError):
-    """A step batch does not match the executor's layout (groups, block tables, length)."""
-
-
 class ParallelConfigError(HybridKVError, ValueError):
-    """Parallel settings that cannot run: more stages than layers, unknown axes, bad sizes."""
+    """Parallel settings that cannot run: more stages than layers, unknown axes, bad sizes.
 
-
-class PipelineError(HybridKVError):
-    """A pipeline stage could not start, or failed while serving (see its message)."""
+    Defined beside the model because the first such error is a split of its layers
+    (``stages``) that the executor makes too; ``hybridkv.parallel`` raises it as well.
+    """

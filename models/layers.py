@@ -19,8 +19,8 @@ from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
 from hybridkv.memory.layout import AttentionSpec
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.fused_linear import cat_linears
 from hybridkv.models.rope import apply_rope
+from hybridkv.models.weights.fused_linear import cat_linears
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class ShardedAttention(Protocol):
-    """Attention whose keys are spread over ranks (``models/context_attention.py``): it
+    """Attention whose keys are spread over ranks (``parallel/context_attention.py``): it
     stores the new K/V its rank keeps and attends the queries to every rank's keys."""
 
     def attend(
@@ -138,7 +138,7 @@ class GatedMLP(nn.Module):
         self.act = _ACTIVATIONS[config.activation]
 
     def fuse(self) -> bool:
-        """Join gate and up into one product (``models/fused_linear.py``); False where
+        """Join gate and up into one product (``models/weights/fused_linear.py``); False where
         their storage differs and they stay apart."""
         joined = cat_linears([self.gate_proj, self.up_proj])
         if joined is None:
@@ -212,7 +212,7 @@ class PagedAttention(nn.Module):
         return kept[2]
 
     def fuse(self) -> bool:
-        """Join q, k and v into one product (``models/fused_linear.py``); False where
+        """Join q, k and v into one product (``models/weights/fused_linear.py``); False where
         their storage differs and they stay apart."""
         joined = cat_linears([self.q_proj, self.k_proj, self.v_proj])
         if joined is None:

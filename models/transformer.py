@@ -28,10 +28,10 @@ from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
 from hybridkv.models.layers import GatedMLP, LayerInputs, PagedAttention, RMSNorm
-from hybridkv.models.quantized_linear import QuantizedLinear
-from hybridkv.models.rescored_head import RescoredHead
 from hybridkv.models.rope import RotaryTable
 from hybridkv.models.specs import PolicyChoices
+from hybridkv.models.weights.quantized_linear import QuantizedLinear
+from hybridkv.models.weights.rescored_head import RescoredHead
 
 
 class ConfigParser(Protocol):
@@ -166,7 +166,7 @@ class CausalLM(nn.Module):
 
     def fuse_projections(self) -> int:
         """Join each layer's q/k/v and gate/up projections, in their stored form (after
-        any quantisation: ``models/fused_linear.py``); returns the number joined."""
+        any quantisation: ``models/weights/fused_linear.py``); returns the number joined."""
         return sum(
             module.fuse()
             for module in list(self.modules())
@@ -175,7 +175,7 @@ class CausalLM(nn.Module):
 
     def rescore_head(self) -> bool:
         """Give a quantised LM head a 4-bit pass with its best candidates recomputed
-        exactly (``models/rescored_head.py``); whether it did. The exact rows are the
+        exactly (``models/weights/rescored_head.py``); whether it did. The exact rows are the
         embedding's where the head is tied to it."""
         head, embedding = self.lm_head, self.model.embed_tokens
         exact = None

@@ -44,10 +44,10 @@ from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
 from hybridkv.scheduler.meter import ThroughputMeter
 from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
-from hybridkv.scheduler.planner import StepPlan, plan_step, share_of_ready
 from hybridkv.scheduler.queue import WaitingQueue
 from hybridkv.scheduler.request import OutputSink, Request, RequestStatus
 from hybridkv.scheduler.results import check_result, gather_prompt_logprobs, request_failure
+from hybridkv.scheduler.step_planner import StepPlan, plan_step, share_of_ready
 from hybridkv.scheduler.validation import check_request
 
 log = structlog.get_logger(__name__)
@@ -168,7 +168,7 @@ class EngineCore:
     # -- steps -------------------------------------------------------------------------
 
     def plan(self) -> StepPlan:
-        """Plan the next step (see :func:`~hybridkv.scheduler.planner.plan_step`).
+        """Plan the next step (see :func:`~hybridkv.scheduler.step_planner.plan_step`).
 
         A plan that schedules anything is in flight until :meth:`apply` or :meth:`fail`
         takes it; requests of earlier steps in flight are not in it.

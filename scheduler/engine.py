@@ -50,8 +50,8 @@ from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineStoppedError
 from hybridkv.scheduler.outputs import EngineStats, FinishReason
 from hybridkv.scheduler.params import SamplingParams
-from hybridkv.scheduler.planner import StepPlan
 from hybridkv.scheduler.request import Request
+from hybridkv.scheduler.step_planner import StepPlan
 from hybridkv.scheduler.stream import OutputChannel, RequestStream
 
 log = structlog.get_logger(__name__)

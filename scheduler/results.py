@@ -12,8 +12,8 @@ from __future__ import annotations
 from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.batch import ExecutorResultError, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
-from hybridkv.scheduler.planner import StepPlan
 from hybridkv.scheduler.request import Request
+from hybridkv.scheduler.step_planner import StepPlan
 
 
 def check_result(plan: StepPlan, result: object, vocab_size: int) -> str | None:

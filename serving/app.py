@@ -41,8 +41,7 @@ from hybridkv.serving.body import check_json_media_type, decode_json, read_body
 from hybridkv.serving.chat import ChatTemplate
 from hybridkv.serving.errors import APIError, ClientGoneError, error_body
 from hybridkv.serving.guard import AccessGuard
-from hybridkv.serving.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
-from hybridkv.serving.offload import OffloadCollector
+from hybridkv.serving.metrics import CONTENT_TYPE, OffloadCollector, RequestCounter, ServerMetrics
 from hybridkv.serving.prompts import Prompter
 from hybridkv.serving.protocol import parse_chat, parse_completion
 from hybridkv.serving.service import GenerationService

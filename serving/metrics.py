@@ -9,6 +9,7 @@ requests go; the engine's queues and pages are read from ``engine.stats()`` when
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,6 +17,9 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridkv.scheduler.outputs import EngineStats
+
+if TYPE_CHECKING:
+    from hybridkv.memory.offload import OffloadStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -146,3 +150,30 @@ class RequestCounter:
         finally:
             code = str(status[0]) if status else "500"
             self.metrics.requests.labels(endpoint=endpoint, status=code).inc()
+
+
+class OffloadCollector(Collector):
+    """The connector's counters, read on every scrape."""
+
+    def __init__(self, stats: OffloadStats) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        hits = CounterMetricFamily(
+            "hybridkv_kv_offload_hit_tokens",
+            "Prompt tokens loaded from an offload tier instead of computed",
+            labels=["tier"],
+        )
+        for tier, num in sorted(s.hit_tokens.items()):
+            hits.add_metric([tier], num)
+        yield hits
+        for name, text, value in (
+            ("loaded_bytes", "Bytes of KV pages loaded from offload tiers", s.num_loaded_bytes),
+            ("saved_bytes", "Bytes of KV pages saved to offload tiers", s.num_saved_bytes),
+            ("loaded_blocks", "KV pages (group, block) loaded", s.num_loaded_blocks),
+            ("saved_blocks", "KV pages (group, block) saved", s.num_saved_blocks),
+            ("failed_loads", "KV page loads that failed and were recomputed", s.num_failed_blocks),
+            ("dropped_saves", "KV page saves dropped (queue full, tier down)", s.num_dropped_saves),
+        ):
+            yield CounterMetricFamily(f"hybridkv_kv_offload_{name}", text, value)

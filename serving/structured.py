@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from hybridkv.models.grammars import GrammarError, check_grammar
+from hybridkv.executor.grammars import GrammarError, check_grammar
 from hybridkv.scheduler.params import StructuredOutput
 from hybridkv.serving.errors import APIError
 from hybridkv.serving.fields import Fields

@@ -7,6 +7,9 @@ from typing import Any
 import attrs
 import pytest
 
+# The tiny checkpoints and the driver the model, executor and parallel tests share.
+pytest_plugins = ["model_fixtures"]
+
 
 @attrs.define
 class FakeRequest:
@@ -87,7 +90,7 @@ def builtin_gemma3() -> Any:
     pytest.importorskip("gguf")
     import torch
 
-    from hybridkv.serving.builtin_models import resolve_model
+    from hybridkv.serving.cli.builtin_models import resolve_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

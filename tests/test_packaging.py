@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("errors", "scheduler", "policies", "memory", "kernels", "models", "serving")
+FOLDERS = (
+    "errors", "scheduler", "policies", "memory", "kernels",
+    "models", "executor", "parallel", "serving",
+)  # fmt: skip
 
 
 def _pyproject() -> dict:  # type: ignore[type-arg]

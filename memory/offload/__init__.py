@@ -11,7 +11,6 @@ from hybridkv.memory.offload.config import (
     OffloadStats,
     TierSpec,
     build_tier,
-    parse_size,
     parse_tier,
 )
 from hybridkv.memory.offload.connector import KVConnector, PlannedLoad
@@ -59,7 +58,6 @@ __all__ = [
     "build_tier",
     "decode",
     "encode",
-    "parse_size",
     "parse_tier",
     "salt_of",
 ]

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -19,23 +18,7 @@ from hybridkv.memory.offload.errors import OffloadConfigError
 from hybridkv.memory.offload.host import HostTier
 from hybridkv.memory.offload.redis_tier import RedisTier
 from hybridkv.memory.offload.tier import BufferFactory, Tier
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``4GiB``, ``512MB``, ``1.5GiB`` or ``1000000``.
-
-    Raises:
-        OffloadConfigError: not a size.
-    """
-    match = _SIZE.match(text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if match is None or unit is None:
-        raise OffloadConfigError(f"{text!r} is not a size (e.g. 4GiB, 512MB, 1000000)")
-    return int(float(match.group(1)) * unit)
+from hybridkv.memory.sizes import SizeError, parse_size
 
 
 @attrs.frozen
@@ -61,7 +44,10 @@ def parse_tier(text: str) -> TierSpec:
         return TierSpec("redis", url=text)
     kind, _, size = text.partition(":")
     if kind == "host" and size:
-        return TierSpec("host", capacity_bytes=parse_size(size))
+        try:
+            return TierSpec("host", capacity_bytes=parse_size(size))
+        except SizeError as exc:
+            raise OffloadConfigError(f"--kv-offload {text!r}: {exc}") from None
     raise OffloadConfigError(
         f"--kv-offload {text!r}: expected host:SIZE (host:4GiB) or redis://HOST:PORT"
     )

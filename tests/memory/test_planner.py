@@ -8,7 +8,7 @@ import pytest
 
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
-from hybridkv.memory.planner import choose_group_size, describe, plan_layout
+from hybridkv.memory.layout_planner import choose_group_size, describe, plan_layout
 from hybridkv.policies import FullAttention, MambaLike, SlidingWindow
 
 FULL = FullAttention()

@@ -9,9 +9,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.errors import CheckpointError, ModelConfigError
-from hybridkv.models.executor import ModelExecutor
 
 
 def test_pickle_only_folder_is_refused(tiny_models, tmp_path):

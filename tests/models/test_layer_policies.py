@@ -15,13 +15,13 @@ import attrs
 import pytest
 import torch
 
-from hybridkv.memory.planner import plan_layout
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.memory.layout_planner import plan_layout
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.executor import ModelExecutor
 from hybridkv.policies import FullAttention, MemoryPolicy, PolicyError, SlidingWindow, Span
 from hybridkv.policies.base import positive
 
-WINDOW = 8  # the sliding window of the tiny Gemma 3 (tests/models/conftest.py)
+WINDOW = 8  # the sliding window of the tiny Gemma 3 (tests/model_fixtures.py)
 
 
 @attrs.frozen

@@ -154,7 +154,7 @@ async def test_engine_outputs_match_transformers_under_preemption(
 ):
     """Three concurrent greedy requests through the async Engine, in a pool of 20 pages
     too small for all of them, give transformers' greedy tokens."""
-    from hybridkv.models.executor import ModelExecutor
+    from hybridkv.executor.model_executor import ModelExecutor
     from hybridkv.scheduler import EngineConfig, SamplingParams
 
     model = tiny_models[name]
@@ -181,7 +181,7 @@ def test_pipeline_stages_hold_their_state_pages_and_match_transformers(
     """Two stages chained in one process (Mamba2 and attention layers split between them,
     each holding only its layers' pages) give transformers' logits, through chunked
     prefill, a prefix hit on a checkpoint and decodes."""
-    from hybridkv.models.executor import ModelExecutor
+    from hybridkv.executor.model_executor import ModelExecutor
 
     stages = [
         ModelExecutor.from_pretrained(

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
+from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.models.checkpoint import architecture_for
 from hybridkv.models.config import FULL, SLIDING
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.executor import ModelExecutor
 from hybridkv.models.gemma3 import parse_gemma3
 from hybridkv.models.llama import parse_llama
 from hybridkv.models.rope import RopeSpec

@@ -8,8 +8,8 @@ from hybridkv.policies import FullAttention, SlidingWindow
 from hybridkv.scheduler import EngineConfig, SamplingParams
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.fake import CollectingSink, FakeExecutor
-from hybridkv.scheduler.planner import StepPlan
 from hybridkv.scheduler.request import Request, RequestStatus
+from hybridkv.scheduler.step_planner import StepPlan
 
 
 def make_core(**options: Any) -> EngineCore:

@@ -27,8 +27,8 @@ from hybridkv.scheduler import EngineConfig, FinishReason, RequestOutput, Sampli
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
 from hybridkv.scheduler.fake import CollectingSink, FakeExecutor, reference_tokens
-from hybridkv.scheduler.planner import StepPlan
 from hybridkv.scheduler.request import RequestStatus
+from hybridkv.scheduler.step_planner import StepPlan
 
 VOCAB = 50
 PREFIXES = ([11] * 9, [12, 13] * 6)

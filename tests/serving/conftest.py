@@ -80,7 +80,7 @@ class SamplingFakeExecutor(FakeExecutor):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from hybridkv.models.sampler import Sampler
+        from hybridkv.executor.sampler import Sampler
 
         super().__init__(*args, **kwargs)
         self.sampler = Sampler(eos_token_ids=[BYTE_EOS], seed=0)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.serving.builtin_models import (
+from hybridkv.serving.cli.builtin_models import (
     BUILTIN_MODELS,
     BuiltinModel,
     CacheDirError,

@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from hybridkv.serving.builtin_models import BUILTIN_MODELS
 from hybridkv.serving.chat import (
     ChatTemplate,
     ChatTemplateError,
     ChatTemplateTooLongError,
     RenderLimits,
 )
+from hybridkv.serving.cli.builtin_models import BUILTIN_MODELS
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 

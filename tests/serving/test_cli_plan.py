@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.serving.cli import UsageError, main, parse_size, split_stages
+from hybridkv.memory.sizes import SizeError, parse_size
+from hybridkv.serving.cli.main import main
+from hybridkv.serving.cli.plan import split_stages
+from hybridkv.serving.cli.values import UsageError
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -117,7 +120,7 @@ def test_parse_size(text: str, size: int) -> None:
 @pytest.mark.parametrize("text", ["", "-1GiB", "GiB", "2 GiBs", "1e"])
 def test_parse_size_refuses_junk(text: str) -> None:
     """A size that is not a number with a known unit is refused."""
-    with pytest.raises(UsageError, match="such as 2GiB"):
+    with pytest.raises(SizeError, match="such as 2GiB"):
         parse_size(text)
 
 
@@ -176,7 +179,7 @@ def test_bad_layer_policy_exits_2_with_one_line(
 def test_layer_policy_flags_parse_to_policies() -> None:
     """KIND=NAME:key=value pairs build registered policies, numbers as numbers."""
     from hybridkv.policies import FullAttention, SlidingWindow
-    from hybridkv.serving.loading import parse_layer_policies
+    from hybridkv.serving.cli.loading import parse_layer_policies
 
     parsed = parse_layer_policies(["full_attention=sliding_window:window=64", "x=full"])
     assert parsed == (("full_attention", SlidingWindow(64)), ("x", FullAttention()))

@@ -11,7 +11,7 @@ import pytest
 import structlog
 import torch
 
-from hybridkv.serving.cli import main
+from hybridkv.serving.cli.main import main
 
 VOCAB = 64
 
@@ -169,7 +169,7 @@ def test_serve_access_and_limit_flags_make_the_settings() -> None:
     """The serve flags become the app's options, the connection limits and the watchdog."""
     import argparse
 
-    from hybridkv.serving.serve_flags import add_access_and_limit_arguments, http_settings
+    from hybridkv.serving.cli.serve_flags import add_access_and_limit_arguments, http_settings
 
     parser = argparse.ArgumentParser()
     add_access_and_limit_arguments(parser)

@@ -50,7 +50,7 @@ def reference(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
 
 
 async def ours(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from hybridkv.models.executor import ModelExecutor
+    from hybridkv.executor.model_executor import ModelExecutor
 
     executor = ModelExecutor.from_pretrained(folder, kv_cache_bytes=64 << 20, block_size=16)
     config = EngineConfig.for_executor(executor, max_model_len=4096)

@@ -11,8 +11,8 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hybridkv.memory.offload import OffloadStats
-from hybridkv.serving.cli import main
-from hybridkv.serving.offload import OffloadCollector
+from hybridkv.serving.cli.main import main
+from hybridkv.serving.metrics import OffloadCollector
 
 VOCAB = 64
 
@@ -52,7 +52,8 @@ def test_generate_with_a_host_tier_prints_the_same_text(
     ("flags", "message"),
     [
         (("--kv-offload", "disk:/tmp"), "expected host:SIZE"),
-        (("--kv-offload", "host:lots"), "not a size"),
+        (("--kv-offload", "host:lots"), "size 'lots' is not a non-negative number"),
+        (("--kv-offload", "host:1e9", "--kv-offload-interval", "6"), "multiple of the block"),
         (("--kv-offload", "host:1MiB", "--kv-offload-interval", "6"), "multiple of the block"),
         (("--kv-offload", "host:1MiB", "--no-prefix-caching"), "needs prefix caching"),
     ],

@@ -15,8 +15,8 @@ import pytest
 import structlog
 import torch
 
-from hybridkv.serving.cli import main
-from hybridkv.serving.loading import close_pipelines
+from hybridkv.serving.cli.loading import close_pipelines
+from hybridkv.serving.cli.main import main
 
 VOCAB = 64
 GENERATE = ["w2 w3 w4 w5", "--max-tokens", "6", "--ignore-eos", "--kv-memory", "1MiB",

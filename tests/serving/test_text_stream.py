@@ -97,7 +97,7 @@ def test_include_stop_keeps_the_stop_string(word_tokenizer: Tokenizer) -> None:
 
 def test_gemma_sequence_that_cut_streams() -> None:
     """The built-in Gemma 3 tokenizer's failing sequence streams as its full decode."""
-    from hybridkv.serving.builtin_models import cache_dir
+    from hybridkv.serving.cli.builtin_models import cache_dir
 
     path = cache_dir() / "gemma-3-270m" / "tokenizer.json"
     if not path.is_file():

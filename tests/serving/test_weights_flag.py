@@ -9,9 +9,10 @@ import pytest
 import structlog
 import torch
 
-from hybridkv.models.weights import machine_default
-from hybridkv.serving.cli import UsageError, main
-from hybridkv.serving.loading import EngineArgs, _weight_format
+from hybridkv.models.weights.precision import machine_default
+from hybridkv.serving.cli.loading import EngineArgs, _weight_format
+from hybridkv.serving.cli.main import main
+from hybridkv.serving.cli.values import UsageError
 
 
 @pytest.fixture(scope="module")

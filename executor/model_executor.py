@@ -1,0 +1,400 @@
+"""The model executor: owns the KV tensors, runs one engine step, samples.
+
+The KV tensors follow the layout plan (``hybridkv.executor.kv_caches`` has the memory
+picture). Per step and per group, one :class:`PagedMetadata` is built from the requests'
+block tables of that group, and every layer of the group reads it.
+
+A step is three parts, which a pipeline stage runs separately (``models/pipeline_*``)::
+
+    prepare(batch)              metadata of the groups this executor's layers use
+    forward(inputs, hidden)     embed (first stage) and run the layers it holds
+    finish(batch, ..., hidden)  logits, sampling, logprobs (last stage)
+
+``execute`` runs all three on the executor's torch thread. An executor built for one
+pipeline stage (``pipeline_stage``/``pipeline_parallel_size``) holds only that stage's
+layers and their pages; the layout is planned for all stages, so its pool is theirs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import structlog
+import torch
+
+from hybridkv.executor.batch_checks import check_batch
+from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs
+from hybridkv.executor.logprobs import prompt_logprobs, token_logprobs
+from hybridkv.executor.offload_pages import KVPages, key_space
+from hybridkv.executor.sampler import Sampler
+from hybridkv.executor.torch_thread import TorchThread
+from hybridkv.kernels import GatherWorkspace, PagedMetadata
+from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
+from hybridkv.memory.layout_planner import plan_layout
+from hybridkv.memory.offload import KeySpace, LoadReport, OffloadConfig, TransferWorker
+from hybridkv.memory.state_pages import StepStates
+from hybridkv.models.checkpoint import Checkpoint
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.errors import ParallelConfigError
+from hybridkv.models.specs import PolicyChoices
+from hybridkv.models.stages import split_layers
+from hybridkv.models.transformer import CausalLM, holds_weight
+from hybridkv.models.weights.precision import check_weight_format, quantize_linears
+from hybridkv.policies.builtin import FullAttention
+from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
+from hybridkv.scheduler.outputs import TokenLogprobs
+
+log = structlog.get_logger(__name__)
+
+#: Called with (request id, float32 logits of its last position) for each sampled request.
+LogitsHook = Callable[[str, torch.Tensor], None]
+
+
+class ModelExecutor:
+    """Runs a :class:`StepBatch` through a model over paged KV caches (an ``Executor``).
+
+    Attributes:
+        model: The causal LM.
+        config: Its parsed config.
+        plan: The KV layout (groups, slots, pages) the caches follow.
+        specs: Per layer, in layer order, its spec with the policy its KV group keeps
+            (the specs the plan was made from; every layer, also in a pipeline stage).
+        kv_caches: Per layer held, its paged view ``[num_blocks, 2, kv_heads, block_size,
+            head_dim]``.
+        tokenizer: The checkpoint's ``tokenizers.Tokenizer``, or None.
+        eos_token_ids: End-of-sequence tokens.
+        max_model_len: Longest sequence (prompt and output) a request may reach.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        plan: LayoutPlan,
+        *,
+        device: torch.device,
+        eos_token_ids: Sequence[int] = (),
+        tokenizer: object | None = None,
+        sampler: Sampler | None = None,
+        logits_hook: LogitsHook | None = None,
+        torch_thread: TorchThread | None = None,
+    ) -> None:
+        # Every torch call of this executor runs on one thread (see executor/torch_thread.py).
+        self.torch_thread = torch_thread or TorchThread()
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.plan = plan
+        self.device = device
+        dtype = next(model.parameters()).dtype
+        self.specs = tuple(kept_specs(self.config, plan, dtype))
+        held = [self.specs[i] for i in model.layer_range]
+        self.kv_caches = self.torch_thread.run(allocate_kv_caches, plan, held, dtype, device)
+        self._layer_groups = [plan.layer_slots[s.name][0] for s in held]
+        # Metadata is built only for the groups of the layers held (all, without stages).
+        self._groups = sorted(set(self._layer_groups))
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = self.config.max_position_embeddings
+        self.sampler = sampler or Sampler(eos_token_ids=self.eos_token_ids)
+        self.logits_hook = logits_hook
+        # Gather buffers reused by every step and layer: a fresh one per step pays page
+        # faults on its first layer (3x slower decode attention in benchmarks/attention.py).
+        self._workspace = GatherWorkspace()
+        # With a KV connector: moves pages to and from offload tiers (attach_offload).
+        self.transfers: TransferWorker | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        kv_cache_bytes: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        num_threads: int | None = None,
+        seed: int | None = None,
+        uniform_layout: bool = False,
+        policies: PolicyChoices | None = None,
+        logits_hook: LogitsHook | None = None,
+        pipeline_stage: int = 0,
+        pipeline_parallel_size: int = 1,
+        weights: str = "dtype",
+        torch_thread: TorchThread | None = None,
+    ) -> ModelExecutor:
+        """Load a checkpoint folder and lay out ``kv_cache_bytes`` of KV cache for it.
+
+        Each layer keeps and attends what its memory policy says: the config's (full
+        attention, its sliding window), or the one ``policies`` chooses for its kind::
+
+            ModelExecutor.from_pretrained(path, kv_cache_bytes=1 << 30,
+                                          policies={"full_attention": SinkWindow(4, 64)})
+
+        Args:
+            path: Folder with config.json and safetensors weights (tokenizer.json optional).
+            kv_cache_bytes: Bytes of KV cache to allocate.
+            block_size: Tokens per page.
+            dtype: Weights, activations and KV cache dtype.
+            device: Where the model and caches live.
+            num_threads: Torch intra-op threads (process-wide); None leaves torch's choice.
+            seed: Seed of the sampler's generator for unseeded requests.
+            uniform_layout: Give every layer full-attention memory (sliding layers keep
+                every token's K/V), the baseline allocator; attention math is unchanged.
+            policies: Per layer kind of config.json (``full_attention``,
+                ``sliding_attention``, ...), the memory policy its layers keep and attend
+                instead of the config's; the planner groups layers by it.
+            logits_hook: Called with each sampled request's last-position logits.
+            pipeline_stage: Load only this stage's layers and allocate only their pages.
+            pipeline_parallel_size: Stages the model is split into (the layout is
+                planned for all of them: ``kv_cache_bytes`` is per stage).
+            weights: Storage of the linear layers and LM head: ``dtype`` (``dtype``'s,
+                exact), ``int8`` or ``int4`` weight-only (``models/weights/precision.py``).
+            torch_thread: The thread to run its torch work on, shared with other
+                executors of the process (one OpenMP team: ``executor/torch_thread.py``);
+                None for a thread of its own. ``close`` ends it either way.
+
+        Raises:
+            CheckpointError: a folder without config.json or safetensors weights.
+            ModelConfigError: a config we cannot run, or ``policies`` naming a layer kind
+                the model has no attention layers of.
+            ParallelConfigError: more stages than layers, or a stage index outside them.
+            PolicyError: a value of ``policies`` that is not a MemoryPolicy.
+            WeightFormatError: an unknown ``weights`` format, or int8/int4 off the CPU.
+        """
+        check_weight_format(weights)
+        thread = torch_thread or TorchThread()
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+            thread.run(torch.set_num_threads, num_threads)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        checkpoint = Checkpoint.open(path, dtype_bytes=itemsize, policies=policies)
+        config = checkpoint.config
+        stages = split_layers(config.num_layers, pipeline_parallel_size)
+        if not 0 <= pipeline_stage < len(stages):
+            raise ParallelConfigError(
+                f"pipeline_stage={pipeline_stage} is not one of {len(stages)} stages"
+            )
+        layers = stages[pipeline_stage].layers
+        target = torch.device(device)
+
+        def load() -> CausalLM:
+            names = checkpoint.weight_names()
+            keep = functools.partial(holds_weight, config=config, layers=layers, names=names)
+            tensors = checkpoint.load_weights(dtype, target, keep=keep)
+            model = CausalLM.from_weights(
+                config, checkpoint.architecture, tensors, target, layers=layers
+            )
+            quantize_linears(model, weights, device=target)
+            model.fuse_projections()
+            model.rescore_head()
+            return model
+
+        model = thread.run(load)
+        specs: Sequence[LayerSpec] = config.layers
+        if uniform_layout:
+            # Only what is kept changes: each layer still attends by its own policy, a
+            # subset of every position.
+            specs = [attrs.evolve(s, policy=FullAttention()) for s in specs]
+        names = [s.name for s in specs]
+        plan = plan_layout(
+            specs, kv_cache_bytes, block_size, stages=[names[s.start : s.stop] for s in stages]
+        )
+        log.info(
+            "model_loaded",
+            model_type=config.model_type,
+            num_layers=config.num_layers,
+            layers=f"{layers.start}..{layers.stop - 1}",
+            num_groups=len(plan.groups),
+            num_blocks=plan.num_blocks,
+            uniform_num_blocks=plan.uniform_num_blocks,
+        )
+        return cls(
+            model,
+            plan,
+            device=target,
+            eos_token_ids=checkpoint.eos_token_ids,
+            tokenizer=checkpoint.load_tokenizer(),
+            sampler=Sampler(eos_token_ids=checkpoint.eos_token_ids, seed=seed),
+            logits_hook=logits_hook,
+            torch_thread=thread,
+        )
+
+    def close(self) -> None:
+        """End the executor's torch thread; later steps run on the caller's thread."""
+        if self.transfers is not None:
+            self.transfers.close()
+        self.torch_thread.close()
+
+    def attach_offload(self, config: OffloadConfig) -> KeySpace:
+        """Move pages to and from ``config``'s tiers at the start of each step (see
+        ``hybridkv.scheduler.connector``); returns the model's key space."""
+        pages = KVPages(self.kv_caches, self._layer_groups, self.device)
+        self.transfers = TransferWorker(pages, config)
+        dtype = next(self.model.parameters()).dtype
+        return self.torch_thread.run(key_space, self.model, self.config, self.plan, dtype)
+
+    @property
+    def pool(self) -> PoolSpec:
+        """The block pool the KV caches are laid out for."""
+        return self.plan.pool
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head: sampled token ids are below it."""
+        return self.config.vocab_size
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Write and attend every request's tokens in one forward pass; sample where asked.
+
+        Runs on the executor's torch thread.
+
+        Raises:
+            BatchError: a request's block tables do not match the layout.
+        """
+        return self.torch_thread.run(self._execute, batch)
+
+    def _execute(self, batch: StepBatch) -> StepResult:
+        loads: tuple[LoadReport, ...] = ()
+        if self.transfers is not None:  # before any layer writes a page
+            loads = self.transfers.run(batch.transfers, is_idle=not batch.requests)
+        try:
+            check_batch(batch, self.plan, self.max_model_len)
+            if not batch.requests:
+                return StepResult(token_ids=(), kv_loads=loads)
+            inputs = self.prepare(batch)
+            result = self.finish(batch, inputs, self.forward(inputs))
+        except BaseException:
+            if self.transfers is not None:
+                self.transfers.undeliver(loads)  # reported by the next step instead
+            raise
+        return attrs.evolve(result, kv_loads=loads) if loads else result
+
+    def prepare(self, batch: StepBatch) -> StageInputs:
+        """Paged metadata of the groups this executor's layers use, token ids if it embeds.
+
+        Call it on the executor's torch thread, with a checked, non-empty batch.
+        """
+        requests = batch.requests
+        query_lens = [r.num_tokens for r in requests]
+        context_lens = [r.start_position + r.num_tokens for r in requests]
+        bs, groups = self.plan.block_size, self.plan.groups
+        kv_groups = [g for g in self._groups if not groups[g].policy.keeps_state]
+        built = PagedMetadata.build_groups(
+            query_lens,
+            context_lens,
+            [[r.block_tables[g] for r in requests] for g in kv_groups],
+            bs,
+            device=self.device,
+            workspace=self._workspace,
+        )
+        metadata: dict[int, PagedMetadata | StepStates] = dict(zip(kv_groups, built, strict=True))
+        for g in self._groups:  # state (Mamba2) groups: which page each request reads, writes
+            if groups[g].policy.keeps_state:
+                tables = [r.block_tables[g] for r in requests]
+                metadata[g] = StepStates.build(query_lens, context_lens, tables, bs)
+        input_ids = None
+        if self.model.is_first:
+            ids = [t for r in requests for t in r.token_ids]
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return StageInputs(
+            query_lens=query_lens,
+            positions=built[0].positions if built else _positions(requests, self.device),
+            caches=[
+                (cache, metadata[group])
+                for cache, group in zip(self.kv_caches, self._layer_groups, strict=True)
+            ],
+            input_ids=input_ids,
+        )
+
+    def forward(self, inputs: StageInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layers held: from the token ids (first stage) or the previous stage's
+        ``hidden`` states; returns ``[num_tokens, hidden_size]``."""
+        with torch.inference_mode():
+            if hidden is None:
+                assert inputs.input_ids is not None, "a later stage needs hidden states"
+                hidden = self.model.embed(inputs.input_ids)
+            return self.model.run_layers(hidden, inputs.positions, inputs.caches)
+
+    def finish(self, batch: StepBatch, inputs: StageInputs, hidden: torch.Tensor) -> StepResult:
+        """Sample where asked, with logprobs and prompt logprobs (the last stage)."""
+        requests = batch.requests
+        with torch.inference_mode():
+            prompt = self._prompt_logprobs(requests, hidden, inputs.query_lens)
+            tokens, logprobs = self._sample(requests, hidden, inputs.query_lens)
+        return StepResult(token_ids=tuple(tokens), logprobs=logprobs, prompt_logprobs=prompt)
+
+    def _sample(
+        self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
+    ) -> tuple[list[int | None], tuple[TokenLogprobs | None, ...] | None]:
+        """Per request, the token sampled after its last position (where ``sample``), and
+        that token's log-probabilities (where ``params.logprobs`` asks; None if nowhere)."""
+        tokens: list[int | None] = [None] * len(requests)
+        rows = [i for i, r in enumerate(requests) if r.sample]
+        if not rows:
+            return tokens, None
+        ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[ends[rows]])
+        if self.logits_hook is not None:
+            for row, i in enumerate(rows):
+                self.logits_hook(requests[i].request_id, logits[row])
+        params = [requests[i].params for i in rows]
+        sampled = self.sampler.sample(logits, [requests[i] for i in rows], tokenizer=self.tokenizer)
+        for i, token in zip(rows, sampled, strict=True):
+            tokens[i] = token
+        asked = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if not asked:
+            return tokens, None
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        found = token_logprobs(
+            logits[asked],
+            [sampled[row] for row in asked],
+            [params[row].logprobs or 0 for row in asked],
+        )
+        for row, entry in zip(asked, found, strict=True):
+            logprobs[rows[row]] = entry
+        return tokens, tuple(logprobs)
+
+    def _prompt_logprobs(
+        self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
+    ) -> tuple[tuple[TokenLogprobs, ...], ...] | None:
+        """Per request, the log-probabilities of its ``prompt_logprob_token_ids`` (None
+        when no request of the step asks)."""
+        if not any(r.prompt_logprob_token_ids for r in requests):
+            return None
+        out: list[tuple[TokenLogprobs, ...]] = [()] * len(requests)
+        first = 0
+        for i, (request, num_tokens) in enumerate(zip(requests, query_lens, strict=True)):
+            targets = request.prompt_logprob_token_ids
+            if targets:
+                rows = hidden[first : first + len(targets)]
+                num_top = request.params.prompt_logprobs or 0
+                out[i] = prompt_logprobs(rows, targets, num_top, self.model.compute_logits)
+            first += num_tokens
+        return tuple(out)
+
+
+def _positions(requests: Sequence[StepRequest], device: torch.device) -> torch.Tensor:
+    """Each token's position in its request (a model without attention builds no paged
+    metadata, which holds them otherwise)."""
+    spans = [torch.arange(r.start_position, r.start_position + r.num_tokens) for r in requests]
+    return torch.cat(spans).to(device)
+
+
+@attrs.frozen(eq=False)
+class StageInputs:
+    """What :meth:`ModelExecutor.prepare` builds for one step, before any layer runs.
+
+    Attributes:
+        query_lens: Tokens run per request.
+        positions: ``[num_tokens]`` position of each token within its request.
+        caches: Per layer held, its KV cache and its group's paged metadata (a state
+            group's: its :class:`StepStates`).
+        input_ids: ``[num_tokens]`` token ids where the executor embeds, else None.
+    """
+
+    query_lens: list[int]
+    positions: torch.Tensor
+    caches: list[tuple[torch.Tensor, PagedMetadata | StepStates]]
+    input_ids: torch.Tensor | None

@@ -1,0 +1,53 @@
+"""Linear layers that read the same input, joined into one after loading.
+
+An attention layer's q, k and v projections and a gated MLP's gate and up projections
+each multiply the same activations. Joined by output rows, a decode step runs one
+matrix product where it ran three (or two), and pays one call's overhead::
+
+    q_proj [Nq, K]                       qkv_proj [Nq + 2 Nkv, K]
+    k_proj [Nkv, K]   -- cat_linears ->  y = x @ W^T, then split by columns
+    v_proj [Nkv, K]                      [Nq | Nkv | Nkv]
+
+Parts are joined in the form they are stored in, after any quantisation, so each keeps
+exactly the values it had (an int8 part its per-row scales, an int4 part its groups).
+Parts stored differently (a quantised file's 4-bit q beside its 6-bit v, which int4
+keeps at int8) are left apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from hybridkv.models.weights.quantized_linear import QuantizedLinear
+
+
+def cat_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
+    """One linear layer computing the outputs of ``parts`` side by side, or None when
+    they cannot be joined (different classes, input widths or dtypes, or some with a
+    bias and some without)."""
+    kind = type(parts[0])
+    if any(type(p) is not kind for p in parts) or not issubclass(kind, _JOINABLE):
+        return None
+    if len({p.in_features for p in parts}) != 1:
+        return None
+    biases = [p.bias for p in parts]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    if issubclass(kind, QuantizedLinear):
+        return kind.cat_rows([p for p in parts if isinstance(p, QuantizedLinear)], bias)
+    weights = [p.weight.detach() for p in parts]
+    if len({w.dtype for w in weights}) != 1:
+        return None
+    with torch.device("meta"):  # no random init of a weight about to be replaced
+        joined = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=False)
+    joined.weight = nn.Parameter(torch.cat(weights), requires_grad=False)
+    if bias is not None:
+        joined.bias = nn.Parameter(bias, requires_grad=False)
+    return joined
+
+
+_JOINABLE = (nn.Linear, QuantizedLinear)

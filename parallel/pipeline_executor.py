@@ -1,0 +1,364 @@
+"""The engine's side of a pipeline: rank 0 runs stage 0 and drives the other stages.
+
+::
+
+    engine loop ─submit(batch)─▶ check ─▶ torch thread: broadcast batch, stage 0, send hidden
+        ▲                                                      │
+        │ futures, in order                                    ▼
+    collector thread ◀── result ── last stage ◀── ... ◀── stage 1      (worker processes)
+    monitor thread: a worker gone, or no step finished in step_timeout_s -> broken
+
+``submit`` returns at once; up to ``max_steps_in_flight`` steps (one per stage by
+default) move through the stages together. Every stage runs its steps in submission
+order, so each layer sees them in that order, as the engine requires.
+
+Failures. A batch that does not fit the layout fails its own step before it is sent
+(:func:`~hybridkv.executor.batch_checks.check_batch`). Anything else (a worker that dies or
+raises, no step finishing for ``step_timeout_s``) breaks the pipeline: every step in
+flight fails with :class:`ExecutorBrokenError` naming the cause, which stops the engine,
+and the workers are killed. ``close`` stops healthy workers in order and reaps them all.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from types import TracebackType
+from typing import Any, cast
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from hybridkv.executor.batch_checks import check_batch
+from hybridkv.executor.errors import BatchError
+from hybridkv.executor.model_executor import LogitsHook
+from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.specs import PolicyChoices
+from hybridkv.parallel.pipeline_launch import StageSettings, read_stats
+from hybridkv.parallel.pipeline_stage import StageExecutor, StageRunner, StageStats
+from hybridkv.parallel.pipeline_wire import PipelineChannels, StepMessage
+from hybridkv.parallel.pipeline_workers import WorkerSet, launch
+from hybridkv.scheduler.batch import ExecutorBrokenError, StepBatch, StepResult
+
+log = structlog.get_logger(__name__)
+
+
+class PipelineExecutor:
+    """A model split into contiguous stages, one process each (a ``PipelinedExecutor``).
+
+    Build it with :meth:`from_pretrained`; close it (or use ``with``) to stop the workers.
+    It reports what :class:`ModelExecutor` does (``pool``, ``plan``, ``specs``, ``config``,
+    ``tokenizer``, ``eos_token_ids``, ``max_model_len``, ``vocab_size``), from stage 0.
+
+    Attributes:
+        num_stages: Pipeline stages.
+        world_size: Processes: stages times context ranks.
+        max_steps_in_flight: Steps the engine may have submitted and unfinished.
+        step_timeout_s: With steps in flight, the longest wait for one to finish.
+        logits_hook: Called, on the collector thread, with each sampled request's logits
+            (the last stage then returns them with each step: a debugging aid).
+        stage_stats: After :meth:`close`, what each stage did (for benchmarks).
+        peak_steps_in_flight: The most steps submitted and unfinished at once.
+    """
+
+    def __init__(
+        self,
+        stage0: StageExecutor,
+        channels: PipelineChannels,
+        workers: WorkerSet,
+        *,
+        step_timeout_s: float,
+        max_steps_in_flight: int,
+        logits_hook: LogitsHook | None = None,
+    ) -> None:
+        self.stage0 = stage0
+        self.num_stages = channels.num_stages
+        self.world_size = workers.world_size
+        self.max_steps_in_flight = max_steps_in_flight
+        self.step_timeout_s = step_timeout_s
+        self.logits_hook = logits_hook
+        self.stage_stats: tuple[StageStats, ...] = ()
+        self.peak_steps_in_flight = 0
+        self._channels = channels
+        self._workers = workers
+        self._runner = StageRunner(stage0, channels)
+        self._lock = threading.Lock()
+        self._in_flight: deque[Future[StepResult]] = deque()  # submitted, oldest first
+        self._last_progress = time.monotonic()
+        self._error: ExecutorBrokenError | None = None
+        self._is_closed = False
+        self._results: queue.SimpleQueue[Future[StepResult] | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._collector = threading.Thread(
+            target=self._collect, name="hybridkv-pipeline-results", daemon=True
+        )
+        self._monitor = threading.Thread(
+            target=self._watch, name="hybridkv-pipeline-monitor", daemon=True
+        )
+        self._collector.start()
+        self._monitor.start()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        pipeline_parallel_size: int,
+        kv_cache_bytes: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        num_threads: int | None = None,
+        seed: int | None = None,
+        uniform_layout: bool = False,
+        policies: PolicyChoices | None = None,
+        logits_hook: LogitsHook | None = None,
+        step_timeout_s: float = 120.0,
+        max_steps_in_flight: int | None = None,
+        context_parallel_size: int = 1,
+        kv_interleave: int = 1,
+    ) -> PipelineExecutor:
+        """Start the stages of a checkpoint: this process runs stage 0, workers the rest.
+
+        Workers are spawned here, or, under torchrun, are the other ranks (which run
+        :func:`~hybridkv.parallel.pipeline_launch.run_worker`). Each stage loads only its
+        layers and lays out ``kv_cache_bytes`` for their pages; the other arguments are
+        :meth:`ModelExecutor.from_pretrained`'s (``num_threads`` is per stage, and
+        defaults, on the CPU, to the cores divided among the ranks).
+
+        With ``context_parallel_size`` cp > 1 each stage is cp processes sharing every
+        request's tokens and pages (``parallel/context_executor.py``); ``kv_interleave``
+        tokens (1 or ``block_size``) go to a rank at a time. The engine then sees blocks
+        of ``block_size * cp`` tokens, as many as one rank has pages.
+
+        Raises:
+            ParallelConfigError: fewer than 2 stages, more stages than layers, fewer GPUs
+                than stages, or ``torch.distributed`` already initialised here.
+            PipelineError: a worker could not start or load (its error is named).
+            CheckpointError, ModelConfigError, PolicyError: as ModelExecutor.
+        """
+        settings = StageSettings.create(
+            path, pipeline_parallel_size=pipeline_parallel_size, kv_cache_bytes=kv_cache_bytes,
+            block_size=block_size, dtype=dtype, device=device, num_threads=num_threads,
+            seed=seed, uniform_layout=uniform_layout, policies=policies,
+            step_timeout_s=step_timeout_s, context_parallel_size=context_parallel_size,
+            kv_interleave=kv_interleave,
+        )  # fmt: skip
+        stage0, channels, workers = launch(settings)
+        log.info("pipeline_started", num_stages=pipeline_parallel_size, pool=repr(stage0.pool))
+        return cls(
+            stage0,
+            channels,
+            workers,
+            step_timeout_s=step_timeout_s,
+            max_steps_in_flight=max_steps_in_flight or pipeline_parallel_size,
+            logits_hook=logits_hook,
+        )
+
+    # -- what the engine reads ------------------------------------------------------------
+
+    @property
+    def pool(self) -> PoolSpec:
+        """The block pool every stage laid out (the same page count per group)."""
+        return self.stage0.pool
+
+    @property
+    def plan(self) -> LayoutPlan:
+        """The layout planned for all stages."""
+        return self.stage0.plan
+
+    @property
+    def specs(self) -> tuple[LayerSpec, ...]:
+        """Every layer's spec, as its group keeps it."""
+        return self.stage0.specs
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's config."""
+        return self.stage0.config
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, or None."""
+        return self.stage0.tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence tokens."""
+        return self.stage0.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence a request may reach."""
+        return self.stage0.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head."""
+        return self.stage0.vocab_size
+
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        """The process ids of stages 1.. that this process spawned (none under torchrun)."""
+        return tuple(p.pid for p in self._workers.processes if p.pid is not None)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def submit(self, batch: StepBatch) -> Future[StepResult]:
+        """Send a step into the pipeline without waiting; its future holds the result."""
+        future: Future[StepResult] = Future()
+        if self._error is not None or self._is_closed:
+            future.set_exception(self._error or ExecutorBrokenError("the pipeline is closed"))
+            return future
+        try:
+            check_batch(batch, self.plan, self.max_model_len)
+        except BatchError as exc:  # this step fails alone; nothing was sent
+            future.set_exception(exc)
+            return future
+        if not batch.requests:
+            future.set_result(StepResult(token_ids=()))
+            return future
+        message = StepMessage(batch, want_logits=self.logits_hook is not None)
+        with self._lock:
+            if not self._in_flight:
+                self._last_progress = time.monotonic()
+            self._in_flight.append(future)
+            self.peak_steps_in_flight = max(self.peak_steps_in_flight, len(self._in_flight))
+        self._results.put(future)
+        self.stage0.torch_thread.submit(self._first_stage, message).add_done_callback(
+            self._check_first_stage
+        )
+        return future
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step and wait for it."""
+        return self.submit(batch).result()
+
+    def _first_stage(self, message: StepMessage) -> None:
+        """On the torch thread: send the batch to every stage, run stage 0, pass it on."""
+        if self._error is None:
+            self._channels.broadcast_step(message)
+            self._runner.run_step(message)
+
+    def _check_first_stage(self, done: Future[None]) -> None:
+        error = done.exception()
+        if error is not None:
+            self._break(f"pipeline stage 0 failed: {error!r}")
+
+    def _collect(self) -> None:
+        """Receive results in order and complete the futures, until told to stop."""
+        while (future := self._results.get()) is not None:
+            try:
+                received = self._channels.recv_result()
+            except Exception as exc:
+                self._break(self._explain_lost_stage(exc))
+                return
+            result, logits = cast(tuple[StepResult, Sequence[tuple[str, torch.Tensor]]], received)
+            if logits and self.logits_hook is not None:
+                for request_id, row in logits:
+                    self.logits_hook(request_id, row)
+            with self._lock:
+                if self._error is not None:
+                    return  # the future was failed with the others
+                assert self._in_flight[0] is future
+                self._in_flight.popleft()
+                self._last_progress = time.monotonic()
+            future.set_result(result)
+
+    def _watch(self) -> None:
+        """Break the pipeline when a worker is gone or no step finishes in time."""
+        while not self._stopping.wait(0.05):
+            exited = self._workers.exits()
+            if exited is not None:
+                self._break(exited)
+                return
+            with self._lock:
+                num = len(self._in_flight)
+                waited = time.monotonic() - self._last_progress
+            if num and waited > self.step_timeout_s:
+                self._break(
+                    f"no step finished in {waited:.1f} s (step_timeout_s="
+                    f"{self.step_timeout_s}) with {num} in flight: a stage hangs"
+                )
+                return
+
+    def _explain_lost_stage(self, exc: Exception) -> str:
+        """Name the worker that exited if there is one (it closes our connections first)."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            exited = self._workers.exits()
+            if exited is not None:
+                return exited
+            time.sleep(0.02)
+        return f"lost the connection to a stage: {exc}"
+
+    def _break(self, reason: str) -> None:
+        """Fail every step in flight, refuse later ones, kill the workers (once)."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = ExecutorBrokenError(f"the pipeline broke: {reason}")
+            failed = list(self._in_flight)
+            self._in_flight.clear()
+        log.error("pipeline_broken", reason=reason, num_steps_failed=len(failed))
+        self._workers.kill()  # also ends our own receives from them
+        for future in failed:
+            future.set_exception(self._error)
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the workers after the steps in flight (or kill them if broken); idempotent."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        self._stopping.set()
+        self._monitor.join()
+        if self._error is None:
+            stop = self.stage0.torch_thread.submit(self._channels.broadcast_step, None)
+            self._wait_stopped(stop)
+        self._results.put(None)
+        self._collector.join(timeout=self.step_timeout_s)
+        self._workers.join(self.step_timeout_s if self._error is None else 0.0)
+        if self._error is None:
+            # Every worker received what was sent to it before it stopped.
+            self.stage0.torch_thread.run(self._channels.outbox.drain)
+            workers = [read_stats(self._workers.store, r) for r in range(1, self.world_size)]
+            self.stage_stats = (self._runner.stats(), *(s for s in workers if s is not None))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.stage0.close()
+        log.info("pipeline_closed", is_broken=self._error is not None)
+
+    def _wait_stopped(self, stop: Future[None]) -> None:
+        """Wait for the steps in flight and the stop broadcast; break if it takes too long."""
+        deadline = time.monotonic() + self.step_timeout_s
+        try:
+            stop.result(timeout=self.step_timeout_s)
+            while self._in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except Exception as exc:
+            self._break(f"stopping failed: {exc!r}")
+        if self._in_flight:
+            self._break(f"steps still in flight after step_timeout_s={self.step_timeout_s}")
+
+    def __enter__(self) -> PipelineExecutor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+__all__ = ["PipelineExecutor"]

@@ -1,0 +1,344 @@
+"""Starting the stages of a pipeline: where they meet, what they load, a worker's life.
+
+Rank 0 is the engine's process and runs stage 0 (``parallel/pipeline_executor.py``). With
+context parallelism each stage is ``cp`` ranks (``ParallelConfig(pipeline, context)``
+places them; rank 0 is stage 0's context rank 0). The other ranks are workers, started
+one of two ways:
+
+- **spawned** by rank 0 (``torch.multiprocessing``, spawn): rank 0 hosts a
+  ``torch.distributed`` TCP store on a free loopback port and passes its address;
+- **under torchrun**: every rank runs the command line, which sends ranks other than 0
+  here (``hybridkv.serving.cli.main``); they meet at torchrun's store (``MASTER_ADDR``), one
+  rank per stage.
+
+A worker's life, and the store keys rank 0 watches (so that a worker that cannot start
+is reported at once, with its error, instead of after a timeout)::
+
+    connect to the store, set hello/<rank>
+    init_process_group (gloo on CPU; gloo and NCCL on CUDA), create the channels' groups
+    load its layers, set ready/<rank> = (pid, error or None, pool)
+    serve steps until rank 0 broadcasts stop            (failed/<rank> = error, exit 1)
+    set stats/<rank>, destroy the process group, exit 0
+
+A spawned worker ignores SIGINT (Ctrl-C reaches the whole process group; rank 0 stops
+the workers in order) and exits if its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import cast
+
+import attrs
+import structlog
+import torch
+import torch.distributed as dist
+
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.memory.layout import PoolSpec
+from hybridkv.models.checkpoint import Checkpoint
+from hybridkv.models.errors import ParallelConfigError
+from hybridkv.models.specs import PolicyChoices
+from hybridkv.models.stages import split_layers
+from hybridkv.parallel.context_executor import ContextParallelExecutor
+from hybridkv.parallel.context_group import ContextRanks, open_context_group
+from hybridkv.parallel.pipeline_stage import StageExecutor, StageRunner, StageStats, serve_stage
+from hybridkv.parallel.pipeline_wire import PipelineChannels
+from hybridkv.parallel.rank_layout import ParallelConfig
+from hybridkv.policies.base import MemoryPolicy
+
+log = structlog.get_logger(__name__)
+
+#: Prefix of every store key hybridkv sets (torchrun's store holds its own keys too).
+KEY = "hybridkv/pipeline"
+
+
+@attrs.frozen(kw_only=True)
+class StageSettings:
+    """What every stage loads: one value, sent to each worker, so all plan the same pool."""
+
+    path: str
+    num_stages: int
+    hidden_size: int
+    kv_cache_bytes: int
+    block_size: int
+    dtype: torch.dtype
+    device_type: str
+    num_threads: int | None
+    seed: int | None
+    uniform_layout: bool
+    policies: tuple[tuple[str, MemoryPolicy], ...]
+    step_timeout_s: float
+    log_level: int = logging.NOTSET
+    context_parallel_size: int = 1
+    kv_interleave: int = 1
+
+    @classmethod
+    def create(
+        cls,
+        path: str | Path,
+        *,
+        pipeline_parallel_size: int,
+        kv_cache_bytes: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        num_threads: int | None = None,
+        seed: int | None = None,
+        uniform_layout: bool = False,
+        policies: PolicyChoices | None = None,
+        step_timeout_s: float = 120.0,
+        context_parallel_size: int = 1,
+        kv_interleave: int = 1,
+    ) -> StageSettings:
+        """Settings for a checkpoint, checked: every stage must hold a layer.
+
+        ``num_threads`` defaults, on the CPU, to the cores divided among the ranks. The
+        workers log at this process's structlog level, to stderr.
+
+        Raises:
+            ParallelConfigError: more stages than layers, or fewer than one.
+            CheckpointError, ModelConfigError, PolicyError: a config we cannot run.
+        """
+        checkpoint = Checkpoint.open(path, policies=policies)
+        split_layers(checkpoint.config.num_layers, pipeline_parallel_size)
+        layout = ParallelConfig(pipeline=pipeline_parallel_size, context=context_parallel_size)
+        device_type = torch.device(device).type
+        if num_threads is None and device_type == "cpu":
+            num_threads = max(1, (os.cpu_count() or 1) // layout.world_size)
+        return cls(
+            path=str(path), num_stages=pipeline_parallel_size,
+            hidden_size=checkpoint.config.hidden_size, kv_cache_bytes=kv_cache_bytes,
+            block_size=block_size, dtype=dtype, device_type=device_type,
+            num_threads=num_threads, seed=seed, uniform_layout=uniform_layout,
+            policies=tuple((policies or {}).items()), step_timeout_s=step_timeout_s,
+            log_level=structlog.get_logger().bind().get_effective_level(),
+            context_parallel_size=context_parallel_size, kv_interleave=kv_interleave,
+        )  # fmt: skip
+
+    @property
+    def layout(self) -> ParallelConfig:
+        """Where each rank sits: its pipeline stage and its context rank."""
+        return ParallelConfig(pipeline=self.num_stages, context=self.context_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: stages times context ranks."""
+        return self.layout.world_size
+
+    def device(self, local_rank: int) -> torch.device:
+        """The device of a stage: the CPU, or the GPU of its local rank."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", local_rank)
+        return torch.device(self.device_type)
+
+    def load(self, rank: int, local_rank: int) -> ModelExecutor:
+        """Load rank ``rank``'s stage's layers and lay out their pages."""
+        return ModelExecutor.from_pretrained(
+            self.path,
+            kv_cache_bytes=self.kv_cache_bytes,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device(local_rank),
+            num_threads=self.num_threads,
+            seed=self.seed,
+            uniform_layout=self.uniform_layout,
+            policies=dict(self.policies),
+            pipeline_stage=self.layout.coordinates(rank)["pipeline"],
+            pipeline_parallel_size=self.num_stages,
+        )
+
+    def shard(self, executor: ModelExecutor, context: ContextRanks | None) -> StageExecutor:
+        """The executor of one context rank (itself without context parallelism)."""
+        if context is None:
+            return executor
+        return ContextParallelExecutor(executor, context, self.kv_interleave)
+
+
+@attrs.frozen
+class Rendezvous:
+    """Where the stages meet: a ``torch.distributed`` TCP store.
+
+    Attributes:
+        host: The store's address.
+        port: Its port.
+        is_torchrun: Whether torchrun launched the ranks (its agent may host the store).
+    """
+
+    host: str
+    port: int
+    is_torchrun: bool = False
+
+    def connect(self, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+        """A client of the store (rank 0 hosts it unless torchrun's agent does)."""
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        is_master = rank == 0 and not (self.is_torchrun and agent_hosts)
+        return dist.TCPStore(
+            self.host, self.port, world_size, is_master=is_master, timeout=timeout,
+            wait_for_workers=False,
+        )  # fmt: skip
+
+
+@attrs.frozen
+class TorchrunEnv:
+    """What torchrun (or any launcher following ``torch.distributed``'s ``env://``
+    contract) tells a process: the store, its rank and local rank, the world size."""
+
+    rendezvous: Rendezvous
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] = os.environ) -> TorchrunEnv | None:
+        """The launcher's variables, or None when this process was not launched so."""
+        names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        if not all(name in env for name in names):
+            return None
+        rendezvous = Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_torchrun=True)
+        rank = int(env["RANK"])
+        return cls(rendezvous, rank, int(env.get("LOCAL_RANK", rank)), int(env["WORLD_SIZE"]))
+
+    def check(self, layout: ParallelConfig) -> None:
+        """Refuse a world that is not one rank per stage and context rank."""
+        if self.world_size != layout.world_size:
+            raise ParallelConfigError(
+                f"the launcher started {self.world_size} processes for "
+                f"pipeline_parallel_size={layout.pipeline} x context_parallel_size="
+                f"{layout.context}; start one per stage and context rank"
+            )
+
+
+def init_distributed(
+    store: dist.Store, rank: int, world_size: int, device_type: str, timeout: timedelta
+) -> None:
+    """Join the default process group of the pipeline through ``store``."""
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+    prefixed = dist.PrefixStore(f"{KEY}/pg", store)
+    dist.init_process_group(
+        backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
+    )
+
+
+def open_channels(settings: StageSettings, rank: int, local_rank: int) -> PipelineChannels:
+    """This rank's end of the pipeline's channels.
+
+    Every rank creates them before it loads its layers: creating a group waits for all
+    ranks, and a rank that fails to load must not leave the others waiting there.
+    """
+    return PipelineChannels(
+        rank,
+        settings.layout,
+        hidden_size=settings.hidden_size,
+        dtype=settings.dtype,
+        device=settings.device(local_rank),
+        step_timeout_s=settings.step_timeout_s,
+    )
+
+
+def run_worker(
+    rank: int, rendezvous: Rendezvous, settings: StageSettings, local_rank: int | None = None
+) -> int:
+    """A worker process: join, load, serve until stopped. Returns the exit status.
+
+    The target of spawned workers (through :func:`spawned_worker`) and of ranks other
+    than 0 under torchrun.
+    """
+    # A worker is a process of ours: it logs as its engine's does, never on its stdout.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(settings.log_level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    timeout = timedelta(seconds=2 * settings.step_timeout_s)
+    store = rendezvous.connect(rank, settings.world_size, timeout)
+    store.set(f"{KEY}/hello/{rank}", str(os.getpid()))
+    init_distributed(store, rank, settings.world_size, settings.device_type, timeout)
+    local_rank = rank if local_rank is None else local_rank
+    channels = open_channels(settings, rank, local_rank)
+    context = open_context_group(settings.layout, rank)
+    try:
+        executor = settings.shard(settings.load(rank, local_rank), context)
+    except Exception as exc:  # reported to rank 0, which raises it at start
+        store.set(f"{KEY}/ready/{rank}", pickle.dumps((os.getpid(), _describe(exc), None)))
+        return 1
+    store.set(f"{KEY}/ready/{rank}", pickle.dumps((os.getpid(), None, executor.pool)))
+    runner = StageRunner(executor, channels)
+    try:
+        executor.torch_thread.run(serve_stage, runner)
+    except Exception as exc:
+        traceback.print_exc()
+        with contextlib.suppress(Exception):  # the store is gone if rank 0 is
+            store.set(f"{KEY}/failed/{rank}", _describe(exc))  # rank 0 names it
+        return 1
+    store.set(f"{KEY}/stats/{rank}", pickle.dumps(runner.stats()))
+    dist.destroy_process_group()
+    executor.close()
+    return 0
+
+
+def run_torchrun_worker(settings: StageSettings) -> int:
+    """Under torchrun, serve this rank's stage until rank 0 stops the pipeline; the exit
+    status. Rank 0 builds the engine instead (``PipelineExecutor.from_pretrained``)."""
+    launched = TorchrunEnv.read()
+    if launched is None:
+        raise ParallelConfigError("not launched by torchrun: RANK or MASTER_ADDR is unset")
+    launched.check(settings.layout)
+    if launched.rank == 0:
+        raise ParallelConfigError("rank 0 runs the engine and stage 0, not a worker")
+    return run_worker(launched.rank, launched.rendezvous, settings, launched.local_rank)
+
+
+def spawned_worker(rank: int, rendezvous: Rendezvous, settings: StageSettings) -> None:
+    """Entry point of a worker spawned by rank 0: exits with :func:`run_worker`'s status."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
+    sys.exit(run_worker(rank, rendezvous, settings))
+
+
+def read_ready(store: dist.Store, rank: int) -> tuple[int, str | None, PoolSpec | None]:
+    """A worker's ready key: its pid, its load error or None, its pool."""
+    value = pickle.loads(store.get(f"{KEY}/ready/{rank}"))
+    return cast(tuple[int, str | None, PoolSpec | None], value)
+
+
+def read_stats(store: dist.Store, rank: int) -> StageStats | None:
+    """The counters a worker left when it stopped, if it did."""
+    key = f"{KEY}/stats/{rank}"
+    if not store.check([key]):
+        return None
+    stats = pickle.loads(store.get(key))
+    assert isinstance(stats, StageStats)
+    return stats
+
+
+def read_failure(store: dist.Store, rank: int) -> str | None:
+    """The error a worker reported before it exited, if it could."""
+    key = f"{KEY}/failed/{rank}"
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _exit_with_parent() -> None:
+    """End this process once its parent is gone (a killed engine leaves no workers)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hybridkv-parent-watch", daemon=True).start()

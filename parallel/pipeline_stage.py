@@ -1,0 +1,121 @@
+"""One pipeline stage's share of a step, the same in every process.
+
+::
+
+    stage 0 (rank 0)           stage i                       last stage
+    prepare(batch)             prepare(batch)                prepare(batch)
+    embed, layers [0, a)       recv hidden, layers [a, b)    recv hidden, layers [c, n)
+    send hidden ──────────────▶ send hidden ─────────────────▶ logits, sample
+                                                             send result to rank 0
+
+``prepare`` (paged metadata from the block tables) runs before the hidden states are
+awaited, so it overlaps the previous stage's work. A stage runs its steps one at a time
+in the order rank 0 broadcast them, so every layer sees the steps in submission order.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import torch
+
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.parallel.context_executor import ContextParallelExecutor
+from hybridkv.parallel.pipeline_wire import PipelineChannels, StepMessage
+
+#: What runs a stage's share of a step: the stage's layers, or one context rank of them.
+StageExecutor = ModelExecutor | ContextParallelExecutor
+
+
+@attrs.frozen(kw_only=True)
+class StageStats:
+    """What one stage did, for the benchmark: steps, busy and waiting time, bytes sent.
+
+    Attributes:
+        stage: The stage index.
+        num_steps: Steps it ran.
+        busy_s: Seconds spent preparing and computing steps (not waiting for input).
+        wait_s: Seconds blocked receiving the previous stage's hidden states.
+        span_s: Seconds from the start of its first step to the end of its last.
+        control_bytes: Bytes it broadcast (step batches; rank 0 only).
+        hidden_bytes: Bytes of hidden states it sent.
+        result_bytes: Bytes of results it sent (the last stage).
+    """
+
+    stage: int
+    num_steps: int
+    busy_s: float
+    wait_s: float
+    span_s: float
+    control_bytes: int
+    hidden_bytes: int
+    result_bytes: int
+
+
+class StageRunner:
+    """Runs a stage's share of each step over its executor and channels."""
+
+    def __init__(self, executor: StageExecutor, channels: PipelineChannels) -> None:
+        self.executor = executor
+        self.channels = channels
+        self._num_steps = 0
+        self._busy_s = 0.0
+        self._wait_s = 0.0
+        self._first_start: float | None = None
+        self._last_end = 0.0
+        self._logits: list[tuple[str, torch.Tensor]] = []
+
+    def run_step(self, message: StepMessage) -> None:
+        """Prepare, receive (past the first stage), compute, and send on."""
+        started = time.perf_counter()
+        if self._first_start is None:
+            self._first_start = started
+        executor, channels, batch = self.executor, self.channels, message.batch
+        inputs = executor.prepare(batch)
+        hidden, waited = None, 0.0
+        if channels.prev is not None:
+            before = time.perf_counter()
+            # This rank's tokens: all of the step's, or its context shard of them.
+            hidden = channels.recv_hidden(int(inputs.positions.numel()))
+            waited = time.perf_counter() - before
+        hidden = executor.forward(inputs, hidden)
+        if channels.next is not None:
+            channels.send_hidden(hidden)
+        else:
+            executor.logits_hook = self._keep_logits if message.want_logits else None
+            result = executor.finish(batch, inputs, hidden)
+            logits, self._logits = self._logits, []
+            if channels.sends_results:
+                channels.send_result((result, logits or None))
+        self._last_end = time.perf_counter()
+        self._num_steps += 1
+        self._busy_s += self._last_end - started - waited
+        self._wait_s += waited
+
+    def stats(self) -> StageStats:
+        """The counters so far."""
+        counters = self.channels.counters
+        return StageStats(
+            stage=self.channels.stage,
+            num_steps=self._num_steps,
+            busy_s=self._busy_s,
+            wait_s=self._wait_s,
+            span_s=self._last_end - (self._first_start or self._last_end),
+            control_bytes=counters.control_bytes,
+            hidden_bytes=counters.hidden_bytes,
+            result_bytes=counters.result_bytes,
+        )
+
+    def _keep_logits(self, request_id: str, logits: torch.Tensor) -> None:
+        self._logits.append((request_id, logits.detach().to("cpu", copy=True)))
+
+
+def serve_stage(runner: StageRunner) -> None:
+    """A worker's loop: run every step rank 0 broadcasts, until it broadcasts stop.
+
+    Runs on the executor's torch thread; then waits for its own sends to complete.
+    """
+    while (message := runner.channels.receive_step()) is not None:
+        runner.run_step(message)
+    runner.channels.outbox.drain()

@@ -1,0 +1,74 @@
+"""The ``hybridkv`` command line.
+
+Each subcommand is a registrar: a function that adds one parser to the subparsers and
+sets its ``handler`` default to a function ``(args) -> exit code``. Add a subcommand by
+writing ``register(subparsers)`` in its own module and naming it in :data:`SUBCOMMANDS`;
+keep heavy imports (torch, models, the HTTP stack) inside the handler so that
+``hybridkv --help`` and ``hybridkv plan`` stay fast.
+
+Errors of the library (:class:`HybridKVError`, :class:`~hybridkv.serving.cli.values.UsageError`
+among them) print one line on stderr and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from hybridkv.errors import HybridKVError
+
+#: Subcommand name -> ``"module:function"`` of its registrar, in ``--help`` order.
+SUBCOMMANDS: dict[str, str] = {
+    "demo": "hybridkv.serving.cli.demo:register_demo",
+    "serve": "hybridkv.serving.cli.serve:register_serve",
+    "generate": "hybridkv.serving.cli.serve:register_generate",
+    "plan": "hybridkv.serving.cli.plan:register_plan",
+    "bench": "hybridkv.serving.cli.demo:register_bench",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (the console script exits with it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        from hybridkv.serving.cli.loading import pipeline_worker_status
+
+        status = pipeline_worker_status(args)  # under torchrun, ranks > 0 serve a stage
+        if status is not None:
+            return status
+        return handler(args)
+    except HybridKVError as exc:
+        print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as group:
+        # A task group (the engine's) wraps what its body raised; unwrap our errors.
+        errors, rest = group.split(HybridKVError)
+        if errors is None or rest is not None:
+            raise
+        # Requests failing alike (a bench where every prompt is too long) print one line.
+        for message in dict.fromkeys(str(error) for error in _leaves(errors)):
+            print(f"hybridkv {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="hybridkv", description="An async LLM serving core with hybrid KV memory."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for target in SUBCOMMANDS.values():
+        module, _, function = target.partition(":")
+        getattr(importlib.import_module(module), function)(subparsers)
+    return parser

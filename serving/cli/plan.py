@@ -1,0 +1,209 @@
+"""``hybridkv plan``: the KV layout of a model in a memory budget, beside a uniform one."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hybridkv.memory.sizes import parse_size
+from hybridkv.serving.cli.values import UsageError, dtype_bytes, load_config
+
+if TYPE_CHECKING:
+    from hybridkv.memory.layout import LayerSpec, LayoutPlan
+    from hybridkv.memory.layout_planner import PlanReport
+
+
+def split_stages(names: Sequence[str], num_stages: int) -> list[list[str]]:
+    """Contiguous stages of near-equal layer counts, earlier stages taking the remainder."""
+    if num_stages < 1:
+        raise UsageError(f"--pp-stages must be >= 1, got {num_stages}")
+    base, extra = divmod(len(names), num_stages)
+    stages, start = [], 0
+    for i in range(num_stages):
+        stop = start + base + (1 if i < extra else 0)
+        stages.append(list(names[start:stop]))
+        start = stop
+    return stages
+
+
+def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``hybridkv plan MODEL --kv-memory SIZE``."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="print the KV layout of a model in a memory budget",
+        description="Print the KV cache groups, page size and pool size a model gets in a "
+        "KV memory budget, and what a uniform (all full attention) allocator would fit.",
+    )
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="config.json, a folder with one, or a built-in name: "
+        "gemma3-like, gemma2-like, llama-like, jamba-like",
+    )
+    parser.add_argument(
+        "--kv-memory", required=True, metavar="SIZE", help="KV memory per device: 2GiB, 1e9"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the KV cache")
+    parser.add_argument("--pp-stages", type=int, default=1, help="pipeline stages")
+    parser.add_argument(
+        "--context-parallel-size",
+        "-cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="context-parallel ranks sharing each request's pages, each with --kv-memory",
+    )
+    parser.add_argument(
+        "--request-tokens",
+        type=int,
+        default=4096,
+        metavar="L",
+        help="tokens per request (prompt and output) in the capacity table",
+    )
+    from hybridkv.serving.cli.loading import add_layer_policy_argument
+
+    add_layer_policy_argument(parser)
+    parser.set_defaults(handler=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Plan the layout and print it."""
+    from hybridkv.memory.layout_planner import describe, plan_layout
+    from hybridkv.models.specs import layer_specs_from_config
+    from hybridkv.serving.cli.loading import parse_layer_policies
+
+    budget = parse_size(args.kv_memory)
+    if args.request_tokens < 1:
+        raise UsageError(f"--request-tokens must be >= 1, got {args.request_tokens}")
+    label, config = load_config(args.model)
+    policies = dict(parse_layer_policies(args.layer_policies))
+    specs = layer_specs_from_config(config, dtype_bytes(args.dtype), policies=policies)
+    stages = split_stages([s.name for s in specs], args.pp_stages)
+    plan = plan_layout(specs, budget, args.block_size, stages=stages)
+    report = describe(plan, specs, args.request_tokens)
+    policies = ", ".join(f"{p.num_layers} {p.policy}" for p in report.policies)
+    raised = plan.block_size != args.block_size
+    print(f"model   {label}: {len(specs)} KV layers ({policies or 'attention-free'})")
+    print(
+        f"budget  {_bytes(budget)} per device, {args.dtype}, block size {plan.block_size}"
+        + (f" (raised from {args.block_size} so a page holds a state)" if raised else "")
+    )
+    if plan.groups:
+        print("\n".join(format_plan(plan, report)))
+        if args.context_parallel_size > 1:
+            print(
+                "\n".join(
+                    format_context(plan, specs, args.request_tokens, args.context_parallel_size)
+                )
+            )
+    else:
+        print("no KV cache: the model has no attention or state layers")
+    return 0
+
+
+def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
+    """The tables of a plan with KV groups: groups, policies, stages, capacity, padding."""
+    out = [
+        f"pool    {_count(len(plan.groups), 'group')}, "
+        f"{_count(plan.group_size, 'slot tensor')} per device, page "
+        f"{_bytes(plan.block_bytes)}, {plan.num_blocks} blocks (the null block included)",
+        "",
+    ]
+    slot_bytes = sum(report.stage_slots) * plan.block_bytes
+    out += _table(
+        ["group", "policy", "layers", "blocks/request", "padding/page"],
+        [[g.group_id, g.policy, g.num_layers, g.blocks_per_request,
+          _share(g.padding_bytes_per_block, slot_bytes)] for g in report.groups],
+    )  # fmt: skip
+    total = report.blocks_per_request
+    out.append("")
+    out += _table(
+        ["policy", "groups", "layers", "blocks/request", "share of pages"],
+        [[p.policy, p.num_groups, p.num_layers, p.blocks_per_request,
+          f"{p.blocks_per_request / total:.1%}"] for p in report.policies],
+    )  # fmt: skip
+    if len(plan.stages) > 1:
+        out.append("")
+        out += _table(
+            ["stage", "layers", "slot tensors"],
+            [[i, len(names), num] for i, (names, num)
+             in enumerate(zip(plan.stages, report.stage_slots, strict=True))],
+        )  # fmt: skip
+    n = report.request_tokens
+    hybrid, uniform = report.max_requests, report.uniform_max_requests
+    tokens = (None if hybrid is None else hybrid * n, None if uniform is None else uniform * n)
+    out.append("")
+    out += _table(
+        ["capacity", "hybrid", "uniform", "gain"],
+        [
+            ["blocks", plan.num_blocks, plan.uniform_num_blocks, ""],
+            [f"requests of {n} tokens", hybrid, uniform, _gain(hybrid, uniform)],
+            ["tokens that fit", *tokens, _gain(*tokens)],
+            ["longest request", report.max_request_tokens, report.uniform_max_request_tokens,
+             _gain(report.max_request_tokens, report.uniform_max_request_tokens)],
+        ],
+    )  # fmt: skip
+    where = "over all stages" if len(plan.stages) > 1 else "in the pool"
+    return [
+        *out,
+        "",
+        f"padding {report.padding_fraction:.1%} of the bytes held by requests of {n} tokens; "
+        f"at most {_bytes(plan.padding_bytes)} {where}",
+        "uniform: one group of every layer as full attention, in the same bytes",
+    ]
+
+
+def format_context(
+    plan: LayoutPlan, specs: Sequence[LayerSpec], request_tokens: int, cp: int
+) -> list[str]:
+    """Capacity with ``cp`` context-parallel ranks, each with the plan's memory: the engine
+    counts virtual blocks of ``block_size * cp`` tokens, as many as one rank has pages."""
+    import attrs
+
+    from hybridkv.memory.layout_planner import describe
+
+    if cp < 1:
+        raise UsageError(f"--context-parallel-size must be >= 1, got {cp}")
+    rows = []
+    for ranks in sorted({1, cp}):
+        virtual = attrs.evolve(plan, block_size=plan.block_size * ranks)
+        report = describe(virtual, specs, request_tokens)
+        rows.append([ranks, virtual.block_size, report.max_request_tokens, report.max_requests])
+    return [
+        "",
+        f"context parallelism: {cp} ranks, {_bytes(plan.budget_bytes)} of KV each",
+        *_table(
+            ["ranks", "tokens/block", "longest request", f"requests of {request_tokens} tokens"],
+            rows,
+        ),
+    ]
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    cells = [header] + [["unbounded" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in cells]  # fmt: skip
+
+
+def _bytes(num: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num >= size:
+            return f"{num / size:.2f} {unit}"
+    return f"{num} B"
+
+
+def _count(num: int, noun: str) -> str:
+    return f"{num} {noun}" if num == 1 else f"{num} {noun}s"
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{_bytes(part)} ({part / whole:.1%})" if part else "0 B"
+
+
+def _gain(hybrid: int | None, uniform: int | None) -> str:
+    if hybrid is None or uniform is None:
+        return ""
+    return f"{hybrid / uniform:.2f}x" if uniform else "inf"

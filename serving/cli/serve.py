@@ -1,0 +1,212 @@
+"""``hybridkv serve`` (the OpenAI-compatible server) and ``hybridkv generate`` (one prompt)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from typing import Any
+
+from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
+from hybridkv.serving.cli.loading import add_engine_arguments, add_model_argument, engine_args
+from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
+from hybridkv.serving.cli.serve_flags import add_access_and_limit_arguments, http_settings
+
+_SERVE_EPILOG = """\
+examples:
+  hybridkv serve                                  # the built-in Gemma 3 270M on :8000
+  hybridkv serve ./my-checkpoint --port 9000 --kv-memory 4GiB
+
+then, from any OpenAI client:
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "gemma-3-270m", "prompt": "The sea is", "max_tokens": 20}'
+
+endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+           /version, /health, /metrics
+"""
+
+
+def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``hybridkv serve [MODEL]``."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Load a model and serve it over an OpenAI-compatible HTTP API, with\n"
+        "streaming, Prometheus metrics at /metrics, and continuous batching over one\n"
+        "shared KV pool.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_argument(parser)
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    http.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the name clients pass as 'model' (default: the model's name)",
+    )
+    http.add_argument(
+        "--max-body-size", default="4MiB", metavar="SIZE", help="largest request body (4MiB)"
+    )
+    http.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="output limit of chat requests that set none (default: the rest of the context)",
+    )
+    add_log_level_argument(http, "info")
+    add_access_and_limit_arguments(parser)
+    add_engine_arguments(parser)
+    add_offload_arguments(parser)
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, start the engine, serve until interrupted."""
+    import anyio
+
+    from hybridkv.memory.sizes import parse_size
+    from hybridkv.serving.cli.loading import load_model
+    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.server import open_socket
+
+    configure_logging(args.log_level)
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    max_body_bytes = parse_size(args.max_body_size)
+    if max_body_bytes < 1:
+        raise UsageError(f"--max-body-size must be at least 1 byte, got {args.max_body_size!r}")
+    try:
+        settings = http_settings(
+            args, max_body_bytes=max_body_bytes, default_max_tokens=args.default_max_tokens
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    sock = open_socket(args.host, args.port)  # fail fast, before the model loads
+    with sock:  # closed too when the model fails to load
+        loaded = load_model(engine_args(args))
+        _prepare_structured_output(loaded)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way to stop
+            anyio.run(_serve, loaded, sock, settings, args)
+    return 0
+
+
+def _prepare_structured_output(loaded: Any) -> None:
+    """Read the vocabulary for grammar masks now (seconds for a large one), not in the
+    first step of the first request that asks for structured output."""
+    sampler = getattr(loaded.executor, "sampler", None)
+    if sampler is not None and hasattr(sampler, "enable_structured_output"):
+        sampler.enable_structured_output(loaded.tokenizer, loaded.executor.vocab_size)
+
+
+async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace) -> None:
+    from hybridkv.scheduler import Engine
+    from hybridkv.serving.app import build_app
+    from hybridkv.serving.server import serve_http
+    from hybridkv.serving.watchdog import StepWatchdog
+
+    name = args.served_model_name or loaded.name
+    executor = loaded.executor
+    if settings.step_timeout_s is not None:
+        executor = StepWatchdog(executor, settings.step_timeout_s)
+    async with Engine(
+        loaded.engine_config, executor, offload=offload_config(args, loaded.executor)
+    ) as engine:
+        app = build_app(
+            engine,
+            loaded.tokenizer,
+            model_name=name,
+            max_model_len=loaded.max_model_len,
+            chat_template=loaded.chat_template,
+            options=settings.options,
+        )
+        host, port = sock.getsockname()[:2]
+        print(
+            f"serving {name!r} at http://{host}:{port}/v1 "
+            f"({loaded.engine_config.num_blocks} KV pages); Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
+        await serve_http(app, sock, log_level=args.log_level, limits=settings.limits)
+
+
+def register_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``hybridkv generate [MODEL] PROMPT``."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate a completion of one prompt, streamed to the terminal",
+        description="Load a model and stream the continuation of one prompt to stdout.",
+        epilog='example:\n  hybridkv generate "The three laws of robotics are" --max-tokens 40',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_argument(parser)
+    parser.add_argument("prompt", metavar="PROMPT", help="the text to continue")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument(
+        "--max-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)"
+    )
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1)")
+    sampling.add_argument("--top-k", type=int, default=0, help="keep the k best tokens (0: all)")
+    sampling.add_argument("--seed", type=int, default=None, help="sampling seed")
+    sampling.add_argument("--ignore-eos", action="store_true", help="run past end-of-sequence")
+    sampling.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    add_log_level_argument(parser, "warning")
+    add_engine_arguments(parser, kv_memory="256MiB")
+    add_offload_arguments(parser)
+    parser.set_defaults(handler=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Stream one completion to stdout; print counts on stderr."""
+    import anyio
+
+    from hybridkv.scheduler import SamplingParams
+    from hybridkv.serving.cli.loading import load_model
+
+    configure_logging(args.log_level)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    loaded = load_model(engine_args(args))
+    offload = offload_config(args, loaded.executor)
+    anyio.run(_generate, loaded, args.prompt, params, args.chat, offload)
+    return 0
+
+
+async def _generate(loaded: Any, prompt: str, params: Any, chat: bool, offload: Any) -> None:
+    from hybridkv.scheduler import Engine
+    from hybridkv.serving.text import TextStream, TokenClasses
+
+    if chat:
+        text = loaded.chat_template.render([{"role": "user", "content": prompt}])
+        ids = loaded.tokenizer.encode(text, add_special_tokens=loaded.chat_template.is_builtin).ids
+    else:
+        ids = loaded.tokenizer.encode(prompt).ids
+    texts = TextStream(loaded.tokenizer, classes=TokenClasses.of(loaded.tokenizer))
+    start = time.monotonic()
+    first: float | None = None
+    async with Engine(loaded.engine_config, loaded.executor, offload=offload) as engine:
+        async for out in engine.generate(ids, params):
+            first = first or time.monotonic()
+            sys.stdout.write(texts.push(out.new_token_ids))
+            sys.stdout.flush()
+    sys.stdout.write(texts.finish() + "\n")
+    elapsed = time.monotonic() - start
+    ttft = (first or start) - start
+    print(
+        f"[{len(ids)} prompt tokens, {out.num_output_tokens} generated "
+        f"({out.finish_reason}), first token after {ttft:.2f} s, "
+        f"{out.num_output_tokens / max(elapsed, 1e-9):.1f} tokens/s]",
+        file=sys.stderr,
+    )

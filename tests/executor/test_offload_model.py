@@ -1,0 +1,92 @@
+"""The KV connector on a real (tiny Gemma 3) model: a flushed prefix loads from a tier,
+greedy outputs equal a run without the connector, a stopped Redis degrades to recompute."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.memory.offload import HostTier, OffloadConfig, RedisTier
+from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
+
+POOL_BYTES = 40 * 2 * 1024  # about 40 pages of 4 tokens per group
+
+
+async def _scenario(
+    model: Any, prompt_of: Callable[[int, int], list[int]], offload: OffloadConfig | None
+) -> tuple[list[list[int]], Engine]:
+    """Seed 002's steps: a long prompt, other prompts that flush it from the pool, the
+    long prompt again with another question."""
+    executor = ModelExecutor.from_pretrained(model.path, kv_cache_bytes=POOL_BYTES, block_size=4)
+    config = EngineConfig.for_executor(executor, max_model_len=128, max_prefill_chunk=16)
+    document = prompt_of(72, 5)
+    prompts = [
+        [*document, 7, 8],
+        *(prompt_of(60, 100 + k) for k in range(3)),
+        [*document, 9, 10, 11],
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = []
+    try:
+        with anyio.fail_after(120):
+            async with Engine(config, executor, offload=offload) as engine:
+                for prompt in prompts:
+                    async with engine.generate(prompt, params) as stream:
+                        async for out in stream:
+                            tokens = list(out.token_ids)
+                    outputs.append(tokens)
+                    if executor.transfers is not None:
+                        assert executor.transfers.wait_saved()
+    finally:
+        executor.close()
+    return outputs, engine
+
+
+@pytest.mark.asyncio
+async def test_a_flushed_prefix_loads_from_host_memory_with_the_same_tokens(
+    tiny_models: Any, prompt_of: Any
+) -> None:
+    """The repeat loads its prefix from the host tier; every output equals the run
+    without a connector."""
+    model = tiny_models["gemma3"]
+    baseline, _ = await _scenario(model, prompt_of, None)
+    offload = OffloadConfig(tiers=[HostTier(64 << 20)], save_interval=16)
+    with capture_logs() as logs:
+        outputs, _ = await _scenario(model, prompt_of, offload)
+    assert outputs == baseline
+    assert offload.stats.hit_tokens["host"] >= 64
+    finished = [e for e in logs if e["event"] == "kv_load_finished"]
+    assert finished and finished[0]["num_tokens"] >= 64
+
+
+@pytest.mark.asyncio
+async def test_redis_holds_the_prefix_and_its_loss_degrades_to_recompute(
+    tiny_models: Any, prompt_of: Any, redis_server: Any
+) -> None:
+    """From Redis the repeat loads its prefix; with Redis stopped mid-run the engine
+    warns, recomputes, and still returns the same tokens."""
+    model = tiny_models["gemma3"]
+    baseline, _ = await _scenario(model, prompt_of, None)
+    offload = OffloadConfig(tiers=[RedisTier(redis_server.url)], save_interval=16)
+    outputs, _ = await _scenario(model, prompt_of, offload)
+    assert outputs == baseline
+    assert offload.stats.hit_tokens["redis"] >= 64
+
+    tier = RedisTier(redis_server.url, timeout_s=0.5)
+    gone = OffloadConfig(tiers=[tier], save_interval=16)
+    real_put = tier.put
+
+    def put_then_stop(items: Any) -> None:
+        real_put(items)
+        redis_server.stop()  # the server goes away after the first save
+
+    tier.put = put_then_stop  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        outputs, _ = await _scenario(model, prompt_of, gone)
+    assert outputs == baseline
+    assert "kv_tier_unavailable" in [e["event"] for e in logs]
