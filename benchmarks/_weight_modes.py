@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.memory.manager import KVCacheManager
@@ -50,10 +51,7 @@ def load(
     dtype, weights = MODES[mode]
     return ModelExecutor.from_pretrained(
         folder,
-        kv_cache_bytes=kv_bytes,
-        dtype=dtype,
-        weights=weights,
-        num_threads=threads,
+        LoadOptions(kv_cache_bytes=kv_bytes, dtype=dtype, weights=weights, num_threads=threads),
         torch_thread=torch_thread,
     )
 

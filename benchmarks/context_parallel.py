@@ -47,6 +47,7 @@ from typing import Any
 import structlog
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.parallel.context_shards import prefill_chunks
 from hybridkv.parallel.pipeline_executor import PipelineExecutor
@@ -125,16 +126,16 @@ def ring_formulas(new: int, cached: int, cp: int) -> dict[str, float]:
 def measure(path: Path, prompts: list[tuple[int, int]], repeats: int) -> list[dict[str, Any]]:
     """Per (cached, new) prompt: times of every setting, round robin, and ring bytes."""
     one = ModelExecutor.from_pretrained(
-        path, kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE, num_threads=1
+        path, LoadOptions(kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE, num_threads=1)
     )
     two_threads = ModelExecutor.from_pretrained(
-        path, kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE, num_threads=2
+        path, LoadOptions(kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE, num_threads=2)
     )
     rows = []
+    options = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE, num_threads=1)
     with PipelineExecutor.from_pretrained(
-        path, pipeline_parallel_size=1, context_parallel_size=2, kv_cache_bytes=KV_BYTES,
-        block_size=BLOCK_SIZE, num_threads=1, step_timeout_s=600.0,
-    ) as cp2:  # fmt: skip
+        path, options, pipeline_parallel_size=1, context_parallel_size=2, step_timeout_s=600.0
+    ) as cp2:
         counters = cp2.stage0.ranks.counters  # type: ignore[union-attr]
         virtual = cp2.pool.block_size
         for cached, new in prompts:

@@ -27,6 +27,7 @@ import torch
 from _weight_modes import Sequence, step_batch
 from throughput import MODEL, make_checkpoint_off_main
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.scheduler import SamplingParams
@@ -61,7 +62,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = make_checkpoint_off_main(Path(folder))
         executor = ModelExecutor.from_pretrained(
-            path, kv_cache_bytes=256 << 20, block_size=16, num_threads=args.threads
+            path, LoadOptions(kv_cache_bytes=256 << 20, block_size=16, num_threads=args.threads)
         )
     plan = executor.plan
     total = args.context + 2 * args.steps

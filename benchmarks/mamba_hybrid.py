@@ -40,6 +40,7 @@ from typing import Any
 
 import structlog
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.memory import KVCacheManager
 from hybridkv.memory.layout_planner import describe, plan_layout
 from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config
@@ -173,7 +174,7 @@ def prefill_speed(args: argparse.Namespace) -> dict[str, Any]:
         reference = BambaForCausalLM(config).eval()
         reference.save_pretrained(folder)
         executor = ModelExecutor.from_pretrained(
-            folder, kv_cache_bytes=256 << 20, block_size=args.speed_block_size
+            folder, LoadOptions(kv_cache_bytes=256 << 20, block_size=args.speed_block_size)
         )
         bs, num_blocks = executor.plan.block_size, executor.plan.num_blocks
         for length in args.prompt_lengths:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from multisession import BLOCK_SIZE, LAYOUTS, Session, policies
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.memory import KVCacheManager
 from hybridkv.memory.offload import HostTier, OffloadConfig, RedisTier, Tier, encode
 from hybridkv.memory.offload.blob import KVBlock
@@ -211,7 +212,10 @@ async def time_first_tokens(folder: Path, tier: Tier | None, args: Any) -> list[
     from hybridkv.scheduler import Engine
 
     executor = ModelExecutor.from_pretrained(
-        folder, kv_cache_bytes=args.kv_memory << 20, block_size=BLOCK_SIZE, num_threads=args.threads
+        folder,
+        LoadOptions(
+            kv_cache_bytes=args.kv_memory << 20, block_size=BLOCK_SIZE, num_threads=args.threads
+        ),
     )
     tokenizer = executor.tokenizer
     assert tokenizer is not None

@@ -53,6 +53,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from throughput import MODEL, generate_all, make_checkpoint_off_main, workload
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.parallel.pipeline_executor import PipelineExecutor
 from hybridkv.scheduler import Engine, EngineConfig
@@ -80,7 +81,7 @@ def run_one_process(
 ) -> dict[str, Any]:
     """The baseline: every layer in this process, on ``threads`` torch threads."""
     executor = ModelExecutor.from_pretrained(
-        path, kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE, num_threads=threads
+        path, LoadOptions(kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE, num_threads=threads)
     )
     try:
         anyio.run(_serve, executor, requests[:2], budget)  # warm-up
@@ -100,10 +101,10 @@ def run_pipeline(
 ) -> dict[str, Any]:
     """The workload through ``num_stages`` stage processes, ``in_flight`` steps at once."""
     threads = max(1, (os.cpu_count() or 1) // num_stages)
+    options = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE, num_threads=threads)
     with PipelineExecutor.from_pretrained(
-        path, pipeline_parallel_size=num_stages, kv_cache_bytes=KV_BYTES,
-        block_size=BLOCK_SIZE, num_threads=threads, max_steps_in_flight=in_flight,
-    ) as pipeline:  # fmt: skip
+        path, options, pipeline_parallel_size=num_stages, max_steps_in_flight=in_flight
+    ) as pipeline:
         anyio.run(_serve, pipeline, requests[:2], budget)  # warm-up
         result: dict[str, Any] = anyio.run(_serve, pipeline, requests, budget)
     stats = pipeline.stage_stats

@@ -38,6 +38,7 @@ import anyio
 import structlog
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.layout_planner import describe
 from hybridkv.scheduler import Engine, EngineConfig, PoolSpec, SamplingParams, StepBatch, StepResult
@@ -204,7 +205,7 @@ def layout_part(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"kv_cache_bytes": budget}
     for name, uniform in (("hybrid", False), ("uniform", True)):
         executor = ModelExecutor.from_pretrained(
-            path, kv_cache_bytes=budget, block_size=BLOCK_SIZE, uniform_layout=uniform
+            path, LoadOptions(kv_cache_bytes=budget, block_size=BLOCK_SIZE, uniform_layout=uniform)
         )
         report = describe(executor.plan, executor.specs, prompt_len + out_len)
         result = run_engine(executor, requests)
@@ -237,7 +238,7 @@ def main() -> None:
         path = make_checkpoint_off_main(Path(tmp))
         requests = workload(args.requests, (32, 384), (16, 128), seed=1)
         executor = ModelExecutor.from_pretrained(
-            path, kv_cache_bytes=256 << 20, num_threads=args.threads
+            path, LoadOptions(kv_cache_bytes=256 << 20, num_threads=args.threads)
         )
         ours = run_engine(executor, requests)
         executor.close()  # its thread's OpenMP team would slow transformers down

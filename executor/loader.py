@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 import structlog
 import torch
+from tokenizers import Tokenizer
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.torch_thread import TorchThread
@@ -50,7 +51,7 @@ class LoadedCheckpoint:
     plan: LayoutPlan
     device: torch.device
     eos_token_ids: tuple[int, ...]
-    tokenizer: object | None
+    tokenizer: Tokenizer | None
 
 
 def load_checkpoint(

@@ -17,33 +17,28 @@ layers and their pages; the layout is planned for all stages, so its pool is the
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
 import structlog
 import torch
+from tokenizers import Tokenizer
 
 from hybridkv.executor.batch_checks import check_batch
 from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs
+from hybridkv.executor.load_options import LoadOptions
+from hybridkv.executor.loader import StageSlice, load_checkpoint
 from hybridkv.executor.logprobs import prompt_logprobs, token_logprobs
 from hybridkv.executor.offload_pages import KVPages, key_space
 from hybridkv.executor.sampler import Sampler
 from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
-from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
-from hybridkv.memory.layout_planner import plan_layout
+from hybridkv.memory.layout import LayoutPlan, PoolSpec
 from hybridkv.memory.offload import KeySpace, LoadReport, OffloadConfig, TransferWorker
 from hybridkv.memory.state_pages import StepStates
-from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.errors import ParallelConfigError
-from hybridkv.models.specs import PolicyChoices
-from hybridkv.models.stages import split_layers
-from hybridkv.models.transformer import CausalLM, holds_weight
-from hybridkv.models.weights.precision import check_weight_format, quantize_linears
-from hybridkv.policies.builtin import FullAttention
+from hybridkv.models.transformer import CausalLM
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
 
@@ -76,7 +71,7 @@ class ModelExecutor:
         *,
         device: torch.device,
         eos_token_ids: Sequence[int] = (),
-        tokenizer: object | None = None,
+        tokenizer: Tokenizer | None = None,
         sampler: Sampler | None = None,
         logits_hook: LogitsHook | None = None,
         torch_thread: TorchThread | None = None,
@@ -100,7 +95,7 @@ class ModelExecutor:
         self.sampler = sampler or Sampler(eos_token_ids=self.eos_token_ids)
         self.logits_hook = logits_hook
         # Gather buffers reused by every step and layer: a fresh one per step pays page
-        # faults on its first layer (3x slower decode attention in benchmarks/attention.py).
+        # faults on its first layer (benchmarks/attention.py measures decode attention).
         self._workspace = GatherWorkspace()
         # With a KV connector: moves pages to and from offload tiers (attach_offload).
         self.transfers: TransferWorker | None = None
@@ -109,48 +104,30 @@ class ModelExecutor:
     def from_pretrained(
         cls,
         path: str | Path,
+        options: LoadOptions,
         *,
-        kv_cache_bytes: int,
-        block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        num_threads: int | None = None,
-        seed: int | None = None,
-        uniform_layout: bool = False,
-        policies: PolicyChoices | None = None,
         logits_hook: LogitsHook | None = None,
         pipeline_stage: int = 0,
         pipeline_parallel_size: int = 1,
-        weights: str = "dtype",
         torch_thread: TorchThread | None = None,
     ) -> ModelExecutor:
-        """Load a checkpoint folder and lay out ``kv_cache_bytes`` of KV cache for it.
+        """Load a checkpoint folder and lay out ``options.kv_cache_bytes`` of KV cache.
 
         Each layer keeps and attends what its memory policy says: the config's (full
-        attention, its sliding window), or the one ``policies`` chooses for its kind::
+        attention, its sliding window), or the one ``options.policies`` chooses for its
+        kind::
 
-            ModelExecutor.from_pretrained(path, kv_cache_bytes=1 << 30,
-                                          policies={"full_attention": SinkWindow(4, 64)})
+            options = LoadOptions(kv_cache_bytes=1 << 30,
+                                  policies={"full_attention": SinkWindow(4, 64)})
+            ModelExecutor.from_pretrained(path, options)
 
         Args:
             path: Folder with config.json and safetensors weights (tokenizer.json optional).
-            kv_cache_bytes: Bytes of KV cache to allocate.
-            block_size: Tokens per page.
-            dtype: Weights, activations and KV cache dtype.
-            device: Where the model and caches live.
-            num_threads: Torch intra-op threads (process-wide); None leaves torch's choice.
-            seed: Seed of the sampler's generator for unseeded requests.
-            uniform_layout: Give every layer full-attention memory (sliding layers keep
-                every token's K/V), the baseline allocator; attention math is unchanged.
-            policies: Per layer kind of config.json (``full_attention``,
-                ``sliding_attention``, ...), the memory policy its layers keep and attend
-                instead of the config's; the planner groups layers by it.
+            options: How to load it and lay out its pool (``executor/load_options.py``).
             logits_hook: Called with each sampled request's last-position logits.
             pipeline_stage: Load only this stage's layers and allocate only their pages.
             pipeline_parallel_size: Stages the model is split into (the layout is
                 planned for all of them: ``kv_cache_bytes`` is per stage).
-            weights: Storage of the linear layers and LM head: ``dtype`` (``dtype``'s,
-                exact), ``int8`` or ``int4`` weight-only (``models/weights/precision.py``).
             torch_thread: The thread to run its torch work on, shared with other
                 executors of the process (one OpenMP team: ``executor/torch_thread.py``);
                 None for a thread of its own. ``close`` ends it either way.
@@ -161,62 +138,18 @@ class ModelExecutor:
                 the model has no attention layers of.
             ParallelConfigError: more stages than layers, or a stage index outside them.
             PolicyError: a value of ``policies`` that is not a MemoryPolicy.
-            WeightFormatError: an unknown ``weights`` format, or int8/int4 off the CPU.
+            WeightFormatError: int8/int4 weights off the CPU.
         """
-        check_weight_format(weights)
         thread = torch_thread or TorchThread()
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-            thread.run(torch.set_num_threads, num_threads)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        checkpoint = Checkpoint.open(path, dtype_bytes=itemsize, policies=policies)
-        config = checkpoint.config
-        stages = split_layers(config.num_layers, pipeline_parallel_size)
-        if not 0 <= pipeline_stage < len(stages):
-            raise ParallelConfigError(
-                f"pipeline_stage={pipeline_stage} is not one of {len(stages)} stages"
-            )
-        layers = stages[pipeline_stage].layers
-        target = torch.device(device)
-
-        def load() -> CausalLM:
-            names = checkpoint.weight_names()
-            keep = functools.partial(holds_weight, config=config, layers=layers, names=names)
-            tensors = checkpoint.load_weights(dtype, target, keep=keep)
-            model = CausalLM.from_weights(
-                config, checkpoint.architecture, tensors, target, layers=layers
-            )
-            quantize_linears(model, weights, device=target)
-            model.fuse_projections()
-            model.rescore_head()
-            return model
-
-        model = thread.run(load)
-        specs: Sequence[LayerSpec] = config.layers
-        if uniform_layout:
-            # Only what is kept changes: each layer still attends by its own policy, a
-            # subset of every position.
-            specs = [attrs.evolve(s, policy=FullAttention()) for s in specs]
-        names = [s.name for s in specs]
-        plan = plan_layout(
-            specs, kv_cache_bytes, block_size, stages=[names[s.start : s.stop] for s in stages]
-        )
-        log.info(
-            "model_loaded",
-            model_type=config.model_type,
-            num_layers=config.num_layers,
-            layers=f"{layers.start}..{layers.stop - 1}",
-            num_groups=len(plan.groups),
-            num_blocks=plan.num_blocks,
-            uniform_num_blocks=plan.uniform_num_blocks,
-        )
+        stage = StageSlice(pipeline_stage, pipeline_parallel_size)
+        loaded = load_checkpoint(path, options, stage, thread)
         return cls(
-            model,
-            plan,
-            device=target,
-            eos_token_ids=checkpoint.eos_token_ids,
-            tokenizer=checkpoint.load_tokenizer(),
-            sampler=Sampler(eos_token_ids=checkpoint.eos_token_ids, seed=seed),
+            loaded.model,
+            loaded.plan,
+            device=loaded.device,
+            eos_token_ids=loaded.eos_token_ids,
+            tokenizer=loaded.tokenizer,
+            sampler=Sampler(eos_token_ids=loaded.eos_token_ids, seed=options.seed),
             logits_hook=logits_hook,
             torch_thread=thread,
         )

@@ -85,7 +85,7 @@ def pinned_buffers(device: torch.device) -> BufferFactory | None:
         return None
 
     def allocate(num_bytes: int) -> memoryview:
-        return memoryview(torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy())
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).numpy().data
 
     return allocate
 

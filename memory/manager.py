@@ -17,7 +17,7 @@ request can resume from needs them, is decided in ``hybridkv.memory.retention``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.hashing import BlockHash, BlockHasher
@@ -29,6 +29,7 @@ from hybridkv.memory.interface import (
     StaleHitError,
 )
 from hybridkv.memory.pool import NULL_BLOCK, BlockPool
+from hybridkv.memory.prefix_lookup import check_hit, find_prefix_hit
 from hybridkv.memory.request_blocks import Kind, RequestBlocks
 from hybridkv.memory.retention import Retention
 from hybridkv.memory.step_pages import StepPages
@@ -130,45 +131,11 @@ class KVCacheManager:
     # -- prefix cache ------------------------------------------------------------------
 
     def lookup(self, request: KVRequest) -> PrefixHit:
-        """The longest cached prefix of ``request`` that every group can resume from.
-
-        Each group's policy finds its longest usable prefix no longer than the current
-        candidate; the candidate shrinks until no group lowers it (a fixed point, found in
-        one pass when the groups agree). A sliding-window group needs only the blocks its
-        window reads, so a prefix whose early blocks were evicted can still hit.
-        """
-        tokens = request.all_token_ids
-        bs = self.block_size
-        root = self._hasher.root(request.extra_keys)
-        hashes: list[BlockHash] = []
-        max_blocks = (len(tokens) - 1) // bs
-        if not self.enable_prefix_caching or max_blocks <= 0:
-            return PrefixHit(0, (), hashes)
-        self._hasher.extend(hashes, root, tokens, max_blocks * bs)
-        num = max_blocks
-        while True:
-            start = num
-            for policy, groups in self._kinds:
-                for group in groups:
-                    cached = self.pool.cached_blocks(group)
-
-                    def is_cached(i: int, cached: Mapping[BlockHash, int] = cached) -> bool:
-                        return hashes[i] in cached
-
-                    num = policy.longest_hit(num, bs, is_cached)
-            if num == start or num == 0:
-                break
-        if num == 0:
-            return PrefixHit(0, (), hashes)
-        pages: list[tuple[int, ...]] = []
-        for group, policy in enumerate(self.policies):
-            table: list[int] = [NULL_BLOCK] * num
-            cached = self.pool.cached_blocks(group)
-            for first, stop in policy.live_block_spans(num * bs, bs):
-                for i in range(first, min(stop, num)):
-                    table[i] = cached[hashes[i]]
-            pages.append(tuple(table))
-        return PrefixHit(num * bs, tuple(pages), hashes)
+        """The longest cached prefix of ``request`` that every group can resume from
+        (see :func:`~hybridkv.memory.prefix_lookup.find_prefix_hit`)."""
+        if not self.enable_prefix_caching:
+            return PrefixHit(0, (), [])
+        return find_prefix_hit(self.pool, self._kinds, self._hasher, request)
 
     # -- allocation --------------------------------------------------------------------
 
@@ -253,7 +220,7 @@ class KVCacheManager:
             live.append(blocks)
             num_fresh += sum(1 for i in blocks if i >= len(hit_table) or not hit_table[i])
         if hit.num_tokens:
-            self._check_hit(hit)
+            check_hit(self.pool, hit)
         num_hit_free = pool.num_free_in(hit.block_tables) if hit.num_tokens else 0
         if num_fresh + num_hit_free > pool.num_free:
             return None
@@ -322,7 +289,7 @@ class KVCacheManager:
         wanted = self._pages.wanted(hit_blocks, num_hit, end)
         num_hit_free = 0
         if hit is not None and num_hit:
-            self._check_hit(hit)
+            check_hit(self.pool, hit)
             num_hit_free = pool.num_free_in(hit.block_tables)
         if self._pages.count(wanted, num_new) + num_hit_free > pool.num_free:
             return None
@@ -356,14 +323,6 @@ class KVCacheManager:
             self._hit_tokens += num_hit
             self._query_tokens += len(request.all_token_ids)
         return new_pages
-
-    def _check_hit(self, hit: PrefixHit) -> None:
-        for group, table in enumerate(hit.block_tables):
-            for i, page in enumerate(table):
-                if page and self.pool.lookup(hit.hashes[i], group) != page:
-                    raise StaleHitError(
-                        f"prefix hit page {page} of group {group} was reused since lookup"
-                    )
 
     def _cache_full_blocks(self, request: KVRequest, state: RequestBlocks) -> None:
         state.cache_mark = state.num_cached_blocks

@@ -81,7 +81,8 @@ class BambaDecoderLayer(Mixers):
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         hidden = hidden + self.mix(self.input_layernorm(hidden), inputs)
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        mlp: torch.Tensor = self.feed_forward(self.pre_ff_layernorm(hidden))
+        return hidden + mlp
 
 
 BAMBA = Architecture(

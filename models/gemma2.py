@@ -75,7 +75,8 @@ class GemmaDecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(hidden), inputs)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+        normed: torch.Tensor = self.post_feedforward_layernorm(mlp)
+        return hidden + normed
 
 
 GEMMA2 = Architecture(model_types=("gemma2",), parse=parse_gemma2, layer=GemmaDecoderLayer)

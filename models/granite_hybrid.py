@@ -90,7 +90,7 @@ class GraniteHybridDecoderLayer(Mixers):
         scale = self.residual_multiplier
         hidden = hidden + self.mix(self.input_layernorm(hidden), inputs) * scale
         normed = self.post_attention_layernorm(hidden)
-        out = self.shared_mlp(normed)
+        out: torch.Tensor = self.shared_mlp(normed)
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(normed) + out
         return hidden + out * scale

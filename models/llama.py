@@ -54,7 +54,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), inputs)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + mlp
 
 
 LLAMA = Architecture(model_types=("llama",), parse=parse_llama, layer=LlamaDecoderLayer)

@@ -101,7 +101,8 @@ class Mamba2Mixer(nn.Module):
                     out[rows] = self._prefill(access, xbc[rows], dt[rows], pages)
             first += num
         self._decode(run, xbc, dt, pages, out)
-        return self.out_proj(self.norm(out, gate))
+        projected: torch.Tensor = self.out_proj(self.norm(out, gate))
+        return projected
 
     # -- state pages ----------------------------------------------------------------
 
@@ -115,7 +116,8 @@ class Mamba2Mixer(nn.Module):
         return rows
 
     def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        conv, ssm = rows.split([self._conv_values, rows.shape[1] - self._conv_values], dim=1)
+        widths = [self._conv_values, rows.shape[1] - self._conv_values]
+        conv, ssm = torch.split(rows, widths, dim=1)
         return (
             conv.view(-1, *self.shape.conv_shape),
             ssm.view(-1, *self.shape.ssm_shape),
@@ -171,7 +173,7 @@ class Mamba2Mixer(nn.Module):
         """Conv output ``[T, conv_dim]`` -> x ``[T, H, P]``, B and C ``[T, G, N]``."""
         shape = self.shape
         size = shape.num_groups * shape.state_size
-        x, b, c = mixed.split([shape.intermediate_size, size, size], dim=-1)
+        x, b, c = torch.split(mixed, [shape.intermediate_size, size, size], dim=-1)
         return (
             x.reshape(-1, shape.num_heads, shape.head_dim),
             b.reshape(-1, shape.num_groups, shape.state_size),

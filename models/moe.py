@@ -23,7 +23,8 @@ class SharedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(F.silu(gate) * up)
+        out: torch.Tensor = self.output_linear(F.silu(gate) * up)
+        return out
 
 
 class _ExpertWeights(nn.Module):
@@ -34,24 +35,31 @@ class _ExpertWeights(nn.Module):
         self.weight = nn.Parameter(torch.empty(*shape))
 
 
+class _Router(nn.Module):
+    """The routing projection, as ``router.layer``."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(hidden, num_experts, bias=False)
+
+
 class MixtureOfExperts(nn.Module):
     """Each token goes to its ``top_k`` experts, weighted by the softmax of their logits."""
 
     def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int) -> None:
         super().__init__()
-        self.router = nn.Module()
-        self.router.layer = nn.Linear(hidden, num_experts, bias=False)
+        self.router = _Router(hidden, num_experts)
         self.input_linear = _ExpertWeights(num_experts, 2 * inner, hidden)
         self.output_linear = _ExpertWeights(num_experts, hidden, inner)
         self.top_k = top_k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.router.layer(x).float()
+        logits: torch.Tensor = self.router.layer(x).float()
         top_logits, experts = logits.topk(self.top_k, dim=-1)  # [T, k]
         weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
         out = torch.zeros_like(x)
         # Tokens grouped by expert: one pair of matmuls per expert any token chose.
-        for expert in experts.unique().tolist():
+        for expert in torch.unique(experts).tolist():
             tokens, slot = torch.where(experts == expert)
             gate, up = F.linear(x[tokens], self.input_linear.weight[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.output_linear.weight[expert])

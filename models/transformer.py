@@ -237,7 +237,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head and soft-cap for the selected rows; float32 ``[rows, vocab]``."""
         assert self.lm_head is not None and self.model.norm is not None, "only the last stage"
-        logits = self.lm_head(self.model.norm(hidden)).float()
+        logits: torch.Tensor = self.lm_head(self.model.norm(hidden)).float()
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         cap = self.config.final_softcap

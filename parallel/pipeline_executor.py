@@ -37,10 +37,10 @@ import torch.distributed as dist
 
 from hybridkv.executor.batch_checks import check_batch
 from hybridkv.executor.errors import BatchError
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import LogitsHook
 from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.specs import PolicyChoices
 from hybridkv.parallel.pipeline_launch import StageSettings, read_stats
 from hybridkv.parallel.pipeline_stage import StageExecutor, StageRunner, StageStats
 from hybridkv.parallel.pipeline_wire import PipelineChannels, StepMessage
@@ -109,16 +109,9 @@ class PipelineExecutor:
     def from_pretrained(
         cls,
         path: str | Path,
+        options: LoadOptions,
         *,
         pipeline_parallel_size: int,
-        kv_cache_bytes: int,
-        block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
-        num_threads: int | None = None,
-        seed: int | None = None,
-        uniform_layout: bool = False,
-        policies: PolicyChoices | None = None,
         logits_hook: LogitsHook | None = None,
         step_timeout_s: float = 120.0,
         max_steps_in_flight: int | None = None,
@@ -129,9 +122,9 @@ class PipelineExecutor:
 
         Workers are spawned here, or, under torchrun, are the other ranks (which run
         :func:`~hybridkv.parallel.pipeline_launch.run_worker`). Each stage loads only its
-        layers and lays out ``kv_cache_bytes`` for their pages; the other arguments are
-        :meth:`ModelExecutor.from_pretrained`'s (``num_threads`` is per stage, and
-        defaults, on the CPU, to the cores divided among the ranks).
+        layers and lays out ``options.kv_cache_bytes`` for their pages; ``options`` and
+        ``logits_hook`` are as for :meth:`ModelExecutor.from_pretrained` (``num_threads``
+        is per stage, and defaults, on the CPU, to the cores divided among the ranks).
 
         With ``context_parallel_size`` cp > 1 each stage is cp processes sharing every
         request's tokens and pages (``parallel/context_executor.py``); ``kv_interleave``
@@ -140,17 +133,19 @@ class PipelineExecutor:
 
         Raises:
             ParallelConfigError: fewer than 2 stages, more stages than layers, fewer GPUs
-                than stages, or ``torch.distributed`` already initialised here.
+                than stages, weights in a quantised format, or ``torch.distributed``
+                already initialised here.
             PipelineError: a worker could not start or load (its error is named).
             CheckpointError, ModelConfigError, PolicyError: as ModelExecutor.
         """
         settings = StageSettings.create(
-            path, pipeline_parallel_size=pipeline_parallel_size, kv_cache_bytes=kv_cache_bytes,
-            block_size=block_size, dtype=dtype, device=device, num_threads=num_threads,
-            seed=seed, uniform_layout=uniform_layout, policies=policies,
-            step_timeout_s=step_timeout_s, context_parallel_size=context_parallel_size,
+            path,
+            options,
+            pipeline_parallel_size=pipeline_parallel_size,
+            step_timeout_s=step_timeout_s,
+            context_parallel_size=context_parallel_size,
             kv_interleave=kv_interleave,
-        )  # fmt: skip
+        )
         stage0, channels, workers = launch(settings)
         log.info("pipeline_started", num_stages=pipeline_parallel_size, pool=repr(stage0.pool))
         return cls(

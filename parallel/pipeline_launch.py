@@ -44,19 +44,20 @@ import attrs
 import structlog
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.distributed.distributed_c10d import PrefixStore, Store
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.layout import PoolSpec
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.errors import ParallelConfigError
-from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.stages import split_layers
 from hybridkv.parallel.context_executor import ContextParallelExecutor
 from hybridkv.parallel.context_group import ContextRanks, open_context_group
 from hybridkv.parallel.pipeline_stage import StageExecutor, StageRunner, StageStats, serve_stage
 from hybridkv.parallel.pipeline_wire import PipelineChannels
 from hybridkv.parallel.rank_layout import ParallelConfig
-from hybridkv.policies.base import MemoryPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -71,14 +72,7 @@ class StageSettings:
     path: str
     num_stages: int
     hidden_size: int
-    kv_cache_bytes: int
-    block_size: int
-    dtype: torch.dtype
-    device_type: str
-    num_threads: int | None
-    seed: int | None
-    uniform_layout: bool
-    policies: tuple[tuple[str, MemoryPolicy], ...]
+    options: LoadOptions
     step_timeout_s: float
     log_level: int = logging.NOTSET
     context_parallel_size: int = 1
@@ -88,44 +82,54 @@ class StageSettings:
     def create(
         cls,
         path: str | Path,
+        options: LoadOptions,
         *,
         pipeline_parallel_size: int,
-        kv_cache_bytes: int,
-        block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        device: str = "cpu",
-        num_threads: int | None = None,
-        seed: int | None = None,
-        uniform_layout: bool = False,
-        policies: PolicyChoices | None = None,
         step_timeout_s: float = 120.0,
         context_parallel_size: int = 1,
         kv_interleave: int = 1,
     ) -> StageSettings:
         """Settings for a checkpoint, checked: every stage must hold a layer.
 
-        ``num_threads`` defaults, on the CPU, to the cores divided among the ranks. The
-        workers log at this process's structlog level, to stderr.
+        ``options.num_threads`` defaults, on the CPU, to the cores divided among the
+        ranks. The workers log at this process's structlog level, to stderr.
 
         Raises:
-            ParallelConfigError: more stages than layers, or fewer than one.
+            ParallelConfigError: more stages than layers, or fewer than one; weights in
+                a quantised format (stages load the model dtype).
             CheckpointError, ModelConfigError, PolicyError: a config we cannot run.
         """
-        checkpoint = Checkpoint.open(path, policies=policies)
+        if options.weights not in ("dtype", "auto"):
+            raise ParallelConfigError(
+                f"weights={options.weights!r} runs in one process; pipeline and context "
+                "ranks load the model dtype"
+            )
+        checkpoint = Checkpoint.open(path, policies=options.policy_choices)
         split_layers(checkpoint.config.num_layers, pipeline_parallel_size)
         layout = ParallelConfig(pipeline=pipeline_parallel_size, context=context_parallel_size)
-        device_type = torch.device(device).type
-        if num_threads is None and device_type == "cpu":
-            num_threads = max(1, (os.cpu_count() or 1) // layout.world_size)
+        if options.num_threads is None and torch.device(options.device).type == "cpu":
+            threads = max(1, (os.cpu_count() or 1) // layout.world_size)
+            options = attrs.evolve(options, num_threads=threads)
         return cls(
-            path=str(path), num_stages=pipeline_parallel_size,
-            hidden_size=checkpoint.config.hidden_size, kv_cache_bytes=kv_cache_bytes,
-            block_size=block_size, dtype=dtype, device_type=device_type,
-            num_threads=num_threads, seed=seed, uniform_layout=uniform_layout,
-            policies=tuple((policies or {}).items()), step_timeout_s=step_timeout_s,
+            path=str(path),
+            num_stages=pipeline_parallel_size,
+            hidden_size=checkpoint.config.hidden_size,
+            options=attrs.evolve(options, weights="dtype"),
+            step_timeout_s=step_timeout_s,
             log_level=structlog.get_logger().bind().get_effective_level(),
-            context_parallel_size=context_parallel_size, kv_interleave=kv_interleave,
-        )  # fmt: skip
+            context_parallel_size=context_parallel_size,
+            kv_interleave=kv_interleave,
+        )
+
+    @property
+    def device_type(self) -> str:
+        """``cpu`` or ``cuda``: the kind of device every stage runs on."""
+        return torch.device(self.options.device).type
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the hidden states passed between stages."""
+        return self.options.dtype
 
     @property
     def layout(self) -> ParallelConfig:
@@ -147,14 +151,7 @@ class StageSettings:
         """Load rank ``rank``'s stage's layers and lay out their pages."""
         return ModelExecutor.from_pretrained(
             self.path,
-            kv_cache_bytes=self.kv_cache_bytes,
-            block_size=self.block_size,
-            dtype=self.dtype,
-            device=self.device(local_rank),
-            num_threads=self.num_threads,
-            seed=self.seed,
-            uniform_layout=self.uniform_layout,
-            policies=dict(self.policies),
+            attrs.evolve(self.options, device=self.device(local_rank)),
             pipeline_stage=self.layout.coordinates(rank)["pipeline"],
             pipeline_parallel_size=self.num_stages,
         )
@@ -180,11 +177,11 @@ class Rendezvous:
     port: int
     is_torchrun: bool = False
 
-    def connect(self, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    def connect(self, rank: int, world_size: int, timeout: timedelta) -> TCPStore:
         """A client of the store (rank 0 hosts it unless torchrun's agent does)."""
         agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         is_master = rank == 0 and not (self.is_torchrun and agent_hosts)
-        return dist.TCPStore(
+        return TCPStore(
             self.host, self.port, world_size, is_master=is_master, timeout=timeout,
             wait_for_workers=False,
         )  # fmt: skip
@@ -221,11 +218,11 @@ class TorchrunEnv:
 
 
 def init_distributed(
-    store: dist.Store, rank: int, world_size: int, device_type: str, timeout: timedelta
+    store: Store, rank: int, world_size: int, device_type: str, timeout: timedelta
 ) -> None:
     """Join the default process group of the pipeline through ``store``."""
     backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-    prefixed = dist.PrefixStore(f"{KEY}/pg", store)
+    prefixed = PrefixStore(f"{KEY}/pg", store)
     dist.init_process_group(
         backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
     )
@@ -270,9 +267,9 @@ def run_worker(
     try:
         executor = settings.shard(settings.load(rank, local_rank), context)
     except Exception as exc:  # reported to rank 0, which raises it at start
-        store.set(f"{KEY}/ready/{rank}", pickle.dumps((os.getpid(), _describe(exc), None)))
+        _set_bytes(store, f"{KEY}/ready/{rank}", pickle.dumps((os.getpid(), _describe(exc), None)))
         return 1
-    store.set(f"{KEY}/ready/{rank}", pickle.dumps((os.getpid(), None, executor.pool)))
+    _set_bytes(store, f"{KEY}/ready/{rank}", pickle.dumps((os.getpid(), None, executor.pool)))
     runner = StageRunner(executor, channels)
     try:
         executor.torch_thread.run(serve_stage, runner)
@@ -281,7 +278,7 @@ def run_worker(
         with contextlib.suppress(Exception):  # the store is gone if rank 0 is
             store.set(f"{KEY}/failed/{rank}", _describe(exc))  # rank 0 names it
         return 1
-    store.set(f"{KEY}/stats/{rank}", pickle.dumps(runner.stats()))
+    _set_bytes(store, f"{KEY}/stats/{rank}", pickle.dumps(runner.stats()))
     dist.destroy_process_group()
     executor.close()
     return 0
@@ -306,13 +303,13 @@ def spawned_worker(rank: int, rendezvous: Rendezvous, settings: StageSettings) -
     sys.exit(run_worker(rank, rendezvous, settings))
 
 
-def read_ready(store: dist.Store, rank: int) -> tuple[int, str | None, PoolSpec | None]:
+def read_ready(store: Store, rank: int) -> tuple[int, str | None, PoolSpec | None]:
     """A worker's ready key: its pid, its load error or None, its pool."""
     value = pickle.loads(store.get(f"{KEY}/ready/{rank}"))
     return cast(tuple[int, str | None, PoolSpec | None], value)
 
 
-def read_stats(store: dist.Store, rank: int) -> StageStats | None:
+def read_stats(store: Store, rank: int) -> StageStats | None:
     """The counters a worker left when it stopped, if it did."""
     key = f"{KEY}/stats/{rank}"
     if not store.check([key]):
@@ -322,7 +319,7 @@ def read_stats(store: dist.Store, rank: int) -> StageStats | None:
     return stats
 
 
-def read_failure(store: dist.Store, rank: int) -> str | None:
+def read_failure(store: Store, rank: int) -> str | None:
     """The error a worker reported before it exited, if it could."""
     key = f"{KEY}/failed/{rank}"
     return store.get(key).decode() if store.check([key]) else None
@@ -342,3 +339,8 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="hybridkv-parent-watch", daemon=True).start()
+
+
+def _set_bytes(store: Store, key: str, value: bytes) -> None:
+    """``store.set`` with a bytes value (the binding takes bytes; its stub says str)."""
+    store.set(key, value)  # type: ignore[arg-type]

@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# torch.distributed's stubs do not re-export TCPStore (no submodule of it does either).
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
 from hybridkv.memory.layout import PoolSpec
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.parallel.context_group import open_context_group
@@ -57,9 +60,7 @@ class WorkerSet:
         processes: The spawned worker processes, by rank - 1; none under torchrun.
     """
 
-    def __init__(
-        self, store: dist.TCPStore, processes: Sequence[BaseProcess], world_size: int
-    ) -> None:
+    def __init__(self, store: TCPStore, processes: Sequence[BaseProcess], world_size: int) -> None:
         self.store = store
         self.processes = tuple(processes)
         self.world_size = world_size
@@ -67,7 +68,7 @@ class WorkerSet:
     @classmethod
     def spawn(cls, settings: StageSettings, timeout: timedelta) -> WorkerSet:
         """Host a store on a free loopback port and spawn a process per worker rank."""
-        store = dist.TCPStore(
+        store = TCPStore(
             "127.0.0.1", 0, settings.world_size, is_master=True, timeout=timeout,
             wait_for_workers=False,
         )  # fmt: skip

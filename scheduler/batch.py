@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -87,6 +87,11 @@ class StepBatch:
         return sum(len(r.token_ids) for r in self.requests)
 
 
+def _token_tuple(token_ids: Iterable[int | None]) -> tuple[int | None, ...]:
+    # A typed converter: mypy reads attrs' converter=tuple as taking Iterable[_T_co].
+    return tuple(token_ids)
+
+
 @attrs.frozen(kw_only=True)
 class StepResult:
     """What one step produced, by request: entry ``i`` of each column belongs to
@@ -108,7 +113,7 @@ class StepResult:
             with its loaded and failed (group, block) pages.
     """
 
-    token_ids: tuple[int | None, ...] = attrs.field(converter=tuple)
+    token_ids: tuple[int | None, ...] = attrs.field(converter=_token_tuple)
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
     prompt_logprobs: tuple[tuple[TokenLogprobs, ...], ...] | None = None
     errors: Mapping[str, HybridKVError] = attrs.field(factory=dict)

@@ -19,6 +19,7 @@ next step, before it can write any of them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
@@ -30,7 +31,9 @@ from hybridkv.memory.offload.connector import KVConnector, PlannedLoad
 from hybridkv.memory.offload.keys import KeySpace
 from hybridkv.memory.offload.transfers import BlockSave, KVTransfers, LoadReport, LoadTask
 from hybridkv.scheduler.config import ConfigError
-from hybridkv.scheduler.request import Request
+from hybridkv.scheduler.meter import PrefixCounter
+from hybridkv.scheduler.request import Request, RequestStatus
+from hybridkv.scheduler.step_planner import Loader
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +81,11 @@ class EngineOffload:
     def num_loading(self) -> int:
         """Requests whose load has not been reported."""
         return len(self._loading)
+
+    @property
+    def loader(self) -> Loader:
+        """The planner's loader (:meth:`admit`)."""
+        return self.admit
 
     def admit(self, request: Request, hit: PrefixHit) -> bool:
         """The planner's loader: admit ``request`` to load, if a tier extends ``hit``."""
@@ -144,6 +152,33 @@ class EngineOffload:
             )
         return LoadOutcome(request, planned, report)
 
+    def apply_loads(
+        self, reports: Sequence[LoadReport], now: float, prefix: PrefixCounter
+    ) -> list[Request]:
+        """Take a step's load reports: a complete load's request runs from its loaded
+        prefix; an incomplete one's pages are freed and it is returned, to wait again."""
+        kv = self.connector.kv
+        again = []
+        for report in reports:
+            outcome = self.reported(report)
+            if outcome is None:
+                continue
+            request = outcome.request
+            if request.status is RequestStatus.FINISHED:  # aborted while loading
+                kv.free(request.request_id, computed=False)
+            elif not outcome.is_complete:
+                kv.free(request.request_id, computed=False)
+                request.status = RequestStatus.WAITING
+                request.num_computed_tokens = 0
+                again.append(request)
+            else:
+                request.num_computed_tokens = outcome.planned.num_tokens
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                    request.num_cached_tokens = outcome.planned.num_tokens
+                    prefix.record(request.num_cached_tokens, request.num_prompt_tokens)
+        return again
+
     def filled(self, request: Request, num_before: int) -> None:
         """A step computed ``request``'s tokens from ``num_before`` on: save what filled."""
         bs = self.connector.kv.block_size
@@ -169,6 +204,37 @@ class EngineOffload:
     def loading_requests(self) -> list[Request]:
         """Requests whose load is in progress."""
         return [request for request, _ in self._loading.values()]
+
+
+class NoOffload:
+    """The core's seam without tiers: nothing loads, nothing is saved, nothing reports."""
+
+    loader: Loader | None = None
+    has_transfers = False
+
+    def take_transfers(self) -> None:
+        """No transfers, ever."""
+        return None
+
+    def apply_loads(
+        self, reports: Sequence[LoadReport], now: float, prefix: PrefixCounter
+    ) -> list[Request]:
+        """Never called with reports: no load was started."""
+        assert not reports, "load reports without a connector"
+        return []
+
+    def filled(self, request: Request, num_before: int) -> None:
+        """Nothing to save."""
+
+    def ended(self, request: Request) -> None:
+        """Nothing to save."""
+
+    def drop(self, request: Request) -> None:
+        """Nothing to forget."""
+
+    def loading_requests(self) -> list[Request]:
+        """No loads."""
+        return []
 
 
 class OffloadingExecutor(Protocol):

@@ -3,8 +3,8 @@
 The async :class:`~hybridkv.scheduler.engine.Engine` drives it from one event-loop thread::
 
     add_request / abort          any time, from the loop thread (also while steps run)
-    plan()  -> StepPlan          admit, preempt, allocate (planner.py); may be called again
-                                 while earlier plans are in flight (pipeline stages)
+    plan()  -> StepPlan          admit, preempt, allocate (step_planner.py); may be called
+                                 again while earlier plans are in flight (in_flight.py)
     apply(plan, result)          the executor returned: append tokens, stop requests
     fail(plan, error)            the executor raised: fail the step's requests
     flush()                      deliver the outputs gathered by apply/fail to the sinks
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -31,24 +30,23 @@ import attrs
 import structlog
 
 from hybridkv.errors import HybridKVError
-from hybridkv.memory.errors import PromptTooLongError
 from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.memory.offload.config import OffloadConfig
 from hybridkv.memory.offload.keys import KeySpace
-from hybridkv.memory.offload.transfers import LoadReport
 from hybridkv.scheduler.batch import ExecutorResultError, StepResult
 from hybridkv.scheduler.config import EngineConfig
-from hybridkv.scheduler.connector import EngineOffload
+from hybridkv.scheduler.connector import EngineOffload, NoOffload
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
-from hybridkv.scheduler.meter import ThroughputMeter
+from hybridkv.scheduler.in_flight import StepsInFlight
+from hybridkv.scheduler.meter import PrefixCounter, ThroughputMeter
 from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
 from hybridkv.scheduler.queue import WaitingQueue
 from hybridkv.scheduler.request import OutputSink, Request, RequestStatus
 from hybridkv.scheduler.results import check_result, gather_prompt_logprobs, request_failure
 from hybridkv.scheduler.step_planner import StepPlan, plan_step, share_of_ready
-from hybridkv.scheduler.validation import check_request
+from hybridkv.scheduler.validation import check_request, never_fits
 
 log = structlog.get_logger(__name__)
 
@@ -72,26 +70,22 @@ class EngineCore:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        # With a KV connector: loads and saves through offload tiers (connector.py).
+        # With a KV connector: loads and saves through offload tiers (connector.py);
+        # the core calls the seam alike either way.
         self.offload = EngineOffload(*offload, self.kv) if offload else None
+        self._transfers: EngineOffload | NoOffload = self.offload or NoOffload()
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._clock = clock
         self._has_finished_running = False
-        self._in_flight: deque[StepPlan] = deque()
+        self._in_flight = StepsInFlight()
         # (request, item, is_last) deliveries gathered since the last flush.
         self._outbox: list[tuple[Request, RequestOutput | HybridKVError, bool]] = []
-        # Requests of steps in flight whose prefix hit an earlier, failed step may have
-        # been meant to fill: failed when their own step returns.
-        self._stale_hits: set[Request] = set()
         self._plan_us = 0.0
         self._meter = ThroughputMeter()
-        # Prompt tokens served from the prefix cache at first admission, and looked up:
-        # a preempted request's recomputation hits its own pages and is not counted.
-        self._num_hit_tokens = 0
-        self._num_query_tokens = 0
+        self._prefix = PrefixCounter()
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_finished = 0
@@ -102,8 +96,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step could run something."""
         self._prune_running()
-        has_transfers = self.offload is not None and self.offload.has_transfers
-        return bool(self.running) or bool(self.waiting) or has_transfers
+        return bool(self.running) or bool(self.waiting) or self._transfers.has_transfers
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -177,48 +170,27 @@ class EngineCore:
         self._prune_running()
         free_steps = self.max_steps_in_flight - len(self._in_flight)
         cap = share_of_ready(self.running, self.waiting, free_steps)
-        offload = self.offload
-        loader = offload.admit if offload is not None else None
+        loader = self._transfers.loader
         plan = plan_step(self.running, self.waiting, self.kv, self.config, cap, loader)
-        if offload is not None:
-            transfers = offload.take_transfers()
-            if transfers is not None:
-                plan = attrs.evolve(plan, batch=attrs.evolve(plan.batch, transfers=transfers))
+        transfers = self._transfers.take_transfers()
+        if transfers is not None:
+            plan = attrs.evolve(plan, batch=attrs.evolve(plan.batch, transfers=transfers))
         now = self._clock()
         for request in plan.rejected:
-            needed = self.kv.num_blocks_needed(len(request.all_token_ids))
-            self._finish(
-                request,
-                error=PromptTooLongError(
-                    f"request {request.request_id!r} needs up to {needed} pages, more than "
-                    f"an empty pool of {self.kv.num_usable_blocks} can supply"
-                ),
-            )
+            error = never_fits(request.request_id, len(request.all_token_ids), self.kv)
+            self._finish(request, error=error)
         for request in plan.preempted:
             self.num_preemptions += 1
-            request.log.info(
-                "request_preempted",
-                num_output_tokens=request.num_output_tokens,
-                num_preemptions=request.num_preemptions,
-                num_free_blocks=self.kv.num_free_blocks,
-            )
+            request.log_preempted(self.kv.num_free_blocks)
         for request in plan.admitted:
             is_first = request.first_scheduled_time is None
             if is_first:
                 request.first_scheduled_time = now
                 if self.config.enable_prefix_caching:
-                    self._num_hit_tokens += request.num_cached_tokens
-                    self._num_query_tokens += request.num_prompt_tokens
-            request.log.info(
-                "request_admitted",
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_computed_tokens,
-                num_output_tokens=request.num_output_tokens,
-                waited_s=round(now - request.arrival_time, 6) if is_first else None,
-                is_resumed=not is_first,
-            )
+                    self._prefix.record(request.num_cached_tokens, request.num_prompt_tokens)
+            request.log_admitted(now, is_first=is_first)
         if plan.runs:
-            self._in_flight.append(plan)
+            self._in_flight.push(plan)
         self._plan_us = (time.perf_counter() - start) * 1e6
         return plan
 
@@ -230,20 +202,20 @@ class EngineCore:
         if problem is not None:
             self.fail(plan, ExecutorResultError(problem))
             return
-        self._pop_in_flight(plan)
+        self._in_flight.pop(plan)
         now = self._clock()
-        if result.kv_loads:
-            self._apply_loads(result.kv_loads, now)
-        offload = self.offload
+        for again in self._transfers.apply_loads(result.kv_loads, now, self._prefix):
+            self.waiting.push(again)  # its load failed: it resumes a shorter prefix
+            self._has_finished_running = True
+        transfers = self._transfers
         eos = self.config.eos_token_ids
         max_len = self.config.max_model_len
         kv_free = self.kv.free
         num_outputs = 0
         items = plan.batch.requests
-        stale = self._stale_hits
         # This loop runs once per request per step: absent columns are repeat(None), and
         # _check_result has matched every present column's length to the batch.
-        has_failures = bool(result.errors or stale)
+        has_failures = bool(result.errors) or self._in_flight.has_stale
         for request, item, token, prompt_found, found in zip(
             plan.scheduled,
             items,
@@ -257,39 +229,29 @@ class EngineCore:
                 kv_free(request.request_id)
                 continue
             if has_failures or token is None:
-                error = request_failure(item, result, token, request in stale)
+                is_stale = self._in_flight.take_stale(request)
+                error = request_failure(item, result, token, is_stale)
                 if error is not None:
-                    stale.discard(request)
                     self._fail_request(request, error, computed=False)
                     continue
             request.num_computed_tokens += len(item.token_ids)
-            if offload is not None:
-                offload.filled(request, item.start_position)
+            transfers.filled(request, item.start_position)
             if prompt_found:
                 gather_prompt_logprobs(request, item, prompt_found)
             if token is None:
                 continue
-            params = request.params
             logprobs = None
-            if params.logprobs is not None:
+            if request.params.logprobs is not None:
                 if found is None:
                     error = ExecutorResultError("the executor returned no logprobs for it")
                     self._fail_request(request, error, computed=True)
                     continue
                 logprobs = (found,)
-            tokens = request.all_token_ids
-            tokens.append(token)
+            request.all_token_ids.append(token)
             num_outputs += 1
             if request.first_token_time is None:
                 request.first_token_time = now
-            num_output = len(tokens) - request.num_prompt_tokens
-            reason = None
-            if num_output >= params.min_tokens and (
-                token in params.stop_token_ids or (token in eos and not params.ignore_eos)
-            ):
-                reason = FinishReason.STOP
-            elif num_output >= params.max_tokens or len(tokens) >= max_len:
-                reason = FinishReason.LENGTH
+            reason = request.stop_reason(token, eos, max_len)
             if reason is None:
                 self._outbox.append((request, request.output((token,), None, logprobs), False))
             else:
@@ -308,38 +270,13 @@ class EngineCore:
             apply_us=round(apply_us, 1),
         )
 
-    def _apply_loads(self, reports: tuple[LoadReport, ...], now: float) -> None:
-        """Loads reported by a step: their requests run, or wait to resume a shorter
-        prefix (see ``connector.py``)."""
-        assert self.offload is not None, "load reports without a connector"
-        for report in reports:
-            outcome = self.offload.reported(report)
-            if outcome is None:
-                continue
-            request = outcome.request
-            if request.status is RequestStatus.FINISHED:  # aborted while loading
-                self.kv.free(request.request_id, computed=False)
-            elif not outcome.is_complete:
-                self.kv.free(request.request_id, computed=False)
-                request.status = RequestStatus.WAITING
-                request.num_computed_tokens = 0
-                self.waiting.push(request)
-                self._has_finished_running = True
-            else:
-                request.num_computed_tokens = outcome.planned.num_tokens
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-                    request.num_cached_tokens = outcome.planned.num_tokens
-                    self._num_hit_tokens += request.num_cached_tokens
-                    self._num_query_tokens += request.num_prompt_tokens
-
     def fail(self, plan: StepPlan, error: BaseException) -> None:
         """The executor raised for the oldest step: fail its requests, free their blocks.
 
         Requests of later steps in flight that were admitted on a prefix-cache hit fail
         too when their step returns: the hit may name blocks this step was to fill.
         """
-        self._pop_in_flight(plan)
+        self._in_flight.pop(plan)
         log.warning("step_failed", num_requests=len(plan.scheduled), error=repr(error))
         for request in plan.scheduled:
             request.in_step = False
@@ -347,13 +284,8 @@ class EngineCore:
                 self.kv.free(request.request_id, computed=False)
             else:
                 self._fail_request(request, error, computed=False)
-        for later in self._in_flight:
-            self._stale_hits.update(r for r in later.admitted if r.num_computed_tokens)
+        self._in_flight.failed()
         self.num_steps += 1
-
-    def _pop_in_flight(self, plan: StepPlan) -> None:
-        oldest = self._in_flight.popleft() if self._in_flight else None
-        assert oldest is plan, "steps are applied (or failed) in the order they were planned"
 
     def shutdown(self, error: HybridKVError | None = None) -> None:
         """End every live request (with ``error``, or finish reason SHUTDOWN).
@@ -361,13 +293,12 @@ class EngineCore:
         Call it only when the executor is not running a step: a planned step whose result
         was never applied counts as not run.
         """
-        while self._in_flight:
-            for request in self._in_flight.popleft().scheduled:
+        for plan in self._in_flight.drain():
+            for request in plan.scheduled:
                 if request.in_step:
                     request.in_step = False
                     self.kv.free(request.request_id, computed=False)
-        self._stale_hits.clear()
-        for request in self.offload.loading_requests() if self.offload else ():
+        for request in self._transfers.loading_requests():
             request.in_step = False
             self.kv.free(request.request_id, computed=False)
         for request in list(self._requests.values()):
@@ -416,33 +347,20 @@ class EngineCore:
         if status is RequestStatus.WAITING:
             self.waiting.discard(request)
         elif not request.in_step:
-            if self.offload is not None and computed:
-                self.offload.ended(request)  # its pages are still held: read next step
+            if computed:
+                self._transfers.ended(request)  # its pages are still held: read next step
             self.kv.free(request.request_id, computed=computed)
             self._has_finished_running = True
         else:
             self._has_finished_running = True  # freed when the step returns
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if self.offload is not None:
-            self.offload.drop(request)
+        self._transfers.drop(request)
         del self._requests[request.request_id]
         self.num_finished += 1
         item = error if error is not None else request.output(new_token_ids, reason, logprobs)
         self._outbox.append((request, item, True))
-        now = self._clock()
-        first = request.first_token_time
-        request.log.info(
-            "request_finished",
-            finish_reason=reason.value if reason else None,
-            error=repr(error) if error else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            time_to_first_token_s=None if first is None else round(first - request.arrival_time, 6),
-            duration_s=round(now - request.arrival_time, 6),
-        )
+        request.log_finished(reason, error, self._clock())
 
     def _prune_running(self) -> None:
         if self._has_finished_running:
@@ -456,7 +374,6 @@ class EngineCore:
         self._prune_running()
         usage = self.kv.usage()
         tokens_per_second, output_tokens_per_second = self._meter.rates(self._clock())
-        queries = self._num_query_tokens
         return EngineStats(
             num_waiting=len(self.waiting),
             num_running=len(self.running),
@@ -467,7 +384,7 @@ class EngineCore:
             blocks_used_per_group=usage.blocks_used_per_group,
             num_free_blocks=usage.num_free_blocks,
             num_blocks=usage.num_blocks,
-            prefix_hit_rate=self._num_hit_tokens / queries if queries else 0.0,
+            prefix_hit_rate=self._prefix.hit_rate,
             tokens_per_second=tokens_per_second,
             output_tokens_per_second=output_tokens_per_second,
         )

@@ -1,8 +1,10 @@
-"""Recent throughput: tokens per second over the steps of the last few seconds."""
+"""What the engine counts as it runs: recent throughput, and the prefix cache's hit rate."""
 
 from __future__ import annotations
 
 from collections import deque
+
+import attrs
 
 
 class ThroughputMeter:
@@ -33,3 +35,23 @@ class ThroughputMeter:
             sum(n for _, n, _ in recent[1:]) / span,
             sum(o for _, _, o in recent[1:]) / span,
         )
+
+
+@attrs.define
+class PrefixCounter:
+    """Prompt tokens served from the prefix cache (or a tier) at first admission, and
+    looked up: a preempted request's recomputation hits its own pages and is not counted."""
+
+    num_hit_tokens: int = 0
+    num_query_tokens: int = 0
+
+    def record(self, num_hit_tokens: int, num_prompt_tokens: int) -> None:
+        """A request admitted for the first time, with ``num_hit_tokens`` of its prompt."""
+        self.num_hit_tokens += num_hit_tokens
+        self.num_query_tokens += num_prompt_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over looked-up tokens (0 before any lookup)."""
+        queries = self.num_query_tokens
+        return self.num_hit_tokens / queries if queries else 0.0

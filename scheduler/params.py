@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, TypeGuard
 
 import attrs
 
@@ -25,7 +25,7 @@ def _check(ok: bool, message: str) -> None:
         raise InvalidRequestError(message)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[numbers.Integral]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -35,13 +35,14 @@ def _is_real(value: object) -> bool:
 
 def _as_int_tuple(value: object) -> tuple[int, ...]:
     # A bad parameter must fail here, not in the executor, where it fails the whole step.
+    items: tuple[object, ...] | None
     try:
-        items = tuple(value)  # type: ignore[call-overload]
+        items = tuple(value)  # type: ignore[arg-type]  # not iterable: TypeError, below
     except TypeError:
         items = None
     if items is None or not all(_is_int(v) for v in items):
         raise InvalidRequestError(f"stop_token_ids must be a sequence of ints, got {value!r}")
-    return tuple(int(v) for v in items)
+    return tuple(int(v) for v in items if _is_int(v))  # all are: the filter types v
 
 
 def _as_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
@@ -49,7 +50,7 @@ def _as_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     # compare equal however they were given.
     pairs = value.items() if isinstance(value, Mapping) else value
     try:
-        items = [tuple(p) for p in pairs]  # type: ignore[union-attr]
+        items = [tuple(p) for p in pairs]  # type: ignore[attr-defined]
     except TypeError:
         items = None
     if items is None or not all(len(p) == 2 and _is_int(p[0]) and _is_real(p[1]) for p in items):

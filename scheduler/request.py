@@ -140,6 +140,60 @@ class Request:
         """Whether the request has ended (its pages may still await the running step)."""
         return self.status is RequestStatus.FINISHED
 
+    # -- events: one line each at info, with the request id bound -------------------------
+
+    def log_admitted(self, now: float, *, is_first: bool) -> None:
+        """The planner gave it pages (first, or again after a preemption)."""
+        self.log.info(
+            "request_admitted",
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_computed_tokens,
+            num_output_tokens=self.num_output_tokens,
+            waited_s=round(now - self.arrival_time, 6) if is_first else None,
+            is_resumed=not is_first,
+        )
+
+    def log_preempted(self, num_free_blocks: int) -> None:
+        """It lost its pages to a more urgent request."""
+        self.log.info(
+            "request_preempted",
+            num_output_tokens=self.num_output_tokens,
+            num_preemptions=self.num_preemptions,
+            num_free_blocks=num_free_blocks,
+        )
+
+    def log_finished(
+        self, reason: FinishReason | None, error: HybridKVError | None, now: float
+    ) -> None:
+        """The one canonical line of a request's end, with its counts and durations."""
+        first = self.first_token_time
+        self.log.info(
+            "request_finished",
+            finish_reason=reason.value if reason else None,
+            error=repr(error) if error else None,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=self.num_preemptions,
+            time_to_first_token_s=None if first is None else round(first - self.arrival_time, 6),
+            duration_s=round(now - self.arrival_time, 6),
+        )
+
+    def stop_reason(
+        self, token: int, eos_token_ids: frozenset[int], max_model_len: int
+    ) -> FinishReason | None:
+        """Why the request ends after sampling ``token`` (already appended), or None."""
+        params = self.params
+        tokens = self.all_token_ids
+        num_output = len(tokens) - self.num_prompt_tokens
+        if num_output >= params.min_tokens and (
+            token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos)
+        ):
+            return FinishReason.STOP
+        if num_output >= params.max_tokens or len(tokens) >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
     def output(
         self,
         new_token_ids: tuple[int, ...],

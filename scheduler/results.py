@@ -9,6 +9,9 @@ due, an earlier failed step it resumed from) fails that request only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.batch import ExecutorResultError, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
@@ -34,9 +37,13 @@ def check_result(plan: StepPlan, result: object, vocab_size: int) -> str | None:
     if not kinds <= _TOKEN_TYPES:
         bad = next(t for t in tokens if type(t) not in _TOKEN_TYPES)
         return f"executor sampled {bad!r}, not a token id"
-    ints = tokens if type(None) not in kinds else [t for t in tokens if t is not None]
-    if ints and not (min(ints) >= 0 and max(ints) < vocab_size):  # type: ignore[type-var]
-        bad = next(t for t in ints if not 0 <= t < vocab_size)  # type: ignore[operator]
+    ints: Sequence[int]
+    if type(None) in kinds:
+        ints = [t for t in tokens if t is not None]
+    else:
+        ints = cast("tuple[int, ...]", tokens)  # no None among them (kinds)
+    if ints and not (min(ints) >= 0 and max(ints) < vocab_size):
+        bad = next(t for t in ints if not 0 <= t < vocab_size)
         return f"executor sampled {bad!r}, not a token id in [0, {vocab_size})"
     for name in ("logprobs", "prompt_logprobs"):
         column = getattr(result, name)

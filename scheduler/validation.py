@@ -57,3 +57,13 @@ def check_request(
             f"more than the pool's {kv.num_usable_blocks}"
         )
     return prompt
+
+
+def never_fits(request_id: str, num_tokens: int, kv: KVCacheManager) -> PromptTooLongError:
+    """The error of a request the planner found needs more pages than an empty pool has
+    (a preempted request whose tokens grew past what ``check_request`` admitted)."""
+    needed = kv.num_blocks_needed(num_tokens)
+    return PromptTooLongError(
+        f"request {request_id!r} needs up to {needed} pages, more than an empty pool of "
+        f"{kv.num_usable_blocks} can supply"
+    )

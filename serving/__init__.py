@@ -6,9 +6,7 @@ with uvicorn in your own event loop, with connection limits), ``service`` and
 ``sampling_fields`` and ``structured`` (request bodies to checked requests),
 ``prompts``, ``chat`` and ``template_sandbox`` (prompts to token ids), ``text`` and
 ``logprobs`` (outputs to text), ``streaming``, ``responses``, ``guard``, ``watchdog``,
-``metrics`` (Prometheus), ``builtin_models`` (the built-in Gemma 3 270M, converted
-once), ``loading`` (flags to a loaded model), and the ``commands_*`` modules behind
-``hybridkv serve|generate|demo|bench``.
+``metrics`` (Prometheus), ``utility_routes``; and ``cli/``, the ``hybridkv`` command line.
 
 Kept free of imports so that ``hybridkv --help`` stays fast.
 """

@@ -16,24 +16,23 @@ from hybridkv.serving.fields import Fields
 
 def parse_sampling(fields: Fields, structured: StructuredOutput | None) -> SamplingParams:
     """What the engine's sampler does with each token."""
-    values = {
-        "temperature": fields.number("temperature", 1.0, low=0.0, high=2.0),
-        "top_p": fields.number("top_p", 1.0, low=0.0, high=1.0, open_low=True),
-        "top_k": _top_k(fields),
-        "min_p": fields.number("min_p", 0.0, low=0.0, high=1.0),
-        "seed": fields.optional_integer("seed", low=-(2**63), high=2**63 - 1),
-        "presence_penalty": fields.number("presence_penalty", 0.0, low=-2.0, high=2.0),
-        "frequency_penalty": fields.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
-        "repetition_penalty": fields.number(
-            "repetition_penalty", 1.0, low=0.0, high=float("inf"), open_low=True
-        ),
-        "logit_bias": _logit_bias(fields),
-        "stop_token_ids": fields.token_ids("stop_token_ids"),
-        "ignore_eos": fields.boolean("ignore_eos", False),
-        "structured_output": structured,
-    }
     try:
-        return SamplingParams(**values)
+        return SamplingParams(
+            temperature=fields.number("temperature", 1.0, low=0.0, high=2.0),
+            top_p=fields.number("top_p", 1.0, low=0.0, high=1.0, open_low=True),
+            top_k=_top_k(fields),
+            min_p=fields.number("min_p", 0.0, low=0.0, high=1.0),
+            seed=fields.optional_integer("seed", low=-(2**63), high=2**63 - 1),
+            presence_penalty=fields.number("presence_penalty", 0.0, low=-2.0, high=2.0),
+            frequency_penalty=fields.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
+            repetition_penalty=fields.number(
+                "repetition_penalty", 1.0, low=0.0, high=float("inf"), open_low=True
+            ),
+            logit_bias=_logit_bias(fields),
+            stop_token_ids=fields.token_ids("stop_token_ids"),
+            ignore_eos=fields.boolean("ignore_eos", False),
+            structured_output=structured,
+        )
     except InvalidRequestError as exc:  # a combination the checks above let through
         raise APIError(str(exc)) from None
 

@@ -22,11 +22,17 @@ import json
 from collections.abc import Callable
 
 from hybridkv.executor.grammars import GrammarError, check_grammar
-from hybridkv.scheduler.params import StructuredOutput
+from hybridkv.scheduler.params import StructuredKind, StructuredOutput
 from hybridkv.serving.errors import APIError
 from hybridkv.serving.fields import Fields
 
 _BACKENDS = (None, "auto", "guidance", "llguidance")
+_GUIDED_KINDS: dict[str, StructuredKind] = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def parse_structured_output(fields: Fields) -> tuple[StructuredOutput, str] | None:
@@ -112,9 +118,7 @@ def _guided(
     value = fields.raw(field)
     if value is None:
         return None
-    kind = {"guided_json": "json_schema", "guided_regex": "regex"}.get(field)
-    kind = kind or field.removeprefix("guided_")
-    return StructuredOutput(kind, convert(value, field)), field
+    return StructuredOutput(_GUIDED_KINDS[field], convert(value, field)), field
 
 
 def _schema(value: object, name: str) -> str:

@@ -27,7 +27,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from jinja2 import BaseLoader, Environment, TemplateNotFound
 from jinja2.runtime import Context
@@ -85,7 +85,7 @@ class Budget:
 
 
 def _budget() -> Budget:
-    budget = getattr(_current, "budget", None)
+    budget: Budget | None = getattr(_current, "budget", None)
     assert budget is not None, "templates render inside a Budget"
     return budget
 
@@ -126,7 +126,10 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
         super().__init__(loader=_NoIncludes(), **options)
         self.globals["range"] = _CheckedRange
         self.filters = {name: _guarded(f, name) for name, f in self.filters.items()}
-        self.tests = {name: _guarded(f, name) for name, f in self.tests.items()}
+        # Jinja's test table is inferred as dict[str, function]: its values are callables.
+        self.tests = {
+            name: _guarded(cast("Callable[..., Any]", f), name) for name, f in self.tests.items()
+        }
 
     def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
         budget = _budget()

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hybridkv.executor.batch_checks import check_batch
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import LogitsHook, ModelExecutor
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
@@ -309,7 +310,7 @@ def make_driver(tiny_models: dict[str, TinyModel]) -> Callable[..., Driver]:
     def build(name: str, *, prefix_caching: bool = True, **kwargs: Any) -> Driver:
         kwargs.setdefault("kv_cache_bytes", KV_BYTES)
         kwargs.setdefault("block_size", 4)
-        executor = ModelExecutor.from_pretrained(tiny_models[name].path, **kwargs)
+        executor = ModelExecutor.from_pretrained(tiny_models[name].path, LoadOptions(**kwargs))
         return Driver(executor, prefix_caching=prefix_caching)
 
     return build

@@ -15,10 +15,17 @@ dropped by pattern.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 import xxhash
 
 from hybridkv.memory.hashing import BlockHash
+
+
+def _str_tuple(values: Iterable[str]) -> tuple[str, ...]:
+    # A typed converter: mypy reads attrs' converter=tuple as taking Iterable[_T_co].
+    return tuple(values)
 
 
 @attrs.frozen
@@ -32,7 +39,7 @@ class KeySpace:
     """
 
     fingerprint: str
-    group_kinds: tuple[str, ...] = attrs.field(converter=tuple)
+    group_kinds: tuple[str, ...] = attrs.field(converter=_str_tuple)
 
     def key(self, group: int, block_hash: BlockHash, salt: str) -> bytes:
         """The key of ``group``'s page of the block ``block_hash`` (``salt``: see

@@ -27,8 +27,8 @@ def cpu_flags() -> set[str]:
 @functools.cache
 def has_native_bfloat16() -> bool:
     """Whether matrix products in bfloat16 run on bfloat16 dot-product instructions
-    (AVX-512 BF16 or AMX on x86): there they are 2-3x faster than float32 ones, while
-    without them (AVX2) oneDNN converts and they run 3-5x slower (README, "Decode on the
+    (AVX-512 BF16 or AMX on x86): there they are faster than float32 ones, while without
+    them (AVX2) oneDNN converts and they are slower (docs/benchmarks.md, "Decode on the
     CPU")."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False

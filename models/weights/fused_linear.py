@@ -31,15 +31,18 @@ def cat_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
     kind = type(parts[0])
     if any(type(p) is not kind for p in parts) or not issubclass(kind, _JOINABLE):
         return None
-    if len({p.in_features for p in parts}) != 1:
+    # All parts are of one joinable class: the isinstance filters keep every part and
+    # give each its type.
+    joinable = [p for p in parts if isinstance(p, _JOINABLE)]
+    if len({p.in_features for p in joinable}) != 1:
         return None
-    biases = [p.bias for p in parts]
+    biases = [p.bias for p in joinable]
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
     if issubclass(kind, QuantizedLinear):
         return kind.cat_rows([p for p in parts if isinstance(p, QuantizedLinear)], bias)
-    weights = [p.weight.detach() for p in parts]
+    weights = [p.weight.detach() for p in parts if isinstance(p, nn.Linear)]
     if len({w.dtype for w in weights}) != 1:
         return None
     with torch.device("meta"):  # no random init of a weight about to be replaced

@@ -62,7 +62,7 @@ def machine_default() -> str:
 
     int8 where torch's weight-only int8 CPU kernel has a vectorised path (x86 with AVX2,
     or ARM): measured fastest at 1 and 8 concurrent requests with mean KL well within the
-    bound (README, "Weight precision"); the model dtype elsewhere.
+    bound (docs/benchmarks.md, "Decode on the CPU"); the model dtype elsewhere.
     """
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):

@@ -57,7 +57,8 @@ class QuantizedLinear(nn.Module):
             out = self.matmul_bf16(rows.to(torch.bfloat16)).to(x.dtype)
         else:
             # bfloat16 where the CPU multiplies it natively, as the few-rows kernels do
-            # anyway: a 1024-row chunk's product 2.2x faster than in float32.
+            # anyway: a long prefill chunk's product is faster than in float32
+            # (benchmarks/weight_quality.py --chunk, docs/benchmarks.md).
             dtype = torch.bfloat16 if has_native_bfloat16() else x.dtype
             rows = rows.to(dtype)
             stops = range(_SLICE_ROWS, self.out_features + _SLICE_ROWS, _SLICE_ROWS)
@@ -119,7 +120,7 @@ class Int8Linear(QuantizedLinear):
         scales = self.scales[start:stop, None]
         if dtype == scales.dtype:
             # Levels are exact in bfloat16 and the product rounds once, as through float32:
-            # the same values at a third of the memory traffic (the LM head 2.7x faster).
+            # the same values at a third of the memory traffic (benchmarks/lm_head.py).
             return self.qweight[start:stop].to(dtype) * scales
         return (self.qweight[start:stop].to(torch.float32) * scales.float()).to(dtype)
 

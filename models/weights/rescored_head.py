@@ -12,13 +12,13 @@ matter are few, so the head keeps both::
 
 Sampling, greedy choice and logprobs see exact logits for the ``k`` best candidates
 of the 4-bit pass, and the 4-bit values for the tail, whose probabilities are small
-(mean KL 0.0062 against int8's 0.0058 with k = 256, greedy agreement 0.956 against
-0.934, at 0.42x the head's time at batch 1 and 0.59x at batch 8: README, "Decode on the
-CPU", ``benchmarks/lm_head.py``). The exact rows are the tied embedding's where the head
-is the embedding (the model dtype, no copy), an int8 head's own rows otherwise; an int4
-head (a float checkpoint under ``--weights int4``) is its own first pass, rescored where
-it is tied. From :data:`STORED_ROWS` rows (a long prompt's logprobs, a decode batch of 64
-requests) the stored head is as fast, and takes over.
+(its quality, ``benchmarks/weight_quality.py --head``, and its time against the stored
+head, ``benchmarks/lm_head.py``, are in docs/benchmarks.md, "Decode on the CPU"). The
+exact rows are the tied embedding's where the head is the embedding (the model dtype, no
+copy), an int8 head's own rows otherwise; an int4 head (a float checkpoint under
+``--weights int4``) is its own first pass, rescored where it is tied. From
+:data:`STORED_ROWS` rows (a long prompt's logprobs, a decode batch of 64 requests) the
+stored head is as fast, and takes over.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from hybridkv.models.weights.quantized_linear import (
 #: Candidates per row recomputed exactly (the cost barely moves between 64 and 256).
 NUM_RESCORED = 256
 #: Rows from which the stored head is as fast (its many-rows path is a matmul over weights
-#: expanded to bfloat16): the 262,144 x 640 head at 16 / 32 / 64 / 128 rows took 52 / 109 /
-#: 246 / 497 ms rescored against 88 / 197 / 261 / 395 ms stored (AVX-512 BF16 CPU).
+#: expanded to bfloat16); the crossover of the built-in model's head is measured by
+#: ``benchmarks/lm_head.py`` (docs/benchmarks.md).
 STORED_ROWS = 64
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
-from hybridkv.serving.cli.loading import add_engine_arguments, add_model_argument, engine_args
+from hybridkv.serving.cli.engine_flags import add_engine_arguments, add_model_argument, engine_args
 from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
 
 
@@ -34,6 +35,7 @@ def register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     )
     work.add_argument("--samples", type=int, default=2, metavar="N", help="answers to print (2)")
     work.add_argument("--seed", type=int, default=0, metavar="N", help="workload seed (0)")
+    _add_plot_argument(parser, "the run")
     add_log_level_argument(parser, "warning")
     add_engine_arguments(parser)
     add_offload_arguments(parser)
@@ -50,6 +52,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level)
     _check_positive(args, "requests", "max_tokens", "rate")
+    _check_plot(args)
     loaded = load_model(engine_args(args))
     plan = loaded.executor.plan
     print(
@@ -86,6 +89,11 @@ def run_demo(args: argparse.Namespace) -> int:
     weights = f"weights {loaded.weights}" + (" (machine default)" if args.weights == "auto" else "")
     print(f"\nsummary ({loaded.name}, {args.dtype}, {weights}, {_threads()} threads)")
     print("\n".join(format_table(summary_rows(result, plan, loaded.specs))))
+    source = (
+        f"hybridkv demo {loaded.name} --requests {args.requests} --rate {args.rate:g} "
+        f"--max-tokens {args.max_tokens} --seed {args.seed} --kv-memory {args.kv_memory}"
+    )
+    _save_plot(args, result, plan, f"pages per KV group, hybridkv demo on {loaded.name}", source)
     return 0
 
 
@@ -131,6 +139,7 @@ def register_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     work.add_argument(
         "--compare-uniform", action="store_true", help="also run with the uniform layout"
     )
+    _add_plot_argument(parser, "the hybrid layout's run")
     add_log_level_argument(parser, "warning")
     add_engine_arguments(parser, kv_memory="256MiB")
     add_offload_arguments(parser)
@@ -152,6 +161,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from hybridkv.serving.cli.values import UsageError
 
         raise UsageError(f"--shared-prefix must be in [0, --prompt-len], got {args.shared_prefix}")
+    _check_plot(args)
     base = engine_args(args)
     rows = []
     for uniform in (False, True) if args.compare_uniform else (False,):
@@ -176,8 +186,50 @@ def run_bench(args: argparse.Namespace) -> int:
         result = anyio.run(run)
         rows.append(_bench_row("uniform" if uniform else "hybrid", loaded, result))
         print(_format_row(rows[-1]), file=sys.stderr)
+        if not uniform:  # the run --plot draws
+            hybrid_result, hybrid_loaded = result, loaded
     print(_format_rows(rows))
+    result, loaded = hybrid_result, hybrid_loaded
+    source = (
+        f"hybridkv bench {loaded.name} --requests {args.requests} "
+        f"--prompt-len {args.prompt_len} --output-len {args.output_len} "
+        f"--shared-prefix {args.shared_prefix} --kv-memory {args.kv_memory}"
+        + ("" if args.rate is None else f" --rate {args.rate:g}")
+    )
+    title = f"pages per KV group, hybridkv bench on {loaded.name}"
+    _save_plot(args, result, loaded.executor.plan, title, source)
     return 0
+
+
+def _add_plot_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"save the pages each KV group holds over {what}, one sample per engine step, "
+        "as a PNG line chart at FILE and its series beside it (FILE with .json); needs the "
+        "bench extra (matplotlib)",
+    )
+
+
+def _check_plot(args: argparse.Namespace) -> None:
+    """Before loading anything: the --plot folder exists and matplotlib imports."""
+    if args.plot is not None:
+        from hybridkv.serving.cli.plots import check_plot_path, require_matplotlib
+
+        check_plot_path(args.plot)
+        require_matplotlib()
+
+
+def _save_plot(args: argparse.Namespace, result: Any, plan: Any, title: str, source: str) -> None:
+    if args.plot is None:
+        return
+    from hybridkv.serving.cli.plots import pages_series, save_pages_plot
+
+    series = pages_series(result.pages, plan, title=title, source=source)
+    png, data = save_pages_plot(args.plot, series)
+    print(f"pages per group: {png} (series: {data})", file=sys.stderr)
 
 
 def _bench_row(layout: str, loaded: Any, result: Any) -> dict[str, str]:

@@ -1,12 +1,11 @@
-"""From command-line flags to a loaded model and the engine config that fits its pool.
+"""From the engine flags (:class:`~hybridkv.serving.cli.engine_flags.EngineArgs`) to a
+loaded model and the engine config that fits its pool.
 
-``serve``, ``generate``, ``demo`` and ``bench`` share these flags, so a user learns them
-once: the KV byte budget, the block size, the per-step token budget, the running-request
-limit, prefix caching, threads, dtype, the memory policy of each kind of layer, and the
-number of pipeline stages (``--pipeline-parallel-size N``: this process runs stage 0 and
-starts N - 1 workers, or, under torchrun, ranks other than 0 serve their stage instead of
-the command: :func:`pipeline_worker_status`), and context-parallel ranks per stage
-(``--context-parallel-size N``: every request's tokens and KV pages shared by N processes).
+One process loads a :class:`ModelExecutor`; with pipeline stages or context ranks
+(``--pipeline-parallel-size``, ``--context-parallel-size``) this process runs rank 0 and
+starts the others, or, under torchrun, ranks other than 0 serve their stage instead of
+the command (:func:`pipeline_worker_status`). Every loader takes one
+:class:`~hybridkv.executor.load_options.LoadOptions` made by :func:`load_options`.
 """
 
 from __future__ import annotations
@@ -16,224 +15,24 @@ import atexit
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
-from hybridkv.models.weights.precision import WEIGHT_CHOICES
 from hybridkv.serving.chat import ChatTemplate
-from hybridkv.serving.cli.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL, resolve_model
+from hybridkv.serving.cli.builtin_models import BUILTIN_MODELS, resolve_model
+from hybridkv.serving.cli.engine_flags import EngineArgs, engine_args
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+    from hybridkv.executor.load_options import LoadOptions
     from hybridkv.executor.model_executor import ModelExecutor
     from hybridkv.memory.layout import LayerSpec
     from hybridkv.parallel.pipeline_executor import PipelineExecutor
-    from hybridkv.policies import MemoryPolicy
     from hybridkv.scheduler import EngineConfig
 
-_DTYPES = ("float32", "bfloat16", "float16")
-
-
-@attrs.frozen(kw_only=True)
-class EngineArgs:
-    """The engine and model settings a command line can choose."""
-
-    model: str | None = None
-    kv_memory: int = 1 << 30
-    block_size: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 32
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    threads: int | None = None
-    dtype: str = "float32"
-    uniform_kv: bool = False
-    layer_policies: tuple[tuple[str, MemoryPolicy], ...] = ()
-    pipeline_parallel_size: int = 1
-    weights: str = "auto"
-    context_parallel_size: int = 1
-    kv_interleave: str = "token"
-
-    @property
-    def num_ranks(self) -> int:
-        """Processes the model runs in: stages times context ranks."""
-        return self.pipeline_parallel_size * self.context_parallel_size
-
-
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    """The optional MODEL positional: a checkpoint folder or a built-in name."""
-    names = ", ".join(BUILTIN_MODELS)
-    parser.add_argument(
-        "model",
-        metavar="MODEL",
-        nargs="?",
-        default=None,
-        help=f"checkpoint folder (config.json, safetensors, tokenizer.json) or built-in "
-        f"name ({names}); default: {DEFAULT_MODEL}",
-    )
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1GiB") -> None:
-    """The flags every model-running command takes."""
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--kv-memory",
-        default=kv_memory,
-        metavar="SIZE",
-        help=f"bytes of KV cache, shared by every layer group: 512MiB, 2GiB ({kv_memory})",
-    )
-    group.add_argument(
-        "--block-size", type=int, default=16, metavar="N", help="tokens per KV page (16)"
-    )
-    group.add_argument(
-        "--max-num-batched-tokens",
-        "--token-budget",
-        type=int,
-        default=512,
-        metavar="N",
-        help="tokens one engine step may run, prefill chunks and decodes together (512)",
-    )
-    group.add_argument(
-        "--max-num-seqs", type=int, default=32, metavar="N", help="most running requests (32)"
-    )
-    group.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        metavar="N",
-        help="most tokens per request, prompt and output (default: the model's limit)",
-    )
-    group.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="do not reuse the KV pages of repeated prompt prefixes",
-    )
-    group.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="torch CPU threads, per pipeline stage (all cores, shared among the stages)",
-    )
-    group.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights and KV dtype")
-    group.add_argument(
-        "--weights",
-        choices=WEIGHT_CHOICES,
-        default="auto",
-        help="storage of the linear layers and LM head: dtype (--dtype's), int8 or int4 "
-        "weight-only; auto: this machine's default for built-in models, dtype otherwise",
-    )
-    add_layer_policy_argument(group)
-    group.add_argument(
-        "--pipeline-parallel-size",
-        "-pp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the layers into N pipeline stages, one process each, steps overlapping; "
-        "--kv-memory is then per stage (1)",
-    )
-    group.add_argument(
-        "--context-parallel-size",
-        "-cp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="share every request's tokens and KV pages among N processes per stage "
-        "(ring attention for prefills, all-gather for decodes); --kv-memory is per process, "
-        "so requests may be N times longer (1)",
-    )
-    group.add_argument(
-        "--kv-interleave",
-        choices=("token", "block"),
-        default="token",
-        help="context parallelism deals a request's KV to the processes a token or a "
-        "block at a time (token)",
-    )
-
-
-def add_layer_policy_argument(parser: argparse._ActionsContainer) -> None:
-    """``--layer-policy KIND=NAME[:key=value,...]``, repeatable."""
-    parser.add_argument(
-        "--layer-policy",
-        dest="layer_policies",
-        action="append",
-        default=[],
-        metavar="KIND=NAME[:K=V,...]",
-        help="memory policy of one kind of layer, kept and attended, instead of the "
-        "config's: sliding_attention=full, full_attention=sliding_window:window=1024 "
-        "(policy names: hybridkv.policies.policy_names())",
-    )
-
-
-def parse_layer_policies(texts: list[str]) -> tuple[tuple[str, MemoryPolicy], ...]:
-    """``KIND=NAME[:key=value,...]`` flags as (layer kind, policy) pairs.
-
-    Values that read as integers or floats are passed as numbers, others as strings.
-
-    Raises:
-        UsageError: a malformed flag, or one kind named twice.
-        PolicyError: an unknown policy name or parameters it rejects.
-    """
-    from hybridkv.policies import make_policy
-    from hybridkv.serving.cli.values import UsageError
-
-    out: dict[str, MemoryPolicy] = {}
-    for text in texts:
-        kind, _, spec = (part.strip() for part in text.partition("="))
-        name, _, params_text = (part.strip() for part in spec.partition(":"))
-        items = [item.partition("=") for item in params_text.split(",")] if params_text else []
-        if not kind or not name or any(not key.strip() or not eq for key, eq, _ in items):
-            raise UsageError(
-                f"--layer-policy {text!r} is not KIND=NAME[:key=value,...], such as "
-                "full_attention=sliding_window:window=1024"
-            )
-        if kind in out:
-            raise UsageError(f"--layer-policy names the layer kind {kind!r} twice")
-        params = {key.strip(): _number_or_text(value.strip()) for key, _, value in items}
-        out[kind] = make_policy(name, **params)
-    return tuple(out.items())
-
-
-def _number_or_text(value: str) -> object:
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
-def engine_args(args: argparse.Namespace) -> EngineArgs:
-    """The parsed flags as :class:`EngineArgs`."""
-    from hybridkv.memory.sizes import parse_size
-    from hybridkv.serving.cli.values import UsageError
-
-    flags = ("block_size", "max_num_batched_tokens", "max_num_seqs", "threads")
-    for flag in (*flags, "pipeline_parallel_size", "context_parallel_size"):
-        value = getattr(args, flag, None)
-        if value is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    return EngineArgs(
-        model=args.model,
-        kv_memory=parse_size(args.kv_memory),
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        threads=args.threads,
-        dtype=args.dtype,
-        uniform_kv=getattr(args, "uniform_kv", False),
-        layer_policies=parse_layer_policies(getattr(args, "layer_policies", [])),
-        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
-        weights=getattr(args, "weights", "auto"),
-        context_parallel_size=getattr(args, "context_parallel_size", 1),
-        kv_interleave=getattr(args, "kv_interleave", "token"),
-    )
+__all__ = ["EngineArgs", "LoadedModel", "load_model", "load_options"]
 
 
 @attrs.frozen(kw_only=True)
@@ -284,31 +83,31 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
     if not quiet:
         print(f"loading {name} from {folder}", file=sys.stderr, flush=True)
     executor: ModelExecutor | PipelineExecutor
+    options = load_options(settings, weights)
     if settings.num_ranks > 1:
-        executor = _start_pipeline(folder, settings)
+        executor = _start_pipeline(folder, settings, options)
     else:
-        executor = ModelExecutor.from_pretrained(
-            folder, **_executor_options(settings), weights=weights
-        )
+        executor = ModelExecutor.from_pretrained(folder, options)
     if executor.tokenizer is None:
         raise UsageError(f"the checkpoint {str(folder)!r} has no tokenizer.json")
     limit = executor.max_model_len
     if settings.max_model_len is not None:
         limit = min(limit, settings.max_model_len)
-    options: dict[str, Any] = {
-        "max_num_seqs": settings.max_num_seqs,
-        "max_num_batched_tokens": settings.max_num_batched_tokens,
-        "enable_prefix_caching": settings.enable_prefix_caching,
-        "eos_token_ids": executor.eos_token_ids,
-        "vocab_size": executor.config.vocab_size,
-    }
-    config = EngineConfig.for_executor(executor, max_model_len=limit, **options)
+    config = EngineConfig.for_executor(
+        executor,
+        max_model_len=limit,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        eos_token_ids=executor.eos_token_ids,
+        vocab_size=executor.config.vocab_size,
+    )
     return LoadedModel(
         name=name,
         folder=folder,
         executor=executor,
         engine_config=config,
-        tokenizer=executor.tokenizer,  # type: ignore[arg-type]
+        tokenizer=executor.tokenizer,
         chat_template=ChatTemplate.from_checkpoint(folder),
         specs=list(executor.specs),
         weights=weights,
@@ -330,18 +129,21 @@ def _weight_format(settings: EngineArgs, *, builtin: bool) -> str:
     return settings.weights
 
 
-def _executor_options(settings: EngineArgs) -> dict[str, Any]:
-    """The model executor's keyword arguments (every pipeline stage takes the same)."""
+def load_options(settings: EngineArgs, weights: str = "dtype") -> LoadOptions:
+    """What every loader of ``settings``' model takes (each pipeline stage the same)."""
     import torch
 
-    return {
-        "kv_cache_bytes": settings.kv_memory,
-        "block_size": settings.block_size,
-        "dtype": getattr(torch, settings.dtype),
-        "num_threads": settings.threads,
-        "uniform_layout": settings.uniform_kv,
-        "policies": dict(settings.layer_policies),
-    }
+    from hybridkv.executor.load_options import LoadOptions
+
+    return LoadOptions(
+        kv_cache_bytes=settings.kv_memory,
+        block_size=settings.block_size,
+        dtype=getattr(torch, settings.dtype),
+        num_threads=settings.threads,
+        uniform_layout=settings.uniform_kv,
+        policies=settings.layer_policies,
+        weights=weights,
+    )
 
 
 #: Pipelines load_model started. A pipeline owns the process group, so a process runs one
@@ -349,7 +151,7 @@ def _executor_options(settings: EngineArgs) -> dict[str, Any]:
 _pipelines: list[PipelineExecutor] = []
 
 
-def _start_pipeline(folder: Path, settings: EngineArgs) -> PipelineExecutor:
+def _start_pipeline(folder: Path, settings: EngineArgs, options: LoadOptions) -> PipelineExecutor:
     from hybridkv.parallel.pipeline_executor import PipelineExecutor
 
     close_pipelines()
@@ -357,18 +159,18 @@ def _start_pipeline(folder: Path, settings: EngineArgs) -> PipelineExecutor:
     atexit.register(close_pipelines)  # stops the workers however the command ends
     pipeline = PipelineExecutor.from_pretrained(
         folder,
+        options,
         pipeline_parallel_size=settings.pipeline_parallel_size,
-        **_executor_options(settings),
-        **_context_options(settings),
+        context_parallel_size=settings.context_parallel_size,
+        kv_interleave=_kv_interleave(settings),
     )
     _pipelines.append(pipeline)
     return pipeline
 
 
-def _context_options(settings: EngineArgs) -> dict[str, Any]:
-    """Context ranks per stage, and the tokens dealt to a rank at a time."""
-    interleave = settings.block_size if settings.kv_interleave == "block" else 1
-    return {"context_parallel_size": settings.context_parallel_size, "kv_interleave": interleave}
+def _kv_interleave(settings: EngineArgs) -> int:
+    """The tokens context parallelism deals to a rank at a time."""
+    return settings.block_size if settings.kv_interleave == "block" else 1
 
 
 def close_pipelines() -> None:
@@ -393,9 +195,11 @@ def pipeline_worker_status(args: argparse.Namespace) -> int | None:
     configure_logging(getattr(args, "log_level", "warning"))  # as rank 0's command does
     settings = engine_args(args)
     _, folder = resolve_model(settings.model)
-    num_stages = settings.pipeline_parallel_size
-    options = _executor_options(settings)
     stage = StageSettings.create(
-        folder, pipeline_parallel_size=num_stages, **options, **_context_options(settings)
+        folder,
+        load_options(settings),
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        context_parallel_size=settings.context_parallel_size,
+        kv_interleave=_kv_interleave(settings),
     )
     return run_torchrun_worker(stage)

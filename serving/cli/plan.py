@@ -62,7 +62,7 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         metavar="L",
         help="tokens per request (prompt and output) in the capacity table",
     )
-    from hybridkv.serving.cli.loading import add_layer_policy_argument
+    from hybridkv.serving.cli.engine_flags import add_layer_policy_argument
 
     add_layer_policy_argument(parser)
     parser.set_defaults(handler=run_plan)
@@ -72,7 +72,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """Plan the layout and print it."""
     from hybridkv.memory.layout_planner import describe, plan_layout
     from hybridkv.models.specs import layer_specs_from_config
-    from hybridkv.serving.cli.loading import parse_layer_policies
+    from hybridkv.serving.cli.engine_flags import parse_layer_policies
 
     budget = parse_size(args.kv_memory)
     if args.request_tokens < 1:
@@ -83,9 +83,9 @@ def run_plan(args: argparse.Namespace) -> int:
     stages = split_stages([s.name for s in specs], args.pp_stages)
     plan = plan_layout(specs, budget, args.block_size, stages=stages)
     report = describe(plan, specs, args.request_tokens)
-    policies = ", ".join(f"{p.num_layers} {p.policy}" for p in report.policies)
+    summary = ", ".join(f"{p.num_layers} {p.policy}" for p in report.policies)
     raised = plan.block_size != args.block_size
-    print(f"model   {label}: {len(specs)} KV layers ({policies or 'attention-free'})")
+    print(f"model   {label}: {len(specs)} KV layers ({summary or 'attention-free'})")
     print(
         f"budget  {_bytes(budget)} per device, {args.dtype}, block size {plan.block_size}"
         + (f" (raised from {args.block_size} so a page holds a state)" if raised else "")
@@ -181,7 +181,7 @@ def format_context(
     ]
 
 
-def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+def _table(header: list[str], rows: Sequence[Sequence[object]]) -> list[str]:
     cells = [header] + [["unbounded" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
-from hybridkv.serving.cli.loading import add_engine_arguments, add_model_argument, engine_args
+from hybridkv.serving.cli.engine_flags import add_engine_arguments, add_model_argument, engine_args
 from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
 from hybridkv.serving.cli.serve_flags import add_access_and_limit_arguments, http_settings
 

@@ -16,7 +16,7 @@ import anyio
 import attrs
 from tokenizers import Tokenizer
 
-from hybridkv.scheduler import Engine, SamplingParams
+from hybridkv.scheduler import Engine, EngineStats, SamplingParams
 from hybridkv.serving.cli.workload_text import DOCUMENT_PARAGRAPHS, QUESTIONS, SYSTEM_PROMPT
 
 
@@ -46,14 +46,25 @@ class RequestRecord:
 
 
 @attrs.frozen(kw_only=True)
+class PagesSample:
+    """The pages each KV group held at one point of a run."""
+
+    step: int  # engine steps run so far (EngineStats.num_steps)
+    elapsed_s: float  # since the run started
+    blocks_per_group: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
 class WorkloadResult:
-    """A finished run: per-request records, wall time, and the pool at its fullest."""
+    """A finished run: per-request records, wall time, the pool at its fullest, and the
+    pages per group over the run (:class:`PagesSample`, at most one per engine step)."""
 
     records: tuple[RequestRecord, ...]
     elapsed_s: float
     peak_blocks_per_group: tuple[int, ...]
     num_preemptions: int
     prefix_hit_rate: float
+    pages: tuple[PagesSample, ...] = ()
 
 
 def demo_workload(
@@ -139,6 +150,12 @@ async def run_workload(
 
     ``on_tokens`` is called with each output's record and new token count, ``on_finish``
     once per request (both on the event loop's thread; keep them quick).
+
+    The pages per group are read from ``engine.stats()`` where each output arrives (as the
+    peak always was) and kept once per engine step: the first output of a step adds a
+    :class:`PagesSample`; the run's start adds one, and its end one where the pages moved
+    since. A step whose outputs reach no consumer (a prefill chunk that samples nothing)
+    shows in the next sample.
     """
     records = [
         RequestRecord(
@@ -148,8 +165,25 @@ async def run_workload(
     ]
     num_groups = len(engine.config.policies)
     peak = [0] * num_groups
-    before = engine.stats().num_preemptions
+    first = engine.stats()
+    before = first.num_preemptions
     start = time.monotonic()
+    pages = [
+        PagesSample(
+            step=first.num_steps, elapsed_s=0.0, blocks_per_group=first.blocks_used_per_group
+        )
+    ]
+
+    def sample(stats: EngineStats, *, last: bool = False) -> None:
+        held = stats.blocks_used_per_group
+        if stats.num_steps != pages[-1].step or (last and held != pages[-1].blocks_per_group):
+            pages.append(
+                PagesSample(
+                    step=stats.num_steps,
+                    elapsed_s=time.monotonic() - start,
+                    blocks_per_group=held,
+                )
+            )
 
     async def one(request: WorkloadRequest, record: RequestRecord) -> None:
         await anyio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
@@ -164,8 +198,10 @@ async def run_workload(
                 record.output_token_ids.extend(out.new_token_ids)
                 record.num_output_tokens = out.num_output_tokens
                 record.num_cached_tokens = out.num_cached_tokens
-                used = engine.stats().blocks_used_per_group
+                stats = engine.stats()
+                used = stats.blocks_used_per_group
                 peak[:] = [max(p, u) for p, u in zip(peak, used, strict=True)]
+                sample(stats)
                 if on_tokens is not None:
                     on_tokens(record, len(out.new_token_ids))
         record.latency_s = time.monotonic() - sent
@@ -176,10 +212,12 @@ async def run_workload(
         for request, record in zip(requests, records, strict=True):
             tg.start_soon(one, request, record)
     stats = engine.stats()
+    sample(stats, last=True)
     return WorkloadResult(
         records=tuple(records),
         elapsed_s=time.monotonic() - start,
         peak_blocks_per_group=tuple(peak),
         num_preemptions=stats.num_preemptions - before,
         prefix_hit_rate=stats.prefix_hit_rate,
+        pages=tuple(pages),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.scheduler import EngineConfig, SamplingParams
 
@@ -26,7 +27,9 @@ async def test_engine_outputs_match_transformers_under_preemption(
 ):
     """Three concurrent greedy requests in a pool too small for all match transformers."""
     model = tiny_models["gemma3"]
-    executor = ModelExecutor.from_pretrained(model.path, kv_cache_bytes=SMALL_POOL, block_size=4)
+    executor = ModelExecutor.from_pretrained(
+        model.path, LoadOptions(kv_cache_bytes=SMALL_POOL, block_size=4)
+    )
     config = EngineConfig.for_executor(
         executor, max_model_len=64, max_num_batched_tokens=16, max_prefill_chunk=8
     )

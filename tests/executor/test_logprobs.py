@@ -6,6 +6,7 @@ import anyio
 import pytest
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.logprobs import prompt_logprobs, token_logprobs
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.scheduler import Engine, EngineConfig, RequestOutput, SamplingParams, TokenLogprobs
@@ -28,7 +29,9 @@ def assert_close(got: TokenLogprobs, reference: torch.Tensor, token_id: int, num
 async def test_sampled_and_prompt_logprobs_match_transformers(tiny_models, prompt_of, name):
     """logprobs=5 and prompt_logprobs=3 through chunked prefill match log_softmax."""
     model = tiny_models[name]
-    executor = ModelExecutor.from_pretrained(model.path, kv_cache_bytes=1 << 20, block_size=4)
+    executor = ModelExecutor.from_pretrained(
+        model.path, LoadOptions(kv_cache_bytes=1 << 20, block_size=4)
+    )
     config = EngineConfig.for_executor(executor, max_prefill_chunk=8)
     prompt = prompt_of(3, 21)
     params = SamplingParams(
@@ -57,7 +60,7 @@ async def test_sampled_and_prompt_logprobs_match_transformers(tiny_models, promp
 async def test_logprobs_off_leave_outputs_bare(tiny_models, prompt_of):
     """Without logprobs asked, outputs carry none (and nothing is computed for them)."""
     executor = ModelExecutor.from_pretrained(
-        tiny_models["llama"].path, kv_cache_bytes=1 << 20, block_size=4
+        tiny_models["llama"].path, LoadOptions(kv_cache_bytes=1 << 20, block_size=4)
     )
     config = EngineConfig.for_executor(executor)
     with anyio.fail_after(30):

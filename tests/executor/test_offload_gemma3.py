@@ -35,9 +35,10 @@ def timetable(first: int, num_lines: int = 50) -> str:
 
 async def serve(folder: Path, prompts: list[str], offload: OffloadConfig | None, **kw: Any) -> Any:
     """Greedy tokens of each prompt in turn, and the engine (for its stats)."""
+    from hybridkv.executor.load_options import LoadOptions
     from hybridkv.executor.model_executor import ModelExecutor
 
-    executor = ModelExecutor.from_pretrained(folder, block_size=16, **kw)
+    executor = ModelExecutor.from_pretrained(folder, LoadOptions(block_size=16, **kw))
     assert executor.tokenizer is not None
     config = EngineConfig.for_executor(executor, max_model_len=4096)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

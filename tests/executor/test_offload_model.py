@@ -10,6 +10,7 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.offload import HostTier, OffloadConfig, RedisTier
 from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
@@ -22,7 +23,9 @@ async def _scenario(
 ) -> tuple[list[list[int]], Engine]:
     """Seed 002's steps: a long prompt, other prompts that flush it from the pool, the
     long prompt again with another question."""
-    executor = ModelExecutor.from_pretrained(model.path, kv_cache_bytes=POOL_BYTES, block_size=4)
+    executor = ModelExecutor.from_pretrained(
+        model.path, LoadOptions(kv_cache_bytes=POOL_BYTES, block_size=4)
+    )
     config = EngineConfig.for_executor(executor, max_model_len=128, max_prefill_chunk=16)
     document = prompt_of(72, 5)
     prompts = [

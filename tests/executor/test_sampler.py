@@ -8,6 +8,7 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.sampler import Sampler, StructuredOutputUnavailableError, filter_logits
 from hybridkv.scheduler.batch import StepRequest
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams, StructuredOutput
@@ -379,8 +380,7 @@ async def test_engine_penalises_a_real_model_like_the_reference(tiny_models, pro
     raw: dict[str, list[torch.Tensor]] = {}
     executor = ModelExecutor.from_pretrained(
         tiny_models["llama"].path,
-        kv_cache_bytes=30 * 2 * 1024,
-        block_size=4,
+        LoadOptions(kv_cache_bytes=30 * 2 * 1024, block_size=4),
         logits_hook=lambda rid, row: raw.setdefault(rid, []).append(row.float().clone()),
     )
     config = EngineConfig.for_executor(executor, max_model_len=64, max_num_batched_tokens=16)

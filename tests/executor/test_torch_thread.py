@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.torch_thread import TorchThread
 
 
@@ -72,7 +73,7 @@ def test_executors_can_share_one_thread(tiny_models) -> None:
     thread = TorchThread(1)
     executors = [
         ModelExecutor.from_pretrained(
-            tiny_models[name].path, kv_cache_bytes=1 << 20, torch_thread=thread
+            tiny_models[name].path, LoadOptions(kv_cache_bytes=1 << 20), torch_thread=thread
         )
         for name in ("llama", "gemma3")
     ]

@@ -11,7 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.kernels import KernelInputError, PagedMetadata, gather_plan, paged_attention, write_kv
+from hybridkv.kernels import (
+    KernelInputError,
+    PagedMetadata,
+    gather_regions,
+    paged_attention,
+    write_kv,
+)
 from hybridkv.kernels.geometry import CacheGeometry
 
 F32 = {"atol": 1e-5, "rtol": 1e-5}
@@ -21,10 +27,10 @@ BF16 = {"atol": 2e-2, "rtol": 2e-2}
 @pytest.fixture(autouse=True, scope="module", params=["values_in_place", "values_gathered"])
 def _decode_values(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test runs with decodes reading values in place, then gathering them."""
-    saved = gather_plan.VALUE_BAGS_MIN_ELEMENTS
-    gather_plan.VALUE_BAGS_MIN_ELEMENTS = 0 if request.param == "values_in_place" else 1 << 62
+    saved = gather_regions.VALUE_BAGS_MIN_ELEMENTS
+    gather_regions.VALUE_BAGS_MIN_ELEMENTS = 0 if request.param == "values_in_place" else 1 << 62
     yield
-    gather_plan.VALUE_BAGS_MIN_ELEMENTS = saved
+    gather_regions.VALUE_BAGS_MIN_ELEMENTS = saved
 
 
 @attrs.frozen

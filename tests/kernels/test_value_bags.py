@@ -7,17 +7,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hybridkv.kernels import PagedMetadata, gather_plan
+from hybridkv.kernels import PagedMetadata, gather_regions
 from hybridkv.kernels.gather_plan import GatherPlan
 from hybridkv.kernels.geometry import CacheGeometry
 
 
 @pytest.fixture
 def _in_place() -> Iterator[None]:
-    saved = gather_plan.VALUE_BAGS_MIN_ELEMENTS
-    gather_plan.VALUE_BAGS_MIN_ELEMENTS = 0
+    saved = gather_regions.VALUE_BAGS_MIN_ELEMENTS
+    gather_regions.VALUE_BAGS_MIN_ELEMENTS = 0
     yield
-    gather_plan.VALUE_BAGS_MIN_ELEMENTS = saved
+    gather_regions.VALUE_BAGS_MIN_ELEMENTS = saved
 
 
 def _plan(page_stride: int) -> GatherPlan:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.errors import CheckpointError, ModelConfigError
@@ -19,7 +20,7 @@ def test_pickle_only_folder_is_refused(tiny_models, tmp_path):
     shutil.copy(tiny_models["llama"].path / "config.json", tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle at all")
     with pytest.raises(CheckpointError, match="safetensors"):
-        ModelExecutor.from_pretrained(tmp_path, kv_cache_bytes=1 << 20)
+        ModelExecutor.from_pretrained(tmp_path, LoadOptions(kv_cache_bytes=1 << 20))
 
 
 def test_missing_config_is_refused(tmp_path):
@@ -41,14 +42,18 @@ def test_sharded_checkpoint_loads_every_shard(tiny_models, tmp_path):
 
 def test_tied_embeddings_share_one_tensor(tiny_models):
     """Gemma's LM head is the embedding matrix itself, not a copy."""
-    executor = ModelExecutor.from_pretrained(tiny_models["gemma2"].path, kv_cache_bytes=1 << 20)
+    executor = ModelExecutor.from_pretrained(
+        tiny_models["gemma2"].path, LoadOptions(kv_cache_bytes=1 << 20)
+    )
     model = executor.model
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_untied_llama_reads_its_own_head(tiny_models):
     """Llama with untied embeddings loads lm_head.weight from the checkpoint."""
-    executor = ModelExecutor.from_pretrained(tiny_models["llama"].path, kv_cache_bytes=1 << 20)
+    executor = ModelExecutor.from_pretrained(
+        tiny_models["llama"].path, LoadOptions(kv_cache_bytes=1 << 20)
+    )
     model = executor.model
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
@@ -60,7 +65,7 @@ def test_tokenizer_json_is_loaded_when_present(tiny_models, tmp_path):
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    loaded = ModelExecutor.from_pretrained(tmp_path, kv_cache_bytes=1 << 20).tokenizer
+    loaded = ModelExecutor.from_pretrained(tmp_path, LoadOptions(kv_cache_bytes=1 << 20)).tokenizer
     assert loaded.encode("hello world").ids == [1, 2]
 
 

@@ -15,6 +15,7 @@ import attrs
 import pytest
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.layout_planner import plan_layout
 from hybridkv.models.errors import ModelConfigError
@@ -151,7 +152,7 @@ def test_bad_choice_is_refused_by_name(tiny_models, policies, error, message):
     """A kind the model lacks, or a value that is not a policy, is refused naming it."""
     with pytest.raises(error, match=message):
         ModelExecutor.from_pretrained(
-            tiny_models["llama"].path, kv_cache_bytes=1 << 20, policies=policies
+            tiny_models["llama"].path, LoadOptions(kv_cache_bytes=1 << 20, policies=policies)
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.memory.layout import StateSpec
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.policies import MambaLike
@@ -158,7 +159,9 @@ async def test_engine_outputs_match_transformers_under_preemption(
     from hybridkv.scheduler import EngineConfig, SamplingParams
 
     model = tiny_models[name]
-    executor = ModelExecutor.from_pretrained(model.path, kv_cache_bytes=20 * 4096, block_size=BS)
+    executor = ModelExecutor.from_pretrained(
+        model.path, LoadOptions(kv_cache_bytes=20 * 4096, block_size=BS)
+    )
     config = EngineConfig.for_executor(
         executor, max_model_len=128, max_num_batched_tokens=24, max_prefill_chunk=8
     )
@@ -186,8 +189,7 @@ def test_pipeline_stages_hold_their_state_pages_and_match_transformers(
     stages = [
         ModelExecutor.from_pretrained(
             tiny_models[name].path,
-            kv_cache_bytes=1 << 20,
-            block_size=BS,
+            LoadOptions(kv_cache_bytes=1 << 20, block_size=BS),
             pipeline_stage=i,
             pipeline_parallel_size=2,
         )

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.models.checkpoint import architecture_for
 from hybridkv.models.config import FULL, SLIDING
@@ -141,7 +142,9 @@ def test_private_pattern_checkpoint_plans_and_attends_alike(tiny_models, tmp_pat
         hf.pop(key, None)
     hf["_sliding_window_pattern"] = 2
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    executor = ModelExecutor.from_pretrained(tmp_path, kv_cache_bytes=1 << 20, block_size=4)
+    executor = ModelExecutor.from_pretrained(
+        tmp_path, LoadOptions(kv_cache_bytes=1 << 20, block_size=4)
+    )
     expected = [SlidingWindow(8), FullAttention()] * 3
     assert [s.policy for s in layer_specs_from_config(hf)] == expected
     assert [s.policy for s in executor.specs] == expected  # what the KV groups keep

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.parallel.context_executor import ContextParallelExecutor
@@ -22,10 +23,10 @@ KV_BYTES = 1 << 20
 
 def _context(path: Path, cp: int, *, block_size: int = 4, **options) -> PipelineExecutor:
     options.setdefault("pipeline_parallel_size", 1)
+    load = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=block_size, num_threads=1)
     return PipelineExecutor.from_pretrained(
-        path, context_parallel_size=cp, kv_cache_bytes=KV_BYTES, block_size=block_size,
-        num_threads=1, step_timeout_s=60.0, **options,
-    )  # fmt: skip
+        path, load, context_parallel_size=cp, step_timeout_s=60.0, **options
+    )
 
 
 def test_two_ranks_match_one_process_llama(
@@ -85,7 +86,7 @@ def test_prompt_logprobs_gather_every_rank_rows(tiny_models, prompt_of) -> None:
         output_index=0, prompt_logprob_token_ids=prompt[1:],
     )  # fmt: skip
     path = tiny_models["llama"].path
-    one = ModelExecutor.from_pretrained(path, kv_cache_bytes=KV_BYTES, block_size=8)
+    one = ModelExecutor.from_pretrained(path, LoadOptions(kv_cache_bytes=KV_BYTES, block_size=8))
     expected = one.execute(StepBatch((request,)))
     with _context(path, 2) as executor:
         got = executor.execute(StepBatch((request,)))
@@ -99,10 +100,10 @@ def test_prompt_logprobs_gather_every_rank_rows(tiny_models, prompt_of) -> None:
 
 def test_a_policy_without_one_window_is_refused(tiny_models) -> None:
     """Chunked-local keys are not one window per query: context parallelism says so."""
-    executor = ModelExecutor.from_pretrained(
-        tiny_models["llama"].path, kv_cache_bytes=KV_BYTES, block_size=4,
-        policies={"full_attention": ChunkedLocal(16)},
-    )  # fmt: skip
+    options = LoadOptions(
+        kv_cache_bytes=KV_BYTES, block_size=4, policies={"full_attention": ChunkedLocal(16)}
+    )
+    executor = ModelExecutor.from_pretrained(tiny_models["llama"].path, options)
     ranks = ContextRanks(group=None, rank=0, size=2)  # type: ignore[arg-type]
     with pytest.raises(ParallelConfigError, match="keys are one window"):
         ContextParallelExecutor(executor, ranks)

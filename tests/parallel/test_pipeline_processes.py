@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from hybridkv.errors import HybridKVError
 from hybridkv.executor.errors import BatchError
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.parallel.errors import PipelineError
@@ -30,11 +31,12 @@ from hybridkv.scheduler.batch import ExecutorBrokenError, StepBatch, StepRequest
 KV_BYTES = 1 << 20
 
 
-def _pipeline(path: Path, num_stages: int, **options) -> PipelineExecutor:
-    options.setdefault("kv_cache_bytes", KV_BYTES)
-    options.setdefault("step_timeout_s", 30.0)
+def _pipeline(
+    path: Path, num_stages: int, *, kv_cache_bytes: int = KV_BYTES, step_timeout_s: float = 30.0
+) -> PipelineExecutor:
+    options = LoadOptions(kv_cache_bytes=kv_cache_bytes, block_size=4, num_threads=1)
     return PipelineExecutor.from_pretrained(
-        path, pipeline_parallel_size=num_stages, block_size=4, num_threads=1, **options
+        path, options, pipeline_parallel_size=num_stages, step_timeout_s=step_timeout_s
     )
 
 
@@ -91,7 +93,7 @@ async def test_engine_keeps_two_steps_in_flight_and_matches_one_process(tiny_mod
                     tg.start_soon(consume, engine, i)
             return outputs, engine.stats().num_preemptions
 
-    one = ModelExecutor.from_pretrained(path, kv_cache_bytes=SMALL_POOL, block_size=4)
+    one = ModelExecutor.from_pretrained(path, LoadOptions(kv_cache_bytes=SMALL_POOL, block_size=4))
     with anyio.fail_after(60):
         expected, _ = await run(one)
         # Each stage holds half the layers: half the bytes give one process's page count.
@@ -187,14 +189,14 @@ async def test_a_hung_worker_fails_the_request_within_the_step_timeout(tiny_mode
 
 _ORPHAN_SCRIPT = """
 import sys, time
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.parallel.pipeline_executor import PipelineExecutor
 from hybridkv.parallel.pipeline_launch import TorchrunEnv
 from hybridkv.parallel.rank_layout import ParallelConfig
 
 if __name__ == "__main__":
-    pipeline = PipelineExecutor.from_pretrained(
-        sys.argv[1], pipeline_parallel_size=3, kv_cache_bytes=1 << 20, num_threads=1
-    )
+    options = LoadOptions(kv_cache_bytes=1 << 20, num_threads=1)
+    pipeline = PipelineExecutor.from_pretrained(sys.argv[1], options, pipeline_parallel_size=3)
     print("workers", *pipeline.worker_pids, flush=True)
     time.sleep(60)
 """

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.stages import split_layers
@@ -20,8 +21,7 @@ def _stages(path: Path, num_stages: int) -> list[ModelExecutor]:
     return [
         ModelExecutor.from_pretrained(
             path,
-            kv_cache_bytes=KV_BYTES,
-            block_size=4,
+            LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4),
             pipeline_stage=i,
             pipeline_parallel_size=num_stages,
         )
@@ -45,7 +45,9 @@ def test_more_stages_than_layers_is_refused(tiny_models) -> None:
     """Seven stages of a six-layer model: refused, naming both counts."""
     with pytest.raises(ParallelConfigError, match="pipeline_parallel_size=7 exceeds the model's 6"):
         ModelExecutor.from_pretrained(
-            tiny_models["gemma3"].path, kv_cache_bytes=KV_BYTES, pipeline_parallel_size=7
+            tiny_models["gemma3"].path,
+            LoadOptions(kv_cache_bytes=KV_BYTES),
+            pipeline_parallel_size=7,
         )
 
 
@@ -123,7 +125,9 @@ def test_seed_000_stages_hold_one_layer_per_group(
         (names[2], names[5]),
     ]
     assert [_slot_tensors(s) for s in stages] == [1, 1]
-    one = ModelExecutor.from_pretrained(seed_000_checkpoint, kv_cache_bytes=KV_BYTES, block_size=4)
+    one = ModelExecutor.from_pretrained(
+        seed_000_checkpoint, LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4)
+    )
     assert stages[0].pool.num_blocks == 2 * one.pool.num_blocks  # half the layers per device
     expected = run_scenario(drive(one))
     check_same_outputs(run_scenario(drive(chain(stages))), expected)

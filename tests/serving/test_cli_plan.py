@@ -179,7 +179,7 @@ def test_bad_layer_policy_exits_2_with_one_line(
 def test_layer_policy_flags_parse_to_policies() -> None:
     """KIND=NAME:key=value pairs build registered policies, numbers as numbers."""
     from hybridkv.policies import FullAttention, SlidingWindow
-    from hybridkv.serving.cli.loading import parse_layer_policies
+    from hybridkv.serving.cli.engine_flags import parse_layer_policies
 
     parsed = parse_layer_policies(["full_attention=sliding_window:window=64", "x=full"])
     assert parsed == (("full_attention", SlidingWindow(64)), ("x", FullAttention()))

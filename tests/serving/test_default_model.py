@@ -13,6 +13,7 @@ import anyio
 import pytest
 import torch
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,9 @@ def reference(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
 async def ours(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
     from hybridkv.executor.model_executor import ModelExecutor
 
-    executor = ModelExecutor.from_pretrained(folder, kv_cache_bytes=64 << 20, block_size=16)
+    executor = ModelExecutor.from_pretrained(
+        folder, LoadOptions(kv_cache_bytes=64 << 20, block_size=16)
+    )
     config = EngineConfig.for_executor(executor, max_model_len=4096)
     results: list[list[int]] = [[] for _ in prompts]
 

@@ -10,7 +10,8 @@ import structlog
 import torch
 
 from hybridkv.models.weights.precision import machine_default
-from hybridkv.serving.cli.loading import EngineArgs, _weight_format
+from hybridkv.serving.cli.engine_flags import EngineArgs
+from hybridkv.serving.cli.loading import _weight_format
 from hybridkv.serving.cli.main import main
 from hybridkv.serving.cli.values import UsageError
 

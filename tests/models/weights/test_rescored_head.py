@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.models.weights.precision import decode_weight_bytes
 from hybridkv.models.weights.quantized_linear import DEQUANT_ROWS, Int4Linear, Int8Linear
 from hybridkv.models.weights.rescored_head import STORED_ROWS, RescoredHead
@@ -94,7 +95,7 @@ def test_tied_models_rescore_from_their_embedding(weights, tiny_models):
     from hybridkv.executor.model_executor import ModelExecutor
 
     executor = ModelExecutor.from_pretrained(
-        tiny_models["gemma3"].path, kv_cache_bytes=1 << 20, weights=weights
+        tiny_models["gemma3"].path, LoadOptions(kv_cache_bytes=1 << 20, weights=weights)
     )
     try:
         head = executor.model.lm_head
@@ -113,7 +114,9 @@ def test_untied_heads_rescore_from_int8_rows_only(tiny_models):
 
     path = tiny_models["llama"].path
     for weights, kind in (("int8", RescoredHead), ("int4", Int4Linear)):
-        executor = ModelExecutor.from_pretrained(path, kv_cache_bytes=1 << 20, weights=weights)
+        executor = ModelExecutor.from_pretrained(
+            path, LoadOptions(kv_cache_bytes=1 << 20, weights=weights)
+        )
         try:
             head = executor.model.lm_head
             assert isinstance(head, kind)
