@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 TORCH := torch==2.13.0
+# The package folders, each installed as hybridkv.<folder>.
+FOLDERS := errors scheduler policies memory kernels models executor parallel serving
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -13,13 +15,14 @@ $(VENV)/.demo: pyproject.toml | $(VENV)/bin/python
 	$(PIP) -e '.[demo]'
 	touch $@
 
-# The test extra plus demo's converters: the slow test checks the built-in model.
+# The test extra plus demo's converters (the slow test checks the built-in model) and
+# the docs extra (`make test` builds the documentation site).
 $(VENV)/.test: pyproject.toml | $(VENV)/bin/python
 	$(PIP) $(TORCH)
-	$(PIP) -e '.[test,demo]'
+	$(PIP) -e '.[test,demo,docs]'
 	touch $@
 
-.PHONY: run test lint typecheck
+.PHONY: run test lint typecheck docs
 run: $(VENV)/.demo
 	$(VENV)/bin/hybridkv demo
 
@@ -28,11 +31,25 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff format --check .
 
 # mypy cannot follow setuptools' package-dir mapping, so it checks a link tree that
-# gives the folders their installed names (hybridkv.memory, hybridkv.policies).
+# gives the folders their installed names (hybridkv.memory, hybridkv.policies, ...).
 typecheck: $(VENV)/.test
 	rm -rf .typecheck && mkdir -p .typecheck/hybridkv
-	for d in errors scheduler policies memory kernels models executor parallel serving; do ln -s ../../$$d .typecheck/hybridkv/$$d; done
-	cd .typecheck && MYPYPATH=. ../$(VENV)/bin/mypy --strict -p hybridkv.errors -p hybridkv.memory -p hybridkv.policies
+	for d in $(FOLDERS); do ln -s ../../$$d .typecheck/hybridkv/$$d; done
+	cd .typecheck && MYPYPATH=. ../$(VENV)/bin/mypy --strict $(foreach d,$(FOLDERS),-p hybridkv.$(d))
 
-test: lint typecheck
+# mkdocstrings cannot follow the package-dir mapping either: griffe reads a link tree of
+# its own (build/docs-src, so that `make -j` may run docs beside typecheck), and the site
+# goes to site/ (ignored by git). --strict fails on a broken link or reference.
+docs: $(VENV)/.test
+	rm -rf build/docs-src && mkdir -p build/docs-src/hybridkv
+	for d in $(FOLDERS); do ln -s ../../../$$d build/docs-src/hybridkv/$$d; done
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+test: lint typecheck docs
 	$(VENV)/bin/pytest -q
+
+# Every committed PNG under docs/img, redrawn from benchmarks/results/*.json (each file's
+# "command" field is the command that measured it; benchmarks/plot.py lists them).
+.PHONY: figures
+figures: $(VENV)/.test
+	$(PY) benchmarks/plot.py

@@ -43,10 +43,12 @@ hit). With ``--reference-src DIR`` (a vLLM source tree, see ``_vllm_reference.py
 vLLM's own KVCacheManager serves the same workload in a run of its own.
 
     python benchmarks/multisession.py [--repeats N] [--per-turn] [--reference-src DIR]
+                                      [--json FILE]
 
 The last line printed is one JSON object: per working-set definition, allocator, layout
 and occupancy the hit rate, preemptions and the allocator's microseconds per step (the
-best of the repeats).
+best of the repeats). ``--json FILE`` writes the same object to FILE, with the workload's
+settings and the command (``benchmarks/plot.py`` draws the hit rates from it).
 
 Other benchmarks reuse the workload: ``parse_args([])`` gives the defaults, ``Session``
 generates a chat, and ``Run(make, LAYOUTS[name], occupancy, args).run()`` serves it
@@ -68,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from _results import add_json_argument, write_json
 from allocator import OursAllocator
 
 from hybridkv.memory import KVCacheManager
@@ -355,6 +358,13 @@ def main() -> None:
         print(f"\n== working set: {definition}")
         out[definition] = report(args)
     print(json.dumps(out, separators=(",", ":")))
+    workload = {
+        key: getattr(args, key)
+        for key in ("sessions", "turns", "system_tokens", "user_tokens", "reply_tokens",
+                    "in_flight", "budget", "min_chunk", "repeats", "seed", "occupancy")
+    }  # fmt: skip
+    workload |= {"block_size": BLOCK_SIZE, "window": WINDOW}
+    write_json(args.json, {"workload": workload, "working_sets": out})
 
 
 def report(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
@@ -425,6 +435,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "sessions' resumable prefixes averaged over the turns (mean: equal pressure)",
     )
     p.add_argument("--seed", type=int, default=0)
+    add_json_argument(p)
     args = p.parse_args(argv)
     args.definition = "peak" if args.working_set == "both" else args.working_set
     sys.path.insert(0, str(Path(__file__).resolve().parent))

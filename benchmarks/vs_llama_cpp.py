@@ -16,9 +16,10 @@ and the table shows the median of the rounds' ratios:
 
 The peers come from ``llama_peers.py`` (run it first; it builds llama-server, ~25 min).
 
-    python benchmarks/vs_llama_cpp.py [--weights auto] [--threads 2] [--rounds 2]
+    python benchmarks/vs_llama_cpp.py [--weights auto] [--threads 2] [--rounds 2] [--json FILE]
 
-The last line printed is one JSON object.
+The last line printed is one JSON object; ``--json FILE`` writes it to FILE too, with the
+command (``benchmarks/plot.py`` draws time to first token and inter-token latency from it).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_peers
+from _results import add_json_argument, write_json
 
 WORKLOADS = [(256, 1), (256, 8), (1024, 1), (1024, 8)]
 OUTPUT_TOKENS = 64
@@ -192,6 +194,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests-per-stream", type=int, default=3)
+    add_json_argument(parser)
     args = parser.parse_args()
     server = llama_peers.llama_server()
     if server is None or llama_peers.guidellm() is None:
@@ -234,7 +237,10 @@ def main() -> None:
             for m in METRICS
         ]
         print(f"| {key} | " + " | ".join(cells) + " |")
-    print(json.dumps({"weights": args.weights, "threads": args.threads, "workloads": table}))
+    out = {"weights": args.weights, "threads": args.threads, "workloads": table}
+    print(json.dumps(out))
+    out |= {"rounds": args.rounds, "requests_per_stream": args.requests_per_stream}
+    write_json(args.json, out)
 
 
 def summarise(results: dict[str, list[dict[str, dict[str, float]]]]) -> dict[str, Any]:

@@ -47,3 +47,14 @@ def test_the_model_examples_name_real_functions(marker: str) -> None:
     compile(block, "README.md", "exec")
     imports = "\n".join(line for line in block.splitlines() if line.startswith(("from", "import")))
     exec(imports, {})
+
+
+def test_the_readme_is_one_page_with_working_links() -> None:
+    """At most 12 KiB; every relative link names a file of the repository."""
+    text = README.read_text()
+    assert len(text.encode()) <= 12 * 1024
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert links
+    for link in links:
+        assert "://" not in link, link
+        assert (README.parent / link).exists(), link
