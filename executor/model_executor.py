@@ -26,6 +26,7 @@ import torch
 from tokenizers import Tokenizer
 
 from hybridkv.executor.batch_checks import check_batch
+from hybridkv.executor.grammars import GrammarError
 from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.loader import StageSlice, load_checkpoint
@@ -41,6 +42,7 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.transformer import CausalLM
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
+from hybridkv.scheduler.params import StructuredOutput
 
 log = structlog.get_logger(__name__)
 
@@ -167,6 +169,19 @@ class ModelExecutor:
         self.transfers = TransferWorker(pages, config)
         dtype = next(self.model.parameters()).dtype
         return self.torch_thread.run(key_space, self.model, self.config, self.plan, dtype)
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Read the vocabulary (once) and compile ``spec`` for the steps to come, on the
+        caller's thread: a server calls it from a worker thread before queueing a request,
+        so no step pays for a compile.
+
+        Raises:
+            GrammarError: llguidance refuses the grammar, or the checkpoint has no
+                tokenizer to build masks from.
+        """
+        if self.tokenizer is None:
+            raise GrammarError("structured output needs the checkpoint's tokenizer.json")
+        self.sampler.compile_grammar(spec, self.tokenizer, self.vocab_size)
 
     @property
     def pool(self) -> PoolSpec:

@@ -21,6 +21,7 @@ argmax over the batch.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,7 @@ from hybridkv.executor.draw import draw, filter_logits
 from hybridkv.executor.penalties import process_logits
 from hybridkv.executor.structured import GrammarMasks
 from hybridkv.scheduler.batch import StepRequest
+from hybridkv.scheduler.params import StructuredOutput
 
 __all__ = ["Sampler", "StructuredOutputUnavailableError", "filter_logits", "position_seed"]
 
@@ -64,12 +66,26 @@ class Sampler:
         else:
             self._shared.manual_seed(seed)
         self.grammars: GrammarMasks | None = None
+        self._grammars_lock = threading.Lock()  # a server reads the vocabulary off the step
 
-    def enable_structured_output(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def enable_structured_output(self, tokenizer: Tokenizer, vocab_size: int) -> GrammarMasks:
         """Read the vocabulary for grammar masks now (seconds for a large one) rather
-        than in the first step that needs them."""
-        if self.grammars is None or self.grammars.vocab_size != vocab_size:
-            self.grammars = GrammarMasks(tokenizer, vocab_size, self.eos_token_ids)
+        than in the first step that needs them; the masks. Thread-safe."""
+        with self._grammars_lock:
+            if self.grammars is None or self.grammars.vocab_size != vocab_size:
+                self.grammars = GrammarMasks(tokenizer, vocab_size, self.eos_token_ids)
+            return self.grammars
+
+    def compile_grammar(
+        self, spec: StructuredOutput, tokenizer: Tokenizer, vocab_size: int
+    ) -> None:
+        """Read the vocabulary (once) and compile ``spec`` for the steps to come, on the
+        caller's thread, so that no step compiles it. Thread-safe.
+
+        Raises:
+            GrammarError: llguidance refuses the grammar.
+        """
+        self.enable_structured_output(tokenizer, vocab_size).compile(spec)
 
     def sample(
         self,

@@ -12,7 +12,10 @@ the grammar forbids to ``-inf``::
 The matchers are a cache, never the truth: each is keyed by request id and advanced from
 the request's own token list (``StepRequest.all_token_ids``), so a request preempted and
 recomputed, or one whose matcher was evicted, gets a matcher rebuilt from its tokens.
-Compiled grammars are cached too, so ``n`` copies of a request compile once.
+Compiled grammars are cached too, so ``n`` copies of a request compile once, and a
+server compiles each request's grammar before queueing it (:meth:`GrammarMasks.compile`,
+from a worker thread), so that no step compiles one and a grammar llguidance refuses
+is a 400 rather than a request that may sample only EOS.
 
 llguidance is imported only when a request asks for structured output; requests
 without it cost nothing here.
@@ -20,6 +23,7 @@ without it cost nothing here.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +33,7 @@ import structlog
 import torch
 from tokenizers import Tokenizer
 
-from hybridkv.executor.grammars import grammar_text
+from hybridkv.executor.grammars import GrammarError, grammar_text
 from hybridkv.scheduler.batch import StepRequest
 from hybridkv.scheduler.params import StructuredOutput
 
@@ -74,9 +78,10 @@ class GrammarMasks:
         self._capacity = capacity
         self._live: OrderedDict[str, _Entry] = OrderedDict()
         self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._compile_lock = threading.Lock()  # servers compile from worker threads
         # llguidance writes one bit per token into these words; a byte indexes the
-        # additive mask of its 8 tokens (a table lookup: masked_fill with a bool mask
-        # was 7x slower on a 262k vocabulary).
+        # additive mask of its 8 tokens (a table lookup, cheaper than a masked_fill
+        # with a bool mask over a large vocabulary: benchmarks/structured_output.py).
         self._words = torch.empty(-(-vocab_size // 32), dtype=torch.int32)
         bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
         self._byte_masks = torch.where(bits.bool(), 0.0, float("-inf"))
@@ -124,14 +129,34 @@ class GrammarMasks:
             self._live.popitem(last=False)
         return entry
 
+    def compile(self, spec: StructuredOutput) -> None:
+        """Compile ``spec`` against the vocabulary into the cache the steps read.
+        Thread-safe: a server calls it before queueing the request.
+
+        Raises:
+            GrammarError: llguidance refuses the grammar.
+        """
+        compiled = self._compiled_matcher(spec)
+        if compiled.is_error():
+            with self._compile_lock:
+                self._compiled.pop(spec, None)
+            raise GrammarError(f"the {spec.kind} does not compile: {compiled.get_error()}")
+
     def _fresh_matcher(self, spec: StructuredOutput) -> Any:
+        return self._compiled_matcher(spec).deep_copy()
+
+    def _compiled_matcher(self, spec: StructuredOutput) -> Any:
         from llguidance import LLMatcher
 
-        compiled = self._compiled.get(spec)
-        if compiled is None:
-            compiled = LLMatcher(self._tokenizer, grammar_text(spec), log_level=0)
+        with self._compile_lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled
+        # Compiled outside the lock: two threads may compile one spec; either result serves.
+        compiled = LLMatcher(self._tokenizer, grammar_text(spec), log_level=0)
+        with self._compile_lock:
             self._compiled[spec] = compiled
             while len(self._compiled) > 64:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(spec)
-        return compiled.deep_copy()
+        return compiled

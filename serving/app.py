@@ -36,10 +36,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
+from hybridkv.executor.grammar_bounds import DEFAULT_LIMITS, GrammarLimits
+from hybridkv.executor.grammar_guard import GrammarGuard
 from hybridkv.scheduler import Engine
 from hybridkv.serving.body import check_json_media_type, decode_json, read_body
 from hybridkv.serving.chat import ChatTemplate
 from hybridkv.serving.errors import APIError, ClientGoneError, error_body
+from hybridkv.serving.grammar_check import GrammarCheck, GrammarCompiler
 from hybridkv.serving.guard import AccessGuard
 from hybridkv.serving.metrics import CONTENT_TYPE, OffloadCollector, RequestCounter, ServerMetrics
 from hybridkv.serving.prompts import Prompter
@@ -65,8 +68,9 @@ class ServerOptions:
             any.
         body_timeout_s: Seconds a request body may take to arrive (408 beyond).
         template_timeout_s: Seconds one chat-template rendering may take (400 beyond).
-        max_preprocess_threads: Worker threads for rendering, tokenizing and decoding
-            large bodies, over all requests.
+        max_preprocess_threads: Worker threads for rendering, tokenizing, decoding large
+            bodies and checking grammars, over all requests.
+        grammar_limits: The largest structured-output specs accepted (400 beyond).
     """
 
     max_body_bytes: int = attrs.field(default=4 * 2**20, validator=attrs.validators.ge(1))
@@ -80,6 +84,7 @@ class ServerOptions:
     body_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     template_timeout_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
     max_preprocess_threads: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    grammar_limits: GrammarLimits = DEFAULT_LIMITS
 
 
 def build_app(
@@ -104,9 +109,16 @@ def build_app(
         limiter=anyio.CapacityLimiter(options.max_preprocess_threads),
         template_timeout_s=options.template_timeout_s,
     )
+    executor = engine.executor
+    grammars = GrammarCheck(
+        GrammarGuard(limits=options.grammar_limits),
+        executor if isinstance(executor, GrammarCompiler) else None,
+        prompter.limiter,
+    )
     service = GenerationService(
         engine,
         prompter,
+        grammars,
         model_name=model_name,
         metrics=metrics,
         default_max_tokens=options.default_max_tokens,

@@ -91,24 +91,35 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise APIError(f"the request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    body = parse_json_text(text, "the request body")
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_json_text(text: str, what: str) -> object:
+    """JSON ``text`` decoded under the body's limits (numbers, nesting, surrogates), for
+    the body and for JSON sent inside one of its strings (a schema as a string).
+
+    Raises:
+        APIError: naming ``what`` and why it is refused.
+    """
     try:
-        body = json.loads(
+        value = json.loads(
             text,
             parse_constant=_refuse_constant,
             parse_float=_finite_float,
             parse_int=_short_int,
         )
     except json.JSONDecodeError as exc:
-        raise APIError(f"the request body is not valid JSON: {exc}") from None
+        raise APIError(f"{what} is not valid JSON: {exc}") from None
     except RecursionError:
-        raise _too_deep() from None
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-    _check_tree(body)
-    return body
+        raise _too_deep(what) from None
+    _check_tree(value, what)
+    return value
 
 
-def _check_tree(body: dict[str, Any]) -> None:
+def _check_tree(body: object, what: str = "the request body") -> None:
     """Refuse nesting deeper than MAX_DEPTH and strings holding lone surrogates."""
     pending: list[tuple[object, int]] = [(body, 1)]
     while pending:
@@ -116,14 +127,14 @@ def _check_tree(body: dict[str, Any]) -> None:
         if isinstance(value, str):
             if _SURROGATE.search(value):
                 raise APIError(
-                    "the request body holds a lone UTF-16 surrogate (such as \\ud800): "
+                    f"{what} holds a lone UTF-16 surrogate (such as \\ud800): "
                     "text must be valid Unicode"
                 )
             continue
         if not isinstance(value, dict | list):
             continue
         if depth > MAX_DEPTH:
-            raise _too_deep()
+            raise _too_deep(what)
         items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
         pending.extend((item, depth + 1) for item in items)
 
@@ -148,8 +159,8 @@ def _short_int(text: str) -> int:
     return int(text)
 
 
-def _too_deep() -> APIError:
-    return APIError(f"the request body nests arrays or objects deeper than {MAX_DEPTH} levels")
+def _too_deep(what: str = "the request body") -> APIError:
+    return APIError(f"{what} nests arrays or objects deeper than {MAX_DEPTH} levels")
 
 
 def _too_large(size: int, limit: int) -> APIError:

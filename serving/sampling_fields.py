@@ -10,6 +10,7 @@ dependent ones (``max_tokens``, ``min_tokens``) are set later by
 from __future__ import annotations
 
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams, StructuredOutput
+from hybridkv.serving.body import MAX_INT_DIGITS
 from hybridkv.serving.errors import APIError
 from hybridkv.serving.fields import Fields
 
@@ -46,9 +47,13 @@ def _logit_bias(fields: Fields) -> dict[int, float]:
         raise fields.error("logit_bias", "must map token ids to biases")
     out = {}
     for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit()) or type(bias) not in (int, float):
+        # Keys by the body's own rule for integers: ASCII digits (str.isdigit takes "²",
+        # which int() refuses), at most MAX_INT_DIGITS of them (int() refuses 5,000).
+        is_id = key.isascii() and key.isdigit() and len(key) <= MAX_INT_DIGITS
+        if not is_id or type(bias) not in (int, float):
+            shown = key if len(key) <= 40 else f"{key[:40]}... ({len(key)} characters)"
             raise fields.error(
-                "logit_bias", f"must map token ids to numbers, got {key!r}: {bias!r}"
+                "logit_bias", f"must map token ids to numbers, got {shown!r}: {bias!r}"
             )
         out[int(key)] = min(100.0, max(-100.0, float(bias)))
     return out

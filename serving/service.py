@@ -37,12 +37,12 @@ from hybridkv.scheduler import (
 )
 from hybridkv.serving.choices import Choice
 from hybridkv.serving.errors import APIError
+from hybridkv.serving.grammar_check import GrammarCheck
 from hybridkv.serving.logprobs import LogprobsStream, TokenTexts
 from hybridkv.serving.metrics import ServerMetrics
 from hybridkv.serving.prompts import Prompter
 from hybridkv.serving.protocol import GenerationRequest
 from hybridkv.serving.responses import SSE_DONE, ResponseHeader, Usage, sse
-from hybridkv.serving.structured import check_structured_output
 from hybridkv.serving.text import TextStream, TokenClasses
 
 log = structlog.get_logger(__name__)
@@ -68,6 +68,7 @@ class GenerationService:
     Args:
         engine: The running engine.
         prompter: The model's tokenizer and chat template, with their limits.
+        grammars: How structured output is checked and compiled before queueing.
         model_name: The only ``model`` value requests may name.
         metrics: Where counts go.
         default_max_tokens: Output limit of a chat request that sets none (None: the
@@ -78,6 +79,7 @@ class GenerationService:
         self,
         engine: Engine,
         prompter: Prompter,
+        grammars: GrammarCheck,
         *,
         model_name: str,
         metrics: ServerMetrics,
@@ -85,6 +87,7 @@ class GenerationService:
     ) -> None:
         self.engine = engine
         self.prompter = prompter
+        self.grammars = grammars
         self.tokenizer: Tokenizer = prompter.tokenizer
         self.model_name = model_name
         self.max_model_len = prompter.max_model_len
@@ -115,11 +118,8 @@ class GenerationService:
         prompt_ids = await self.prompter.token_ids(request)
         self._check_logit_bias(request.sampling)
         if request.sampling.structured_output is not None:
-            await anyio.to_thread.run_sync(
-                check_structured_output,
-                request.sampling.structured_output,
-                request.structured_param or "response_format",
-                limiter=self.prompter.limiter,
+            await self.grammars.check(
+                request.sampling.structured_output, request.structured_param or "response_format"
             )
         params = [
             request.sampling_params(

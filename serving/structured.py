@@ -10,10 +10,10 @@ All of these become one :class:`~hybridkv.scheduler.params.StructuredOutput`:
     structured_outputs {"json" | "regex" | "choice" |          vLLM's newer field
                         "grammar" | "json_object": ...}
 
-Setting two constraints is a 400; so is a schema, expression or grammar that does not
-compile (:func:`check_structured_output`, run in a worker thread before the request is
-queued). llguidance is the only backend: ``guided_decoding_backend`` may name it or
-``auto``.
+Setting two constraints is a 400; so is a schema, expression or grammar over a bound or
+that does not compile (``grammar_check``, in a worker thread before the request is
+queued). A JSON schema sent as a string is decoded with the request body's own limits.
+llguidance is the only backend: ``guided_decoding_backend`` may name it or ``auto``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from hybridkv.executor.grammars import GrammarError, check_grammar
 from hybridkv.scheduler.params import StructuredKind, StructuredOutput
+from hybridkv.serving.body import parse_json_text
 from hybridkv.serving.errors import APIError
 from hybridkv.serving.fields import Fields
 
@@ -59,14 +59,6 @@ def parse_structured_output(fields: Fields) -> tuple[StructuredOutput, str] | No
         names = " and ".join(repr(name) for _, name in found)
         raise APIError(f"only one output constraint may be set, got {names}", param=found[1][1])
     return found[0] if found else None
-
-
-def check_structured_output(spec: StructuredOutput, param: str) -> None:
-    """Refuse (400, naming ``param``) a constraint that does not compile."""
-    try:
-        check_grammar(spec)
-    except GrammarError as exc:
-        raise APIError(f"'{param}': {exc}", param=param) from None
 
 
 def _response_format(fields: Fields) -> tuple[StructuredOutput, str] | None:
@@ -122,11 +114,11 @@ def _guided(
 
 
 def _schema(value: object, name: str) -> str:
-    if isinstance(value, str):
+    if isinstance(value, str):  # JSON in a string: the body's limits hold for it too
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise APIError(f"'{name}' is not a JSON schema: {exc}", param=name) from None
+            value = parse_json_text(value, f"'{name}'")
+        except APIError as exc:
+            raise APIError(exc.message, param=name) from None
     if not isinstance(value, dict | bool):
         raise APIError(f"'{name}' must be a JSON schema (an object)", param=name)
     return json.dumps(value)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from hybridkv.executor.grammars import GrammarError
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.sampler import Sampler, StructuredOutputUnavailableError, filter_logits
 from hybridkv.scheduler.batch import StepRequest
@@ -359,6 +360,20 @@ def test_grammar_wins_over_min_tokens():
     params = SamplingParams(max_tokens=8, min_tokens=5, temperature=0.0, structured_output=spec)
     tokens = generate(Sampler(eos_token_ids=[EOS]), params, tokenizer)
     assert text_of(tokenizer, tokens) == "ok" and tokens[-1] == EOS
+
+
+def test_a_grammar_compiled_ahead_is_refused_there_and_served_from_the_cache():
+    """``compile_grammar`` (what a server calls before queueing) refuses what llguidance
+    refuses, and a grammar it compiled constrains the steps that follow."""
+    tokenizer = byte_tokenizer()
+    sampler = Sampler(eos_token_ids=[EOS])
+    with pytest.raises(GrammarError, match="the grammar does not compile"):
+        sampler.compile_grammar(StructuredOutput("grammar", "start: nowhere"), tokenizer, VOCAB)
+    spec = StructuredOutput("choice", '["north", "south"]')
+    sampler.compile_grammar(spec, tokenizer, VOCAB)
+    params = SamplingParams(max_tokens=8, temperature=1.0, structured_output=spec)
+    tokens = generate(sampler, params, tokenizer)
+    assert text_of(tokenizer, tokens) in ("north", "south")
 
 
 def test_structured_output_needs_a_tokenizer():

@@ -30,6 +30,7 @@ from hybridkv.scheduler import (
     StepBatch,
     StepResult,
 )
+from hybridkv.scheduler.params import StructuredOutput
 from hybridkv.serving.app import ServerOptions, build_app
 from hybridkv.serving.chat import ChatTemplate
 from hybridkv.serving.connection import ConnectionLimits
@@ -85,6 +86,10 @@ class SamplingFakeExecutor(FakeExecutor):
         super().__init__(*args, **kwargs)
         self.sampler = Sampler(eos_token_ids=[BYTE_EOS], seed=0)
         self.tokenizer = byte_tokenizer()
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compile ahead, as the model executor does (the server calls it off the step)."""
+        self.sampler.compile_grammar(spec, self.tokenizer, BYTE_EOS + 1)
 
     def execute(self, batch: StepBatch) -> StepResult:
         import torch
