@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
@@ -84,18 +85,37 @@ def test_wrong_method_is_refused(server: Any) -> None:
     assert httpx.get(f"{server.url}/v1/completions", timeout=10).status_code == 405
 
 
+class GatedExecutor(FakeExecutor):
+    """The fake, whose steps wait until the test opens the gate (a step in flight that
+    never finishes on its own: the running request stays running however slow the test)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stepping = threading.Event()
+        self.gate = threading.Event()
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        self.stepping.set()
+        assert self.gate.wait(timeout=60), "the test never opened the gate"
+        return super().execute(batch)
+
+
 def test_full_queue_is_service_unavailable(make_server: Any) -> None:
     """Beyond max_waiting queued requests, the server answers 503 and keeps the others."""
-    server = make_server(max_num_seqs=1, max_waiting=1, step_delay_s=0.02)
-    body = {"model": MODEL, "prompt": "w2 w3", "max_tokens": 200, "stream": True}
-    with (
-        httpx.Client(base_url=server.url, timeout=30) as http,
-        http.stream("POST", "/v1/completions", json=body) as running,
-    ):
-        next(running.iter_lines())  # the first request runs
-        with http.stream("POST", "/v1/completions", json=body) as waiting:
-            assert waiting.status_code == 200
-            refused = http.post("/v1/completions", json=body)
+    server = make_server(executor_class=GatedExecutor, max_num_seqs=1, max_waiting=1)
+    body = {"model": MODEL, "prompt": "w2 w3", "max_tokens": 4, "stream": True}
+    try:
+        with (
+            httpx.Client(base_url=server.url, timeout=30) as http,
+            http.stream("POST", "/v1/completions", json=body) as running,
+        ):
+            assert running.status_code == 200
+            assert server.executor.stepping.wait(timeout=60)  # the first request runs
+            with http.stream("POST", "/v1/completions", json=body) as waiting:
+                assert waiting.status_code == 200  # queued behind it
+                refused = http.post("/v1/completions", json=body)
+    finally:
+        server.executor.gate.set()
     assert refused.status_code == 503
     assert "max_waiting=1" in refused.json()["error"]["message"]
 
