@@ -4,9 +4,17 @@ from hybridkv.errors import CapacityError, HybridKVError
 from hybridkv.policies.base import AttentionWindow, MemoryPolicy, Span, cdiv
 from hybridkv.policies.builtin import ChunkedLocal, FullAttention, MambaLike, SlidingWindow
 from hybridkv.policies.errors import PolicyError
-from hybridkv.policies.registry import check_policy, make_policy, policy_names, register_policy
+from hybridkv.policies.registry import (
+    ENTRY_POINT_GROUP,
+    check_policy,
+    make_policy,
+    policy_classes,
+    policy_names,
+    register_policy,
+)
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "AttentionWindow",
     "CapacityError",
     "ChunkedLocal",
@@ -20,6 +28,7 @@ __all__ = [
     "cdiv",
     "check_policy",
     "make_policy",
+    "policy_classes",
     "policy_names",
     "register_policy",
 ]

@@ -1,7 +1,20 @@
-"""Policies by name, so configs and layer specs can say ``"sliding_window"``."""
+"""Policies by name, so configs and layer specs can say ``"sliding_window"``.
+
+Three ways in: the built-ins; :func:`register_policy` on a class of the program's own
+(any module imported before the name is used; the command line's ``--import MODULE``
+imports one); and an entry point of an installed package, in the group
+:data:`ENTRY_POINT_GROUP`, loaded the first time a name is looked up::
+
+    [project.entry-points."hybridkv.policies"]
+    sink_window = "my_package.policies:SinkWindow"
+
+An entry point's name must be its class's ``name``.
+"""
 
 from __future__ import annotations
 
+import functools
+from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from hybridkv.policies.base import MemoryPolicy
@@ -11,6 +24,9 @@ from hybridkv.policies.errors import PolicyError
 P = TypeVar("P", bound=type[MemoryPolicy])
 
 _REGISTRY: dict[str, type[MemoryPolicy]] = {}
+
+#: The entry-point group installed packages register policies under.
+ENTRY_POINT_GROUP = "hybridkv.policies"
 
 
 def register_policy(cls: P) -> P:
@@ -30,8 +46,38 @@ def register_policy(cls: P) -> P:
 
 
 def policy_names() -> tuple[str, ...]:
-    """The registered names, sorted."""
+    """The registered names, installed packages' entry points included, sorted."""
+    load_entry_points()
     return tuple(sorted(_REGISTRY))
+
+
+def policy_classes() -> dict[str, type[MemoryPolicy]]:
+    """Every registered policy class by name (entry points included)."""
+    load_entry_points()
+    return dict(sorted(_REGISTRY.items()))
+
+
+@functools.cache
+def load_entry_points() -> None:
+    """Register the policies installed packages name in :data:`ENTRY_POINT_GROUP` (once).
+
+    Raises:
+        PolicyError: an entry point that does not load, is not a MemoryPolicy subclass,
+            or whose name is not its class's ``name``.
+    """
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        where = f"entry point {point.name!r} ({point.value})"
+        try:
+            cls = point.load()
+        except Exception as exc:
+            raise PolicyError(
+                f"{where} of group {ENTRY_POINT_GROUP} does not load: {exc!r}"
+            ) from exc
+        if not (isinstance(cls, type) and issubclass(cls, MemoryPolicy)):
+            raise PolicyError(f"{where} is {cls!r}, not a MemoryPolicy subclass")
+        if cls.name != point.name:
+            raise PolicyError(f"{where} names class {cls.__qualname__}, whose name is {cls.name!r}")
+        register_policy(cls)
 
 
 def check_policy(value: object, what: str) -> MemoryPolicy:
@@ -55,6 +101,9 @@ def make_policy(name: str, **params: Any) -> MemoryPolicy:
         PolicyError: unknown name, or parameters the policy does not take or rejects.
     """
     cls = _REGISTRY.get(name)
+    if cls is None:
+        load_entry_points()
+        cls = _REGISTRY.get(name)
     if cls is None:
         raise PolicyError(f"unknown memory policy {name!r}; known: {', '.join(policy_names())}")
     try:

@@ -16,6 +16,7 @@ import attrs
 
 from hybridkv.models.weights.precision import WEIGHT_CHOICES
 from hybridkv.serving.cli.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL
+from hybridkv.serving.cli.values import add_import_argument
 
 if TYPE_CHECKING:
     from hybridkv.policies import MemoryPolicy
@@ -143,7 +144,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
 
 
 def add_layer_policy_argument(parser: argparse._ActionsContainer) -> None:
-    """``--layer-policy KIND=NAME[:key=value,...]``, repeatable."""
+    """``--layer-policy KIND=NAME[:key=value,...]`` and ``--import MODULE``, repeatable."""
     parser.add_argument(
         "--layer-policy",
         dest="layer_policies",
@@ -152,8 +153,9 @@ def add_layer_policy_argument(parser: argparse._ActionsContainer) -> None:
         metavar="KIND=NAME[:K=V,...]",
         help="memory policy of one kind of layer, kept and attended, instead of the "
         "config's: sliding_attention=full, full_attention=sliding_window:window=1024 "
-        "(policy names: hybridkv.policies.policy_names())",
+        "(names: `hybridkv policies`)",
     )
+    add_import_argument(parser)
 
 
 def parse_layer_policies(texts: list[str]) -> tuple[tuple[str, MemoryPolicy], ...]:

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "hybridkv.serving.cli.serve:register_generate",
     "plan": "hybridkv.serving.cli.plan:register_plan",
     "bench": "hybridkv.serving.cli.demo:register_bench",
+    "policies": "hybridkv.serving.cli.policies:register_policies",
 }
 
 
@@ -35,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
+        import_modules(getattr(args, "imports", []))
         from hybridkv.serving.cli.loading import pipeline_worker_status
 
         status = pipeline_worker_status(args)  # under torchrun, ranks > 0 serve a stage
@@ -53,6 +55,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         for message in dict.fromkeys(str(error) for error in _leaves(errors)):
             print(f"hybridkv {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def import_modules(names: Sequence[str]) -> None:
+    """Import each ``--import`` module (a user's policies register themselves).
+
+    Raises:
+        UsageError: a module that cannot be imported, naming it and why.
+    """
+    from hybridkv.serving.cli.values import UsageError
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise UsageError(f"--import {name}: {exc}") from None
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -5,6 +5,7 @@ Sizes are read by :func:`hybridkv.memory.sizes.parse_size`, the one size grammar
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +62,16 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
     from hybridkv.models.hf_config import read_config
 
     return str(path), read_config(path)
+
+
+def add_import_argument(parser: argparse._ActionsContainer) -> None:
+    """``--import MODULE``, repeatable: ``main`` imports each before the command runs."""
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first, so that the policies it registers (register_policy) "
+        "can be named by --layer-policy; repeatable",
+    )
