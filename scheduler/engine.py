@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from types import TracebackType
@@ -97,6 +97,9 @@ class Engine:
         self._depth = self.core.max_steps_in_flight
         # Steps submitted to a pipelined executor, oldest first.
         self._pending: deque[tuple[StepPlan, Future[StepResult]]] = deque()
+        # Set (and dropped) whenever the state stats() reads may have changed; made by
+        # the first waiter (an anyio Event needs the running loop).
+        self._changed: anyio.Event | None = None
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -175,6 +178,7 @@ class Engine:
                     await anyio.to_thread.run_sync(wait_futures, futures, limiter=limiter)
             # Synchronous: safe under cancellation, never needs shielding.
             self.core.shutdown(error)
+            self._notify()
 
     def _check_unserved(self) -> None:
         if self._has_served:
@@ -190,6 +194,7 @@ class Engine:
                 await self._wakeup.wait()  # idle until generate() sets it
                 continue
             plan = core.plan()
+            self._notify()  # admissions and preemptions change what stats() reads
             if not plan.runs:
                 # Everyone was preempted (admission resumes next step), or nothing fits.
                 core.flush()
@@ -203,8 +208,10 @@ class Engine:
                 raise
             except Exception as exc:  # the step failed; its requests fail, the rest go on
                 core.fail(plan, exc)
+                self._notify()
                 continue
             core.apply(plan, sampled)
+            self._notify()
 
     async def _pipelined_loop(self, limiter: anyio.CapacityLimiter) -> None:
         """Keep up to ``max_steps_in_flight`` steps submitted; apply results in order."""
@@ -214,6 +221,7 @@ class Engine:
             self._drain_foreign_aborts()
             if len(pending) < self._depth and core.has_work:
                 plan = core.plan()
+                self._notify()
                 if plan.scheduled:
                     pending.append((plan, executor.submit(plan.batch)))
                     core.flush()  # consumers run while the step does
@@ -230,6 +238,7 @@ class Engine:
                     core.fail(plan, error)
                 else:
                     core.apply(plan, future.result())
+                self._notify()
             elif core.has_work:
                 # Everyone was preempted (admission resumes next step), or nothing fits.
                 await anyio.lowlevel.checkpoint()
@@ -288,18 +297,50 @@ class Engine:
         wakeup, self._wakeup = self._wakeup, None
         if wakeup is not None:
             wakeup.set()
+        self._notify()
         return RequestStream(request, channel, self._abort_dropped)
 
     def abort(self, request_id: str) -> bool:
         """End a request with finish reason ``abort``; its pages are freed at once, or as
         soon as the step running it returns. Returns False if it is not live."""
         self._drain_foreign_aborts()
-        return self.core.abort(request_id)
+        aborted = self.core.abort(request_id)
+        self._notify()
+        return aborted
 
     def stats(self) -> EngineStats:
         """Queue lengths, pages used per group, prefix hit rate, recent throughput."""
         self._drain_foreign_aborts()
         return self.core.stats()
+
+    async def wait_until(self, predicate: Callable[[EngineStats], bool]) -> EngineStats:
+        """Wait, without polling, until ``predicate(stats())`` holds, and return those stats.
+
+        The predicate is tried now and after every change of what :meth:`stats` reads (a
+        step planned, applied or failed, a request added or aborted, the engine stopped);
+        bound the wait with ``anyio.fail_after``. For tests and health checks::
+
+            await engine.wait_until(lambda s: s.num_running + s.num_waiting == 0)
+
+        Raises:
+            EngineStoppedError: the engine stopped with the predicate still false.
+        """
+        while True:
+            if self._changed is None:
+                self._changed = anyio.Event()
+            changed = self._changed
+            stats = self.stats()
+            if predicate(stats):
+                return stats
+            if self._has_served and not self._is_running:
+                raise EngineStoppedError("the engine stopped; the state waited for never came")
+            await changed.wait()
+
+    def _notify(self) -> None:
+        """Wake every :meth:`wait_until` (on the loop's thread)."""
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
 
     def _abort_dropped(self, request: Request, is_finalizer: bool) -> None:
         """Abort for an iterator that was closed, or dropped (by a finalizer, which may run
@@ -312,8 +353,10 @@ class Engine:
     def _drain_foreign_aborts(self) -> None:
         """End the requests of dropped iterators. The loop and every public method call it
         before they read or change the core, so a drop still reads as an abort at once."""
-        while self._foreign_aborts:
-            self.core.end(self._foreign_aborts.popleft(), FinishReason.ABORT)
+        if self._foreign_aborts:
+            while self._foreign_aborts:
+                self.core.end(self._foreign_aborts.popleft(), FinishReason.ABORT)
+            self._notify()
 
 
 def _steps_in_flight(executor: Executor) -> int:

@@ -74,8 +74,7 @@ async def collect(engine: Engine, prompt: list[int], max_tokens: int = 4) -> lis
 
 
 async def wait_pool_full(engine: Engine) -> None:
-    while engine.stats().num_free_blocks != engine.config.num_blocks - 1:
-        await anyio.sleep(0.001)
+    await engine.wait_until(lambda s: s.num_free_blocks == engine.config.num_blocks - 1)
 
 
 @pytest.mark.asyncio

@@ -16,6 +16,7 @@ from hybridkv.policies.base import IsCached
 from hybridkv.scheduler import (
     Engine,
     EngineConfig,
+    EngineStoppedError,
     FakeExecutor,
     FinishReason,
     PoolSpec,
@@ -65,8 +66,7 @@ class GatedExecutor:
 
 async def wait_pool_full(engine: Engine) -> None:
     """Wait (under the caller's deadline) until every page is free again."""
-    while engine.stats().num_free_blocks != engine.config.num_blocks - 1:
-        await anyio.sleep(0.001)
+    await engine.wait_until(lambda s: s.num_free_blocks == engine.config.num_blocks - 1)
     engine.core.kv.check_integrity()
 
 
@@ -315,3 +315,31 @@ async def test_iterator_collected_while_the_engine_plans_leaves_other_requests_a
     finally:
         _PLANNING_HOOKS.clear()
         gc.enable()
+
+
+@pytest.mark.asyncio
+async def test_wait_until_wakes_on_the_change_it_waits_for() -> None:
+    """``wait_until`` returns the first stats that satisfy it: a request running while its
+    step is held, then a free pool once it finished; no polling, no clock."""
+    config = make_config()
+    executor = GatedExecutor(config)
+    with anyio.fail_after(20):
+        async with Engine(config, executor) as engine:
+            stream = engine.generate([3] * 5, SamplingParams(max_tokens=2, ignore_eos=True))
+            running = await engine.wait_until(lambda s: s.num_running == 1)
+            assert running.num_waiting == 0 and sum(running.blocks_used_per_group) > 0
+            executor.gate.set()
+            outputs = [out async for out in stream]
+            assert outputs[-1].finish_reason is FinishReason.LENGTH
+            free = await engine.wait_until(lambda s: s.num_free_blocks == config.num_blocks - 1)
+            assert free.num_running == 0
+
+
+@pytest.mark.asyncio
+async def test_wait_until_raises_once_the_engine_has_stopped() -> None:
+    """A state that can no longer come is an EngineStoppedError, not a hang."""
+    config = make_config()
+    async with Engine(config, FakeExecutor.for_config(config)) as engine:
+        pass
+    with anyio.fail_after(10), pytest.raises(EngineStoppedError, match="stopped"):
+        await engine.wait_until(lambda s: s.num_finished > 0)

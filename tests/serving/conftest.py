@@ -129,33 +129,28 @@ class LiveServer:
         """The engine's stats, read on the loop's thread."""
         return self.portal.call(self.engine.stats)
 
-    def wait_until_running(self, num_requests: int = 1, timeout: float = 10.0) -> None:
+    def wait_until_running(self, num_requests: int = 1, timeout: float = 60.0) -> None:
         """Return once ``num_requests`` requests run (the server has queued them)."""
 
         async def busy() -> None:
             with anyio.fail_after(timeout):
-                while self.engine.stats().num_running < num_requests:
-                    await anyio.sleep(0.01)
+                await self.engine.wait_until(lambda s: s.num_running >= num_requests)
 
         self.portal.call(busy)
 
-    def wait_until_free(self, timeout: float = 10.0) -> EngineStats:
+    def wait_until_free(self, timeout: float = 60.0) -> EngineStats:
         """The stats once no request runs or waits and no page is held.
 
         An abort frees a request's pages once the step running it returns, so this
-        polls; it raises TimeoutError if pages stay held (a leak).
+        waits for that; it raises TimeoutError if pages stay held (a leak).
         """
+
+        def is_free(s: EngineStats) -> bool:
+            return s.num_running + s.num_waiting + sum(s.blocks_used_per_group) == 0
 
         async def idle() -> EngineStats:
             with anyio.fail_after(timeout):
-                while True:
-                    stats = self.engine.stats()
-                    if (
-                        stats.num_running + stats.num_waiting + sum(stats.blocks_used_per_group)
-                        == 0
-                    ):
-                        return stats
-                    await anyio.sleep(0.01)
+                return await self.engine.wait_until(is_free)
 
         return self.portal.call(idle)
 
