@@ -1,0 +1,194 @@
+"""The models of hybrid_cliffs.py (published config.json values) and their layouts:
+the one place that plans, and the page of each group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from hybridkv.memory.layout import (
+    KVGroup,
+    LayerSpec,
+    LayoutPlan,
+    PoolSpec,
+)
+from hybridkv.memory.layout_planner import plan_layout, policy_label
+from hybridkv.models.specs import layer_specs_from_config
+from hybridkv.models.state_shapes import mamba2_shape
+from hybridkv.policies import FullAttention
+
+GiB = 1 << 30
+VOCAB = 32000
+GOAL_BLOCK = 16
+VLLM_VERSION = "0.33.0"
+REPEAT_LENGTHS = (100, 300, 500, 1000, 3000)
+CAPACITY_TOKENS = (4096, 32768)
+
+
+# -- models: the published config.json values -----------------------------------------
+
+#: The fields ``models/specs.py`` and ``models/state_shapes.py`` read, as published.
+MODELS: dict[str, dict[str, Any]] = {
+    # ibm-granite/granite-4.0-h-tiny: 40 layers, 4 attention (12 heads, 4 KV heads of
+    # 128), 36 Mamba2 (48 heads x 64, d_state 128, 1 group, conv 4); MoE MLPs beside.
+    "granite-4.0-h-tiny": {
+        "model_type": "granitemoehybrid",
+        "num_hidden_layers": 40,
+        "hidden_size": 1536,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+        "mamba_n_heads": 48,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    },
+    # ibm-ai-platform/Bamba-9B: 32 layers, attention in 9, 18, 27 (32 heads, 8 KV heads
+    # of 128), Mamba2 in the rest (128 heads x 64, d_state 128, 1 group, conv 4).
+    "bamba-9b": {
+        "model_type": "bamba",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attn_layer_indices": [9, 18, 27],
+        "mamba_n_heads": 128,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    },
+    # nvidia/Nemotron-H-8B-Base-8K: 52 layers, M Mamba2 (128 heads x 64, d_state 128,
+    # 8 groups, conv 4), * attention (32 heads, 8 KV heads of 128), - MLP only.
+    "nemotron-h-8b": {
+        "model_type": "nemotron_h",
+        "num_hidden_layers": 52,
+        "hidden_size": 4096,
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attention_head_dim": 128,
+        "mamba_num_heads": 128,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "expand": 2,
+    },
+}
+
+
+def parser_config(name: str) -> dict[str, Any]:
+    """The model's config in a form ``layer_specs_from_config`` reads (Nemotron-H's fields
+    in Granite 4.0-H's form, over its KV layers; the others as published)."""
+    cfg = MODELS[name]
+    if cfg["model_type"] != "nemotron_h":
+        return dict(cfg)
+    kinds = {"M": "mamba", "*": "attention"}
+    layer_types = [kinds[c] for c in cfg["hybrid_override_pattern"] if c in kinds]
+    return {
+        "model_type": "granitemoehybrid",
+        "num_hidden_layers": len(layer_types),
+        "hidden_size": cfg["hidden_size"],
+        "num_attention_heads": cfg["num_attention_heads"],
+        "num_key_value_heads": cfg["num_key_value_heads"],
+        "head_dim": cfg["attention_head_dim"],
+        "layer_types": layer_types,
+        "mamba_n_heads": cfg["mamba_num_heads"],
+        "mamba_d_head": cfg["mamba_head_dim"],
+        "mamba_d_state": cfg["ssm_state_size"],
+        "mamba_n_groups": cfg["n_groups"],
+        "mamba_d_conv": cfg["conv_kernel"],
+        "mamba_expand": cfg["expand"],
+    }
+
+
+def model_specs(name: str) -> list[LayerSpec]:
+    """The model's layer specs from hybridkv's parser (bfloat16 K/V, float32 state)."""
+    return layer_specs_from_config(parser_config(name), dtype_bytes=2)
+
+
+# -- the layout: the one place that plans ------------------------------------------------
+
+
+def build_layout(model: str, budget: int, block_size: int) -> LayoutPlan:
+    """The plan every workload of ``model`` runs at: ``plan_layout`` of its specs."""
+    return plan_layout(model_specs(model), budget, block_size)
+
+
+@attrs.frozen
+class GroupPage:
+    """One group's page: its policy, layers, block size, the bytes of its page in one slot
+    tensor and of a page id over every slot tensor, and the bytes its layers fill."""
+
+    policy: str
+    num_layers: int
+    block_size: int
+    slot_bytes: int
+    page_id_bytes: int
+    content_bytes: int
+
+
+def _group_page(plan: LayoutPlan, group: KVGroup) -> tuple[int, int]:
+    """A group's block size and the bytes of its page in one slot tensor.
+
+    The one reader of the plan's page size: today's plans have one for every group; a plan
+    that gives attention groups pages of their own is read here, and the rest of the script
+    takes each group's values from :func:`group_pages` and :class:`Layout`.
+    """
+    return plan.block_size, plan.block_bytes
+
+
+def group_pages(plan: LayoutPlan, specs: Sequence[LayerSpec]) -> list[GroupPage]:
+    """Each group's block size and page bytes, from the plan (one size today)."""
+    by_name = {s.name: s for s in specs}
+    slots = sum(
+        max((plan.layer_slots[n][1] + 1 for n in stage), default=0) for stage in plan.stages
+    )
+    out = []
+    for group in plan.groups:
+        block_size, slot_bytes = _group_page(plan, group)
+        out.append(
+            GroupPage(
+                policy=policy_label(group.policy),
+                num_layers=len(group.layer_names),
+                block_size=block_size,
+                slot_bytes=slot_bytes,
+                page_id_bytes=slots * slot_bytes,
+                content_bytes=sum(by_name[n].block_bytes(block_size) for n in group.layer_names),
+            )
+        )
+    return out
+
+
+@attrs.frozen
+class Layout:
+    """A pool to serve workloads from: its groups' block sizes beside the pool spec, and
+    the state shapes of its mamba groups (for vLLM's ``MambaSpec``)."""
+
+    pool: PoolSpec
+    block_sizes: tuple[int, ...]
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+
+
+def hybrid_layout(model: str, plan: LayoutPlan, specs: Sequence[LayerSpec]) -> Layout:
+    shape = mamba2_shape(parser_config(model))
+    pages = group_pages(plan, specs)
+    return Layout(
+        pool=plan.pool,
+        block_sizes=tuple(p.block_size for p in pages),
+        state_shapes=(shape.conv_shape, shape.ssm_shape),
+    )
+
+
+def uniform_layout(plan: LayoutPlan) -> Layout:
+    """The planner's uniform layout: one full-attention group, a page per block for every
+    layer, ``uniform_num_blocks`` of them, at the plan's (largest) block size."""
+    block_size = max(_group_page(plan, g)[0] for g in plan.groups)
+    pool = PoolSpec((FullAttention(),), plan.uniform_num_blocks, block_size)
+    return Layout(pool=pool, block_sizes=(block_size,))
