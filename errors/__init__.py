@@ -1,8 +1,9 @@
-"""The root of hybridkv's exceptions, in a package that imports nothing.
+"""The root every package of hybridkv may import: its exceptions, and (``events``) its
+library logging.
 
-Every package of hybridkv may import it (``kernels`` included, which imports nothing
-else of ours), so that one ``except HybridKVError`` catches whatever any layer raises on
-bad input or a broken invariant. ``hybridkv.scheduler`` re-exports it for users.
+This module imports nothing, so ``kernels`` (which imports nothing else of ours) may use
+it, and one ``except HybridKVError`` catches whatever any layer raises on bad input or a
+broken invariant. ``hybridkv.scheduler`` re-exports it for users.
 """
 
 from __future__ import annotations

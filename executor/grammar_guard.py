@@ -27,13 +27,12 @@ import weakref
 from collections import OrderedDict
 from typing import IO
 
-import structlog
-
+from hybridkv.errors.events import get_logger
 from hybridkv.executor.grammar_bounds import DEFAULT_LIMITS, GrammarLimits, check_bounds
 from hybridkv.executor.grammars import GrammarError, check_grammar
 from hybridkv.scheduler.params import StructuredOutput
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class GrammarGuard:

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
-import structlog
 import torch
 from tokenizers import Tokenizer
 
+from hybridkv.errors.events import get_logger
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.memory.layout import LayerSpec, LayoutPlan
@@ -32,7 +32,7 @@ from hybridkv.models.transformer import CausalLM, holds_weight
 from hybridkv.models.weights.precision import quantize_linears
 from hybridkv.policies.builtin import FullAttention
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @attrs.frozen

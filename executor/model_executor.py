@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
-import structlog
 import torch
 from tokenizers import Tokenizer
 
+from hybridkv.errors.events import get_logger
 from hybridkv.executor.batch_checks import check_batch
 from hybridkv.executor.grammars import GrammarError
 from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs
@@ -44,7 +44,7 @@ from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
 from hybridkv.scheduler.params import StructuredOutput
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Called with (request id, float32 logits of its last position) for each sampled request.
 LogitsHook = Callable[[str, torch.Tensor], None]

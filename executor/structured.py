@@ -29,15 +29,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import structlog
 import torch
 from tokenizers import Tokenizer
 
+from hybridkv.errors.events import get_logger
 from hybridkv.executor.grammars import GrammarError, grammar_text
 from hybridkv.scheduler.batch import StepRequest
 from hybridkv.scheduler.params import StructuredOutput
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @attrs.define

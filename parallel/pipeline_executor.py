@@ -31,10 +31,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 
-import structlog
 import torch
 import torch.distributed as dist
 
+from hybridkv.errors.events import get_logger
 from hybridkv.executor.batch_checks import check_batch
 from hybridkv.executor.errors import BatchError
 from hybridkv.executor.load_options import LoadOptions
@@ -47,7 +47,7 @@ from hybridkv.parallel.pipeline_wire import PipelineChannels, StepMessage
 from hybridkv.parallel.pipeline_workers import WorkerSet, launch
 from hybridkv.scheduler.batch import ExecutorBrokenError, StepBatch, StepResult
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class PipelineExecutor:

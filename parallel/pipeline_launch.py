@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from torch.distributed.distributed_c10d import PrefixStore, Store
 
+from hybridkv.errors.events import get_logger
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.layout import PoolSpec
@@ -59,7 +60,7 @@ from hybridkv.parallel.pipeline_stage import StageExecutor, StageRunner, StageSt
 from hybridkv.parallel.pipeline_wire import PipelineChannels
 from hybridkv.parallel.rank_layout import ParallelConfig
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Prefix of every store key hybridkv sets (torchrun's store holds its own keys too).
 KEY = "hybridkv/pipeline"

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 
-import structlog
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 # torch.distributed's stubs do not re-export TCPStore (no submodule of it does either).
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+from hybridkv.errors.events import get_logger
 from hybridkv.memory.layout import PoolSpec
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.parallel.context_group import open_context_group
@@ -46,7 +46,7 @@ from hybridkv.parallel.pipeline_launch import (
 from hybridkv.parallel.pipeline_stage import StageExecutor
 from hybridkv.parallel.pipeline_wire import PipelineChannels
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: How long ``join`` lets a stopped worker exit before killing it.
 EXIT_GRACE_S = 10.0

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
-import structlog
 
+from hybridkv.errors.events import get_logger
 from hybridkv.memory.manager import KVCacheManager, PrefixHit
 from hybridkv.memory.offload.config import OffloadConfig
 from hybridkv.memory.offload.connector import KVConnector, PlannedLoad
@@ -35,7 +35,7 @@ from hybridkv.scheduler.meter import PrefixCounter
 from hybridkv.scheduler.request import Request, RequestStatus
 from hybridkv.scheduler.step_planner import Loader
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Loads a request may start; after as many failures it computes without the connector.
 MAX_LOAD_ATTEMPTS = 2

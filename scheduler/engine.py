@@ -33,9 +33,9 @@ from types import TracebackType
 
 import anyio
 import anyio.abc
-import structlog
 
 from hybridkv.errors import HybridKVError
+from hybridkv.errors.events import get_logger
 from hybridkv.memory.offload.config import OffloadConfig
 from hybridkv.scheduler.batch import (
     Executor,
@@ -54,7 +54,7 @@ from hybridkv.scheduler.request import Request
 from hybridkv.scheduler.step_planner import StepPlan
 from hybridkv.scheduler.stream import OutputChannel, RequestStream
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Engine:

@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import anyio
-import structlog
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-log = structlog.get_logger(__name__)
+from hybridkv.errors.events import get_logger
+
+log = get_logger(__name__)
 
 #: Sends one chunk of the body.
 Emit = Callable[[bytes], Awaitable[None]]

@@ -24,12 +24,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
-import structlog
-
+from hybridkv.errors.events import get_logger
 from hybridkv.memory.layout import PoolSpec
 from hybridkv.scheduler.batch import Executor, ExecutorBrokenError, StepBatch, StepResult
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class StepWatchdog:

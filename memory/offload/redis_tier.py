@@ -13,11 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import structlog
-
+from hybridkv.errors.events import get_logger
 from hybridkv.memory.offload.errors import OffloadConfigError, TierUnavailableError
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _T = TypeVar("_T")
 

@@ -22,14 +22,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-import structlog
-
+from hybridkv.errors.events import get_logger
 from hybridkv.memory.offload.blob import KVBlock, decode, encode
 from hybridkv.memory.offload.config import OffloadConfig
 from hybridkv.memory.offload.errors import CorruptBlockError, TierUnavailableError
 from hybridkv.memory.offload.transfers import BlockSave, KVTransfers, LoadReport, LoadTask
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # One fetched load: its task, and per block the decoded block or None (failed).
 _Fetched = tuple[LoadTask, list[KVBlock | None]]
