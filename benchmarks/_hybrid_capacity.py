@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from _hybrid_layouts import GroupPage, Layout, group_pages
-from _hybrid_workloads import random_tokens
+from _hybrid_workloads import GOAL_BLOCK, random_tokens
 from _vllm_mamba import make_reference
 
 from hybridkv.memory import KVCacheManager
@@ -19,14 +19,6 @@ from hybridkv.memory.layout import (
 from hybridkv.memory.layout_planner import describe
 from hybridkv.policies import MambaLike
 from hybridkv.policies.base import cdiv
-
-GiB = 1 << 30
-VOCAB = 32000
-GOAL_BLOCK = 16
-VLLM_VERSION = "0.33.0"
-REPEAT_LENGTHS = (100, 300, 500, 1000, 3000)
-CAPACITY_TOKENS = (4096, 32768)
-
 
 # -- 4. capacity ----------------------------------------------------------------------------
 

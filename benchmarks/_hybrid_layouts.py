@@ -15,17 +15,9 @@ from hybridkv.memory.layout import (
     PoolSpec,
 )
 from hybridkv.memory.layout_planner import plan_layout, policy_label
-from hybridkv.models.specs import layer_specs_from_config
+from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config
 from hybridkv.models.state_shapes import mamba2_shape
 from hybridkv.policies import FullAttention
-
-GiB = 1 << 30
-VOCAB = 32000
-GOAL_BLOCK = 16
-VLLM_VERSION = "0.33.0"
-REPEAT_LENGTHS = (100, 300, 500, 1000, 3000)
-CAPACITY_TOKENS = (4096, 32768)
-
 
 # -- models: the published config.json values -----------------------------------------
 
@@ -49,20 +41,7 @@ MODELS: dict[str, dict[str, Any]] = {
     },
     # ibm-ai-platform/Bamba-9B: 32 layers, attention in 9, 18, 27 (32 heads, 8 KV heads
     # of 128), Mamba2 in the rest (128 heads x 64, d_state 128, 1 group, conv 4).
-    "bamba-9b": {
-        "model_type": "bamba",
-        "num_hidden_layers": 32,
-        "hidden_size": 4096,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "attn_layer_indices": [9, 18, 27],
-        "mamba_n_heads": 128,
-        "mamba_d_head": 64,
-        "mamba_d_state": 128,
-        "mamba_n_groups": 1,
-        "mamba_d_conv": 4,
-        "mamba_expand": 2,
-    },
+    "bamba-9b": BUILTIN_CONFIGS["bamba-like"],  # the built-in's values are Bamba 9B's
     # nvidia/Nemotron-H-8B-Base-8K: 52 layers, M Mamba2 (128 heads x 64, d_state 128,
     # 8 groups, conv 4), * attention (32 heads, 8 KV heads of 128), - MLP only.
     "nemotron-h-8b": {

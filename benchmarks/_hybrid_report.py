@@ -12,19 +12,13 @@ from _hybrid_layouts import (
     GroupPage,
     group_pages,
 )
+from _hybrid_workloads import CAPACITY_TOKENS, GOAL_BLOCK, REPEAT_LENGTHS
+from _vllm_mamba import VLLM_VERSION
 
 from hybridkv.memory.layout import (
     LayerSpec,
     LayoutPlan,
 )
-
-GiB = 1 << 30
-VOCAB = 32000
-GOAL_BLOCK = 16
-VLLM_VERSION = "0.33.0"
-REPEAT_LENGTHS = (100, 300, 500, 1000, 3000)
-CAPACITY_TOKENS = (4096, 32768)
-
 
 # -- printing --------------------------------------------------------------------------------
 

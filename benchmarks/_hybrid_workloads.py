@@ -16,10 +16,9 @@ from hybridkv.scheduler import EngineConfig, SamplingParams
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.fake import CollectingSink, FakeExecutor, reference_tokens
 
-GiB = 1 << 30
 VOCAB = 32000
+#: The block size the issue's goals are stated in.
 GOAL_BLOCK = 16
-VLLM_VERSION = "0.33.0"
 REPEAT_LENGTHS = (100, 300, 500, 1000, 3000)
 CAPACITY_TOKENS = (4096, 32768)
 

@@ -20,12 +20,7 @@ from _hybrid_workloads import Job, job_order, run_summary
 from hybridkv.memory.layout_planner import policy_label
 from hybridkv.policies import FullAttention, MambaLike, SlidingWindow
 
-GiB = 1 << 30
-VOCAB = 32000
-GOAL_BLOCK = 16
 VLLM_VERSION = "0.33.0"
-REPEAT_LENGTHS = (100, 300, 500, 1000, 3000)
-CAPACITY_TOKENS = (4096, 32768)
 
 
 # -- vLLM 0.33: its KVCacheManager, driven as its scheduler does ---------------------------

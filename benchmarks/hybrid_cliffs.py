@@ -97,18 +97,21 @@ from _hybrid_layouts import (
     uniform_layout,
 )
 from _hybrid_report import describe_plan, print_report
-from _hybrid_workloads import chat_jobs, repeat_jobs, run_ours, shared_prefix_jobs
+from _hybrid_workloads import (
+    CAPACITY_TOKENS,
+    GOAL_BLOCK,
+    REPEAT_LENGTHS,
+    chat_jobs,
+    repeat_jobs,
+    run_ours,
+    shared_prefix_jobs,
+)
 from _results import add_json_argument, write_json
 from _vllm_mamba import load_reference, run_vllm
 
 from hybridkv.memory.sizes import parse_size
 
 GiB = 1 << 30
-VOCAB = 32000
-GOAL_BLOCK = 16
-VLLM_VERSION = "0.33.0"
-REPEAT_LENGTHS = (100, 300, 500, 1000, 3000)
-CAPACITY_TOKENS = (4096, 32768)
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from grammar_samples import chained_gbnf, chained_lark
 
 from hybridkv.executor.grammar_bounds import (
     GrammarLimitError,
@@ -14,22 +15,6 @@ from hybridkv.executor.grammar_bounds import (
     json_depth,
 )
 from hybridkv.scheduler.params import StructuredOutput
-
-
-def chained_lark(num_rules: int) -> str:
-    """``start: r0``, ``r0: r1 "x"``, ..., the grammar that overflows llguidance's stack."""
-    lines = ["start: r0", *(f'r{i}: r{i + 1} "x"' for i in range(num_rules)), f'r{num_rules}: "y"']
-    return "\n".join(lines) + "\n"
-
-
-def chained_gbnf(num_rules: int) -> str:
-    lines = [
-        "root ::= r0",
-        *(f'r{i} ::= r{i + 1} "x"' for i in range(num_rules)),
-        f'r{num_rules} ::= "y"',
-    ]
-    return "\n".join(lines) + "\n"
-
 
 JSON_GRAMMAR = r"""
 ?start: value

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from grammar_samples import chained_lark
 
 from hybridkv.executor.grammar_bounds import GrammarLimits
 from hybridkv.executor.grammar_guard import GrammarGuard
@@ -53,10 +54,9 @@ def test_a_grammar_that_crashes_the_compiler_costs_only_the_child() -> None:
     """3,000 chained rules kill llguidance (a native stack overflow): the check says so,
     this process lives, and the next check runs in a new child."""
     guard = GrammarGuard(limits=NO_LIMITS)
-    chain = "\n".join(["start: r0", *(f'r{i}: r{i + 1} "x"' for i in range(3000)), 'r3000: "y"'])
     try:
         with pytest.raises(GrammarError, match="crashed the grammar compiler"):
-            guard.check(StructuredOutput("grammar", chain + "\n"))
+            guard.check(StructuredOutput("grammar", chained_lark(3000)))
         assert not guard.is_running
         guard.check(GOOD)
         assert guard.is_running

@@ -310,3 +310,23 @@ def make_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[.
         return folder
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(make_tiny_checkpoint: Callable[..., Path]) -> Path:
+    """A random two-layer Gemma 3 (one sliding, one full layer) with a word tokenizer, for
+    the command tests (vocabulary 64, 2,048 positions)."""
+    return make_tiny_checkpoint(["sliding_attention", "full_attention"], 2048, 64)
+
+
+@pytest.fixture
+def command_isolation() -> Iterator[None]:
+    """One torch thread; undo the logging set-up the commands do, for the tests after."""
+    import structlog
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    structlog.reset_defaults()

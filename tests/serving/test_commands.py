@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import structlog
-import torch
 
 from hybridkv.serving.cli.main import main
 
 VOCAB = 64
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(make_tiny_checkpoint: Callable[..., Path]) -> Path:
-    """A random two-layer Gemma 3 (one sliding, one full layer) with a word tokenizer."""
-    return make_tiny_checkpoint(["sliding_attention", "full_attention"], 2048, VOCAB)
-
-
-@pytest.fixture(autouse=True)
-def _isolate() -> Iterator[None]:
-    """One torch thread; undo the logging set-up the commands do, for the tests after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    structlog.reset_defaults()
+pytestmark = pytest.mark.usefixtures("command_isolation")
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:

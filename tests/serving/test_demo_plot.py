@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
 import pytest
-import structlog
-import torch
 
 from hybridkv.policies import FullAttention, SlidingWindow
 from hybridkv.scheduler import Engine, EngineConfig, FakeExecutor
@@ -22,20 +19,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 VOCAB = 64
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(make_tiny_checkpoint: Callable[..., Path]) -> Path:
-    """A random two-layer Gemma 3 (one sliding, one full layer): two KV groups."""
-    return make_tiny_checkpoint(["sliding_attention", "full_attention"], 2048, VOCAB)
-
-
-@pytest.fixture(autouse=True)
-def _isolate() -> Iterator[None]:
-    """One torch thread; undo the logging set-up the commands do, for the tests after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    structlog.reset_defaults()
+pytestmark = pytest.mark.usefixtures("command_isolation")
 
 
 def _check_outputs(png: Path) -> dict[str, object]:

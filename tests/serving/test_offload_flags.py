@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import structlog
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hybridkv.memory.offload import OffloadStats
@@ -17,19 +14,7 @@ from hybridkv.serving.metrics import OffloadCollector
 VOCAB = 64
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(make_tiny_checkpoint: Callable[..., Path]) -> Path:
-    """A random two-layer Gemma 3 (one sliding, one full layer) with a word tokenizer."""
-    return make_tiny_checkpoint(["sliding_attention", "full_attention"], 2048, VOCAB)
-
-
-@pytest.fixture(autouse=True)
-def _isolate() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    structlog.reset_defaults()
+pytestmark = pytest.mark.usefixtures("command_isolation")
 
 
 def _generate(checkpoint: Path, *extra: str) -> list[str]:

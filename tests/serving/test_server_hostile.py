@@ -9,28 +9,13 @@ from typing import Any
 
 import httpx
 import pytest
+from grammar_samples import chained_gbnf, chained_lark
 
 from hybridkv.executor.grammar_bounds import GrammarLimits
 from hybridkv.serving.app import ServerOptions
 
 MODEL = "fake-model"
 PROMPT = "The sea is"
-
-
-def chained_lark(num_rules: int) -> str:
-    """``start: r0``, ``r0: r1 "x"``, ...: past about 2,500 rules llguidance's native
-    parser overflows its stack and the process dies."""
-    lines = ["start: r0", *(f'r{i}: r{i + 1} "x"' for i in range(num_rules)), f'r{num_rules}: "y"']
-    return "\n".join(lines) + "\n"
-
-
-def chained_gbnf(num_rules: int) -> str:
-    lines = [
-        "root ::= r0",
-        *(f'r{i} ::= r{i + 1} "x"' for i in range(num_rules)),
-        f'r{num_rules} ::= "y"',
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def post(server: Any, **fields: Any) -> httpx.Response:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import structlog
-import torch
 
 from hybridkv.models.weights.precision import machine_default
 from hybridkv.serving.cli.engine_flags import EngineArgs
@@ -15,19 +12,7 @@ from hybridkv.serving.cli.loading import _weight_format
 from hybridkv.serving.cli.main import main
 from hybridkv.serving.cli.values import UsageError
 
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(make_tiny_checkpoint: Callable[..., Path]) -> Path:
-    return make_tiny_checkpoint(["sliding_attention", "full_attention"], 2048, 64)
-
-
-@pytest.fixture(autouse=True)
-def _isolate() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    structlog.reset_defaults()
+pytestmark = pytest.mark.usefixtures("command_isolation")
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
