@@ -8,11 +8,24 @@ This is what an application embedding hybridkv does::
 
 The socket is bound before serving so that a port in use is a clear error, not a
 uvicorn exit, and so tests can bind port 0 and learn the port chosen.
+
+While it serves, the loop's exception handler logs a failing ``accept()`` (EMFILE, out of
+descriptors, and its kin) at most once a second, with the count of those left out:
+asyncio logs each with a traceback, once per connection waiting in the backlog, which
+under a descriptor limit below the connection cap made 95 MB of log in 30 s. The cap
+itself is fitted to the limit by :meth:`ConnectionLimits.fit_descriptor_limit` at start
+(``hybridkv serve`` does it as it reads its flags, so the line comes before the model
+loads), so that the cap, not the descriptors, is what runs out.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import socket
+import time
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -20,7 +33,15 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from hybridkv.errors import HybridKVError
-from hybridkv.serving.connection import ConnectionLimits
+from hybridkv.serving.connection import ConnectionLimits, RateLimitedLog
+
+#: The errors asyncio's accept loop reports and retries a second later.
+ACCEPT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+#: How long asyncio waits before it listens again after a failed accept().
+RETRY_DELAY_S = 1.0
+
+ExceptionHandler = Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object]
 
 
 class ListenError(HybridKVError, OSError):
@@ -64,12 +85,14 @@ async def serve_http(
 
     With ``await tg.start(serve_http, app, sock)`` the caller gets the uvicorn server
     once it accepts connections, and stops it by setting ``server.should_exit = True``.
-    ``limits`` bound the connections and their timeouts (connection.py).
+    ``limits`` bound the connections and their timeouts (connection.py); the cap is
+    fitted to the process's open-file limit first (logged if that changes anything).
     """
-    limits = limits or ConnectionLimits()
+    limits = (limits or ConnectionLimits()).fit_descriptor_limit()
     config = uvicorn.Config(
         app,
         http=limits.protocol(),
+        ws="none",  # no websocket routes; an upgraded connection would leave the table
         log_level=log_level,
         lifespan="off",
         timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
@@ -77,12 +100,31 @@ async def serve_http(
         access_log=log_level in ("debug", "info"),
     )
     server = uvicorn.Server(config)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_serve, server, sock)
-        # uvicorn has no readiness callback: poll its flag (set within a few ms).
-        while not server.started:
-            await anyio.sleep(0.01)
-        task_status.started(server)
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    handler = AcceptErrorLog(previous)
+    loop.set_exception_handler(handler)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_serve, server, sock)
+            # uvicorn has no readiness callback: poll its flag (set within a few ms).
+            while not server.started:
+                await anyio.sleep(0.01)
+            task_status.started(server)
+    finally:
+        # asyncio retries a listener a second after each failed accept(), closed or not:
+        # after any, keep the handler until those retries have run.
+        if handler.failures:
+            loop.call_later(2 * RETRY_DELAY_S, _restore_handler, loop, handler, previous)
+        else:
+            _restore_handler(loop, handler, previous)
+
+
+def _restore_handler(
+    loop: asyncio.AbstractEventLoop, handler: ExceptionHandler, previous: ExceptionHandler | None
+) -> None:
+    if loop.get_exception_handler() is handler:  # unless someone else replaced it since
+        loop.set_exception_handler(previous)
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
@@ -90,6 +132,42 @@ async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
         await server.serve(sockets=[sock])
     finally:
         sock.close()
+
+
+class AcceptErrorLog:
+    """An event loop exception handler: a failing ``accept()`` is one warning line at
+    most once a second (``suppressed=N`` counts those left out since the last line, no
+    traceback); anything else goes to the handler before it (or the loop's default).
+
+    asyncio also schedules a retry of the listener a second after each failure (one per
+    connection waiting in the backlog); those that fire once the listener has closed
+    (at shutdown) fail too, and are one info line a second likewise.
+
+    ``clock`` gives the time in seconds (a test passes its own).
+    """
+
+    def __init__(
+        self, previous: ExceptionHandler | None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.previous = previous
+        self.clock = clock
+        self.limiter = RateLimitedLog("accept_failed")
+        self.retries = RateLimitedLog("accept_retry_failed", level="info")
+        self.failures = 0  # failed accept()s seen
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        callback = getattr(context.get("handle"), "_callback", None)
+        if isinstance(exc, OSError) and exc.errno in ACCEPT_ERRNOS and "socket" in context:
+            self.failures += 1
+            name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            self.limiter(self.clock(), error=name, reason=exc.strerror)
+        elif exc is not None and getattr(callback, "__name__", None) == "_start_serving":
+            self.retries(self.clock(), error=repr(exc))
+        elif self.previous is not None:
+            self.previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
 
 
 def bound_port(sock: socket.socket) -> int:

@@ -4,7 +4,12 @@
 
     --api-key KEY             clients send "Authorization: Bearer KEY" (env HYBRIDKV_API_KEY)
     --allowed-hosts A,B       Host header names answered (default: any)
-    --max-connections N       open connections at once (1000)
+    --max-connections N       open connections at once (1000; one more closes the oldest
+                              that has not sent a full request; fitted to the process's
+                              open-file limit at start)
+    --max-connections-per-client N
+                              open connections from one IP address (default: no limit)
+    --timeout-first-byte S    connection to the first byte of a request (5)
     --timeout-keep-alive S    silence between requests of a kept-alive connection (5)
     --timeout-header S        connection to a complete request head (10)
     --timeout-body S          a request body to arrive (30)
@@ -30,6 +35,7 @@ API_KEY_ENV = "HYBRIDKV_API_KEY"
 
 #: Flag, default seconds, what it bounds (all must be > 0).
 _TIMEOUTS = (
+    ("--timeout-first-byte", 5.0, "seconds from connecting to the first byte of a request"),
     ("--timeout-keep-alive", 5.0, "idle seconds between requests of a connection"),
     ("--timeout-header", 10.0, "seconds from connecting to a complete request head"),
     ("--timeout-body", 30.0, "seconds for a request body to arrive"),
@@ -70,7 +76,17 @@ def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1000,
         metavar="N",
-        help="open connections at once; more are closed (1000)",
+        help="open connections at once; one more closes the oldest that has not sent a "
+        "full request, and a few more are kept for /health and /metrics; lowered at start "
+        "to fit the open-file limit (1000)",
+    )
+    limits.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open connections from one IP address at once; more are closed (default: no "
+        "limit; behind a proxy every client has the proxy's address)",
     )
     for flag, default, what in _TIMEOUTS:
         limits.add_argument(
@@ -89,7 +105,8 @@ def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
 def http_settings(
     args: argparse.Namespace, *, max_body_bytes: int, default_max_tokens: int | None
 ) -> HTTPSettings:
-    """The settings the flags ask for.
+    """The settings the flags ask for, the connection cap fitted to the process's
+    open-file limit (:meth:`ConnectionLimits.fit_descriptor_limit`).
 
     Raises:
         ValueError: a value out of range (the message names the flag).
@@ -103,6 +120,9 @@ def http_settings(
             raise ValueError(f"{flag} must be > 0, got {value}")
     if args.max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+    per_client = args.max_connections_per_client
+    if per_client is not None and per_client < 1:
+        raise ValueError(f"--max-connections-per-client must be >= 1, got {per_client}")
     if args.step_timeout < 0:
         raise ValueError(f"--step-timeout must be >= 0 (0 disables it), got {args.step_timeout}")
     if args.api_key is not None and not args.api_key:
@@ -118,8 +138,10 @@ def http_settings(
     )
     limits = ConnectionLimits(
         max_connections=args.max_connections,
+        max_connections_per_client=per_client,
+        first_byte_timeout_s=args.timeout_first_byte,
         idle_timeout_s=args.timeout_keep_alive,
         head_timeout_s=args.timeout_header,
         write_timeout_s=args.timeout_write,
-    )
+    ).fit_descriptor_limit()  # logs what it changed
     return HTTPSettings(options=options, limits=limits, step_timeout_s=args.step_timeout or None)

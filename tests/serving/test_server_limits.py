@@ -98,15 +98,20 @@ def test_stalled_clients_do_not_lock_others_out(fast: Any) -> None:
             sock.close()
 
 
-def test_connections_beyond_the_limit_are_closed(make_server: Any) -> None:
-    """Past max_connections, a new connection is closed at once; earlier ones work."""
-    server = make_server(limits=ConnectionLimits(max_connections=3))
+def test_connection_beyond_the_limit_closes_the_oldest_idle_one(make_server: Any) -> None:
+    """Past max_connections, the oldest connection that has sent no request is closed
+    and the new one kept; the others work (test_server_connections.py has the rest)."""
+    limits = ConnectionLimits(max_connections=3, first_byte_timeout_s=60, head_timeout_s=60)
+    server = make_server(limits=limits)
     held = [connect(server) for _ in range(3)]
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     try:
         with connect(server) as extra:
-            assert read_until_closed(extra) == b""
-        held[0].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        assert read_until_closed(held[0]).startswith(b"HTTP/1.1 200")
+            assert read_until_closed(held[0]) == b""
+            extra.sendall(request)
+            assert read_until_closed(extra).startswith(b"HTTP/1.1 200")
+        held[1].sendall(request)
+        assert read_until_closed(held[1]).startswith(b"HTTP/1.1 200")
     finally:
         for sock in held:
             sock.close()
