@@ -1,15 +1,19 @@
-"""The engine's configuration: pool shape, batch limits, queue bound, stopping tokens."""
+"""The engine's configuration: pool shape, batch limits, queue bound, stopping tokens,
+and the scheduling rules (which requests go first, how many slots one request's copies
+may hold)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.layout import PoolSpec
 from hybridkv.policies.base import MemoryPolicy
+from hybridkv.scheduler.params import InvalidRequestError
 
 if TYPE_CHECKING:
     from hybridkv.scheduler.batch import Executor
@@ -17,6 +21,16 @@ if TYPE_CHECKING:
 
 class ConfigError(HybridKVError, ValueError):
     """An engine configuration value is out of range."""
+
+
+#: How waiting requests are ordered (vLLM's ``--scheduling-policy``): ``fcfs`` by arrival
+#: alone, ``priority`` by each request's priority (lower first), then arrival.
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
+#: The priorities a request may have under ``priority`` scheduling: a signed 64-bit
+#: integer (vLLM takes any int; a bound keeps every queue key a machine word).
+PRIORITY_MIN = -(2**63)
+PRIORITY_MAX = 2**63 - 1
 
 
 def _at_least(low: int) -> Any:
@@ -32,6 +46,17 @@ def _optional_at_least_one(
 ) -> None:
     if value is not None:
         _at_least(1)(instance, attribute, value)
+
+
+def _scheduling_policy(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if value not in SCHEDULING_POLICIES:
+        raise ConfigError(f"{attribute.name} must be one of {SCHEDULING_POLICIES}, got {value!r}")
+
+
+def _share(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not 0.0 < value <= 1.0:
+        raise ConfigError(f"{attribute.name} must be a number in (0, 1], got {value!r}")
 
 
 def _policies(value: Iterable[MemoryPolicy]) -> tuple[MemoryPolicy, ...]:
@@ -62,6 +87,16 @@ class EngineConfig:
         enable_prefix_caching: Reuse the pages of cached prompt prefixes.
         eos_token_ids: Tokens that end a request unless its params say ``ignore_eos``.
         vocab_size: If set, prompts with token ids outside ``[0, vocab_size)`` are refused.
+        scheduling_policy: ``fcfs`` (the default, as vLLM's): requests are served in
+            arrival order and a request priority other than 0 is refused; ``priority``:
+            lower priorities first (any integer in ``[PRIORITY_MIN, PRIORITY_MAX]``),
+            ties in arrival order. Priorities are the caller's to trust: enable them only
+            where whoever sets them may jump the queue.
+        max_running_share: The largest share of ``max_num_seqs`` the copies of one
+            request (the ``n``/``best_of`` choices of an API request: the requests whose
+            ``SamplingParams.parent_id`` is the same) may hold at once; the other copies
+            wait, and requests behind them are admitted meanwhile. See
+            :attr:`max_copies_running`.
     """
 
     policies: tuple[MemoryPolicy, ...] = attrs.field(converter=_policies)
@@ -76,6 +111,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
     vocab_size: int | None = attrs.field(default=None, validator=_optional_at_least_one)
+    scheduling_policy: SchedulingPolicy = attrs.field(default="fcfs", validator=_scheduling_policy)
+    max_running_share: float = attrs.field(default=0.5, validator=_share)
 
     @classmethod
     def for_executor(cls, executor: Executor, **options: Any) -> EngineConfig:
@@ -112,3 +149,45 @@ class EngineConfig:
     def prefill_chunk(self) -> int:
         """Most tokens one request runs in one step."""
         return self.max_prefill_chunk or self.max_num_batched_tokens
+
+    @property
+    def max_copies_running(self) -> int:
+        """Most running requests of one parent: ``max_running_share`` of ``max_num_seqs``,
+        rounded down, at least 1.
+
+        A share rather than a count, so that it keeps its meaning when ``max_num_seqs``
+        changes. At the default 0.5, one request with many choices (``n=128`` against 32
+        slots) holds at most 16: a request arriving behind it is admitted at once instead
+        of after its 128 copies, and its own copies run in turns as its first ones
+        finish. The cost: alone on an idle engine, such a request uses only that share
+        of the slots. Two such requests may still fill every slot between them; what the
+        cap guarantees is that no single request does. 1.0 turns the cap off.
+        """
+        return max(1, math.floor(self.max_running_share * self.max_num_seqs))
+
+    def check_priority(self, priority: int) -> None:
+        """Refuse a request priority the scheduling policy does not take.
+
+        Raises:
+            InvalidRequestError: not an integer; not 0 under ``fcfs``; outside
+                ``[PRIORITY_MIN, PRIORITY_MAX]`` under ``priority``.
+        """
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if self.scheduling_policy == "fcfs":
+            if priority != 0:
+                raise InvalidRequestError(
+                    f"priority must be 0 under first-come-first-served scheduling "
+                    f"(scheduling_policy='fcfs'), got {_shown(priority)}"
+                )
+        elif not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise InvalidRequestError(
+                f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}] (a signed 64-bit "
+                f"integer), got {_shown(priority)}"
+            )
+
+
+def _shown(value: int) -> str:
+    # A client's integer may have 100 digits: keep messages short.
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"

@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
-import structlog
 
 from hybridkv.errors import HybridKVError
+from hybridkv.errors.events import get_logger
 from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.memory.offload.config import OffloadConfig
@@ -48,7 +48,7 @@ from hybridkv.scheduler.results import check_result, gather_prompt_logprobs, req
 from hybridkv.scheduler.step_planner import StepPlan, plan_step, share_of_ready
 from hybridkv.scheduler.validation import check_request, never_fits
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class EngineCore:
@@ -116,10 +116,12 @@ class EngineCore:
         """Validate and queue a request; raise at once if it is malformed or cannot be taken.
 
         Raises:
-            InvalidRequestError: empty prompt, bad token ids, duplicate request id.
+            InvalidRequestError: empty prompt, bad token ids, duplicate request id, a
+                priority the scheduling policy does not take.
             PromptTooLongError: the sequence exceeds ``max_model_len`` or the whole pool.
             EngineOverloadedError: ``max_waiting`` requests wait already.
         """
+        self.config.check_priority(priority)
         prompt = check_request(prompt_token_ids, params, self.config, self.kv)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -97,8 +97,15 @@ class SamplingParams:
         temperature: 0 means greedy; otherwise logits are divided by it.
         top_p: Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p.
         top_k: Keep the k most likely tokens; 0 keeps all.
-        seed: Per-request seed. The same seed gives the same tokens, whatever else runs in
-            the batch and whether or not the request was preempted and recomputed.
+        seed: Per-request seed, best effort as OpenAI's: the same seed, prompt and
+            parameters give the same tokens when the batches they run in are the same
+            (and after a preemption, which draws each position again from the same
+            seed). The draw itself depends only on the seed, the output position and the
+            row's logits, never on the other rows; but the logits do: the model's matrix
+            products round differently with the batch's row count (float32 BLAS differs
+            in the last bits between 1 row and 2 or more, the int8 and LM-head kernels
+            switch paths at 32 and 64 rows), so other requests in the batch may change a
+            logit's last bits and with it a draw near a boundary.
         stop_token_ids: Tokens that end the request (included in the output).
         ignore_eos: Keep generating past the model's end-of-sequence token.
         logprobs: Return each sampled token's log-probability and the ``logprobs`` most
@@ -117,6 +124,10 @@ class SamplingParams:
         min_p: Drop tokens less likely than ``min_p`` times the most likely one (after
             temperature; 0 disables it).
         structured_output: A constraint the text must follow; None: none.
+        parent_id: The request this one is a copy of (the ``n``/``best_of`` choices of
+            one API request share it); copies of one parent hold at most
+            ``EngineConfig.max_copies_running`` running slots at once. None: a request
+            of its own. Not a sampling setting: the engine's scheduler reads it.
     """
 
     max_tokens: int = 16
@@ -135,6 +146,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias_pairs)
     min_p: float = 0.0
     structured_output: StructuredOutput | None = None
+    parent_id: str | None = None
     #: Whether sampling does more than temperature, top-k and top-p: penalties, a logit
     #: bias, min-p or structured output (then the sampler reads the request's tokens so
     #: far). Derived; a plain attribute because the planner reads it for every request.
@@ -177,6 +189,10 @@ class SamplingParams:
             f"repetition_penalty must be > 0, got {self.repetition_penalty}",
         )
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            self.parent_id is None or isinstance(self.parent_id, str),
+            f"parent_id must be a string or None, got {self.parent_id!r}",
+        )
         _check(
             self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
             f"structured_output must be a StructuredOutput, got {self.structured_output!r}",

@@ -1,8 +1,11 @@
 """The waiting queue: requests not holding pages, most urgent first.
 
-A binary heap keyed by ``(priority, arrival_seq)``. A preempted request goes back with
-its original key, so it is readmitted ahead of everything that arrived after it. An
-aborted request is dropped lazily: its entry stays until it reaches the top::
+A binary heap keyed by ``(priority, arrival_seq)``. Under the default ``fcfs`` scheduling
+policy every priority is 0 (the core refuses others: ``EngineConfig.check_priority``), so
+arrival alone orders it; under ``priority``, lower values go first. A preempted request
+goes back with its original key, so it is readmitted ahead of everything that arrived
+after it. An aborted request is dropped lazily: its entry stays until it reaches the
+top::
 
     heap  (0, 3, r3)  (0, 7, r7)  (1, 2, r2) ...     peek() -> r3 unless r3 finished
 """

@@ -19,6 +19,9 @@ on its own. Order of business::
        overtaking, so a large request is not starved by small ones). Into an empty pool
        the first chunk is halved until it fits: a window group holds all of a chunk's
        pages until the next step, so a whole-prompt chunk can need more than the pool.
+       The one exception to "no overtaking": a copy whose parent already runs
+       ``max_copies_running`` copies (``SamplingParams.parent_id``) is passed over,
+       keeping its place, so that one request's ``n`` choices never hold every slot.
 
 The running list stays sorted by urgency, so the preemption victim is its last entry
 that is in no step: never a request already planned in this step or in flight.
@@ -172,6 +175,7 @@ def _admit(
     chunk = config.prefill_chunk
     num_groups = kv.num_groups
     num_running = len(running)
+    copies = _Copies(running, config.max_copies_running)
     while budget > 0 and num_running < config.max_num_seqs and len(items) < cap:
         # A first allocation always takes a fresh page per group (the one after the hit):
         # without that many free pages, skip hashing the prompt for a lookup.
@@ -180,6 +184,9 @@ def _admit(
         request = waiting.peek()
         if request is None:
             break
+        if copies.is_full(request):
+            copies.hold(waiting.pop())  # its parent has its share: the next one may go
+            continue
         # Prompt logprobs need every prompt position computed: no prefix hit (as vLLM).
         computes_all = request.params.prompt_logprobs is not None
         hit = PrefixHit(0, (), []) if computes_all else kv.lookup(request)
@@ -188,6 +195,7 @@ def _admit(
             request.status = RequestStatus.RUNNING
             request.is_preempted = False
             loading.append(request)
+            copies.admitted(request)
             num_running += 1
             continue
         num_new = _first_chunk(
@@ -205,11 +213,45 @@ def _admit(
         request.is_preempted = False
         items.append(_step_item(request, num_new, kv))
         admitted.append(request)
+        copies.admitted(request)
         budget -= num_new
         num_running += 1
+    for request in copies.held:
+        waiting.push(request)  # with its own key: its place in the queue is kept
     for request in (*admitted, *loading):
         bisect.insort(running, request, key=_urgency)
     return budget
+
+
+class _Copies:
+    """Running copies per parent (``SamplingParams.parent_id``), counted on first need,
+    and the waiting copies passed over because their parent has its share."""
+
+    def __init__(self, running: list[Request], limit: int) -> None:
+        self._running = running
+        self._limit = limit
+        self._counts: dict[str, int] | None = None
+        self.held: list[Request] = []
+
+    def is_full(self, request: Request) -> bool:
+        parent = request.params.parent_id
+        if parent is None:
+            return False
+        if self._counts is None:
+            self._counts = {}
+            for other in self._running:
+                key = other.params.parent_id
+                if key is not None:
+                    self._counts[key] = self._counts.get(key, 0) + 1
+        return self._counts.get(parent, 0) >= self._limit
+
+    def hold(self, request: Request) -> None:
+        self.held.append(request)
+
+    def admitted(self, request: Request) -> None:
+        parent = request.params.parent_id
+        if parent is not None and self._counts is not None:
+            self._counts[parent] = self._counts.get(parent, 0) + 1
 
 
 def _first_chunk(

@@ -27,7 +27,6 @@ from typing import Any
 
 import anyio
 import attrs
-import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -36,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tokenizers import Tokenizer
 
+from hybridkv.errors.events import get_logger
 from hybridkv.executor.grammar_bounds import DEFAULT_LIMITS, GrammarLimits
 from hybridkv.executor.grammar_guard import GrammarGuard
 from hybridkv.scheduler import Engine
@@ -47,11 +47,12 @@ from hybridkv.serving.guard import AccessGuard
 from hybridkv.serving.metrics import CONTENT_TYPE, OffloadCollector, RequestCounter, ServerMetrics
 from hybridkv.serving.prompts import Prompter
 from hybridkv.serving.protocol import parse_chat, parse_completion
+from hybridkv.serving.responses import DEFAULT_MAX_RESPONSE_BYTES
 from hybridkv.serving.service import GenerationService
 from hybridkv.serving.streaming import EventStreamResponse, cancel_on_disconnect
 from hybridkv.serving.utility_routes import UtilityRoutes
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -71,6 +72,11 @@ class ServerOptions:
         max_preprocess_threads: Worker threads for rendering, tokenizing, decoding large
             bodies and checking grammars, over all requests.
         grammar_limits: The largest structured-output specs accepted (400 beyond).
+        max_response_bytes: Largest response body, and largest event of a stream: a
+            request whose answer would be larger (``echo`` with logprobs over a long
+            prompt, many choices) gets a 400 naming the limit, and no larger body is ever
+            built. Bodies with many logprobs are built and encoded in the preprocessing
+            threads, so the loop keeps answering meanwhile.
     """
 
     max_body_bytes: int = attrs.field(default=4 * 2**20, validator=attrs.validators.ge(1))
@@ -85,6 +91,9 @@ class ServerOptions:
     template_timeout_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
     max_preprocess_threads: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     grammar_limits: GrammarLimits = DEFAULT_LIMITS
+    max_response_bytes: int = attrs.field(
+        default=DEFAULT_MAX_RESPONSE_BYTES, validator=attrs.validators.ge(1)
+    )
 
 
 def build_app(
@@ -122,6 +131,7 @@ def build_app(
         model_name=model_name,
         metrics=metrics,
         default_max_tokens=options.default_max_tokens,
+        max_response_bytes=options.max_response_bytes,
     )
     routes = _Routes(service, metrics, options)
     utility = UtilityRoutes(service, routes.read_json)
@@ -197,7 +207,7 @@ class _Routes:
                 return EventStreamResponse(
                     lambda emit: self.service.stream(job, emit), lambda: self.service.close(job)
                 )
-            outcome: list[dict[str, Any] | APIError] = []
+            outcome: list[bytes | APIError] = []
 
             async def complete() -> None:
                 try:
@@ -219,7 +229,8 @@ class _Routes:
                 return Response(status_code=499)  # nobody reads it: the client has gone
             if isinstance(outcome[0], APIError):
                 raise outcome[0]
-            return JSONResponse(outcome[0])
+            # Encoded already (off the loop when large): JSONResponse would encode again.
+            return Response(outcome[0], media_type="application/json")
 
         return self.guarded(handle)
 

@@ -54,6 +54,10 @@ class GenerationRequest:
             endpoint's default (yes for completions, no for a chat template's text).
         add_generation_prompt: End the chat prompt where the assistant's reply begins.
         template_kwargs: Extra variables for the chat template.
+        priority: vLLM's ``priority`` (lower first), any integer here; the service
+            checks it against the engine's scheduling policy (only 0 under ``fcfs``, a
+            signed 64-bit integer under ``priority``) before anything is queued.
+        cache_salt: Separates this request's prefix-cache entries from others'.
         structured_param: The field that set ``sampling.structured_output``.
     """
 

@@ -3,10 +3,15 @@
 The HTTP layer (``app.py``) reads and routes; this module owns what happens between a
 parsed :class:`GenerationRequest` and response bodies, so it can be used without HTTP::
 
-    submit    model check -> prompt ids (prompts.py, off the loop) -> constraint check
-              -> one engine request per choice (n, or best_of), all or none
-    complete  every choice to its end, concurrently; best_of keeps the n most likely
-    stream    every choice's deltas as server-sent events, as they come
+    submit    model and priority checks (admission.py) -> prompt ids (prompts.py, off
+              the loop) -> logit bias and constraint checks -> one engine request per
+              choice (n, or best_of), all or none, the copies sharing a parent id (the
+              engine caps their slots)
+    complete  every choice to its end, concurrently; best_of keeps the n most likely;
+              the body built and encoded under max_response_bytes, off the loop when
+              its logprobs make it large (responses.py: BodyEncoder)
+    stream    every choice's deltas as server-sent events, as they come (a large event,
+              such as the echoed prompt's logprobs, built and encoded off the loop)
 
 Leaving early (the client went away) closes the engine streams, which aborts the
 requests and frees their pages at once.
@@ -14,6 +19,7 @@ requests and frees their pages at once.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -22,9 +28,9 @@ from typing import Any
 
 import anyio
 import attrs
-import structlog
 from tokenizers import Tokenizer
 
+from hybridkv.errors.events import get_logger
 from hybridkv.scheduler import (
     CapacityError,
     Engine,
@@ -35,6 +41,7 @@ from hybridkv.scheduler import (
     RequestStream,
     SamplingParams,
 )
+from hybridkv.serving.admission import Admission
 from hybridkv.serving.choices import Choice
 from hybridkv.serving.errors import APIError
 from hybridkv.serving.grammar_check import GrammarCheck
@@ -42,10 +49,20 @@ from hybridkv.serving.logprobs import LogprobsStream, TokenTexts
 from hybridkv.serving.metrics import ServerMetrics
 from hybridkv.serving.prompts import Prompter
 from hybridkv.serving.protocol import GenerationRequest
-from hybridkv.serving.responses import SSE_DONE, ResponseHeader, Usage, sse
+from hybridkv.serving.responses import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    SSE_DONE,
+    BodyEncoder,
+    ResponseHeader,
+    Usage,
+    body_is_large,
+    output_is_large,
+    sse,
+    sse_encoded,
+)
 from hybridkv.serving.text import TextStream, TokenClasses
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Sends one server-sent event to the client.
 Emit = Callable[[bytes], Awaitable[None]]
@@ -73,6 +90,8 @@ class GenerationService:
         metrics: Where counts go.
         default_max_tokens: Output limit of a chat request that sets none (None: the
             whole context left after the prompt).
+        max_response_bytes: Largest response body, or event of a stream; a request
+            whose answer would be larger gets a 400 naming the limit.
     """
 
     def __init__(
@@ -84,6 +103,7 @@ class GenerationService:
         model_name: str,
         metrics: ServerMetrics,
         default_max_tokens: int | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         self.engine = engine
         self.prompter = prompter
@@ -93,34 +113,28 @@ class GenerationService:
         self.max_model_len = prompter.max_model_len
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
+        self.encoder = BodyEncoder(prompter.limiter, max_response_bytes)
         self.token_texts = TokenTexts(self.tokenizer)
         self.token_classes = TokenClasses.of(self.tokenizer)
         self.vocab_size = engine.config.vocab_size or self.tokenizer.get_vocab_size()
+        self.admission = Admission(model_name, engine.config, self.vocab_size, grammars)
 
     def check_model(self, model: str | None) -> None:
         """Refuse (404) a ``model`` this server does not serve."""
-        if model is not None and model != self.model_name:
-            raise APIError(
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+        self.admission.check_model(model)
 
     async def submit(self, request: GenerationRequest) -> Job:
         """Check, tokenize and queue every choice of ``request``.
 
         Raises:
-            APIError: unknown model (404), a prompt or max_tokens over the context, a bad
-                constraint or logit bias (400), or an engine that is full (503).
+            APIError: unknown model (404), a priority the scheduling policy refuses, a
+                prompt or max_tokens over the context, a bad constraint or logit bias
+                (400), or an engine that is full (503).
         """
-        self.check_model(request.model)
+        self.admission.check_model(request.model)
+        self.admission.check_scheduling(request)
         prompt_ids = await self.prompter.token_ids(request)
-        self._check_logit_bias(request.sampling)
-        if request.sampling.structured_output is not None:
-            await self.grammars.check(
-                request.sampling.structured_output, request.structured_param or "response_format"
-            )
+        await self.admission.check_sampling(request)
         params = [
             request.sampling_params(
                 len(prompt_ids), self.max_model_len, self.default_max_tokens, copy=i
@@ -128,6 +142,8 @@ class GenerationService:
             for i in range(request.best_of)
         ]
         response_id = f"{'chatcmpl' if request.is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if len(params) > 1:  # copies of one request: the engine caps their running slots
+            params = [attrs.evolve(p, parent_id=response_id) for p in params]
         streams = self._generate(request, prompt_ids, params, response_id)
         echo_text = self._echo_text(request, prompt_ids)
         choices = [
@@ -161,8 +177,13 @@ class GenerationService:
             arrival=time.monotonic(),
         )
 
-    async def complete(self, job: Job) -> dict[str, Any]:
-        """Run every choice to its end and return the whole response body."""
+    async def complete(self, job: Job) -> bytes:
+        """Run every choice to its end and return the whole response body, as JSON.
+
+        Raises:
+            APIError: a choice failed (500), or the body would pass
+                ``max_response_bytes`` (400).
+        """
         failures: list[HybridKVError] = []
         async with anyio.create_task_group() as tg:
             for choice in job.choices:
@@ -173,6 +194,14 @@ class GenerationService:
         if job.request.best_of > job.request.n:
             ranked = sorted(chosen, key=lambda c: c.cumulative_logprob, reverse=True)
             chosen = ranked[: job.request.n]
+        outputs = [c.last.num_output_tokens for c in chosen if c.last is not None]
+        large = body_is_large(
+            job.request, len(job.prompt_ids), outputs, sum(len(c.text) for c in chosen)
+        )
+        return await self.encoder.encode(lambda: self._body(job, chosen), large=large)
+
+    def _body(self, job: Job, chosen: list[Choice]) -> dict[str, Any]:
+        """The whole response of the chosen choices (their logprobs taken)."""
         bodies = []
         prompt_logprobs = None
         for index, choice in enumerate(chosen):
@@ -227,17 +256,21 @@ class GenerationService:
         """Read one choice to its end; with ``emit``, stream its chunks on the way."""
         header = job.header
         delta = ""
+        large = False  # an output whose logprobs are built off the loop
         try:
             async with aclosing(choice.stream) as outputs:
                 async for out in outputs:
                     self._observe(job, out)
-                    delta = choice.push(out)
+                    large = output_is_large(job.request, len(job.prompt_ids), out)
+                    if large:  # the prompt's logprobs: thousands of entries
+                        delta = await self.encoder.off_loop(choice.push, out)
+                    else:
+                        delta = choice.push(out)
                     if choice.is_done:
                         break  # leaving the stream early aborts the request (stop string)
                     if emit is not None and delta:  # tokens without text keep their logprobs
-                        await emit(
-                            sse(header.chunk(choice.index, delta, logprobs=choice.take_logprobs()))
-                        )
+                        chunk = functools.partial(_chunk, header, choice, delta)
+                        await emit(sse_encoded(await self.encoder.encode(chunk, large=large)))
                         delta = ""
         except HybridKVError as exc:
             self._count(choice, "error")
@@ -248,10 +281,14 @@ class GenerationService:
         tail = choice.finish()
         self._finish(choice)
         if emit is not None:
-            chunk = header.chunk(
-                choice.index, delta + tail, choice.finish_reason, logprobs=choice.take_logprobs()
-            )
-            await emit(sse(chunk))
+            chunk = functools.partial(_chunk, header, choice, delta + tail, choice.finish_reason)
+            try:
+                event = await self.encoder.encode(chunk, large=large)
+            except APIError as exc:  # the last event is over the limit: the stream fails
+                failures.append(exc)
+                scope.cancel()
+                return
+            await emit(sse_encoded(event))
 
     def _generate(
         self,
@@ -286,15 +323,6 @@ class GenerationService:
         for stream in streams:
             stream.close()
 
-    def _check_logit_bias(self, params: SamplingParams) -> None:
-        outside = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if outside:
-            raise APIError(
-                f"'logit_bias' names token ids outside the vocabulary of {self.vocab_size}: "
-                f"{outside[:5]}",
-                param="logit_bias",
-            )
-
     def _echo_text(self, request: GenerationRequest, prompt_ids: list[int]) -> str:
         if not request.echo:
             return ""
@@ -319,7 +347,16 @@ class GenerationService:
         self.metrics.finished.labels(reason=reason).inc()
 
 
+def _chunk(
+    header: ResponseHeader, choice: Choice, text: str, finish_reason: str | None = None
+) -> dict[str, Any]:
+    """One streamed chunk of ``choice``, with the logprobs gathered since the last."""
+    return header.chunk(choice.index, text, finish_reason, logprobs=choice.take_logprobs())
+
+
 def _failed(exc: HybridKVError) -> APIError:
+    if isinstance(exc, APIError):  # a refusal of the answer itself (too large)
+        return exc
     return APIError(f"generation failed: {exc}", status=500, error_type="server_error")
 
 

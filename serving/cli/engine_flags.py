@@ -5,12 +5,16 @@ once: the KV byte budget, the block size, the per-step token budget, the running
 limit, prefix caching, threads, dtype, weights, the memory policy of each kind of layer,
 pipeline stages (``--pipeline-parallel-size N``) and context-parallel ranks per stage
 (``--context-parallel-size N``: every request's tokens and KV pages shared by N processes).
+
+``serve`` also takes the scheduling flags (:func:`add_scheduling_arguments`): the order of
+waiting requests (``--scheduling-policy``, vLLM's) and the share of the running slots one
+request's choices may hold (``--max-running-share``).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -141,6 +145,42 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         help="context parallelism deals a request's KV to the processes a token or a "
         "block at a time (token)",
     )
+
+
+def add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--scheduling-policy fcfs|priority`` and ``--max-running-share F``."""
+    group = parser.add_argument_group("scheduling")
+    group.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs: requests in arrival order, a request 'priority' other than 0 is refused; "
+        "priority: lower 'priority' values first (signed 64-bit), ties by arrival. Enable it "
+        "only where whoever sets priorities may jump the queue (fcfs)",
+    )
+    group.add_argument(
+        "--max-running-share",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="largest share of --max-num-seqs the n/best_of choices of one request run in "
+        "at once; its other choices wait while other requests are admitted (0.5; 1 turns "
+        "the cap off)",
+    )
+
+
+def scheduling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~hybridkv.scheduler.EngineConfig` fields the scheduling flags set.
+
+    Raises:
+        UsageError: ``--max-running-share`` outside (0, 1].
+    """
+    from hybridkv.serving.cli.values import UsageError
+
+    share = args.max_running_share
+    if not 0.0 < share <= 1.0:  # NaN fails too
+        raise UsageError(f"--max-running-share must be in (0, 1], got {share}")
+    return {"scheduling_policy": args.scheduling_policy, "max_running_share": share}
 
 
 def add_layer_policy_argument(parser: argparse._ActionsContainer) -> None:

@@ -9,7 +9,13 @@ import time
 from typing import Any
 
 from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
-from hybridkv.serving.cli.engine_flags import add_engine_arguments, add_model_argument, engine_args
+from hybridkv.serving.cli.engine_flags import (
+    add_engine_arguments,
+    add_model_argument,
+    add_scheduling_arguments,
+    engine_args,
+    scheduling_options,
+)
 from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
 from hybridkv.serving.cli.serve_flags import add_access_and_limit_arguments, http_settings
 
@@ -51,6 +57,12 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         "--max-body-size", default="4MiB", metavar="SIZE", help="largest request body (4MiB)"
     )
     http.add_argument(
+        "--max-response-size",
+        default="64MiB",
+        metavar="SIZE",
+        help="largest response body, or event of a stream; larger answers are a 400 (64MiB)",
+    )
+    http.add_argument(
         "--default-max-tokens",
         type=int,
         default=None,
@@ -60,6 +72,7 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     add_log_level_argument(http, "info")
     add_access_and_limit_arguments(parser)
     add_engine_arguments(parser)
+    add_scheduling_arguments(parser)
     add_offload_arguments(parser)
     parser.set_defaults(handler=run_serve)
 
@@ -67,6 +80,7 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, start the engine, serve until interrupted."""
     import anyio
+    import attrs
 
     from hybridkv.memory.sizes import parse_size
     from hybridkv.serving.cli.loading import load_model
@@ -79,15 +93,26 @@ def run_serve(args: argparse.Namespace) -> int:
     max_body_bytes = parse_size(args.max_body_size)
     if max_body_bytes < 1:
         raise UsageError(f"--max-body-size must be at least 1 byte, got {args.max_body_size!r}")
+    max_response_bytes = parse_size(args.max_response_size)
+    if max_response_bytes < 1:
+        raise UsageError(
+            f"--max-response-size must be at least 1 byte, got {args.max_response_size!r}"
+        )
+    scheduling = scheduling_options(args)
     try:
         settings = http_settings(
             args, max_body_bytes=max_body_bytes, default_max_tokens=args.default_max_tokens
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    options = attrs.evolve(settings.options, max_response_bytes=max_response_bytes)
+    settings = attrs.evolve(settings, options=options)
     sock = open_socket(args.host, args.port)  # fail fast, before the model loads
     with sock:  # closed too when the model fails to load
         loaded = load_model(engine_args(args))
+        loaded = attrs.evolve(
+            loaded, engine_config=attrs.evolve(loaded.engine_config, **scheduling)
+        )
         _prepare_structured_output(loaded)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way to stop
             anyio.run(_serve, loaded, sock, settings, args)

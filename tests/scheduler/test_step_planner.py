@@ -89,7 +89,7 @@ def test_step_never_exceeds_the_token_budget() -> None:
 
 def test_admission_follows_priority_then_arrival() -> None:
     """Lower priority values are admitted first; equal priorities in arrival order."""
-    core = make_core(max_num_seqs=3)
+    core = make_core(max_num_seqs=3, scheduling_policy="priority")
     add(core, "late-low", 4, priority=1)
     add(core, "first", 4)
     add(core, "urgent", 4, priority=-1)
@@ -110,7 +110,7 @@ def test_max_num_seqs_caps_running_requests() -> None:
 def test_preemption_takes_the_least_urgent_and_blocks_admission() -> None:
     """A request that cannot grow preempts the latest, lowest-priority one; nobody is admitted."""
     # 8 usable pages of 4 tokens: a (priority 0) and b (priority 1) fill them exactly.
-    core = make_core(num_blocks=9, max_num_batched_tokens=64)
+    core = make_core(num_blocks=9, max_num_batched_tokens=64, scheduling_policy="priority")
     fake = FakeExecutor.for_config(core.config)
     a = add(core, "a", 16, max_tokens=12)
     b = add(core, "b", 16, max_tokens=12, priority=1)

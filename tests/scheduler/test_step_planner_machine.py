@@ -49,6 +49,7 @@ class PlannerMachine(RuleBasedStateMachine):
             max_prefill_chunk=12,
             max_waiting=6,
             vocab_size=VOCAB,
+            scheduling_policy="priority",
         )
         self.core = EngineCore(self.config)
         self.fake = FakeExecutor.for_config(self.config)
@@ -59,12 +60,20 @@ class PlannerMachine(RuleBasedStateMachine):
         max_tokens=st.integers(1, 12),
         priority=st.integers(0, 2),
         prefix=st.sampled_from([None, 0, 1]),
+        parent=st.sampled_from([None, None, "p", "q"]),  # copies of one request
     )
-    def arrive(self, prompt_len: int, max_tokens: int, priority: int, prefix: int | None) -> None:
+    def arrive(
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        priority: int,
+        prefix: int | None,
+        parent: str | None,
+    ) -> None:
         rid = str(len(self.requests))
         own = [(len(self.requests) * 7 + i) % VOCAB for i in range(prompt_len)]
         prompt = (PREFIXES[prefix] if prefix is not None else []) + own
-        params = SamplingParams(max_tokens=max_tokens)
+        params = SamplingParams(max_tokens=max_tokens, parent_id=parent)
         sink = CollectingSink()
         try:
             self.core.add_request(prompt, params, sink, request_id=rid, priority=priority)
@@ -125,6 +134,9 @@ class PlannerMachine(RuleBasedStateMachine):
         waiting = list(core.waiting)
         assert len(waiting) == len(core.waiting)
         assert not {id(r) for r in running} & {id(r) for r in waiting}
+        for parent in ("p", "q"):  # one request's copies hold at most their share
+            copies = [r for r in running if r.params.parent_id == parent]
+            assert len(copies) <= self.config.max_copies_running
         if not running and not any(r.in_step for r in core.running):
             assert core.kv.num_free_blocks == core.kv.num_usable_blocks
 

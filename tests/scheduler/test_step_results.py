@@ -186,7 +186,12 @@ def test_sampled_token_logprobs_reach_every_output() -> None:
 def test_prompt_logprobs_cover_every_prompt_token_through_chunks_and_preemption() -> None:
     """Prompt logprobs come whole in the first output, chunked and preempted or not."""
     # Six usable blocks: the urgent rival's growth preempts "a" at its last prompt chunk.
-    config = make_config(policies=[FullAttention()], num_blocks=7, max_prefill_chunk=2)
+    config = make_config(
+        policies=[FullAttention()],
+        num_blocks=7,
+        max_prefill_chunk=2,
+        scheduling_policy="priority",
+    )
     core, fake = EngineCore(config), FakeExecutor.for_config(config)
     prompt = [(7 * j + 3) % VOCAB for j in range(13)]
     cached, sink, rival = CollectingSink(), CollectingSink(), CollectingSink()
