@@ -272,7 +272,9 @@ class Engine:
             prompt_token_ids: The prompt (at least one token).
             params: Sampling parameters (defaults: ``SamplingParams()``).
             request_id: Unique among live requests; a fresh one is made if None.
-            priority: Lower values are served first; equal ones in arrival order.
+            priority: Lower values are served first, equal ones in arrival order, under
+                ``EngineConfig.scheduling_policy="priority"``; under ``"fcfs"`` (the
+                default) only 0 is accepted.
             cache_salt: Separates prefix-cache entries (e.g. per tenant).
 
         Raises (at once, before anything is queued):
