@@ -21,23 +21,13 @@ rather than wall time and is much steadier.
 
 The last line printed is one JSON object with the ratios (paged / contiguous).
 
-Decode attend, batch 32, 8 KV heads, head dim 128, context 2048, block 16, random page
-order, ``--clock process --repeats 5``, on a 2-core CPU machine with native bfloat16
-(paged / contiguous ms; on an AVX2-only CPU the ratios differ, see the README):
+The workload, at the defaults: ``--batch`` 32 decodes at ``--context`` 2,048 tokens, 32
+query and 8 KV heads of dim 128, block 16, pages in random order; the mixed rows add one
+request at the same context whose last ``--prefill`` 256 tokens are a prefill chunk after
+its cached prefix.
 
-    threads  dtype      before (gather K+V, SDPA)   after (gather K, embedding_bag V)
-    1        float32    ratio 1.70                  86.8 / 75.2 = 1.15
-    1        bfloat16   80.0 / 51.3 = 1.56          56.8 / 50.9 = 1.12
-    2        float32    ratio 1.75                  92.6 / 84.6 = 1.09
-    2        bfloat16   90.8 / 54.6 = 1.66          72.3 / 55.5 = 1.30
-
-Where the paged time goes (1 thread, per layer, float32 / bfloat16 ms): key gather 27 / 14,
-``keys @ queries`` 22 / 20, softmax and casts 6 / 3, ``embedding_bag`` over values in place
-33 / 21. The remaining gap is the key gather: it copies one layer's keys (256 MiB float32)
-that contiguous SDPA reads in place. Gathering keys and attending in cache-sized chunks was
-not faster before; at two threads in bfloat16 the product and the gather scale poorly on
-the shared memory bus (1.30). "meta ms" grew by ~10 ms per step (value bag rows: one int64
-per (request, query head, key)), paid once per step per KV group, not per layer.
+Results: docs/benchmarks.md, section "Attention: paged against contiguous SDPA" (the
+ratios on each CPU kind, and where the paged time goes).
 """
 
 from __future__ import annotations

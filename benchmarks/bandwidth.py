@@ -26,6 +26,9 @@ not comparable).
                                    [--clock wall|process] [--profile-steps 5]
 
 The last line printed is one JSON object.
+
+Results: docs/benchmarks.md, section "Decode on the CPU: weight precision, the bandwidth
+floor, llama.cpp".
 """
 
 from __future__ import annotations
@@ -115,7 +118,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     # One thread runs every torch op of the run: a second OpenMP team (the bandwidth
     # sum on this thread, or a thread per executor) makes libgomp stop spinning between
-    # parallel regions, and a batch-1 step read 1.6x slower (executor/torch_thread.py).
+    # parallel regions, which slows the steps (executor/torch_thread.py; the measured cost
+    # is in docs/benchmarks.md, with this script's results).
     thread = TorchThread(args.threads)
     bandwidth = thread.run(read_bandwidth, args.threads)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads)", flush=True)

@@ -23,10 +23,13 @@ read); pass-Q sends ``(cp - 1) * T/cp * NH * D * e`` of queries, plus the partia
 back (float32, with the lse) and here the new K/V as well (their round-robin owners store
 them). The engine picks the one that sends fewer bytes, per layer.
 
-    python benchmarks/context_parallel.py             # about six minutes on 2 cores
+    python benchmarks/context_parallel.py             # the full run
     python benchmarks/context_parallel.py --quick     # a smoke run
 
 The last line printed is one JSON object.
+
+Results, and how long the full run takes: docs/benchmarks.md, section "Context
+parallelism: long-prompt prefill".
 """
 
 from __future__ import annotations

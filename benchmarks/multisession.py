@@ -17,10 +17,11 @@ of the working set (``--working-set``; both are printed by default):
   pool that can keep every session resumable to the end and no more.
 - mean: the pages the sessions' prefixes need to be resumed (``prefix_pages``), averaged
   over the turns a next turn resumes from. The peak definition puts the layouts under
-  unequal pressure: a session's windows cost the same from its first turn on, so the
-  hybrid's prefixes need 0.77 of its peak after turn 1 where full attention's need 0.52
-  (``--per-turn``), and at equal peak occupancy the hybrid's pool is fuller at every
-  turn but the last. Equal mean occupancy is equal pressure averaged over the run.
+  unequal pressure: a session's windows cost the same from its first turn on, so after
+  turn 1 the hybrid's prefixes already need a larger share of its peak than full
+  attention's do (``--per-turn`` prints the shares), and at equal peak occupancy the
+  hybrid's pool is fuller at every turn but the last. Equal mean occupancy is equal
+  pressure averaged over the run.
 
 The allocator is driven with the verbs of ``allocator.py``'s replay (lookup, admit,
 extend, append, free), by a loop that follows the engine's planner: running requests
@@ -53,6 +54,9 @@ settings and the command (``benchmarks/plot.py`` draws the hit rates from it).
 Other benchmarks reuse the workload: ``parse_args([])`` gives the defaults, ``Session``
 generates a chat, and ``Run(make, LAYOUTS[name], occupancy, args).run()`` serves it
 through any allocator with ``OursAllocator``'s verbs (``make(groups, num_blocks)``).
+
+Results: docs/benchmarks.md, section "Prefix cache under pressure: chat sessions served
+round-robin".
 """
 
 from __future__ import annotations
@@ -118,8 +122,8 @@ def capacity_estimate(
     longest) over what the waiting sessions' prefixes need (the mean after turn t-1) is
     the share of those prefixes a pool can keep; each turn-t request is credited that
     share of its hit. Full attention's prefixes do shrink block by block, and its measured
-    hit rate comes within about 0.015 of this; a sliding-window prefix resumes only whole,
-    so for the hybrid it is optimistic.
+    hit rate comes close to this (how close: docs/benchmarks.md); a sliding-window prefix
+    resumes only whole, so for the hybrid it is optimistic.
     """
     manager = KVCacheManager(policies(groups), 2, BLOCK_SIZE)
     num_waiting = len(sessions) - args.in_flight

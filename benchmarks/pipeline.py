@@ -20,13 +20,16 @@ Then the transport alone: a gloo ping-pong between two processes, at the per-ste
 measured above, gives the median one-way time of each message (two rounds, the lower
 kept).
 
-    python benchmarks/pipeline.py            # about four minutes on 2 cores
+    python benchmarks/pipeline.py            # the full run
     python benchmarks/pipeline.py --quick    # a smoke run
 
 Each setting runs ``--repeats`` times, round robin, and its fastest run is reported.
 
 Timings share the machine with whatever else runs; the ratios are measured in one run.
 The last line printed is one JSON object.
+
+Results, and how long the full run takes: docs/benchmarks.md, section "Pipeline
+parallelism: stages on two cores".
 """
 
 from __future__ import annotations
@@ -268,7 +271,8 @@ def main() -> None:
                     best[setting] = run
     runs = [best[setting] for setting in settings]
     sizes = sorted(set(message_sizes(runs).values()))
-    # Twice, the lower median kept: a wake-up on a busy shared core costs milliseconds.
+    # Twice, the lower median kept: a round whose wake-ups land on busy shared cores
+    # reads high.
     rounds = [one_way_seconds(sizes, repeats=50 if args.quick else 500) for _ in range(2)]
     transport = {size: min(r[size] for r in rounds) for size in sizes}
     print(f"model: {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, "

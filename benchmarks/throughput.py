@@ -14,11 +14,14 @@ with a 128-token window and 2 full, float32, CPU):
                   every token). The planner's max concurrent requests, the peak the engine
                   reached, and tokens/s.
 
-    python benchmarks/throughput.py                 # both parts, a few minutes on 2 cores
+    python benchmarks/throughput.py                 # both parts
     python benchmarks/throughput.py --quick         # smaller workload, a smoke run
 
 Timings share the machine with whatever else runs; the ratios are measured in one run.
 The last line printed is one JSON object.
+
+Results, and how long a run of both parts takes: docs/benchmarks.md, section "Throughput:
+the engine against transformers, hybrid against uniform".
 """
 
 from __future__ import annotations

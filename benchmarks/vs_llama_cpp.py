@@ -14,12 +14,15 @@ and the table shows the median of the rounds' ratios:
     TTFT        median time to first token                      lower is better for us
     ITL         median inter-token latency (decode per token)   lower is better for us
 
-The peers come from ``llama_peers.py`` (run it first; it builds llama-server, ~25 min).
+The peers come from ``llama_peers.py`` (run it first; it builds llama-server from source).
 
     python benchmarks/vs_llama_cpp.py [--weights auto] [--threads 2] [--rounds 2] [--json FILE]
 
 The last line printed is one JSON object; ``--json FILE`` writes it to FILE too, with the
 command (``benchmarks/plot.py`` draws time to first token and inter-token latency from it).
+
+Results: docs/benchmarks.md, section "Decode on the CPU: weight precision, the bandwidth
+floor, llama.cpp".
 """
 
 from __future__ import annotations
@@ -109,8 +112,9 @@ def prompt_file(folder: Path, num_tokens: int, count: int, *, seed: int, output:
     llama-server's GGUF shares), written as guidellm's JSON lines before a run.
 
     guidellm's own synthetic prompts are made by a data worker while the run goes on, and
-    kept a core 60-90% busy throughout (``top``): on a 2-core machine that is a core taken
-    from the server under test. Made here, the worker only reads ``count`` rows.
+    kept a core busy throughout (``top``; how busy: docs/benchmarks.md): on a 2-core machine
+    that is most of a core taken from the server under test. Made here, the worker only
+    reads ``count`` rows.
     """
     from _weight_modes import builtin_folder
     from tokenizers import Tokenizer
@@ -210,7 +214,7 @@ def main() -> None:
             for name in order:
                 command = server_command(name, args, gguf, server)
                 with running(command, PORTS[name], folder / f"{name}.log"):
-                    # Untimed: first calls pay allocations and page faults (tens of s).
+                    # Untimed: first calls pay allocations and page faults.
                     warmup = folder / "warmup.json"
                     drive(PORTS[name], 1024, SLOTS, SLOTS, warmup, seed=0, output=8)
                     for seed, (prompt, concurrency) in enumerate(WORKLOADS, 1):
