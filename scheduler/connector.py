@@ -27,7 +27,7 @@ import attrs
 from hybridkv.errors.events import get_logger
 from hybridkv.memory.manager import KVCacheManager, PrefixHit
 from hybridkv.memory.offload.config import OffloadConfig
-from hybridkv.memory.offload.connector import KVConnector, PlannedLoad
+from hybridkv.memory.offload.connector import LOOKUP_PENDING, KVConnector, PlannedLoad
 from hybridkv.memory.offload.keys import KeySpace
 from hybridkv.memory.offload.transfers import BlockSave, KVTransfers, LoadReport, LoadTask
 from hybridkv.scheduler.config import ConfigError
@@ -87,13 +87,16 @@ class EngineOffload:
         """The planner's loader (:meth:`admit`)."""
         return self.admit
 
-    def admit(self, request: Request, hit: PrefixHit) -> bool:
-        """The planner's loader: admit ``request`` to load, if a tier extends ``hit``."""
+    def admit(self, request: Request, hit: PrefixHit) -> bool | None:
+        """The planner's loader: admit ``request`` to load, if a tier extends ``hit``;
+        None while a remote tier's answer is on its way (the request waits a step)."""
         rid = request.request_id
         if self._attempts.get(rid, 0) >= MAX_LOAD_ATTEMPTS:
             return False
         planned = self.connector.plan_load(request, hit)
-        if planned is None:
+        if planned is LOOKUP_PENDING:
+            return None
+        if not isinstance(planned, PlannedLoad):
             return False
         self._attempts[rid] = self._attempts.get(rid, 0) + 1
         self._loading[rid] = (request, planned)
@@ -200,6 +203,11 @@ class EngineOffload:
     def drop(self, request: Request) -> None:
         """Forget a request that ends without its pages (aborted, failed, shut down)."""
         self._attempts.pop(request.request_id, None)
+        self.connector.forget_lookups(request.request_id)
+
+    def close(self) -> None:
+        """Stop the connector's lookup worker (the engine shut down)."""
+        self.connector.close()
 
     def loading_requests(self) -> list[Request]:
         """Requests whose load is in progress."""
@@ -235,6 +243,9 @@ class NoOffload:
     def loading_requests(self) -> list[Request]:
         """No loads."""
         return []
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
 
 class OffloadingExecutor(Protocol):

@@ -303,6 +303,7 @@ class EngineCore:
         for request in self._transfers.loading_requests():
             request.in_step = False
             self.kv.free(request.request_id, computed=False)
+        self._transfers.close()
         for request in list(self._requests.values()):
             self._finish(request, None if error else FinishReason.SHUTDOWN, error=error)
         self._prune_running()

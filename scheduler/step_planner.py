@@ -72,8 +72,9 @@ class StepPlan:
 
 
 #: Admits a waiting request to load what an offload tier adds to its prefix hit; True if
-#: it did (pages allocated), False to admit it as usual (see ``scheduler/connector.py``).
-Loader = Callable[[Request, PrefixHit], bool]
+#: it did (pages allocated), False to admit it as usual, None to keep it waiting this step
+#: (a remote tier's answer is on its way; see ``scheduler/connector.py``).
+Loader = Callable[[Request, PrefixHit], bool | None]
 
 
 def plan_step(
@@ -190,7 +191,11 @@ def _admit(
         # Prompt logprobs need every prompt position computed: no prefix hit (as vLLM).
         computes_all = request.params.prompt_logprobs is not None
         hit = PrefixHit(0, (), []) if computes_all else kv.lookup(request)
-        if loader is not None and not computes_all and loader(request, hit):
+        decision = False if loader is None or computes_all else loader(request, hit)
+        if decision is None:
+            copies.hold(waiting.pop())  # its tiers answer off the loop: it keeps its place
+            continue
+        if decision:
             waiting.pop()  # it runs once its load is reported (EngineCore)
             request.status = RequestStatus.RUNNING
             request.is_preempted = False

@@ -33,11 +33,19 @@ from hybridkv.memory.manager import KVCacheManager, KVRequest, PrefixHit
 from hybridkv.memory.offload.config import OffloadConfig
 from hybridkv.memory.offload.errors import OffloadConfigError, TierUnavailableError
 from hybridkv.memory.offload.keys import KeySpace, salt_of
+from hybridkv.memory.offload.lookups import TierLookups
 from hybridkv.memory.offload.transfers import BlockLoad, BlockSave, LoadTask
 from hybridkv.policies.base import MemoryPolicy, Span
 
 #: Keys of recent saves remembered, so a block computed twice is stored once.
 _RECENT_SAVES = 1 << 18
+
+
+class LookupPending:
+    """What :meth:`KVConnector.plan_load` returns while a remote tier has not answered."""
+
+
+LOOKUP_PENDING = LookupPending()
 
 
 @attrs.frozen
@@ -84,18 +92,26 @@ class KVConnector:
         self._interval = config.save_interval // bs
         self._spans: dict[tuple[MemoryPolicy, int], tuple[Span, ...]] = {}
         self._recent: OrderedDict[bytes, None] = OrderedDict()
+        remote = any(tier.is_remote for tier in config.tiers)
+        self._lookups = TierLookups(config.tiers) if remote else None
 
     # -- loads -------------------------------------------------------------------------
 
-    def plan_load(self, request: KVRequest, hit: PrefixHit) -> PlannedLoad | None:
-        """Admit ``request`` to load what the tiers add to ``hit``, or None (nothing to
-        add, or not even the shortest such prefix fits the pool: nothing changed)."""
+    def plan_load(self, request: KVRequest, hit: PrefixHit) -> PlannedLoad | LookupPending | None:
+        """Admit ``request`` to load what the tiers add to ``hit``; None (nothing to add,
+        or not even the shortest such prefix fits the pool: nothing changed); or
+        :data:`LOOKUP_PENDING` while a remote tier's answer is on its way (``lookups.py``).
+        """
         bs, kv = self.kv.block_size, self.kv
         local = hit.num_tokens // bs
         if len(hit.hashes) <= local:
             return None
         salt = salt_of(request.extra_keys)
-        sources = self._sources(hit, salt)
+        sources = self._sources(hit, salt, request.request_id)
+        if sources is None:
+            return LOOKUP_PENDING
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)  # answers are used once
         num = self._longest(len(hit.hashes), sources)
         while num > local:
             placed = kv.admit_loading(request, hit, num * bs)
@@ -126,9 +142,20 @@ class KVConnector:
             except TierUnavailableError:
                 continue
 
-    def _sources(self, hit: PrefixHit, salt: str) -> list[list[int]]:
+    def forget_lookups(self, request_id: str) -> None:
+        """Drop a request's remote answers (it ended before using them)."""
+        if self._lookups is not None:
+            self._lookups.forget(request_id)
+
+    def close(self) -> None:
+        """Stop the lookup worker, if any."""
+        if self._lookups is not None:
+            self._lookups.close()
+
+    def _sources(self, hit: PrefixHit, salt: str, request_id: str) -> list[list[int]] | None:
         """Per group and block, -1 where the hit holds a page, the first tier holding it,
-        or ``len(tiers)`` where none does (a tier that fails holds nothing)."""
+        or ``len(tiers)`` where none does (a tier that fails holds nothing); None while a
+        remote tier has not answered."""
         num_groups, num_blocks = self.kv.num_groups, len(hit.hashes)
         missing = len(self.config.tiers)
         sources = [[missing] * num_blocks for _ in range(num_groups)]
@@ -144,10 +171,16 @@ class KVConnector:
             if not wanted:
                 break
             keys = [self.keys.key(g, hit.hashes[i], salt) for g, i in wanted]
-            try:
-                found = tier.contains(keys)
-            except TierUnavailableError:
-                continue
+            if self._lookups is not None and tier.is_remote:
+                answered = self._lookups.answer(request_id, t, keys)
+                if answered is None:
+                    return None
+                found = answered
+            else:
+                try:
+                    found = tier.contains(keys)
+                except TierUnavailableError:
+                    continue
             still = []
             for (g, i), is_there in zip(wanted, found, strict=True):
                 if is_there:

@@ -23,6 +23,7 @@ class HostTier:
     """
 
     name = "host"
+    is_remote = False
 
     def __init__(self, capacity_bytes: int, *, allocate: BufferFactory | None = None) -> None:
         if capacity_bytes < 1:

@@ -32,6 +32,7 @@ class RedisTier:
     """
 
     name = "redis"
+    is_remote = True
 
     def __init__(
         self,

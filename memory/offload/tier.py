@@ -23,6 +23,12 @@ class Tier(Protocol):
         """Its label in metrics and logs (``host``, ``redis``)."""
         ...
 
+    @property
+    def is_remote(self) -> bool:
+        """Whether a call is a network round trip: the connector then asks it from a
+        worker thread, never from the engine's loop (``lookups.py``)."""
+        ...
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether the tier holds it now."""
         ...
