@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -90,6 +90,28 @@ def print_plans(plans: dict[str, dict[str, Any]]) -> None:
             print(f"{'':<31}{_blocks(p)}, raised from {asked} so a page holds a state")
 
 
+def _print_rows(
+    models: Sequence[str],
+    plans: dict[str, dict[str, Any]],
+    results: dict[str, dict[str, Any]],
+    workload: str,
+    vllm_label: str,
+    width: int,
+    cells: Callable[[dict[str, Any]], str],
+) -> None:
+    """One row per allocator and model of ``workload``'s hybrid layout: its ``cells``, or
+    why it did not run."""
+    for name in models:
+        bs = _blocks(plans[name])
+        runs = results[name][workload]["hybrid"]
+        lines = [(f"hybridkv today ({bs})", runs["hybridkv"])]
+        if "vllm" in runs:
+            lines.append((f"{vllm_label} ({bs})", runs["vllm"]))
+        for i, (label, res) in enumerate(lines):
+            head = f"{name if i == 0 else '':<20}{label:<{width}}"
+            print(head + (_problem(res) or cells(res)))
+
+
 def print_report(
     args: argparse.Namespace,
     plans: dict[str, dict[str, Any]],
@@ -119,18 +141,10 @@ def print_report(
     print(f"\n1. first repeat of a prompt: tokens hit on the repeat ({args.output_tokens}-token "
           f"replies, one request at a time)")  # fmt: skip
     print(f"{'model':<20}{'layout':<{width}}" + "".join(f"{n:>7}" for n in REPEAT_LENGTHS))
-    for name in models:
-        bs = _blocks(plans[name])
-        cells = results[name]["repeat"]["hybrid"]
-        lines = [(f"hybridkv today ({bs})", cells["hybridkv"])]
-        if "vllm" in cells:
-            lines.append((f"{vllm_label} ({bs})", cells["vllm"]))
-        for i, (label, res) in enumerate(lines):
-            head = f"{name if i == 0 else '':<20}{label:<{width}}"
-            if problem := _problem(res):
-                print(head + problem)
-                continue
-            print(head + "".join(f"{res['hits'][f'{n}.repeat']:>7}" for n in REPEAT_LENGTHS))
+    _print_rows(
+        models, plans, results, "repeat", vllm_label, width,
+        lambda res: "".join(f"{res['hits'][f'{n}.repeat']:>7}" for n in REPEAT_LENGTHS),
+    )  # fmt: skip
     goal = [(n - 1) // GOAL_BLOCK * GOAL_BLOCK for n in REPEAT_LENGTHS]
     print(f"{'':<20}{'goal: (len - 1) // 16 * 16':<{width}}" + "".join(f"{g:>7}" for g in goal))
 
@@ -144,21 +158,11 @@ def print_report(
     print(
         f"{'model':<20}{'layout':<{width}}{'requests hit':>14}{'tokens hit':>12}{'preempted':>11}"
     )
-    for name in models:
-        bs = _blocks(plans[name])
-        cells = results[name]["shared_prefix"]["hybrid"]
-        lines = [(f"hybridkv today ({bs})", cells["hybridkv"])]
-        if "vllm" in cells:
-            lines.append((f"{vllm_label} ({bs})", cells["vllm"]))
-        for i, (label, res) in enumerate(lines):
-            head = f"{name if i == 0 else '':<20}{label:<{width}}"
-            if problem := _problem(res):
-                print(head + problem)
-                continue
-            print(
-                head + f"{res['requests_hit']:>8} of {n_req:<3}{res['tokens_hit']:>12,}"
-                f"{res['preemptions']:>11}"
-            )
+    _print_rows(
+        models, plans, results, "shared_prefix", vllm_label, width,
+        lambda res: f"{res['requests_hit']:>8} of {n_req:<3}{res['tokens_hit']:>12,}"
+        f"{res['preemptions']:>11}",
+    )  # fmt: skip
     goal_label = f"goal: all but one hit {per_hit}"
     print(f"{'':<20}{goal_label:<{width}}{n_req - 1:>8} of {n_req:<3}{(n_req - 1) * per_hit:>12,}")
 

@@ -70,10 +70,11 @@ def shared_prefix_jobs(rng: random.Random, args: argparse.Namespace) -> list[Job
 def chat_jobs(seed: int) -> tuple[list[Job], dict[str, Any]]:
     """``multisession.py``'s sessions at its defaults, each reply the fake model's."""
     import multisession
+    from _multisession_run import Session
 
     wargs = multisession.parse_args([])
     rng = random.Random(seed)
-    sessions = [multisession.Session(i, rng, wargs) for i in range(wargs.sessions)]
+    sessions = [Session(i, rng, wargs) for i in range(wargs.sessions)]
     jobs: list[Job] = []
     goal_hit = 0
     for s in sessions:

@@ -41,7 +41,7 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from multisession import BLOCK_SIZE, LAYOUTS, Session, policies
+from _multisession_run import BLOCK_SIZE, LAYOUTS, Session, policies
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.memory import KVCacheManager
