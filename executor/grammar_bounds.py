@@ -6,10 +6,14 @@ measured here first, in pure Python and in time linear in its length, and refuse
 :class:`GrammarLimitError` that names the limit::
 
     grammar (Lark, GBNF)   bytes, rule definitions, the longest chain of references
-                           from the start rule, bracket nesting
+                           from the start rule, bracket nesting, alternatives of a rule
     regex                  bytes, group nesting
     JSON schema            bytes, nesting of objects and arrays
     choice                 number of choices, bytes of all of them
+
+A rule's alternatives (and a choice list, one rule of them) are bounded well below the
+2,000 items llguidance's parser keeps in one row: past it, a grammar that compiled fails
+at the first sampled token, too late for a 400.
 
 The counts are of the text as written (string literals and character classes skipped),
 so they are cheap and conservative: they refuse no grammar that a reasonable client
@@ -39,9 +43,10 @@ class GrammarLimits:
     max_rules: int = 1_000
     max_reference_depth: int = 400
     max_nesting: int = 64
+    max_alternatives: int = 1_000
     max_regex_bytes: int = 8 << 10
     max_schema_bytes: int = 64 << 10
-    max_choices: int = 4_096
+    max_choices: int = 1_000
     max_choice_bytes: int = 64 << 10
 
 
@@ -117,6 +122,8 @@ def _check_grammar_text(text: str, limits: GrammarLimits) -> None:
         assert match is not None
         body = bare[match.end() : end]
         rules.setdefault(match.group(1), set()).update(_NAME.findall(body))
+        alternatives = _top_level_bars(body) + 1
+        _at_most(f"rule {match.group(1)!r}", alternatives, limits.max_alternatives, "alternatives")
     depth = _reference_depth(rules)
     _at_most("the grammar", depth, limits.max_reference_depth, "rules in its longest chain")
 
@@ -137,6 +144,19 @@ def _reference_depth(rules: dict[str, set[str]]) -> int:
             deepest = max(deepest, depth)
             stack.extend((ref, depth + 1) for ref in rules[name] if ref in rules)
     return deepest
+
+
+def _top_level_bars(body: str) -> int:
+    """The ``|`` of a rule body outside brackets (literals already blanked)."""
+    depth = bars = 0
+    for char in body:
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char == "|" and depth <= 0:
+            bars += 1
+    return bars
 
 
 def _nesting(text: str, opening: str, closing: str) -> int:

@@ -99,9 +99,8 @@ class GrammarMasks:
         entry.num_consumed = request.output_index
         if matcher.is_error():
             # The matcher now allows only EOS: the request ends, as vLLM's does.
-            log.warning(
-                "structured_output_error", request_id=request.request_id, error=matcher.get_error()
-            )
+            error = matcher.get_error()  # it may quote the whole grammar: the start is enough
+            log.warning("structured_output_error", request_id=request.request_id, error=error[:300])
         words = self._words
         matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         masks = self._byte_masks.index_select(0, words.view(torch.uint8).long())

@@ -65,6 +65,15 @@ def test_ordinary_specs_pass(spec: StructuredOutput) -> None:
             "100000 entries",
         ),
         (StructuredOutput("choice", json.dumps(["x" * 70_000])), "bytes"),
+        (StructuredOutput("choice", json.dumps([f"w{i}" for i in range(1001)])), "1001 entries"),
+        (
+            StructuredOutput("grammar", "start: " + " | ".join(f'"w{i}"' for i in range(1001))),
+            "rule 'start' has 1001 alternatives",
+        ),
+        (
+            StructuredOutput("grammar", 'start: "a"\n' + "\n".join(["  | 'b'"] * 1001)),
+            "rule 'start' has 1002 alternatives",
+        ),
     ],
 )
 def test_specs_over_a_bound_are_refused_naming_it(spec: StructuredOutput, match: str) -> None:

@@ -45,7 +45,17 @@ def sampling(make_sampling_server: Any) -> Any:
         (
             {"guided_choice": [f"word{i}" for i in range(100_000)]},
             "guided_choice",
-            "100000 entries; the limit is 4096",
+            "100000 entries; the limit is 1000",
+        ),
+        (
+            {"guided_choice": [f"w{i}" for i in range(2000)]},
+            "guided_choice",
+            "2000 entries; the limit is 1000",
+        ),
+        (
+            {"guided_grammar": "start: " + " | ".join(f'"w{i}"' for i in range(2000))},
+            "guided_grammar",
+            "rule 'start' has 2000 alternatives; the limit is 1000",
         ),
         (
             {"structured_outputs": {"regex": "(" * 200 + "a" + ")" * 200}},
