@@ -47,361 +47,34 @@ beside each".
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
-import selectors
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _hostile_attackers import hostile, http_status
+from _hostile_report import FRESH_GOAL_S, HEALTH_GOAL_S, log_events, print_case
+from _hostile_server import HOST, MODEL, serve
 from _results import add_json_argument, write_json
 
-from hybridkv.executor.grammar_bounds import DEFAULT_LIMITS
-
-MODEL = "fake-model"
-HOST = "127.0.0.1"
-FRESH_GOAL_S = 2.0  # a fresh completion: at most this over the unloaded median
-HEALTH_GOAL_S = 1.0  # /health: at most this
 PROBE_TIMEOUT_S = 30.0
-JSON = {"Content-Type": "application/json"}
 FRESH = {"model": MODEL, "prompt": "w2 w3", "max_tokens": 4, "ignore_eos": True}
-
 CASES = {
     "2": "guided_choice of 100,000, 1,000 and 1,999 new words in turn, 4 connections",
     "3": "1,000 idle sockets (--max-connections), each one closed reopened",
     "5": "n=128 (max_num_seqs 32) beside a flood at priority -100 on 8 connections",
     "7": "echo + logprobs 20 + prompt_logprobs 20 on an 8,000-token prompt",
 }
-MAX_CONNECTIONS = 1000  # the server's default cap, held by case 3
-BIG_PROMPT_TOKENS = 8000
-CHOICES_ACCEPTED = DEFAULT_LIMITS.max_choices  # the largest choice list the bounds accept
-CHOICES_PARSED = 1999  # the largest one llguidance's parser takes (a row of 2,000 items)
-BYTE_EOS = 256
-
-
-# -- the server (a child process) ----------------------------------------------------------
-
-
-def word_tokenizer(num_words: int = 62) -> Any:
-    """The tests' whitespace word-level tokenizer: ``[UNK]``, ``<eos>``, ``w2 .. w63``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, "<eos>": 1} | {f"w{i}": i for i in range(2, num_words + 2)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")
-    tokenizer.add_special_tokens(["<eos>"])
-    return tokenizer
-
-
-def byte_tokenizer() -> Any:
-    """The tests' byte-level tokenizer: one token per byte, then ``<eos>`` (256)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
-    return tokenizer
-
-
-def sampling_fake_executor_class() -> type:
-    """The tests' ``SamplingFakeExecutor``: the fake, with random logits per position that
-    the real sampler samples (structured output applies), on the byte vocabulary."""
-    import torch
-
-    from hybridkv.executor.sampler import Sampler
-    from hybridkv.scheduler import FakeExecutor, StepBatch, StepResult
-    from hybridkv.scheduler.params import StructuredOutput
-
-    class SamplingFakeExecutor(FakeExecutor):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.sampler = Sampler(eos_token_ids=[BYTE_EOS], seed=0)
-            self.tokenizer = byte_tokenizer()
-
-        def compile_grammar(self, spec: StructuredOutput) -> None:
-            self.sampler.compile_grammar(spec, self.tokenizer, BYTE_EOS + 1)
-
-        def execute(self, batch: StepBatch) -> StepResult:
-            fake = super().execute(batch)
-            rows = [i for i, r in enumerate(batch.requests) if r.sample]
-            if not rows:
-                return fake
-            logits = torch.stack([self._logits(batch.requests[i]) for i in rows])
-            sampled = self.sampler.sample(
-                logits, [batch.requests[i] for i in rows], tokenizer=self.tokenizer
-            )
-            tokens = list(fake.token_ids)
-            for i, token in zip(rows, sampled, strict=True):
-                tokens[i] = token
-            return StepResult(token_ids=tuple(tokens), prompt_logprobs=fake.prompt_logprobs)
-
-        def _logits(self, request: Any) -> Any:
-            position = request.start_position + request.num_tokens - 1
-            h = self._read(request.block_tables, position)
-            generator = torch.Generator().manual_seed(h & 0x7FFFFFFF)
-            return torch.randn(self.vocab_size, generator=generator) * 3
-
-    return SamplingFakeExecutor
-
-
-def serve(case: str) -> None:
-    """Serve the case's engine on a free loopback port (printed) until stdin closes."""
-    import functools
-
-    import anyio
-
-    from hybridkv.policies import FullAttention, SlidingWindow
-    from hybridkv.scheduler import Engine, EngineConfig, FakeExecutor
-    from hybridkv.serving.app import build_app
-    from hybridkv.serving.chat import ChatTemplate
-    from hybridkv.serving.cli.console import configure_logging
-    from hybridkv.serving.connection import ConnectionLimits
-    from hybridkv.serving.server import bound_port, open_socket, serve_http
-
-    configure_logging("warning")
-    settings: dict[str, Any] = {
-        "policies": [FullAttention(), SlidingWindow(window=32)],
-        "num_blocks": 1024,
-        "block_size": 4,
-        "max_model_len": 256,
-        "max_num_seqs": 32,
-        "max_num_batched_tokens": 128,
-        "eos_token_ids": [1],
-        "vocab_size": 64,
-    }
-    executor_class: type[FakeExecutor] = FakeExecutor
-    tokenizer = word_tokenizer()
-    if case == "2":
-        settings.update(vocab_size=BYTE_EOS + 1, eos_token_ids=[BYTE_EOS])
-        executor_class = sampling_fake_executor_class()
-        tokenizer = byte_tokenizer()
-    elif case == "7":
-        settings.update(max_model_len=8300, num_blocks=4400, max_num_batched_tokens=2048)
-    config = EngineConfig(**settings)
-    executor = executor_class.for_config(config)
-    limits = ConnectionLimits(max_connections=MAX_CONNECTIONS)
-
-    async def main() -> None:
-        sock = open_socket(HOST, 0)
-        port = bound_port(sock)
-        async with Engine(config, executor) as engine:
-            app = build_app(
-                engine,
-                tokenizer,
-                model_name=MODEL,
-                max_model_len=config.max_model_len,
-                chat_template=ChatTemplate.plain(),
-            )
-            async with anyio.create_task_group() as tg:
-                server = await tg.start(functools.partial(serve_http, limits=limits), app, sock)
-                print(port, flush=True)
-                await anyio.to_thread.run_sync(sys.stdin.read)  # the driver closes it
-                server.should_exit = True
-
-    anyio.run(main)
-
-
-# -- the hostile clients (a child process) -------------------------------------------------
-
-
-class Tally:
-    """Outcomes by label (thread-safe), and a bound on the requests sent."""
-
-    def __init__(self, limit: int) -> None:
-        self.counts: dict[str, Counter[str]] = {}
-        self.notes: dict[str, Any] = {}
-        self.lock = threading.Lock()
-        self.sent = itertools.count()
-        self.limit = limit
-
-    def more(self, deadline: float) -> bool:
-        return time.monotonic() < deadline and next(self.sent) < self.limit
-
-    def add(self, label: str, outcome: str) -> None:
-        with self.lock:
-            self.counts.setdefault(label, Counter())[outcome] += 1
-
-    def note_max(self, name: str, value: float) -> None:
-        with self.lock:
-            self.notes[name] = max(self.notes.get(name, value), value)
-
-
-def _post_loop(
-    port: int,
-    body: Callable[[int], tuple[str, dict[str, Any]]],
-    check: Callable[[dict[str, Any], Any], bool] | None,
-    tally: Tally,
-    deadline: float,
-) -> None:
-    """Send ``body(i)`` (a label, a request) on one kept-alive connection until the
-    deadline or the bound; tally the outcomes by label."""
-    import httpx
-
-    with httpx.Client(base_url=f"http://{HOST}:{port}", timeout=120) as client:
-        for i in itertools.count():
-            if not tally.more(deadline):
-                return
-            label, sent = body(i)
-            try:
-                response = client.post("/v1/completions", content=json.dumps(sent), headers=JSON)
-            except httpx.HTTPError as exc:
-                tally.add(label, type(exc).__name__)
-                continue
-            outcome = str(response.status_code)
-            if response.status_code == 200:
-                tally.note_max(f"{label}: largest answer, bytes", len(response.content))
-            if response.status_code == 200 and check is not None:
-                outcome += "" if check(sent, response.json()) else " (wrong answer)"
-            tally.add(label, outcome)
-
-
-def _threads(jobs: list[Callable[[], None]]) -> None:
-    threads = [threading.Thread(target=job, daemon=True) for job in jobs]
-    for thread in threads:
-        thread.start()
-    print("ready", flush=True)
-    for thread in threads:
-        thread.join()
-
-
-def hostile(case: str, port: int, seconds: float) -> None:
-    """Run case ``case``'s hostile client for ``seconds``; print "ready" once it is
-    active, and at the end one JSON line: its outcomes by status code."""
-    deadline = time.monotonic() + seconds
-    if case == "3":
-        tally = _idle_sockets(port, MAX_CONNECTIONS, deadline)
-    else:
-        tally = Tally(limit={"2": 400, "5": 20_000, "7": 60}[case])
-        _threads(_jobs(case, port, tally, deadline))
-    print(json.dumps({"counts": tally.counts, "notes": tally.notes}), flush=True)
-
-
-def _jobs(case: str, port: int, tally: Tally, deadline: float) -> list[Callable[[], None]]:
-    def job(body: Callable[[int], tuple[str, dict[str, Any]]], check: Any = None) -> Any:
-        return lambda: _post_loop(port, body, check, tally, deadline)
-
-    base = {"model": MODEL, "prompt": "w2 w3"}
-    if case == "2":
-        huge = [f"word{i}" for i in range(100_000)]
-
-        def body(worker: int) -> Callable[[int], tuple[str, dict[str, Any]]]:
-            def make(i: int) -> tuple[str, dict[str, Any]]:
-                if i % 3 == 0:  # over the bound: a 400 before anything compiles
-                    return "100,000 choices", {**base, "max_tokens": 16, "guided_choice": huge}
-                count = CHOICES_ACCEPTED if i % 3 == 1 else CHOICES_PARSED
-                words = [f"{worker}x{i}c{j}" for j in range(count)]  # new each time
-                return f"{count:,} choices", {**base, "max_tokens": 24, "guided_choice": words}
-
-            return make
-
-        def in_choices(sent: dict[str, Any], answer: Any) -> bool:
-            return answer["choices"][0]["text"] in sent["guided_choice"]
-
-        return [job(body(w), in_choices) for w in range(4)]
-    if case == "5":
-
-        def many(_: int) -> tuple[str, dict[str, Any]]:
-            return "n=128", {**base, "max_tokens": 16, "ignore_eos": True, "n": 128}
-
-        def priority(_: int) -> tuple[str, dict[str, Any]]:
-            return "priority -100", {**base, "max_tokens": 4, "priority": -100}
-
-        def all_choices(_: dict[str, Any], answer: Any) -> bool:
-            return len(answer["choices"]) == 128
-
-        return [job(many, all_choices), *[job(priority) for _ in range(8)]]
-    if case == "7":
-
-        def echo(i: int) -> tuple[str, dict[str, Any]]:
-            words = " ".join(f"w{2 + (i + k) % 60}" for k in range(BIG_PROMPT_TOKENS))
-            return "echo + logprobs", {
-                **base,
-                "prompt": words,
-                "max_tokens": 4,
-                "ignore_eos": True,
-                "echo": True,
-                "logprobs": 20,
-                "prompt_logprobs": 20,
-            }
-
-        def whole(_: dict[str, Any], answer: Any) -> bool:
-            tokens = answer["choices"][0]["logprobs"]["tokens"]
-            return len(tokens) == BIG_PROMPT_TOKENS + 4
-
-        return [job(echo, whole)]
-    raise ValueError(f"no case {case!r}")
-
-
-def _idle_sockets(port: int, count: int, deadline: float) -> Tally:
-    """Hold ``count`` sockets that send nothing; reopen each one the server closes."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = count + 64
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        top = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
-    tally = Tally(limit=50_000)
-    selector = selectors.DefaultSelector()
-    label = "idle socket"
-
-    def open_one() -> None:
-        try:
-            sock = socket.create_connection((HOST, port), timeout=5)
-        except OSError as exc:
-            tally.add(label, f"connect failed ({type(exc).__name__})")
-            return
-        sock.setblocking(False)
-        selector.register(sock, selectors.EVENT_READ, bytearray())
-        tally.add(label, "opened")
-
-    for _ in range(count):
-        open_one()
-    print("ready", flush=True)
-    while time.monotonic() < deadline:
-        for key, _ in selector.select(timeout=0.2):
-            sock, received = key.fileobj, key.data
-            assert isinstance(sock, socket.socket)
-            try:
-                data = sock.recv(65536)
-            except BlockingIOError:
-                continue
-            except ConnectionError:
-                data = b""
-            if data:
-                received += data
-                continue
-            selector.unregister(sock)
-            sock.close()
-            status = _status(bytes(received))
-            tally.add(label, f"closed, {status}" if status else "closed, no response")
-            if tally.more(deadline):
-                open_one()
-    for key in list(selector.get_map().values()):
-        selector.unregister(key.fileobj)
-        key.fileobj.close()  # type: ignore[union-attr]
-    return tally
 
 
 # -- the probe and the driver --------------------------------------------------------------
-
-
-def _status(data: bytes) -> str | None:
-    if not data.startswith(b"HTTP/"):
-        return None
-    return data.split(b" ", 2)[1].decode()
 
 
 def http_once(port: int, request: bytes) -> tuple[str, float, bytes]:
@@ -416,7 +89,7 @@ def http_once(port: int, request: bytes) -> tuple[str, float, bytes]:
                 data += chunk
     except OSError as exc:
         return type(exc).__name__, time.perf_counter() - start, b""
-    status = _status(data) or "no response"
+    status = http_status(data) or "no response"
     return status, time.perf_counter() - start, data.partition(b"\r\n\r\n")[2]
 
 
@@ -602,86 +275,13 @@ def _measure(
         "server_stderr_lines": len(stderr.splitlines()),
         "server_tracebacks": stderr.count("Traceback"),
         "server_stderr_bytes": len(stderr.encode()),
-        "server_stderr_events": sorted(set(_events(stderr))),
+        "server_stderr_events": sorted(set(log_events(stderr))),
         "engine_after": stats,
         "resources_before": before,
         "resources_after": after,
         "leaked": leaked,
         "case_s": round(time.monotonic() - started, 1),
     }
-
-
-def _events(stderr: str) -> list[str]:
-    """The event names of the server's log lines ("12:00:00 [warning ] name key=...")."""
-    names = []
-    for line in stderr.splitlines():
-        _, bracket, rest = line.partition("] ")
-        names.append(rest.split(" ", 1)[0] if bracket else line[:80])
-    return names
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _yes(value: bool) -> str:
-    return "yes" if value else "NO"
-
-
-def print_case(r: dict[str, Any]) -> None:
-    print(f"\ncase {r['case']}: {r['hostile']} ({r['seconds']:g} s)\n")
-    print("| probe | unloaded median / max ms | loaded median / max ms | median diff ms | goal |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, goal, limit in (
-        ("fresh", "fresh_goal", f"max within {FRESH_GOAL_S:g} s of unloaded median"),
-        ("health", "health_goal", f"max within {HEALTH_GOAL_S:g} s"),
-    ):
-        u, lo = r[name]["unloaded"], r[name]["loaded"]
-        diff = (
-            None
-            if u["median_ms"] is None or lo["median_ms"] is None
-            else lo["median_ms"] - u["median_ms"]
-        )
-        label = "fresh completion" if name == "fresh" else "GET /health"
-        bad = "" if lo["all_200"] else f", statuses {lo['statuses']}"
-        print(
-            f"| {label} | {_ms(u['median_ms'])} / {_ms(u['max_ms'])} "
-            f"| {_ms(lo['median_ms'])} / {_ms(lo['max_ms'])} | {diff:+.1f} "
-            f"| {'holds' if r[goal] else 'FAILS'} ({limit}{bad}) |"
-            if diff is not None
-            else f"| {label} | - | - | - | FAILS{bad} |"
-        )
-    outcomes = "; ".join(
-        f"{label}: " + ", ".join(f"{code} x {n}" for code, n in sorted(counts.items()))
-        for label, counts in r["hostile_outcomes"].items()
-    )
-    print(f"\nhostile client: {outcomes}")
-    for note, value in r["hostile_notes"].items():
-        if value < 100_000:  # only the large answers (case 7) are worth a line
-            continue
-        print(f"  {note}: {value:,.0f}")
-    e, before, after = r["engine_after"], r["resources_before"], r["resources_after"]
-    print(
-        f"5xx: {'none' if r['no_5xx'] else 'SOME'} (server counted {e['5xx counted']:.0f}); "
-        f"hostile active through the probes: {_yes(r['hostile_active_through_probes'])}"
-    )
-    print(
-        f"server: {'alive, /health 200' if r['server_alive_after'] else 'DEAD or unhealthy'} "
-        f"after the case; exit code {r['server_exit_code']} when told to stop; "
-        f"stderr {r['server_stderr_lines']} lines ({r['server_stderr_bytes']:,} bytes), "
-        f"{r['server_tracebacks']} tracebacks"
-        + (
-            f" (events: {', '.join(r['server_stderr_events'])})"
-            if r["server_stderr_events"]
-            else ""
-        )
-    )
-    print(
-        f"after: running {e['running']:.0f}, waiting {e['waiting']:.0f}, pages held "
-        f"{e['pages held']:.0f}; descriptors {before['descriptors']} -> {after['descriptors']}, "
-        f"threads {before['threads']} -> {after['threads']}; "
-        f"{'LEAK' if r['leaked'] else 'no leak'}"
-    )
 
 
 def main() -> None:
