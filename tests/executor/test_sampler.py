@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizer_samples import byte_tokenizer
+from tokenizers import Tokenizer
 
 from hybridkv.executor.grammars import GrammarError
 from hybridkv.executor.load_options import LoadOptions
@@ -258,16 +259,6 @@ def test_bad_penalties_are_invalid_requests():
 
 
 # -- structured output -----------------------------------------------------------------
-
-
-def byte_tokenizer() -> Tokenizer:
-    """A byte-level tokenizer with one token per byte (ids 0-255) and ``<eos>`` (256)."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
-    return tokenizer
 
 
 EOS = 256

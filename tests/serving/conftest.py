@@ -19,6 +19,7 @@ import attrs
 import pytest
 import uvicorn
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+from tokenizer_samples import BYTE_EOS, byte_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from hybridkv.policies import FullAttention, SlidingWindow
@@ -56,21 +57,6 @@ def word_tokenizer(num_words: int = 62) -> Tokenizer:
 def word_tokenizer_fixture() -> Tokenizer:
     """The word-level test tokenizer."""
     return word_tokenizer()
-
-
-def byte_tokenizer() -> Tokenizer:
-    """A byte-level tokenizer: one token per byte (ids 0-255), then ``<eos>`` (256)."""
-    from tokenizers import AddedToken
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken("<eos>", special=True)])
-    return tokenizer
-
-
-BYTE_EOS = 256
 
 
 class SamplingFakeExecutor(FakeExecutor):
