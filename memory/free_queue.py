@@ -40,13 +40,15 @@ _MIN_GIVE_UP = 8
 class FreeQueue:
     """Free pages (cold, given up, then warm) and the prefixes kept for future hits.
 
-    Page ids are ``1 .. num_blocks - 1``; all start cold. Every method is O(pages
-    touched), amortized, except :meth:`forget` (a failed step's pages), which scans the
-    kept prefixes.
+    Page ids are ``1 .. num_blocks - 1``; all start cold (none with ``start_empty``).
+    Every method is O(pages touched), amortized, except :meth:`forget` (a failed step's
+    pages), which scans the kept prefixes.
     """
 
-    def __init__(self, num_blocks: int) -> None:
-        self._cold: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+    def __init__(self, num_blocks: int, *, start_empty: bool = False) -> None:
+        # A pool with state spans keeps its never-cached pages as holes, not here.
+        first = range(0) if start_empty else range(1, num_blocks)
+        self._cold: OrderedDict[int, None] = OrderedDict.fromkeys(first)
         self._given_up: OrderedDict[int, None] = OrderedDict()
         self._warm: dict[int, None] = {}  # a dict: stores and deletes are not method calls
         self._count = [0] * num_blocks  # kept prefixes holding each page
@@ -63,6 +65,11 @@ class FreeQueue:
     def num_reusable(self) -> int:
         """Free pages no kept prefix holds: taking up to this many evicts no prefix."""
         return len(self._cold) + len(self._given_up)
+
+    def reusable_pages(self) -> Iterable[int]:
+        """The free pages no kept prefix holds (cold, then given up)."""
+        yield from self._cold
+        yield from self._given_up
 
     def is_kept(self, page: int) -> bool:
         """Whether some kept prefix holds ``page``."""

@@ -38,11 +38,16 @@ class PrefixHit:
         block_tables: Per group, the table of the hit: the blocks the policy needs to
             resume, the null block elsewhere.
         hashes: The request's block hashes computed so far (kept, not recomputed).
+        checkpoints: Token counts past the hit where state groups keep a state as the
+            request is computed: the end of the longest prefix the K/V groups have
+            cached, where the state groups have none (a prompt that leaves a shared
+            prefix: the next request with that prefix resumes at its end).
     """
 
     num_tokens: int
     block_tables: tuple[tuple[int, ...], ...]
     hashes: list[BlockHash] = attrs.field(eq=False, repr=False)
+    checkpoints: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -54,6 +59,16 @@ class KVUsage:
     blocks_used_per_group: tuple[int, ...]
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    #: Pages the state groups hold (a span of page ids each where the state needs it).
+    state_pages_used: int = 0
+    #: State pages that could be taken now (spans free of pages in use; 0 in a pool
+    #: whose state pages are one page id, as every page then is).
+    num_free_state_pages: int = 0
+
+    @property
+    def kv_pages_used(self) -> int:
+        """Pages the K/V groups hold (one page id each)."""
+        return sum(self.blocks_used_per_group) - self.state_pages_used
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -54,6 +54,9 @@ class KVCacheManager:
         block_size: Tokens per block, the same for every group.
         enable_prefix_caching: Cache full blocks and serve prefix hits.
         hash_name: Block hash function (see ``hybridkv.memory.hashing``).
+        state_span: Page ids one state page takes (``hybridkv.memory.spans``): the state
+            groups' pages are that many of the K/V groups' pages, carved from the same
+            pool; 1 gives every group one page size.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         hash_name: str = "sha256",
+        state_span: int = 1,
     ) -> None:
         if not policies:
             raise LayoutError("a KV cache manager needs at least one group")
@@ -72,7 +76,9 @@ class KVCacheManager:
         self.policies = tuple(policies)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, len(self.policies))
+        self.state_span = state_span
+        widths = [state_span if p.keeps_state else 1 for p in self.policies]
+        self.pool = BlockPool(num_blocks, len(self.policies), widths=widths)
         self._hasher = BlockHasher(block_size, hash_name)
         # Groups with equal policies share the block arithmetic: a "kind" per policy.
         kinds: dict[MemoryPolicy, list[int]] = {}
@@ -112,9 +118,12 @@ class KVCacheManager:
         return self._requests[request_id].hashes
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        """Most pages a request of ``num_tokens`` holds at once, computed a token at a time."""
+        """Most page ids a request of ``num_tokens`` holds at once, computed a token at a
+        time (a state page counts its span)."""
         return sum(
-            p.max_live_blocks(num_tokens, self.block_size) * len(groups)
+            p.max_live_blocks(num_tokens, self.block_size)
+            * len(groups)
+            * (self.state_span if p.keeps_state else 1)
             for p, groups in self._kinds
         )
 
@@ -124,6 +133,12 @@ class KVCacheManager:
             num_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free,
             blocks_used_per_group=tuple(self.pool.num_used_per_group),
+            state_pages_used=sum(
+                n
+                for n, p in zip(self.pool.num_used_per_group, self.policies, strict=True)
+                if p.keeps_state
+            ),
+            num_free_state_pages=self.pool.num_free_spans,
             prefix_hit_tokens=self._hit_tokens,
             prefix_query_tokens=self._query_tokens,
         )
@@ -185,15 +200,20 @@ class KVCacheManager:
         """
         if num_new_tokens <= at_least or not self._pages.releases_pages:
             return num_new_tokens
-        spare = self.pool.num_reusable
-        most = (num_new_tokens // self.block_size + 2) * self.num_groups  # fresh pages, at most
+        spare, spare_spans = self.pool.reusable(hit.block_tables if hit is not None else ())
+        # Fresh page ids at most, and the hit's own pages, which may be unkept.
+        most = (num_new_tokens // self.block_size + 2) * self._pages.ids_per_block
         if hit is not None:
-            most += sum(map(len, hit.block_tables))  # the hit's own pages may be unkept
-        if spare >= most:
+            most += self.pool.page_ids_in(hit.block_tables)
+        if spare >= most and spare_spans >= most:
             return num_new_tokens  # the common case: pages nobody keeps are plenty
         state = self._requests.get(request.request_id)
-        taken = self._pages.num_taken
-        while num_new_tokens > at_least and taken(state, num_new_tokens, hit) > spare:
+
+        def gives_up(num: int) -> bool:
+            ids, states = self._pages.num_taken(state, num, hit)
+            return ids > spare or states > spare_spans
+
+        while num_new_tokens > at_least and gives_up(num_new_tokens):
             num_new_tokens = max(at_least, num_new_tokens // 2)
         return num_new_tokens
 
@@ -213,16 +233,16 @@ class KVCacheManager:
         num_blocks = num_tokens // bs
         hit_tables = hit.block_tables if hit.num_tokens else ((),) * self.num_groups
         live: list[set[int]] = []
-        num_fresh = 0
+        fresh = [0, 0]  # small pages, state pages
         for policy, hit_table in zip(self.policies, hit_tables, strict=True):
             spans = policy.live_block_spans(num_tokens, bs)
             blocks = {i for first, stop in spans for i in range(first, min(stop, num_blocks))}
             live.append(blocks)
-            num_fresh += sum(1 for i in blocks if i >= len(hit_table) or not hit_table[i])
+            num = sum(1 for i in blocks if i >= len(hit_table) or not hit_table[i])
+            fresh[policy.keeps_state and self.state_span > 1] += num
         if hit.num_tokens:
             check_hit(self.pool, hit)
-        num_hit_free = pool.num_free_in(hit.block_tables) if hit.num_tokens else 0
-        if num_fresh + num_hit_free > pool.num_free:
+        if not pool.fits(*fresh, take=hit.block_tables if hit.num_tokens else ()):
             return None
         self._admit(request, 0, hit)
         state = self._requests[request.request_id]
@@ -256,11 +276,9 @@ class KVCacheManager:
         tables = state.tables
         wanted = None
         if num_new > 0:
-            wanted = self._pages.wanted(len(tables[0]), n, end)
-            num_freed = 0
-            for g, i in dead:
-                num_freed += pool.ref_count(tables[g][i]) == 1
-            if self._pages.count(wanted, num_new) > pool.num_free + num_freed:
+            wanted = self._pages.wanted(len(tables[0]), n, end, state.checkpoints)
+            released = [(g, tables[g][i]) for g, i in dead]
+            if not pool.fits(*self._pages.need(wanted, num_new), release=released):
                 return None
         # Commit: release first (tail first), then take fresh pages.
         if n >= state.min_release_at:
@@ -286,12 +304,13 @@ class KVCacheManager:
         end = num_hit + num_new_tokens
         num_new = cdiv(end, bs) - hit_blocks
         hashes = hit.hashes if hit is not None else []
-        wanted = self._pages.wanted(hit_blocks, num_hit, end)
-        num_hit_free = 0
+        checkpoints = hit.checkpoints if hit is not None else ()
+        wanted = self._pages.wanted(hit_blocks, num_hit, end, checkpoints)
+        taken: tuple[tuple[int, ...], ...] = ()
         if hit is not None and num_hit:
             check_hit(self.pool, hit)
-            num_hit_free = pool.num_free_in(hit.block_tables)
-        if self._pages.count(wanted, num_new) + num_hit_free > pool.num_free:
+            taken = hit.block_tables
+        if not pool.fits(*self._pages.need(wanted, num_new), take=taken):
             return None
         # Commit: claim every group's cached pages before any group takes a fresh one.
         if hit is not None and num_hit:
@@ -312,6 +331,7 @@ class KVCacheManager:
             release_at=[num_hit] * num_kinds,
             scan_from=[0] * num_kinds,
             uncache_mark=pool.num_uncached,
+            checkpoints=checkpoints,
         )
         # A hit's tables hold only blocks live at its end: nothing to find dead.
         state.advance_release(state.release_scan(self._kinds, num_hit, bs, find_dead=False)[1])

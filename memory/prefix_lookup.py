@@ -9,8 +9,11 @@ group lowers it::
                     window   [. . x x x x x]      W=2 blocks: a run of 2 ending at 5: ok
     hit             5 blocks: every group resumes at 5 * block_size tokens
 
-A fixed point, found in one pass when the groups agree. Torch-free and pure: it reads the
-pool's cache maps and changes nothing.
+A fixed point, found in one pass when the groups agree. Where the K/V groups alone would
+resume later than the state groups let the hit (a prompt that shares a prefix with an
+earlier one but leaves it where no checkpoint was kept), the hit asks the state groups to
+keep one there (``PrefixHit.checkpoints``): the next request with that prefix resumes at
+its end. Torch-free and pure: it reads the pool's cache maps and changes nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +38,35 @@ def find_prefix_hit(
     if max_blocks <= 0:
         return PrefixHit(0, (), hashes)
     hasher.extend(hashes, hasher.root(request.extra_keys), tokens, max_blocks * bs)
+    num = _longest(pool, kinds, hashes, max_blocks, bs)
+    checkpoints: tuple[int, ...] = ()
+    kv_kinds = [kind for kind in kinds if not kind[0].keeps_state]
+    if len(kv_kinds) < len(kinds) and kv_kinds:
+        shared = _longest(pool, kv_kinds, hashes, max_blocks, bs)
+        if shared > num:  # the state groups keep no state where this prompt leaves it
+            checkpoints = (shared * bs,)
+    if num == 0:
+        return PrefixHit(0, (), hashes, checkpoints)
+    policies = {group: policy for policy, groups in kinds for group in groups}
+    pages: list[tuple[int, ...]] = []
+    for group in range(len(policies)):
+        table: list[int] = [NULL_BLOCK] * num
+        cached = pool.cached_blocks(group)
+        for first, stop in policies[group].live_block_spans(num * bs, bs):
+            for i in range(first, min(stop, num)):
+                table[i] = cached[hashes[i]]
+        pages.append(tuple(table))
+    return PrefixHit(num * bs, tuple(pages), hashes, checkpoints)
+
+
+def _longest(
+    pool: BlockPool,
+    kinds: Sequence[Kind],
+    hashes: Sequence[BlockHash],
+    max_blocks: int,
+    bs: int,
+) -> int:
+    """The most blocks, up to ``max_blocks``, that every group of ``kinds`` resumes from."""
     num = max_blocks
     while True:
         start = num
@@ -47,19 +79,7 @@ def find_prefix_hit(
 
                 num = policy.longest_hit(num, bs, is_cached)
         if num == start or num == 0:
-            break
-    if num == 0:
-        return PrefixHit(0, (), hashes)
-    policies = {group: policy for policy, groups in kinds for group in groups}
-    pages: list[tuple[int, ...]] = []
-    for group in range(len(policies)):
-        table: list[int] = [NULL_BLOCK] * num
-        cached = pool.cached_blocks(group)
-        for first, stop in policies[group].live_block_spans(num * bs, bs):
-            for i in range(first, min(stop, num)):
-                table[i] = cached[hashes[i]]
-        pages.append(tuple(table))
-    return PrefixHit(num * bs, tuple(pages), hashes)
+            return num
 
 
 def check_hit(pool: BlockPool, hit: PrefixHit) -> None:

@@ -64,6 +64,7 @@ class RequestBlocks:
     num_uncached: int = 0  # filled blocks whose page is not the cached one (a duplicate)
     uncache_mark: int = 0  # pool.num_uncached at admission: a held page may have lost it
     resumed: Resumed = NOT_RESUMED  # the kept prefix it resumed (pinned), for its end
+    checkpoints: tuple[int, ...] = ()  # token counts where its state groups keep a state
 
     def release_scan(
         self, kinds: list[Kind], n: int, block_size: int, *, find_dead: bool = True

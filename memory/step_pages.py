@@ -38,14 +38,24 @@ class StepPages:
         self._kinds = list(kinds)
         self.num_groups = sum(len(groups) for _, groups in kinds)
         self._groups = tuple(range(self.num_groups))
+        widths = pool.widths
+        self._num_small = sum(1 for w in widths if w == 1)
+        self._num_states = self.num_groups - self._num_small
+        self._span = pool.span
+        #: Page ids one block of every group takes.
+        self.ids_per_block = sum(widths)
         #: Some K/V group stops reading blocks as a request advances (a window).
         self.releases_pages = any(_releases_pages(policy, block_size) for policy, _ in kinds)
 
-    def wanted(self, first: int, start: int, end: int) -> list[list[int]] | None:
+    def wanted(
+        self, first: int, start: int, end: int, checkpoints: Sequence[int] = ()
+    ) -> list[list[int]] | None:
         """Per group, the blocks from ``first`` on that take a fresh page in a step over
-        ``[start, end)``; None when every group takes one for each block (K/V groups
-        only, or a decode: the common case)."""
-        by_kind = [p.page_blocks(start, end, self.block_size) for p, _ in self._kinds]
+        ``[start, end)`` (``checkpoints``: token counts where state groups keep a state,
+        see ``MemoryPolicy.page_blocks``); None when every group takes one for each block
+        (K/V groups only, or a decode: the common case)."""
+        bs = self.block_size
+        by_kind = [p.page_blocks(start, end, bs, checkpoints) for p, _ in self._kinds]
         if all(blocks is None for blocks in by_kind):
             return None
         every = list(range(first, cdiv(end, self.block_size)))
@@ -56,9 +66,21 @@ class StepPages:
                     wanted[group] = [i for i in blocks if i >= first]
         return None if all(len(w) == len(every) for w in wanted) else wanted
 
+    def need(self, wanted: list[list[int]] | None, num_new: int) -> tuple[int, int]:
+        """Fresh small pages and state pages a step takes, over every group (``num_new``
+        blocks per table); where state pages are one page id, they count as small."""
+        if wanted is None:
+            small, states = num_new * self._num_small, num_new * self._num_states
+        else:
+            widths = self.pool.widths
+            small = sum(len(w) for w, width in zip(wanted, widths, strict=True) if width == 1)
+            states = sum(map(len, wanted)) - small
+        return (small, states) if self._span > 1 else (small + states, 0)
+
     def count(self, wanted: list[list[int]] | None, num_new: int) -> int:
-        """Fresh pages a step takes, over every group (``num_new`` blocks per table)."""
-        return num_new * self.num_groups if wanted is None else sum(map(len, wanted))
+        """Page ids a step takes, over every group (``num_new`` blocks per table)."""
+        small, states = self.need(wanted, num_new)
+        return small + states * self._span
 
     def take(
         self, tables: list[list[int]], wanted: list[list[int]] | None, num_new: int
@@ -70,39 +92,49 @@ class StepPages:
             for table, pages in zip(tables, new_pages, strict=True):
                 table.extend(pages)
             return new_pages
-        out = []
-        for group, (table, blocks) in enumerate(zip(tables, wanted, strict=True)):
+        out: list[list[int]] = [[] for _ in tables]
+        widths = self.pool.widths
+        # State pages first: a small page never breaks a span this step counted on.
+        for group in sorted(self._groups, key=lambda g: widths[g] == 1):
+            table, blocks = tables[group], wanted[group]
             table.extend([NULL_BLOCK] * num_new)
             pages = self.pool.allocate(len(blocks), group) if blocks else []
             for i, page in zip(blocks, pages, strict=True):
                 table[i] = page
-            out.append(pages)
+            out[group] = pages
         return tuple(out)
 
     def num_taken(
         self, state: RequestBlocks | None, num_new_tokens: int, hit: PrefixHit | None
-    ) -> int:
-        """Free pages nobody keeps that a step of ``num_new_tokens`` would take, less those
-        it releases: for a running request's ``state``, or a newcomer resuming ``hit``."""
+    ) -> tuple[int, int]:
+        """Free page ids nobody keeps that a step of ``num_new_tokens`` would take, less
+        those it releases, and the fresh state pages among them (0 where state pages are
+        one page id): for a running request's ``state``, or a newcomer resuming ``hit``."""
         bs, pool = self.block_size, self.pool
         taken = 0
+        checkpoints: tuple[int, ...] = ()
         if state is None:
             start = hit.num_tokens if hit is not None else 0
             first = start // bs
-            if hit is not None and start:
-                taken = pool.num_reusable_in(hit.block_tables)
+            if hit is not None:
+                checkpoints = hit.checkpoints
+                if start:
+                    taken = pool.num_reusable_in(hit.block_tables)
         else:
-            start, first = state.num_tokens, len(state.tables[0])
+            start, first, checkpoints = state.num_tokens, len(state.tables[0]), state.checkpoints
             if start >= state.min_release_at:
                 tables = state.tables
                 for g, i in state.release_scan(self._kinds, start, bs)[0]:
                     page = tables[g][i]
-                    taken -= pool.ref_count(page) == 1 and not pool.is_kept(page)
+                    if pool.ref_count(page) == 1 and not pool.is_kept(page):
+                        taken -= pool.widths[g]
         end = start + num_new_tokens
         num_new = cdiv(end, bs) - first
+        states = 0
         if num_new > 0:
-            taken += self.count(self.wanted(first, start, end), num_new)
-        return taken
+            small, states = self.need(self.wanted(first, start, end, checkpoints), num_new)
+            taken += small + states * self._span
+        return taken, states
 
 
 def _releases_pages(policy: MemoryPolicy, block_size: int) -> bool:

@@ -99,14 +99,48 @@ class MemoryPolicy(abc.ABC):
         """
         return None
 
-    def page_blocks(self, start: int, end: int, block_size: int) -> Sequence[int] | None:
+    def page_blocks(
+        self, start: int, end: int, block_size: int, checkpoints: Sequence[int] = ()
+    ) -> Sequence[int] | None:
         """Blocks that take a page in a step over positions ``[start, end)``.
 
-        None (the generic answer) means every block the positions touch: a page holds the
-        K/V of its tokens, so each one needs its page. A policy that ``keeps_state`` needs
-        fewer (one state per page, see ``hybridkv.memory.state_pages``); the others stay
-        the null block and are never read.
+        None (the generic answer for K/V) means every block the positions touch: a page
+        holds the K/V of its tokens, so each one needs its page. A policy that
+        ``keeps_state`` holds one state per page (``hybridkv.memory.state_pages``) and
+        keeps a checkpoint, the state after a block's last token, only where a future
+        request may resume; the blocks without one stay the null block, never read::
+
+            tokens   0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 . .    bs=4, a step over [1, 14)
+            pages    [null ] | [ s7  ] | [ s11   ] | [ s13  ]     checkpoints=(8,), the last
+                                                                  boundary, the running state
+
+        The checkpoints of a step: the running state in the block it ends in; the last
+        block boundary before its end (a repeat of a prompt resumes there); every
+        :meth:`checkpoint_interval` blocks; and the token counts in ``checkpoints`` (block
+        multiples the KV cache manager asks for: where a prompt leaves the prefix other
+        requests share, so the next request with that prefix resumes at its end). A
+        decode that completes a block leaves its state there, so a conversation resumes
+        where its reply ended.
         """
+        if not self.keeps_state:
+            return None
+        last = (end - 1) // block_size
+        blocks = {last}
+        if last * block_size > start:  # the boundary before the last block is in the step
+            blocks.add(last - 1)
+        first = start // block_size
+        every = self.checkpoint_interval()
+        if every is not None:
+            blocks.update(j for j in range(first, last) if (j + 1) % every == 0)
+        for tokens in checkpoints:
+            j = tokens // block_size - 1
+            if start < tokens <= end and first <= j < last:
+                blocks.add(j)
+        return sorted(blocks)
+
+    def checkpoint_interval(self) -> int | None:
+        """For a policy that ``keeps_state``: keep a checkpoint every this many blocks of a
+        long prefill (None: none but those :meth:`page_blocks` always keeps)."""
         return None
 
     # -- derived, in blocks ------------------------------------------------------------

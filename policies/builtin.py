@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
 from typing import ClassVar
 
 import attrs
@@ -132,9 +131,11 @@ class MambaLike(MemoryPolicy):
         live                           9        live_spans(10) == ((9, 10),)
         blocks   [null ] | [ s7  ] | [ s9  ]    s7 kept until block 2 is complete
 
-    A step takes pages only where it leaves a state (:meth:`page_blocks`): the block it
-    ends in, the last block boundary before its end (the checkpoint a repeat of a prompt
-    resumes from), and with ``checkpoint_every`` k, every k-th boundary it crosses.
+    A step takes pages only where it leaves a state (``MemoryPolicy.page_blocks``, derived
+    for every policy that keeps a state): the block it ends in, the last block boundary
+    before its end (the checkpoint a repeat of a prompt resumes from), where the prompt
+    leaves a prefix other requests share, and with ``checkpoint_every`` k, every k-th
+    boundary it crosses.
     """
 
     name: ClassVar[str] = "mamba"
@@ -146,21 +147,8 @@ class MambaLike(MemoryPolicy):
     def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
         return ((num_tokens - 1, num_tokens),) if num_tokens > 0 else ()
 
-    def page_blocks(self, start: int, end: int, block_size: int) -> Sequence[int] | None:
-        """The blocks a step over ``[start, end)`` leaves a state in::
-
-        tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     bs=4, a step over [1, 10)
-        pages    [null ] | [ s7  ] | [ s9  ]    the running state, the last boundary
-        """
-        last = (end - 1) // block_size
-        blocks = {last}
-        if last * block_size > start:  # the boundary before the last block is in the step
-            blocks.add(last - 1)
-        every = self.checkpoint_every
-        if every is not None:
-            first = start // block_size
-            blocks.update(j for j in range(first, last) if (j + 1) % every == 0)
-        return sorted(blocks)
+    def checkpoint_interval(self) -> int | None:
+        return self.checkpoint_every
 
     def next_release(self, num_tokens: int, block_size: int) -> int:
         # The state's block dies once token n-1 moves into the next block.

@@ -265,7 +265,7 @@ def test_spare_chunk_fits_the_pages_nobody_keeps_and_never_goes_below_its_floor(
     first = make_request("first", list(range(100, 124)))
     admit(mgr, first)
     mgr.free("first")  # its prefix is kept: 6 full-attention pages and the window's
-    assert mgr.pool.num_reusable < 24 - 6
+    assert mgr.pool.reusable()[0] < 24 - 6
     long = make_request("long", list(range(40)))
     hit = mgr.lookup(long)
     assert mgr.spare_chunk(long, 40, hit, at_least=8) == 20  # 10 pages: fits

@@ -64,10 +64,13 @@ class Req:
 class AllocatorMachine(RuleBasedStateMachine):
     POLICIES: ClassVar[tuple[MemoryPolicy, ...]] = (FullAttention(), SlidingWindow(window=6))
     NUM_BLOCKS: ClassVar[int] = 24
+    #: Page ids of a state page (two page sizes where above 1).
+    STATE_SPAN: ClassVar[int] = 1
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = KVCacheManager(self.POLICIES, self.NUM_BLOCKS, BS)
+        self.mgr = KVCacheManager(self.POLICIES, self.NUM_BLOCKS, BS, state_span=self.STATE_SPAN)
+        self.widths = self.mgr.pool.widths
         self.running: dict[str, Req] = {}
         self.preempted: list[Req] = []
         self.finished: list[list[int]] = []  # token lists a next turn continues
@@ -86,18 +89,35 @@ class AllocatorMachine(RuleBasedStateMachine):
             [dict(pool.cached_blocks(g)) for g in range(len(self.POLICIES))],
         )
 
+    def ids(self, group: int, page: int) -> range:
+        """The page ids ``page`` of ``group`` covers (a state page: its span)."""
+        return range(page, page + self.widths[group]) if page else range(0)
+
+    def cached_pages(self) -> set[tuple[int, int]]:
+        pool = self.mgr.pool
+        return {(g, p) for g in range(len(self.POLICIES)) for p in pool.cached_blocks(g).values()}
+
     def allocate(self, req: Req, num: int, admit: bool, spare: int = 0) -> bool:
         """Allocate ``num`` tokens (``spare``: first shortened by ``spare_chunk`` with
         ``at_least=spare``, as the planner does) and check what the pool gave."""
         before = self.snapshot()
         pool = self.mgr.pool
         held_by_others = {
-            page
+            i
             for rid in self.running
             if rid != req.request_id
-            for table in self.mgr.block_tables(rid)
+            for g, table in enumerate(self.mgr.block_tables(rid))
             for page in table
+            for i in self.ids(g, page)
         }
+        cached_before = self.cached_pages()
+        spans = pool.spans
+        holes_in_use = set()  # holes of spans with a page in use: small pages go there first
+        num_holes = 0
+        if spans is not None:
+            holes = set(spans.holes())
+            num_holes = len(holes)
+            holes_in_use = {p for p in holes if spans.used(p // spans.span)}
         free = [p for p in range(1, pool.num_blocks) if pool.is_free(p)]
         kept = {p for p in free if pool.is_kept(p)}
         cold = set(free) - kept
@@ -125,27 +145,59 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.snapshot() == before, "a failed allocation changed state"
             return False
         taken = {page for pages in new for page in pages}
-        assert not taken & held_by_others, "a page a running request holds was taken"
-        if taken & kept:  # evicting a kept prefix's page: nothing else was left
-            assert cold <= taken | hit_pages, "a kept page went before an unneeded one"
-        if taken & pinned_only:  # a resumed prefix gave up pages: no other could free one
-            assert idle_only <= taken | hit_pages, "a pinned prefix went first"
+        taken_ids = {i for g, pages in enumerate(new) for p in pages for i in self.ids(g, p)}
+        assert not taken_ids & held_by_others, "a page a running request holds was taken"
+        if spans is None:
+            if taken & kept:  # evicting a kept prefix's page: nothing else was left
+                assert cold <= taken | hit_pages, "a kept page went before an unneeded one"
+        else:
+            self.check_span_order(new, cached_before, kept, cold, hit_pages | taken, num_holes)
+            small = {p for g, pages in enumerate(new) if self.widths[g] == 1 for p in pages}
+            k = spans.span
+            from_empty = {p for p in small if all(
+                i in holes for i in range(p - p % k, p - p % k + k))}  # fmt: skip
+            if from_empty:  # a whole span broken: no hole of a span in use was left
+                assert holes_in_use <= small, "a small page broke a span while holes were left"
+        # Pages whose block is gone: taken, or (two page sizes) evicted to free a span.
+        lost = taken | {p for _, p in cached_before - self.cached_pages()}
+        if lost & pinned_only:  # a resumed prefix gave up pages: no other could free one
+            assert idle_only <= lost | hit_pages, "a pinned prefix went first"
         if spare and spare < num < asked:  # shortened, above the floor: it had to fit
-            assert not taken & kept, "a spared chunk took a kept prefix's page"
-        for group, pages in enumerate(new):
-            for page in pages:
-                self.content[group].pop(page, None)
+            assert not lost & kept, "a spared chunk took a kept prefix's page"
+        for group, content in enumerate(self.content):  # what the taken ids held is gone
+            width = self.widths[group]
+            for i in taken_ids:
+                content.pop(i - i % width, None)
         req.start, req.end = start, start + num
         self.record_content(req)
         self.running[req.request_id] = req
         return True
+
+    def check_span_order(
+        self,
+        new: tuple[list[int], ...],
+        cached_before: set[tuple[int, int]],
+        kept: set[int],
+        cold: set[int],
+        hit_pages: set[int],
+        num_holes: int,
+    ) -> None:
+        """Two page sizes: the pool evicts in eviction order, and only when it must
+        (``hit_pages``: the hit's pages and the pages taken, which are not lost)."""
+        evicted = {p for _, p in cached_before - self.cached_pages()}
+        if evicted & kept:  # a kept prefix's page: every cached page nobody keeps went first
+            cold_cached = {p for g, p in cached_before if p in cold}
+            assert cold_cached <= evicted | hit_pages, "a kept page went before an unneeded one"
+        num_small = sum(len(p) for g, p in enumerate(new) if self.widths[g] == 1)
+        if evicted and num_small == sum(map(len, new)):  # small pages only: holes first
+            assert num_holes < num_small, "a cached page evicted while holes were left"
 
     def check_hit_content(self, req: Req, pages: tuple[tuple[int, ...], ...]) -> None:
         for group, table in enumerate(pages):
             for i, page in enumerate(table):
                 if page:
                     want = tuple(req.all_token_ids[: (i + 1) * BS])
-                    assert self.content[group][page] == want, "hit serves wrong tokens"
+                    assert self.content[group].get(page) == want, "hit serves wrong tokens"
 
     def record_content(self, req: Req) -> None:
         for group, table in enumerate(self.mgr.block_tables(req.request_id)):
@@ -236,7 +288,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def pool_is_exact(self) -> None:
         self.mgr.check_integrity()
         usage = self.mgr.usage()
-        assert usage.num_free_blocks + sum(usage.blocks_used_per_group) == self.NUM_BLOCKS - 1
+        held = sum(n * w for n, w in zip(usage.blocks_used_per_group, self.widths, strict=True))
+        assert usage.num_free_blocks + held == self.NUM_BLOCKS - 1
 
     @invariant()
     def requests_hold_only_live_blocks(self) -> None:
@@ -290,6 +343,22 @@ class ManySessionsTightPool(AllocatorMachine):
     NUM_BLOCKS = 20
 
 
+class FullAndMambaSpans(AllocatorMachine):
+    """Two page sizes: a state page is a span of 4 page ids, carved from the K/V pages."""
+
+    POLICIES = (FullAttention(), MambaLike(), SlidingWindow(window=6))
+    NUM_BLOCKS = 40
+    STATE_SPAN = 4
+
+
+class MambaCheckpointsSpans(AllocatorMachine):
+    """Two page sizes, states checkpointed every 2 blocks, in a pool that evicts a lot."""
+
+    POLICIES = (MambaLike(checkpoint_every=2), FullAttention(), MambaLike(checkpoint_every=2))
+    NUM_BLOCKS = 30
+    STATE_SPAN = 3
+
+
 class FullOnly(AllocatorMachine):
     """Nested prefixes alone: eviction shrinks them block by block."""
 
@@ -303,6 +372,8 @@ TestFullAndMamba = FullAndMamba.TestCase
 TestChunkedAndWindows = ChunkedAndWindows.TestCase
 TestFullAndUserPolicy = FullAndUserPolicy.TestCase
 TestFullOnly = FullOnly.TestCase
+TestFullAndMambaSpans = FullAndMambaSpans.TestCase
+TestMambaCheckpointsSpans = MambaCheckpointsSpans.TestCase
 TestManySessionsTightPool = ManySessionsTightPool.TestCase
 for _case in (
     TestFullAndWindow,
@@ -312,5 +383,7 @@ for _case in (
     TestFullAndUserPolicy,
     TestFullOnly,
     TestManySessionsTightPool,
+    TestFullAndMambaSpans,
+    TestMambaCheckpointsSpans,
 ):
     _case.settings = SETTINGS

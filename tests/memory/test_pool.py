@@ -100,3 +100,64 @@ def test_a_pool_needs_a_page_besides_the_null_page() -> None:
     """A one-page pool is rejected with the count in the message."""
     with pytest.raises(LayoutError, match="got 1"):
         BlockPool(1, num_groups=1)
+
+
+# -- two page sizes: state pages are spans of small pages --------------------------------
+
+
+def span_pool() -> BlockPool:
+    """16 page ids in spans of 4; group 0 K/V (one id a page), group 1 states (four)."""
+    return BlockPool(16, num_groups=2, widths=(1, 4))
+
+
+def test_a_state_page_is_an_aligned_span_and_small_pages_fill_spans_in_use_first() -> None:
+    pool = span_pool()
+    assert pool.num_free == 15 and pool.num_free_spans == 3  # span 0 holds the null page
+    (state,) = pool.allocate(1, group=1)
+    assert state % 4 == 0 and state != 0
+    small = pool.allocate(3, group=0)
+    assert {p // 4 for p in small} == {0}  # the null page's span, before an empty one
+    assert pool.num_free_spans == 2 and pool.num_free == 15 - 4 - 3
+    pool.check_integrity()
+
+
+def test_a_state_page_evicts_cached_pages_in_order_until_a_span_is_free() -> None:
+    pool = span_pool()
+    pages = pool.allocate(15, group=0)  # every id a K/V page
+    for page in pages:
+        pool.cache(page, h(f"p{page}"), 0)
+    pool.release(pages[3:])  # spans 1-3 free, cached; span 0 still in use
+    assert pool.num_free_spans == 3
+    (state,) = pool.allocate(1, group=1)
+    assert state == 4  # the span of the least recently freed pages
+    assert [pool.lookup(h(f"p{p}"), 0) for p in (4, 5, 6, 7, 8)] == [None] * 4 + [8]
+    pool.check_integrity()
+
+
+def test_free_ids_scattered_over_spans_in_use_hold_no_state_page() -> None:
+    pool = span_pool()
+    pages = pool.allocate(15, group=0)
+    pool.release([p for p in pages if p % 4 != 1])  # one page in use in every span
+    assert pool.num_free == 11 and pool.num_free_spans == 0
+    assert pool.fits(11, 0) and not pool.fits(0, 1)
+    pool.release([5])
+    assert pool.fits(8, 1) and not pool.fits(9, 1)  # the span takes 4 of the 12 free ids
+    pool.check_integrity()
+
+
+def test_a_cached_state_page_is_found_and_taken_back_whole() -> None:
+    pool = span_pool()
+    (state,) = pool.allocate(1, group=1)
+    pool.cache(state, h("s"), 1)
+    pool.release([state], group=1)
+    assert pool.num_free == 15 and pool.lookup(h("s"), 1) == state
+    pool.take(state, 1)
+    assert pool.num_free == 11 and pool.ref_count(state) == 1
+    pool.check_integrity()
+
+
+def test_widths_are_checked() -> None:
+    with pytest.raises(LayoutError, match="multiple of 4"):
+        BlockPool(18, num_groups=2, widths=(1, 4))
+    with pytest.raises(LayoutError, match="one state span"):
+        BlockPool(16, num_groups=2, widths=(2, 4))
