@@ -93,7 +93,7 @@ def admitted_ours(layout: Layout, tokens: int) -> dict[str, Any]:
     """Requests of ``tokens`` unique tokens our manager admits at once, each allocating
     its whole prompt in one call, and the pages they hold per group."""
     pool = layout.pool
-    manager = KVCacheManager(pool.policies, pool.num_blocks, pool.block_size)
+    manager = KVCacheManager.for_pool(pool)
     rng = random.Random(tokens)
     n = 0
     while True:

@@ -93,7 +93,7 @@ def step_batch(
 
 def new_cache(executor: ModelExecutor) -> KVCacheManager:
     plan = executor.plan
-    return KVCacheManager(plan.policies, plan.num_blocks, plan.block_size)
+    return KVCacheManager.for_pool(plan.pool)
 
 
 def all_logits(executor: ModelExecutor, tokens: list[int], chunk: int) -> torch.Tensor:

@@ -67,7 +67,7 @@ def main() -> None:
     plan = executor.plan
     total = args.context + 2 * args.steps
     times: dict[str, list[float]] = {name: [] for name in variants}
-    kv = KVCacheManager(plan.policies, plan.num_blocks, plan.block_size)
+    kv = KVCacheManager.for_pool(plan.pool)
     vocab = MODEL["vocab_size"] - 3
     groups = {}
     for name in variants:

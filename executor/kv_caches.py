@@ -7,8 +7,11 @@ Memory picture (a Gemma-3-like model, plan.group_size = 2 slots, N pages per slo
 
 Each layer views its slot tensor as ``[N, 2, kv_heads, block_size, head_dim]``. A page id
 belongs to one group at a time, so the layers sharing a slot never collide. A state
-(Mamba2) layer views the same bytes as float32 rows, ``[N, state_values]``, whatever the
-model's dtype (``hybridkv.models.mamba2`` has the row's layout).
+(Mamba2) layer views the same bytes as float32 rows, one per state page, whatever the
+model's dtype (``hybridkv.models.mamba2`` has the row's layout): where a state page spans
+``plan.state_span`` pages, row ``r`` is the bytes of pages ``r * span .. r * span + span - 1``,
+``[N // span, state_values]``, and page id ``p`` of a state group reads row ``p // span``
+(``StepStates`` translates).
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ def allocate_kv_caches(
     for spec in specs:
         _, slot = plan.layer_slots[spec.name]
         if isinstance(spec, StateSpec):
-            views.append(slots[slot].view(torch.float32)[:, : spec.state_bytes // 4])
+            span = plan.state_span
+            rows = slots[slot].view(plan.num_blocks // span, span * page_elems)
+            views.append(rows.view(torch.float32)[:, : spec.state_bytes // 4])
             continue
         shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
         layer_elems = spec.block_bytes(plan.block_size) // itemsize

@@ -241,7 +241,9 @@ class ModelExecutor:
         for g in self._groups:  # state (Mamba2) groups: which page each request reads, writes
             if groups[g].policy.keeps_state:
                 tables = [r.block_tables[g] for r in requests]
-                metadata[g] = StepStates.build(query_lens, context_lens, tables, bs)
+                metadata[g] = StepStates.build(
+                    query_lens, context_lens, tables, bs, self.plan.state_span
+                )
         input_ids = None
         if self.model.is_first:
             ids = [t for r in requests for t in r.token_ids]

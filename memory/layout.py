@@ -97,11 +97,14 @@ class PoolSpec:
         policies: The memory policy of each KV group, in group order.
         num_blocks: Blocks in the pool, the null block 0 included.
         block_size: Tokens per block, the same for every group.
+        state_span: Page ids one page of a state group takes (``hybridkv.memory.spans``);
+            1: every page is one id.
     """
 
     policies: tuple[MemoryPolicy, ...] = attrs.field(converter=_policy_tuple)
     num_blocks: int
     block_size: int
+    state_span: int = 1
 
 
 @attrs.frozen(kw_only=True)
@@ -120,7 +123,8 @@ class LayoutPlan:
     Attributes:
         block_size: Tokens per block (every group uses the same).
         num_blocks: Pages in the pool, the null page 0 included.
-        block_bytes: Bytes of one page in one slot tensor (after unifying page sizes).
+        block_bytes: Bytes of one page in one slot tensor: the largest K/V layer's page
+            (a state page is ``state_span`` of them).
         groups: The KV groups, ``group_id`` equal to the position.
         group_size: Slot tensors to allocate per device: the layers per group without
             pipeline stages, the largest stage's count with them.
@@ -130,6 +134,8 @@ class LayoutPlan:
         uniform_num_blocks: Pages a uniform allocator (every layer as full attention in
             one group) would fit in the same bytes, with its own page size.
         stages: Per pipeline stage, the layer names it holds (one stage without PP).
+        state_span: Pages one state page takes: a state larger than a K/V page gets a
+            span of them (``hybridkv.memory.spans``) rather than raising the block size.
     """
 
     block_size: int
@@ -142,6 +148,7 @@ class LayoutPlan:
     padding_bytes: int
     uniform_num_blocks: int
     stages: tuple[tuple[str, ...], ...] = ()
+    state_span: int = 1
 
     @property
     def policies(self) -> tuple[MemoryPolicy, ...]:
@@ -151,7 +158,12 @@ class LayoutPlan:
     @property
     def pool(self) -> PoolSpec:
         """The pool this plan sized."""
-        return PoolSpec(self.policies, self.num_blocks, self.block_size)
+        return PoolSpec(self.policies, self.num_blocks, self.block_size, self.state_span)
+
+    @property
+    def state_page_bytes(self) -> int:
+        """Bytes of one state page in one slot tensor (its span of pages)."""
+        return self.state_span * self.block_bytes
 
     @property
     def pool_bytes(self) -> int:

@@ -12,16 +12,20 @@ Steps, in order:
    holding ``layers[i::g]``. Striding, rather than cutting runs, keeps pipeline stages
    balanced (seed 000): stage 0 {full.0, sw.0, sw.1}, stage 1 {full.1, sw.2, sw.3} gives
    (full.0, full.1), (sw.0, sw.2), (sw.1, sw.3), so each stage holds one layer per group.
-4. **Page size.** One page size for all: the largest layer page. Smaller attention pages
-   are padded. A mamba-like state larger than the attention page raises the block size to
-   the smallest multiple of the requested one whose attention page holds the state (as
-   vLLM does), and the state is padded up to that page; past ``max_block_size`` the layers
-   cannot share a page size and :class:`LayoutError` says so.
+4. **Page sizes.** Two: the K/V page is the largest attention layer's page at the block
+   size asked for (smaller attention pages are padded), and a state page is the smallest
+   number of K/V pages that holds the largest state (``state_span``; 1 where a state fits
+   a K/V page), carved from the same pool (``hybridkv.memory.spans``). No group's page
+   forces another group's block size. With ``unify_page_size`` the planner does what a
+   single page size forces instead (as vLLM does): it raises the block size to the
+   smallest multiple of the requested one whose attention page holds the state, pads the
+   state up to that page, and past ``max_block_size`` says so with :class:`LayoutError`.
 5. **Slots and N.** ``budget_bytes`` is the KV memory of one device. Each pipeline stage
    gives its layers of a group slots 0, 1, ... and allocates one slot tensor per slot it
    uses; ``group_size`` of the plan is the largest stage's count (the layers per group
    without stages). ``num_blocks = budget // (group_size * block_bytes)``, page 0 being
-   the null block, and it must be at least 1 + the number of groups.
+   the null block, rounded down to a multiple of ``state_span``; it must hold the null
+   page's span, one state page per state group and one K/V page per K/V group.
 
 An attention-free model (no specs) gets a plan with no groups, ``group_size`` 0 and
 ``num_blocks`` 0: there is nothing to allocate. A stage with no KV layers allocates
@@ -36,14 +40,31 @@ group: per device, ``budget // sum of the page bytes of the stage's layers``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-import attrs
+from collections.abc import Sequence
 
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.layout import KVGroup, LayerSpec, LayoutPlan, StateSpec
+from hybridkv.memory.plan_report import (
+    GroupReport,
+    PlanReport,
+    PolicyReport,
+    describe,
+    group_bytes,
+    page_ids,
+    policy_label,
+)
 from hybridkv.policies.base import MemoryPolicy, cdiv
-from hybridkv.policies.builtin import FullAttention
+
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "GroupReport",
+    "PlanReport",
+    "PolicyReport",
+    "choose_group_size",
+    "describe",
+    "plan_layout",
+    "policy_label",
+]
 
 #: Largest block the planner may choose to fit a mamba-like state into an attention page.
 MAX_BLOCK_SIZE = 4096
@@ -56,15 +77,20 @@ def plan_layout(
     *,
     stages: Sequence[Sequence[str]] | None = None,
     max_block_size: int = MAX_BLOCK_SIZE,
+    unify_page_size: bool = False,
 ) -> LayoutPlan:
     """Plan groups, page size and pool size for ``specs`` in ``budget_bytes`` per device.
 
     Args:
         specs: One spec per KV layer, in model order (layers without KV are left out).
         budget_bytes: KV memory of one device (of each pipeline stage).
-        block_size: Tokens per block asked for; a mamba-like state may raise it.
+        block_size: Tokens per block, for every group.
         stages: Per pipeline stage, the names of the layers it holds; None is one stage.
-        max_block_size: The most tokens per block the planner may choose.
+        max_block_size: With ``unify_page_size``, the most tokens per block the planner
+            may raise the block size to.
+        unify_page_size: One page size for every group, the block size raised until an
+            attention page holds a state (today's vLLM layout, for comparisons); the
+            default gives states pages of their own.
 
     Raises:
         LayoutError: bad specs or stages, layers that cannot share a page size, or a
@@ -79,23 +105,26 @@ def plan_layout(
             layer_slots={}, budget_bytes=budget_bytes, padding_bytes=0,
             uniform_num_blocks=0, stages=stage_names,
         )  # fmt: skip
-    block_size = _unified_block_size(specs, block_size, max_block_size)
-    block_bytes = max(s.block_bytes(block_size) for s in specs)
+    if unify_page_size:
+        block_size = _unified_block_size(specs, block_size, max_block_size)
+    block_bytes, span = _page_sizes(specs, block_size, unify_page_size)
     groups = _build_groups(specs)
     stage_of = {n: i for i, stage in enumerate(stage_names) for n in stage}
     layer_slots, stage_slots = _assign_slots(groups, stage_of, len(stage_names))
     group_size = max(stage_slots)
-    num_blocks = budget_bytes // (group_size * block_bytes)
-    if num_blocks < 1 + len(groups):
-        need = (1 + len(groups)) * group_size * block_bytes
+    num_blocks = budget_bytes // (group_size * block_bytes) // span * span
+    num_state = sum(1 for g in groups if g.policy.keeps_state) if span > 1 else 0
+    least = 1 + len(groups) if span == 1 else span * (1 + num_state + cdiv(len(groups), span))
+    if num_blocks < least:
+        need = least * group_size * block_bytes
         raise LayoutError(
             f"budget_bytes={budget_bytes} holds {num_blocks} blocks of {group_size} slots x "
-            f"{block_bytes} bytes; {len(groups)} groups need at least {1 + len(groups)} "
+            f"{block_bytes} bytes; {len(groups)} groups need at least {least} "
             f"blocks (the null block included), so at least {need} bytes"
         )
     by_name = {s.name: s for s in specs}
     slot_bytes = sum(stage_slots) * block_bytes  # one page id, over every stage's tensors
-    worst = max(slot_bytes - sum(by_name[n].block_bytes(block_size) for n in g.layer_names)
+    worst = max(slot_bytes - group_bytes(g, by_name, block_size) // page_ids(g, span)
                 for g in groups)  # fmt: skip
     # A uniform allocator gives every layer of a stage a page for every block.
     uniform_need = max(sum(by_name[n].block_bytes(block_size) for n in st) for st in stage_names)
@@ -110,7 +139,18 @@ def plan_layout(
         padding_bytes=num_blocks * worst,
         uniform_num_blocks=budget_bytes // uniform_need,
         stages=stage_names,
+        state_span=span,
     )
+
+
+def _page_sizes(specs: Sequence[LayerSpec], block_size: int, unified: bool) -> tuple[int, int]:
+    """Bytes of a K/V page per slot, and the K/V pages one state page takes."""
+    kv = [s.block_bytes(block_size) for s in specs if not isinstance(s, StateSpec)]
+    states = [s.state_bytes for s in specs if isinstance(s, StateSpec)]
+    if unified or not kv or not states:
+        return max(kv + states), 1
+    page = max(kv)
+    return page, cdiv(max(states), page)
 
 
 def _check_inputs(specs: Sequence[LayerSpec], budget_bytes: int, block_size: int) -> None:
@@ -216,150 +256,3 @@ def _assign_slots(
             used[stage] += 1
         stage_slots = [max(a, b) for a, b in zip(stage_slots, used, strict=True)]
     return layer_slots, stage_slots
-
-
-# -- what the plan buys -------------------------------------------------------------------
-
-
-def policy_label(policy: MemoryPolicy) -> str:
-    """``sliding_window(window=512)``: the registry name and the parameters set."""
-    params = ", ".join(f"{k}={v}" for k, v in attrs.asdict(policy).items() if v is not None)
-    return f"{policy.name}({params})" if params else policy.name
-
-
-@attrs.frozen(kw_only=True)
-class GroupReport:
-    """One group: its policy, layers, pages per request and padding per page."""
-
-    group_id: int
-    policy: str
-    num_layers: int
-    blocks_per_request: int
-    padding_bytes_per_block: int
-
-
-@attrs.frozen(kw_only=True)
-class PolicyReport:
-    """One family of equal policies: its groups and its pages per request (all groups)."""
-
-    policy: str
-    num_groups: int
-    num_layers: int
-    blocks_per_request: int
-
-
-@attrs.frozen(kw_only=True)
-class PlanReport:
-    """What a plan holds for requests of ``request_tokens`` tokens, against uniform.
-
-    The metric is the number of concurrent requests of L tokens (prompt and output) the
-    pool holds at their peak, each group holding ``policy.max_live_blocks(L)`` pages, with
-    no prefix sharing; the uniform allocator holds ``cdiv(L, block_size)`` pages per
-    request. ``max_request_tokens`` is the longest single request. None means unbounded
-    (an attention-free model, or only bounded policies such as windows and states).
-    """
-
-    request_tokens: int
-    groups: tuple[GroupReport, ...]
-    policies: tuple[PolicyReport, ...]
-    stage_slots: tuple[int, ...]
-    blocks_per_request: int
-    uniform_blocks_per_request: int
-    max_requests: int | None
-    uniform_max_requests: int | None
-    max_request_tokens: int | None
-    uniform_max_request_tokens: int | None
-    padding_fraction: float
-
-    @property
-    def gain(self) -> float | None:
-        """Concurrent requests of L tokens, hybrid over uniform (None when undefined)."""
-        if self.max_requests is None or not self.uniform_max_requests:
-            return None
-        return self.max_requests / self.uniform_max_requests
-
-
-#: Longest request the report searches for; a plan holding it is reported unbounded.
-_SEARCH_TOKENS = 1 << 40
-
-
-def describe(plan: LayoutPlan, specs: Sequence[LayerSpec], request_tokens: int) -> PlanReport:
-    """Report what ``plan`` (made from ``specs``) holds for requests of ``request_tokens``.
-
-    ``padding_fraction`` is the share of pool bytes held by such requests that is padding
-    (empty slots and page-size padding), each page weighted by how many the group holds.
-    """
-    if request_tokens < 1:
-        raise LayoutError(f"request_tokens must be >= 1, got {request_tokens}")
-    bs, by_name = plan.block_size, {s.name: s for s in specs}
-    stage_slots = tuple(
-        max((plan.layer_slots[n][1] + 1 for n in stage), default=0) for stage in plan.stages
-    )
-    slot_bytes = sum(stage_slots) * plan.block_bytes
-    groups = tuple(
-        GroupReport(
-            group_id=g.group_id,
-            policy=policy_label(g.policy),
-            num_layers=len(g.layer_names),
-            blocks_per_request=g.policy.max_live_blocks(request_tokens, bs),
-            padding_bytes_per_block=slot_bytes
-            - sum(by_name[n].block_bytes(bs) for n in g.layer_names),
-        )
-        for g in plan.groups
-    )
-    families: dict[str, list[GroupReport]] = {}
-    for report in groups:
-        families.setdefault(report.policy, []).append(report)
-    policies = tuple(
-        PolicyReport(
-            policy=label,
-            num_groups=len(members),
-            num_layers=sum(r.num_layers for r in members),
-            blocks_per_request=sum(r.blocks_per_request for r in members),
-        )
-        for label, members in families.items()
-    )
-    hybrid_need = sum(r.blocks_per_request for r in groups)
-    uniform = FullAttention()
-    uniform_need = uniform.max_live_blocks(request_tokens, bs) if plan.groups else 0
-    used = sum(r.blocks_per_request for r in groups) * slot_bytes
-    wasted = sum(r.blocks_per_request * r.padding_bytes_per_block for r in groups)
-
-    def hybrid_blocks(n: int) -> int:
-        return sum(g.policy.max_live_blocks(n, bs) for g in plan.groups)
-
-    return PlanReport(
-        request_tokens=request_tokens,
-        groups=groups,
-        policies=policies,
-        stage_slots=stage_slots,
-        blocks_per_request=hybrid_need,
-        uniform_blocks_per_request=uniform_need,
-        max_requests=_fits(plan.num_blocks, hybrid_need),
-        uniform_max_requests=_fits(plan.uniform_num_blocks, uniform_need),
-        max_request_tokens=_longest(plan.num_blocks, hybrid_blocks, bool(plan.groups)),
-        uniform_max_request_tokens=_longest(
-            plan.uniform_num_blocks, lambda n: uniform.max_live_blocks(n, bs), bool(plan.groups)
-        ),
-        padding_fraction=wasted / used if used else 0.0,
-    )
-
-
-def _fits(num_blocks: int, need: int) -> int | None:
-    """Requests of ``need`` pages each that fit beside the null block (None: unbounded)."""
-    return None if need == 0 else max(num_blocks - 1, 0) // need
-
-
-def _longest(num_blocks: int, need: Callable[[int], int], has_kv: bool) -> int | None:
-    """The largest token count whose pages fit beside the null block (None: unbounded)."""
-    free = max(num_blocks - 1, 0)
-    if not has_kv or need(_SEARCH_TOKENS) <= free:
-        return None
-    lo, hi = 0, _SEARCH_TOKENS  # need(lo) fits (0 tokens need nothing), need(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if need(mid) <= free:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -18,6 +18,7 @@ request can resume from needs them, is decided in ``hybridkv.memory.retention``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.hashing import BlockHash, BlockHasher
@@ -28,10 +29,12 @@ from hybridkv.memory.interface import (
     PrefixHit,
     StaleHitError,
 )
-from hybridkv.memory.pool import NULL_BLOCK, BlockPool
+from hybridkv.memory.layout import PoolSpec
+from hybridkv.memory.pool import NULL_BLOCK
 from hybridkv.memory.prefix_lookup import check_hit, find_prefix_hit
 from hybridkv.memory.request_blocks import Kind, RequestBlocks
 from hybridkv.memory.retention import Retention
+from hybridkv.memory.span_pool import make_pool
 from hybridkv.memory.step_pages import StepPages
 from hybridkv.policies.base import MemoryPolicy, cdiv
 
@@ -78,7 +81,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.state_span = state_span
         widths = [state_span if p.keeps_state else 1 for p in self.policies]
-        self.pool = BlockPool(num_blocks, len(self.policies), widths=widths)
+        self.pool = make_pool(num_blocks, len(self.policies), widths)
         self._hasher = BlockHasher(block_size, hash_name)
         # Groups with equal policies share the block arithmetic: a "kind" per policy.
         kinds: dict[MemoryPolicy, list[int]] = {}
@@ -91,6 +94,14 @@ class KVCacheManager:
         self._pages = StepPages(self.pool, self._kinds, block_size)
         self._hit_tokens = 0
         self._query_tokens = 0
+
+    @classmethod
+    def for_pool(cls, pool: PoolSpec, **options: Any) -> KVCacheManager:
+        """A manager of ``pool`` (an executor's or a plan's): its policies, pages, block
+        size and state span; ``options`` as the constructor's keywords."""
+        return cls(
+            pool.policies, pool.num_blocks, pool.block_size, state_span=pool.state_span, **options
+        )
 
     # -- queries -----------------------------------------------------------------------
 
@@ -198,24 +209,8 @@ class KVCacheManager:
         where a step leaves a state, so it adds next to nothing): ``num_new_tokens`` is
         returned.
         """
-        if num_new_tokens <= at_least or not self._pages.releases_pages:
-            return num_new_tokens
-        spare, spare_spans = self.pool.reusable(hit.block_tables if hit is not None else ())
-        # Fresh page ids at most, and the hit's own pages, which may be unkept.
-        most = (num_new_tokens // self.block_size + 2) * self._pages.ids_per_block
-        if hit is not None:
-            most += self.pool.page_ids_in(hit.block_tables)
-        if spare >= most and spare_spans >= most:
-            return num_new_tokens  # the common case: pages nobody keeps are plenty
         state = self._requests.get(request.request_id)
-
-        def gives_up(num: int) -> bool:
-            ids, states = self._pages.num_taken(state, num, hit)
-            return ids > spare or states > spare_spans
-
-        while num_new_tokens > at_least and gives_up(num_new_tokens):
-            num_new_tokens = max(at_least, num_new_tokens // 2)
-        return num_new_tokens
+        return self._pages.spare_chunk(state, num_new_tokens, hit, at_least)
 
     def admit_loading(
         self, request: KVRequest, hit: PrefixHit, num_tokens: int

@@ -1,9 +1,7 @@
 """The block pool: N small pages shared by every KV group, page 0 the null block.
 
-K/V groups take one page per block. Where the pool has state groups whose state needs more
-bytes than a page (``widths``), a state page is a span of that many pages, aligned and
-named by its first id, carved from the same ids (``hybridkv.memory.spans``); one free
-queue orders every free cached page, small or state, for eviction.
+Every group takes one page per block. Where a state needs more bytes than a page, the
+pool of ``hybridkv.memory.span_pool`` gives state groups spans of pages instead.
 
 Free pages wait in a :class:`~hybridkv.memory.free_queue.FreeQueue`, in eviction order::
 
@@ -25,7 +23,6 @@ from typing import NewType
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.free_queue import FreeQueue, KeptPrefix
 from hybridkv.memory.hashing import BlockHash
-from hybridkv.memory.spans import Spans
 
 BlockId = NewType("BlockId", int)
 
@@ -40,31 +37,21 @@ class BlockPool:
     manager does, and the pool keeps the bookkeeping exact (see :meth:`check_integrity`).
 
     Args:
-        num_blocks: Page ids, the null page 0 included.
+        num_blocks: Pages, the null page 0 included.
         num_groups: KV groups.
-        widths: Per group, the page ids one of its pages takes: 1 for K/V groups, the
-            state span for state groups (one value above 1 at most, dividing
-            ``num_blocks``); None: 1 for every group.
     """
 
-    def __init__(
-        self, num_blocks: int, num_groups: int, *, widths: Sequence[int] | None = None
-    ) -> None:
+    #: Page ids one page of each group takes (all 1 here; see ``SpanPool``).
+    widths: tuple[int, ...]
+    #: Page ids of one state page.
+    span = 1
+    #: Never-cached free pages are kept apart from the free queue (``SpanPool``: holes).
+    _HOLES = False
+
+    def __init__(self, num_blocks: int, num_groups: int) -> None:
         if num_blocks < 2:
             raise LayoutError(f"a block pool needs >= 2 pages (page 0 is null), got {num_blocks}")
-        widths = tuple(widths) if widths is not None else (1,) * num_groups
-        spans = sorted(set(widths) - {1})
-        if len(widths) != num_groups or any(w < 1 for w in widths) or len(spans) > 1:
-            raise LayoutError(f"page widths must be 1 or one state span per group, got {widths}")
-        self.widths = widths
-        #: Page ids of one state page (1: every page is one id).
-        self.span = spans[0] if spans else 1
-        if num_blocks % self.span or num_blocks < 2 * self.span:
-            raise LayoutError(
-                f"a pool of state pages of {self.span} ids needs a multiple of {self.span} "
-                f"ids, at least two spans (span 0 holds the null page), got {num_blocks}"
-            )
-        self._spans = Spans(num_blocks, self.span) if self.span > 1 else None
+        self.widths = (1,) * num_groups
         self._num_free = num_blocks - 1
         self.num_blocks = num_blocks
         self._ref = [0] * num_blocks
@@ -73,7 +60,7 @@ class BlockPool:
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._group = [0] * num_blocks
         self._cached: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
-        self._free = FreeQueue(num_blocks, start_empty=self._spans is not None)
+        self._free = FreeQueue(num_blocks, start_empty=self._HOLES)
         self.num_used_per_group = [0] * num_groups
         #: Pages that lost their hash through :meth:`uncache` so far (a change counter).
         self.num_uncached = 0
@@ -87,37 +74,17 @@ class BlockPool:
     def num_free_spans(self) -> int:
         """State pages that could be taken now, evicting cached pages where needed (every
         span free of pages in use); 0 in a pool without state spans."""
-        return self._spans.num_whole_free if self._spans is not None else 0
-
-    @property
-    def spans(self) -> Spans | None:
-        """The span bookkeeping of a pool with state spans (read it, never change it)."""
-        return self._spans
+        return 0
 
     def reusable(self, take: Sequence[Sequence[int]] = ()) -> tuple[int, int]:
         """Free page ids no kept prefix holds (taking up to that many evicts no kept
         prefix), and the state pages among them: spans with no page in use or kept, nor
         any page of ``take`` (a hit's per-group tables, which it is about to take).
 
-        O(1) in a pool without state spans (the spans count is then the ids count); with
-        them a scan of the free spans, for the planner's chunk sizing of a pool that also
-        has window groups.
+        Here every page is one id, so the two counts are equal; O(1).
         """
-        spans = self._spans
-        if spans is None:
-            num = self._free.num_reusable
-            return num, num
-        ids = spans.num_holes
-        k, is_kept, widths, owner = spans.span, self._free.is_kept, self.widths, self._group
-        for page in self._free.reusable_pages():
-            ids += widths[owner[page]]
-        taken = {page // k for table in take for page in table if page}
-        num_spans = 0
-        for s in range(1, self.num_blocks // k):
-            if spans.used(s) or s in taken:
-                continue
-            num_spans += not any(is_kept(p) for p in range(s * k, s * k + k))
-        return ids, num_spans
+        num = self._free.num_reusable
+        return num, num
 
     def page_ids_in(self, tables: Sequence[Sequence[int]]) -> int:
         """Page ids the pages of these per-group tables cover (the null block skipped)."""
@@ -131,11 +98,8 @@ class BlockPool:
         return self._ref[page]
 
     def is_free(self, page: int) -> bool:
-        """Whether ``page`` sits in the free queue, or is a hole of a pool with spans."""
-        if page in self._free:
-            return True
-        spans = self._spans
-        return spans is not None and spans.is_hole(page)
+        """Whether ``page`` is free (in the free queue)."""
+        return page in self._free
 
     def is_kept(self, page: int) -> bool:
         """Whether a kept prefix needs ``page`` (free or not)."""
@@ -156,7 +120,7 @@ class BlockPool:
     def take_tables(self, tables: Sequence[Sequence[int]]) -> None:
         """Add a reference to every page of a hit's per-group tables (the null block
         skipped), pulling free ones off the free queue."""
-        ref, used, widths, spans = self._ref, self.num_used_per_group, self.widths, self._spans
+        ref, used, widths = self._ref, self.num_used_per_group, self.widths
         freed = []
         for group, table in enumerate(tables):
             for page in table:
@@ -166,13 +130,12 @@ class BlockPool:
                     freed.append(page)
                     used[group] += 1
                     self._num_free -= widths[group]
-                    if spans is not None:
-                        if widths[group] > 1:
-                            spans.use_state(page)
-                        else:
-                            spans.use_small(page)
+                    self._reused(page, group)
                 ref[page] += 1
         self._free.remove_all(freed)
+
+    def _reused(self, page: int, group: int) -> None:
+        """Hook: a free page of ``group`` is in use again."""
 
     def num_reusable_in(self, tables: Sequence[Sequence[int]]) -> int:
         """Page ids of these per-group tables that are free and held by no kept prefix."""
@@ -192,31 +155,14 @@ class BlockPool:
         take: Sequence[Sequence[int]] = (),
         release: Sequence[tuple[int, int]] = (),
     ) -> bool:
-        """Whether ``num_small`` small pages and ``num_states`` state pages can be taken
-        once the pages of ``take`` (per-group tables, as :meth:`take_tables`) are taken
-        and the ``(group, page)`` pairs of ``release`` released (once each)."""
-        ref, widths, spans = self._ref, self.widths, self._spans
+        """Whether ``num_small`` pages and ``num_states`` state pages can be taken once the
+        pages of ``take`` (per-group tables, as :meth:`take_tables`) are taken and the
+        ``(group, page)`` pairs of ``release`` released (once each)."""
+        ref = self._ref
         free = self._num_free
-        changes: dict[int, int] = {}
-        for group, table in enumerate(take):
-            width = widths[group]
-            for page in table:
-                if page and not ref[page]:
-                    free -= width
-                    if spans is not None:
-                        s = page // spans.span
-                        changes[s] = changes.get(s, 0) + width
-        for group, page in release:
-            if ref[page] == 1:
-                width = widths[group]
-                free += width
-                if spans is not None:
-                    s = page // spans.span
-                    changes[s] = changes.get(s, 0) - width
-        if spans is None:
-            return num_small + num_states <= free
-        whole = spans.whole_free_after(changes) if changes else spans.num_whole_free
-        return num_states <= whole and num_small + num_states * spans.span <= free
+        free -= sum(1 for table in take for page in table if page and not ref[page])
+        free += sum(1 for _, page in release if ref[page] == 1)
+        return num_small + num_states <= free
 
     def allocate(self, num: int, group: int) -> list[int]:
         """Take ``num`` pages for ``group``, evicting the hashes they held.
@@ -226,13 +172,7 @@ class BlockPool:
         return self.allocate_groups(num, (group,))[0]
 
     def allocate_groups(self, num: int, groups: Sequence[int]) -> tuple[list[int], ...]:
-        """Take ``num`` pages for each of ``groups`` at once (see :meth:`allocate`).
-
-        With state spans, state groups take theirs first: a small page never breaks the
-        span a state page of the same call was counted on.
-        """
-        if self._spans is not None:
-            return self._allocate_spans(num, groups)
+        """Take ``num`` pages for each of ``groups`` at once (see :meth:`allocate`)."""
         pages = self._free.take(num * len(groups))
         if len(groups) == 1:
             out: tuple[list[int], ...] = (pages,)
@@ -257,67 +197,6 @@ class BlockPool:
         self._num_free -= len(pages)
         return out
 
-    def _allocate_spans(self, num: int, groups: Sequence[int]) -> tuple[list[int], ...]:
-        out: dict[int, list[int]] = {}
-        widths = self.widths
-        for group in sorted(groups, key=lambda g: widths[g] == 1):
-            pages = self._take_states(num) if widths[group] > 1 else self._take_small(num)
-            for page in pages:
-                self._ref[page] = 1
-                self._group[page] = group
-            self.num_used_per_group[group] += num
-            self._num_free -= num * widths[group]
-            out[group] = pages
-        return tuple(out[group] for group in groups)
-
-    def _evict_next(self) -> int:
-        """The next free cached page in eviction order, its hash evicted (a hole-less
-        pool with spans; the caller makes it a hole, or uses it)."""
-        page = self._free.take(1)[0]
-        old = self._hash[page]
-        assert old is not None, page
-        del self._cached[self._group[page]][old]
-        self._hash[page] = None
-        return page
-
-    def _is_state_page(self, page: int) -> bool:
-        return self.widths[self._group[page]] > 1
-
-    def _take_small(self, num: int) -> list[int]:
-        """Holes first (spans in use first), then cached pages in eviction order: a state
-        page evicted that way turns into a span of holes."""
-        spans = self._spans
-        assert spans is not None
-        pages = spans.take_holes(num)
-        while len(pages) < num:
-            page = self._evict_next()
-            if self._is_state_page(page):
-                spans.state_to_holes(page)
-                pages += spans.take_holes(num - len(pages))
-            else:
-                spans.use_small(page)
-                pages.append(page)
-        return pages
-
-    def _take_states(self, num: int) -> list[int]:
-        """Empty spans first; then cached pages are evicted in eviction order until a
-        span is empty: a state page is reused as it is, a small page becomes a hole."""
-        spans = self._spans
-        assert spans is not None
-        pages: list[int] = []
-        while len(pages) < num:
-            page = spans.take_empty()
-            if page is not None:
-                pages.append(page)
-                continue
-            page = self._evict_next()
-            if self._is_state_page(page):
-                spans.use_state(page)
-                pages.append(page)
-            else:
-                spans.add_hole(page)
-        return pages
-
     def release(self, pages: Iterable[int], group: int | None = None) -> None:
         """Drop one reference on each page; pages at zero become free.
 
@@ -326,6 +205,18 @@ class BlockPool:
         in the order released (pass a request's later blocks first), then pages of kept
         prefixes.
         """
+        freed = self._drop_refs(pages)
+        if group is not None:
+            self.num_used_per_group[group] -= len(freed)
+        else:
+            used, owner = self.num_used_per_group, self._group
+            for page in freed:
+                used[owner[page]] -= 1
+        self._num_free += len(freed)
+        self._free.push(freed, self._hash)
+
+    def _drop_refs(self, pages: Iterable[int]) -> list[int]:
+        """Drop one reference on each page; returns those at zero."""
         ref = self._ref
         freed: list[int] = []
         append = freed.append
@@ -334,32 +225,7 @@ class BlockPool:
             ref[page] = count
             if not count:
                 append(page)
-        used, owner, widths = self.num_used_per_group, self._group, self.widths
-        if group is not None and self._spans is None:
-            used[group] -= len(freed)
-            self._num_free += len(freed)
-        else:
-            for page in freed:
-                g = owner[page]
-                used[g] -= 1
-                self._num_free += widths[g]
-        spans = self._spans
-        if spans is None:
-            self._free.push(freed, self._hash)
-            return
-        hashes = self._hash
-        for page in freed:
-            is_state = widths[owner[page]] > 1
-            if is_state:
-                spans.release_state(page)
-            else:
-                spans.release_small(page)
-            if hashes[page] is not None:
-                self._free.push((page,), hashes)
-            elif is_state:
-                spans.state_to_holes(page)
-            else:
-                spans.add_hole(page)
+        return freed
 
     def keep(self, prefix: KeptPrefix, *, in_use: bool = False, pinned: bool = False) -> KeptPrefix:
         """Keep a resumable prefix's pages for future hits (see ``FreeQueue.keep``)."""
@@ -454,16 +320,13 @@ class BlockPool:
         del self._cached[self._group[page]][block_hash]
         self._hash[page] = None
         self.num_uncached += 1
-        if page not in self._free:
-            return
-        self._free.remove_all((page,))
-        spans = self._spans
-        if spans is None:
-            self._free.push((page,), self._hash)
-        elif self._is_state_page(page):
-            spans.state_to_holes(page)
-        else:
-            spans.add_hole(page)
+        if page in self._free:
+            self._free.remove_all((page,))
+            self._free_unhashed(page)
+
+    def _free_unhashed(self, page: int) -> None:
+        """Hook: a free page that holds no block any more goes where such pages wait."""
+        self._free.push((page,), self._hash)
 
     def check_integrity(self) -> None:
         """Assert the pool's own invariants (tests call it after every operation)."""
@@ -483,23 +346,9 @@ class BlockPool:
         held = sum(widths[owner[p]] for p in in_use)
         assert held == self.num_blocks - 1 - self._num_free, (held, self._num_free)
         self._free.check_integrity(self._hash)
-        spans = self._spans
-        if spans is None:
-            for page in range(1, self.num_blocks):
-                assert (self._ref[page] == 0) == (page in self._free), page
-            assert self._num_free == len(self._free)
-            return
-        k = spans.span
-        per_span_used = [0] * (self.num_blocks // k)
-        per_span_queued = [0] * (self.num_blocks // k)
-        per_span_used[0] = 1
+        self._check_free_pages()
+
+    def _check_free_pages(self) -> None:
         for page in range(1, self.num_blocks):
-            queued = page in self._free
-            assert not (queued and self._ref[page]), page
-            if not (queued or self._ref[page]):
-                continue
-            width = widths[owner[page]]
-            assert width == 1 or page % k == 0, ("a state page off its span", page)
-            (per_span_queued if queued else per_span_used)[page // k] += width
-            assert not queued or self._hash[page] is not None, ("a hole in the queue", page)
-        spans.check_integrity(per_span_used, per_span_queued)
+            assert (self._ref[page] == 0) == (page in self._free), page
+        assert self._num_free == len(self._free)

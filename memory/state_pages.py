@@ -121,8 +121,12 @@ class StepStates:
         context_lens: Sequence[int],
         tables: Sequence[Sequence[int]],
         block_size: int,
+        span: int = 1,
     ) -> StepStates:
         """The accesses of a step's requests (``context_lens``: tokens after the step).
+
+        ``span``: page ids one state page takes; the accesses then name state rows (page
+        id // span), the index of the executor's state view (``executor/kv_caches.py``).
 
         Raises:
             StateContractError: as :func:`state_access`.
@@ -131,4 +135,12 @@ class StepStates:
             state_access(ctx - q, q, table, block_size)
             for q, ctx, table in zip(query_lens, context_lens, tables, strict=True)
         )
+        if span > 1:
+            accesses = tuple(
+                StateAccess(
+                    None if a.read_page is None else a.read_page // span,
+                    tuple((n, page // span) for n, page in a.writes),
+                )
+                for a in accesses
+            )
         return cls(accesses, tuple(query_lens))

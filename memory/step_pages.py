@@ -104,6 +104,34 @@ class StepPages:
             out[group] = pages
         return tuple(out)
 
+    def spare_chunk(
+        self,
+        state: RequestBlocks | None,
+        num_new_tokens: int,
+        hit: PrefixHit | None,
+        at_least: int,
+    ) -> int:
+        """``num_new_tokens``, halved while the step would take a page a kept prefix holds,
+        not below ``at_least`` (see ``KVCacheManager.spare_chunk``)."""
+        if num_new_tokens <= at_least or not self.releases_pages:
+            return num_new_tokens
+        pool = self.pool
+        spare, spare_spans = pool.reusable(hit.block_tables if hit is not None else ())
+        # Fresh page ids at most, and the hit's own pages, which may be unkept.
+        most = (num_new_tokens // self.block_size + 2) * self.ids_per_block
+        if hit is not None:
+            most += pool.page_ids_in(hit.block_tables)
+        if spare >= most and spare_spans >= most:
+            return num_new_tokens  # the common case: pages nobody keeps are plenty
+
+        def gives_up(num: int) -> bool:
+            ids, states = self.num_taken(state, num, hit)
+            return ids > spare or states > spare_spans
+
+        while num_new_tokens > at_least and gives_up(num_new_tokens):
+            num_new_tokens = max(at_least, num_new_tokens // 2)
+        return num_new_tokens
+
     def num_taken(
         self, state: RequestBlocks | None, num_new_tokens: int, hit: PrefixHit | None
     ) -> tuple[int, int]:

@@ -97,6 +97,8 @@ class EngineConfig:
             ``SamplingParams.parent_id`` is the same) may hold at once; the other copies
             wait, and requests behind them are admitted meanwhile. See
             :attr:`max_copies_running`.
+        state_span: Page ids one page of a state group takes (the executor's pool says
+            it: :meth:`for_executor`); 1: every page is one id.
     """
 
     policies: tuple[MemoryPolicy, ...] = attrs.field(converter=_policies)
@@ -113,6 +115,7 @@ class EngineConfig:
     vocab_size: int | None = attrs.field(default=None, validator=_optional_at_least_one)
     scheduling_policy: SchedulingPolicy = attrs.field(default="fcfs", validator=_scheduling_policy)
     max_running_share: float = attrs.field(default=0.5, validator=_share)
+    state_span: int = attrs.field(default=1, validator=_at_least(1))
 
     @classmethod
     def for_executor(cls, executor: Executor, **options: Any) -> EngineConfig:
@@ -137,13 +140,14 @@ class EngineConfig:
             policies=pool.policies,
             num_blocks=pool.num_blocks,
             block_size=pool.block_size,
+            state_span=pool.state_span,
             **fields,
         )
 
     @property
     def pool(self) -> PoolSpec:
         """The block pool this config describes."""
-        return PoolSpec(self.policies, self.num_blocks, self.block_size)
+        return PoolSpec(self.policies, self.num_blocks, self.block_size, self.state_span)
 
     @property
     def prefill_chunk(self) -> int:

@@ -69,6 +69,7 @@ class EngineCore:
             config.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            state_span=config.state_span,
         )
         # With a KV connector: loads and saves through offload tiers (connector.py);
         # the core calls the seam alike either way.
@@ -390,4 +391,7 @@ class EngineCore:
             prefix_hit_rate=self._prefix.hit_rate,
             tokens_per_second=tokens_per_second,
             output_tokens_per_second=output_tokens_per_second,
+            num_kv_pages_used=usage.kv_pages_used,
+            num_state_pages_used=usage.state_pages_used,
+            num_free_state_pages=usage.num_free_state_pages,
         )

@@ -99,10 +99,16 @@ class FakeExecutor:
         self._store = [array("Q", bytes(size)) for _ in pool.policies]
         # Groups whose pages hold a state per block follow the mamba contract, checked.
         self._kv_groups = [g for g, p in enumerate(pool.policies) if not p.keeps_state]
+        # The group that wrote each page id last (-1: none yet): the groups share the ids
+        # (a state page spans state_span of them), so a read of a page another group
+        # overwrote fails.
+        self._owner = array("q", [-1]) * pool.num_blocks
         self._states = FakeStatePages(
             [g for g, p in enumerate(pool.policies) if p.keeps_state],
             pool.num_blocks,
             pool.block_size,
+            owner=self._owner,
+            span=pool.state_span,
         )
         self.num_steps = 0
         self.transfers: TransferWorker | None = None
@@ -141,6 +147,7 @@ class FakeExecutor:
             if block.dtype != "uint64" or block.shape != (bs,):
                 raise CorruptBlockError(f"a {block.dtype} {block.shape} block for a fake page")
             store[page * bs : (page + 1) * bs] = array("Q", bytes(block.data))
+            self._owner[page] = group
 
     def execute(self, batch: StepBatch) -> StepResult:
         """Write each token's hash into its block, then sample from the last hash."""
@@ -194,6 +201,10 @@ class FakeExecutor:
             position += 1
             if i < len(targets):
                 prompt_logprobs.append(fake_logprobs(h, targets[i], num_top, vocab))
+        owner = self._owner
+        for block in range(request.start_position // bs, (position - 1) // bs + 1):
+            for group in self._kv_groups:
+                owner[tables[group][block]] = group
         if self._states.groups:
             self._states.write(tables, request.start_position, hashes)
         return h, tuple(prompt_logprobs)
@@ -202,6 +213,13 @@ class FakeExecutor:
         """The hash at ``position``, from every group that still holds its page (a state
         group holds the state after it, checked to be exactly that one)."""
         block, slot = divmod(position, self.block_size)
+        for group in self._kv_groups:
+            page = tables[group][block]
+            if page and self._owner[page] not in (group, -1):
+                raise FakeKVMismatchError(
+                    f"group {group} reads page {page}, which group {self._owner[page]} "
+                    "wrote since"
+                )
         values = {
             self._store[group][tables[group][block] * self.block_size + slot]
             for group in self._kv_groups

@@ -33,11 +33,24 @@ class FakeStatePages:
         groups: The groups that keep state.
         num_blocks: Pages in the pool.
         block_size: Tokens per block.
+        owner: Per page id, the group that wrote it last, shared with the K/V writes.
+        span: Page ids one state page takes.
     """
 
-    def __init__(self, groups: Sequence[int], num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        groups: Sequence[int],
+        num_blocks: int,
+        block_size: int,
+        *,
+        owner: array[int] | None = None,
+        span: int = 1,
+    ) -> None:
         self.groups = tuple(groups)
         self.block_size = block_size
+        self.span = span
+        # Per page id, the group that wrote it last (shared with the K/V groups' writes).
+        self._owner = owner if owner is not None else array("q", [-1]) * num_blocks
         self._hash = {g: array("Q", bytes(8 * num_blocks)) for g in self.groups}
         self._covers = {g: array("Q", bytes(8 * num_blocks)) for g in self.groups}
 
@@ -54,6 +67,12 @@ class FakeStatePages:
             page = read_page(start, tables[g], self.block_size)
             if page is None:
                 continue
+            ids = range(page, page + self.span)
+            if any(self._owner[i] not in (g, -1) for i in ids):
+                raise FakeStateMismatchError(
+                    f"group {g} reads state page {page} (ids {ids.start}-{ids.stop - 1}), "
+                    "which another group wrote into since"
+                )
             if self._covers[g][page] != start:
                 raise FakeStateMismatchError(
                     f"group {g} page {page} holds the state after {self._covers[g][page]} "
@@ -71,3 +90,4 @@ class FakeStatePages:
             for count, page in access.writes:
                 self._hash[g][page] = hashes[count - 1]
                 self._covers[g][page] = start + count
+                self._owner[page : page + self.span] = array("q", [g]) * self.span

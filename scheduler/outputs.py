@@ -109,6 +109,11 @@ class EngineStats:
         tokens_per_second: Tokens run through the model per second, from the first step
             of the last 10 seconds until now (so it falls to zero when idle).
         output_tokens_per_second: Tokens generated per second, over the same span.
+        num_kv_pages_used: Pages the K/V groups hold.
+        num_state_pages_used: Pages the state (mamba-like) groups hold; each takes a span
+            of page ids where a state is larger than a K/V page.
+        num_free_state_pages: State pages an allocation could take now (spans with no
+            page in use; 0 where a state page is one page id).
     """
 
     num_waiting: int
@@ -123,3 +128,6 @@ class EngineStats:
     prefix_hit_rate: float
     tokens_per_second: float
     output_tokens_per_second: float
+    num_kv_pages_used: int = 0
+    num_state_pages_used: int = 0
+    num_free_state_pages: int = 0

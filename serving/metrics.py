@@ -55,6 +55,19 @@ class _EngineCollector(Collector):
         yield pages
         yield GaugeMetricFamily("hybridkv_kv_blocks_free", "Free KV pages", s.num_free_blocks)
         yield GaugeMetricFamily(
+            "hybridkv_kv_pages_used", "Pages the K/V groups hold", s.num_kv_pages_used
+        )
+        yield GaugeMetricFamily(
+            "hybridkv_state_pages_used",
+            "Pages the state groups hold (a span of page ids each where a state needs it)",
+            s.num_state_pages_used,
+        )
+        yield GaugeMetricFamily(
+            "hybridkv_state_pages_free",
+            "State pages an allocation could take now (0 where a state page is one page id)",
+            s.num_free_state_pages,
+        )
+        yield GaugeMetricFamily(
             "hybridkv_kv_blocks_total", "KV pages in the pool (null page included)", s.num_blocks
         )
         yield GaugeMetricFamily(

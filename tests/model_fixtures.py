@@ -239,9 +239,7 @@ class Driver:
     def __init__(self, executor: ModelExecutor, *, prefix_caching: bool = True) -> None:
         self.executor = executor
         plan = executor.plan
-        self.kv = KVCacheManager(
-            plan.policies, plan.num_blocks, plan.block_size, enable_prefix_caching=prefix_caching
-        )
+        self.kv = KVCacheManager.for_pool(plan.pool, enable_prefix_caching=prefix_caching)
         self.active: dict[str, TrackedRequest] = {}
         self.logits: dict[str, list[torch.Tensor]] = {}
         executor.logits_hook = self._record

@@ -58,7 +58,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(
         f"{loaded.name}: {len(loaded.specs)} layers in {len(plan.groups)} KV groups, "
         f"{plan.num_blocks:,} pages of {plan.block_size} tokens "
-        f"(a uniform allocator would get {plan.uniform_num_blocks:,})",
+        + (f"(a state page spans {plan.state_span}) " if plan.state_span > 1 else "")
+        + f"(a uniform allocator would get {plan.uniform_num_blocks:,})",
         file=sys.stderr,
     )
     requests = demo_workload(

@@ -89,6 +89,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(
         f"budget  {_bytes(budget)} per device, {args.dtype}, block size {plan.block_size}"
         + (f" (raised from {args.block_size} so a page holds a state)" if raised else "")
+        + (f", state pages of {plan.state_span} K/V pages" if plan.state_span > 1 else "")
     )
     if plan.groups:
         print("\n".join(format_plan(plan, report)))
@@ -107,22 +108,24 @@ def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
     """The tables of a plan with KV groups: groups, policies, stages, capacity, padding."""
     out = [
         f"pool    {_count(len(plan.groups), 'group')}, "
-        f"{_count(plan.group_size, 'slot tensor')} per device, page "
-        f"{_bytes(plan.block_bytes)}, {plan.num_blocks} blocks (the null block included)",
+        f"{_count(plan.group_size, 'slot tensor')} per device, "
+        f"{plan.num_blocks} pages (the null page included)",
+        *_page_lines(plan, report),
         "",
     ]
     slot_bytes = sum(report.stage_slots) * plan.block_bytes
     out += _table(
-        ["group", "policy", "layers", "blocks/request", "padding/page"],
+        ["group", "policy", "layers", "pages/request", "page", "padding/page"],
         [[g.group_id, g.policy, g.num_layers, g.blocks_per_request,
-          _share(g.padding_bytes_per_block, slot_bytes)] for g in report.groups],
+          "state" if g.page_ids > 1 else "K/V",
+          _share(g.padding_bytes_per_block, slot_bytes * g.page_ids)] for g in report.groups],
     )  # fmt: skip
     total = report.blocks_per_request
     out.append("")
     out += _table(
-        ["policy", "groups", "layers", "blocks/request", "share of pages"],
+        ["policy", "groups", "layers", "pages/request", "share of page ids"],
         [[p.policy, p.num_groups, p.num_layers, p.blocks_per_request,
-          f"{p.blocks_per_request / total:.1%}"] for p in report.policies],
+          f"{p.page_ids_per_request / total:.1%}"] for p in report.policies],
     )  # fmt: skip
     if len(plan.stages) > 1:
         out.append("")
@@ -153,6 +156,31 @@ def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
         f"at most {_bytes(plan.padding_bytes)} {where}",
         "uniform: one group of every layer as full attention, in the same bytes",
     ]
+
+
+def _page_lines(plan: LayoutPlan, report: PlanReport) -> list[str]:
+    """The two page sizes (in one slot tensor), the bytes each kind takes per request
+    (over every slot tensor) and its padding."""
+    slot_bytes = sum(report.stage_slots) * plan.block_bytes
+    kinds = [("K/V", [g for g in report.groups if not g.keeps_state])]
+    kinds.append(("state", [g for g in report.groups if g.keeps_state]))
+    out = []
+    for name, groups in kinds:
+        if not groups:
+            continue
+        ids = groups[0].page_ids
+        size = f"{_bytes(plan.block_bytes * ids)}"  # in one slot tensor
+        if name == "K/V":
+            size += f" ({plan.block_size} tokens)"
+        elif ids > 1:
+            size += f" ({ids} K/V pages)"
+        held = sum(g.blocks_per_request * g.page_ids for g in groups) * slot_bytes
+        padding = sum(g.blocks_per_request * g.padding_bytes_per_block for g in groups)
+        out.append(
+            f"{name:<7} page {size}; requests of {report.request_tokens} tokens hold "
+            f"{_bytes(held)} each, {_share(padding, held)} padding"
+        )
+    return out
 
 
 def format_context(

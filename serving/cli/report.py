@@ -69,10 +69,14 @@ def summary_rows(
 
 
 def _peak_pages(plan: LayoutPlan, peak: Sequence[int]) -> str:
-    """``full: 236 | sliding_window(window=512): 236 210 ...`` (groups of one policy together)."""
+    """``full: 236 | sliding_window(window=512): 236 210 ...`` (groups of one policy
+    together; state groups' pages are counted apart, as state pages)."""
     by_policy: dict[str, list[str]] = {}
     for group, num in zip(plan.groups, peak, strict=True):
-        by_policy.setdefault(policy_label(group.policy), []).append(f"{num:,}")
+        label = policy_label(group.policy)
+        if group.policy.keeps_state:
+            label += f" state pages of {plan.state_span}" if plan.state_span > 1 else " state"
+        by_policy.setdefault(label, []).append(f"{num:,}")
     parts = [f"{label}: {' '.join(nums)}" for label, nums in by_policy.items()]
     return " | ".join(parts) + f" (of {plan.num_blocks - 1:,})"
 

@@ -111,7 +111,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             for i in self.ids(g, page)
         }
         cached_before = self.cached_pages()
-        spans = pool.spans
+        spans = getattr(pool, "spans", None)  # a SpanPool's
         holes_in_use = set()  # holes of spans with a page in use: small pages go there first
         num_holes = 0
         if spans is not None:

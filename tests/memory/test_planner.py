@@ -128,13 +128,31 @@ def test_smaller_attention_pages_are_padded_to_the_largest() -> None:
     assert plan.padding_bytes == plan.num_blocks * PAGE // 2
 
 
-def test_state_larger_than_attention_page_raises_block_size() -> None:
-    """A 40 KiB state makes blocks of 48 tokens (48 KiB pages); the state pads 8 KiB."""
+def test_state_larger_than_attention_page_takes_a_span_of_pages() -> None:
+    """A 40 KiB state takes 3 K/V pages of 16 KiB (16 tokens); the block stays 16."""
     specs: list[LayerSpec] = [
         attn("a0"),
         StateSpec(name="m0", policy=MambaLike(), state_bytes=40 * 1024),
     ]
     plan = plan_layout(specs, 1 << 20, block_size=16)
+    report = describe(plan, specs, 96)
+    assert (plan.block_size, plan.block_bytes, plan.state_span) == (16, PAGE, 3)
+    assert plan.state_page_bytes == 48 * 1024 and plan.num_blocks % 3 == 0
+    assert plan.pool.state_span == 3
+    assert [g.page_ids for g in report.groups] == [1, 3]
+    assert [g.padding_bytes_per_block for g in report.groups] == [0, 8 * 1024]
+    # A request of 96 tokens: 6 K/V pages and the state group's peak of 3 state pages.
+    assert report.blocks_per_request == 6 + 3 * 3
+
+
+def test_one_page_size_raises_block_size() -> None:
+    """``unify_page_size``: a 40 KiB state makes blocks of 48 tokens (48 KiB pages); the
+    state pads 8 KiB (what a single page size forces, as vLLM)."""
+    specs: list[LayerSpec] = [
+        attn("a0"),
+        StateSpec(name="m0", policy=MambaLike(), state_bytes=40 * 1024),
+    ]
+    plan = plan_layout(specs, 1 << 20, block_size=16, unify_page_size=True)
     report = describe(plan, specs, 96)
     assert plan.block_size == 48
     assert plan.block_bytes == 3 * PAGE
@@ -154,7 +172,7 @@ def test_state_smaller_than_attention_page_is_padded() -> None:
 
 
 def test_state_too_large_for_any_block_is_an_error() -> None:
-    """A state needing blocks past max_block_size cannot share a page size."""
+    """With one page size, a state needing blocks past max_block_size cannot share it."""
     specs: list[LayerSpec] = [
         attn("a0"),
         StateSpec(name="m0", policy=MambaLike(), state_bytes=PAGE * 9),
@@ -162,7 +180,7 @@ def test_state_too_large_for_any_block_is_an_error() -> None:
     with pytest.raises(
         LayoutError, match=r"cannot share a page size.*'m0'.*144.*max_block_size=128"
     ):
-        plan_layout(specs, 1 << 30, max_block_size=128)
+        plan_layout(specs, 1 << 30, max_block_size=128, unify_page_size=True)
 
 
 def test_attention_free_model_has_no_groups() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.memory import BlockHash, BlockPool, LayoutError
+from hybridkv.memory.span_pool import SpanPool
 
 
 def h(name: str) -> BlockHash:
@@ -105,9 +106,9 @@ def test_a_pool_needs_a_page_besides_the_null_page() -> None:
 # -- two page sizes: state pages are spans of small pages --------------------------------
 
 
-def span_pool() -> BlockPool:
+def span_pool() -> SpanPool:
     """16 page ids in spans of 4; group 0 K/V (one id a page), group 1 states (four)."""
-    return BlockPool(16, num_groups=2, widths=(1, 4))
+    return SpanPool(16, 2, (1, 4))
 
 
 def test_a_state_page_is_an_aligned_span_and_small_pages_fill_spans_in_use_first() -> None:
@@ -158,6 +159,6 @@ def test_a_cached_state_page_is_found_and_taken_back_whole() -> None:
 
 def test_widths_are_checked() -> None:
     with pytest.raises(LayoutError, match="multiple of 4"):
-        BlockPool(18, num_groups=2, widths=(1, 4))
+        SpanPool(18, 2, (1, 4))
     with pytest.raises(LayoutError, match="one state span"):
-        BlockPool(16, num_groups=2, widths=(2, 4))
+        SpanPool(16, 2, (2, 4))

@@ -105,9 +105,22 @@ def test_state_layers_view_pool_pages_as_float32(make_driver) -> None:
             assert spec.state_bytes == 4 * config.mamba.state_values == 3200
 
 
-def test_a_larger_state_raises_the_block_size(make_driver) -> None:
-    """Asked for blocks of 8 tokens, the planner takes 16 so one page holds a state."""
-    assert make_driver("bamba", block_size=8).executor.plan.block_size == 16
+def test_a_larger_state_takes_a_span_of_pages_and_keeps_the_block_size(
+    tiny_models, make_driver, prompt_of, check_reference
+) -> None:
+    """Asked for blocks of 8 tokens, the planner keeps 8 and gives a state two K/V pages;
+    a prefill, a decode across blocks and a repeat's hit match transformers."""
+    driver = make_driver("bamba", block_size=8)
+    plan = driver.executor.plan
+    assert (plan.block_size, plan.state_span) == (8, 2)
+    prompt = prompt_of(29, 3)
+    driver.add("a", prompt)
+    driver.run(12, chunk=11)
+    check_reference(tiny_models["bamba"], driver, "a")
+    again = driver.add("b", prompt)
+    driver.run(3)
+    assert again.hit_tokens == 24  # (29 - 1) // 8 * 8
+    check_reference(tiny_models["bamba"], driver, "b")
 
 
 @pytest.mark.parametrize(

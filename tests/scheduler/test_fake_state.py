@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 
+from hybridkv.memory.layout import PoolSpec
 from hybridkv.policies import FullAttention, MambaLike
 from hybridkv.scheduler import EngineConfig, SamplingParams
 from hybridkv.scheduler.batch import StepBatch, StepRequest
@@ -90,7 +91,11 @@ def test_a_read_of_another_boundarys_state_is_refused() -> None:
             request_id="x",
             token_ids=tokens,
             start_position=start,
-            block_tables=[table, table, table, [1, 2, 3][: len(table)]],
+            # Each state group's own pages: the table's, moved by 4 per group.
+            block_tables=[
+                *([p + 4 * g if p else 0 for p in table] for g in range(3)),
+                [1, 2, 3][: len(table)],
+            ],
             sample=False,
             params=params,
             output_index=0,
@@ -100,3 +105,27 @@ def test_a_read_of_another_boundarys_state_is_refused() -> None:
     step(0, [1] * 6, [4, 5])  # block 0 -> state after 4, block 1 -> running state after 6
     with pytest.raises(FakeStateMismatchError, match="holds the state after 4 tokens"):
         step(8, [1], [0, 4, 6])  # block 1's page is 4, which holds the state after 4
+
+
+def test_a_kv_page_written_inside_a_state_page_is_caught() -> None:
+    """Two page sizes: a state page spans 4 page ids, and a K/V write into one of them
+    destroys the state; the fake refuses to read it back."""
+    fake = FakeExecutor(PoolSpec([MambaLike(), FullAttention()], 16, 4, state_span=4))
+    params = SamplingParams(max_tokens=1)
+
+    def step(start: int, tokens: list[int], tables: list[list[int]]) -> None:
+        request = StepRequest(
+            request_id="x",
+            token_ids=tokens,
+            start_position=start,
+            block_tables=tables,
+            sample=False,
+            params=params,
+            output_index=0,
+        )
+        fake.execute(StepBatch((request,)))
+
+    step(0, [1] * 4, [[4], [1]])  # the state after 4 tokens in ids 4-7
+    step(0, [2] * 4, [[8], [5]])  # another request's K/V in id 5
+    with pytest.raises(FakeStateMismatchError, match=r"state page 4 \(ids 4-7\)"):
+        step(4, [1], [[4, 12], [1, 2]])

@@ -25,7 +25,8 @@ def test_plan_builtin_gemma3_like(capsys: pytest.CaptureFixture[str]) -> None:
     """gemma3-like in 2 GiB: 7 groups of 16 KiB pages, 32768 blocks, 3.79x uniform."""
     code, out, err = run(capsys, "plan", "gemma3-like", "--kv-memory", "2GiB")
     assert (code, err) == (0, "")
-    assert "7 groups, 4 slot tensors per device, page 16.00 KiB, 32768 blocks" in out
+    assert "7 groups, 4 slot tensors per device, 32768 pages" in out
+    assert "K/V     page 16.00 KiB (16 tokens)" in out and "\nstate" not in out
     assert "sliding_window(window=512)  6       22      198" in out
     assert "requests of 4096 tokens  72      19       3.79x" in out
     assert "blocks                   32768   5041" in out
@@ -45,7 +46,8 @@ def test_plan_config_json_in_a_folder(tmp_path: Path, capsys: pytest.CaptureFixt
     code, out, _ = run(capsys, "plan", str(tmp_path), "--kv-memory", "64MiB", "--dtype", "fp32")
     assert code == 0
     # A page: K and V, 2 heads of 64, 4 bytes, 16 tokens = 16 KiB; 8 slots per block.
-    assert "1 group, 8 slot tensors per device, page 16.00 KiB, 512 blocks" in out
+    assert "1 group, 8 slot tensors per device, 512 pages" in out
+    assert "K/V     page 16.00 KiB (16 tokens)" in out
     assert f"model   {tmp_path / 'config.json'}: 8 KV layers (8 sliding_window" in out
 
 
@@ -69,11 +71,13 @@ def test_plan_with_context_ranks_shows_the_longest_request_per_rank(
     assert 3.9 < long4 / long1 <= 4.0
 
 
-def test_plan_mamba_hybrid_states_the_raised_block(capsys: pytest.CaptureFixture[str]) -> None:
-    """jamba-like raises the block size so one page holds a mamba state."""
+def test_plan_mamba_hybrid_shows_both_page_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    """jamba-like keeps blocks of 16 tokens; a mamba state takes 5 K/V pages."""
     code, out, _ = run(capsys, "plan", "jamba-like", "--kv-memory", "2GiB")
     assert code == 0
-    assert "block size 80 (raised from 16 so a page holds a state)" in out
+    assert "block size 16, state pages of 5 K/V pages" in out and "raised" not in out
+    assert "K/V     page 64.00 KiB (16 tokens); requests of 4096 tokens hold 64.00 MiB" in out
+    assert "state   page 320.00 KiB (5 K/V pages); requests of 4096 tokens hold 26.25 MiB" in out
 
 
 @pytest.mark.parametrize(
@@ -142,7 +146,8 @@ def test_console_script_runs_plan() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert "1 group, 32 slot tensors per device, page 64.00 KiB, 512 blocks" in done.stdout
+    assert "1 group, 32 slot tensors per device, 512 pages" in done.stdout
+    assert "K/V     page 64.00 KiB (16 tokens)" in done.stdout
 
 
 def test_plan_with_a_layer_policy_groups_by_it(capsys: pytest.CaptureFixture[str]) -> None:
@@ -189,11 +194,12 @@ def test_layer_policy_flags_parse_to_policies() -> None:
 
 @pytest.mark.parametrize("model", ["bamba-like", "granite-4.0-h-like"])
 def test_plan_shows_a_mamba2_hybrid_layout(capsys: pytest.CaptureFixture[str], model: str) -> None:
-    """A Bamba or Granite 4.0-H layout: state and attention groups share one page size,
-    the block raised until an attention page holds a float32 Mamba2 state."""
+    """A Bamba or Granite 4.0-H layout: attention keeps blocks of 16 tokens, and a float32
+    Mamba2 state takes a span of K/V pages (no block raised to hold it)."""
     code, out, _ = run(capsys, "plan", model, "--kv-memory", "8GiB")
     assert code == 0
-    assert "block size 1056 (raised from 16 so a page holds a state)" in out
+    assert "block size 16, state pages of" in out and "raised" not in out
+    assert "\nK/V     page" in out and "\nstate   page" in out
     assert "\nmamba  " in out and "\nfull  " in out and "padding" in out
 
 
