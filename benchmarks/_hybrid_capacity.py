@@ -68,10 +68,39 @@ def capacity(
         "admitted": admitted_ours(layout, tokens),
     }
     out["admitted_held_over_live"] = _held_over_live(out["admitted"], pages, live)
+    out["waste_of_pool"] = _waste_of_pool(out["admitted"], pages, specs, plan, tokens)
     if vllm is not None:
         out["vllm_admitted"] = admitted_vllm(vllm, layout, tokens)
         out["vllm_admitted_held_over_live"] = _held_over_live(out["vllm_admitted"], pages, live)
     return out
+
+
+def _waste_of_pool(
+    admitted: dict[str, Any],
+    pages: Sequence[GroupPage],
+    specs: Sequence[LayerSpec],
+    plan: LayoutPlan,
+    tokens: int,
+) -> float | None:
+    """Bytes of the pages the admitted requests hold that hold nothing (page padding,
+    the empty slots of partial K/V blocks, empty slot tensors), over the pool's bytes.
+
+    Content: every request's K/V of its ``tokens`` in each attention layer, and one
+    state per state layer in each state page held (checkpoints count as content)."""
+    n = admitted.get("requests")
+    if not n:
+        return None
+    by_name = {s.name: s for s in specs}
+    held = content = 0
+    for group, num, page in zip(plan.groups, admitted["pages_per_group"], pages, strict=True):
+        held += num * page.page_id_bytes
+        for name in group.layer_names:
+            spec = by_name[name]
+            if isinstance(spec, AttentionSpec):
+                content += n * spec.block_bytes(1) * tokens
+            else:
+                content += num * spec.block_bytes(1)
+    return round((held - content) / plan.pool_bytes, 4)
 
 
 def _held_over_live(admitted: dict[str, Any], pages: Sequence[GroupPage], live: int) -> Any:
@@ -89,16 +118,31 @@ class _Prompt:
         self.extra_keys: tuple[object, ...] = ()
 
 
+#: Tokens a prefill chunk allocates in the admission measure (the engine's step budget
+#: in the other workloads).
+CHUNK = 2048
+
+
 def admitted_ours(layout: Layout, tokens: int) -> dict[str, Any]:
-    """Requests of ``tokens`` unique tokens our manager admits at once, each allocating
-    its whole prompt in one call, and the pages they hold per group."""
+    """Requests of ``tokens`` unique tokens our manager holds at once, each prefilled in
+    chunks of ``CHUNK`` tokens as the engine runs it (each chunk's allocation releases
+    what the previous chunk's step left dead: the checkpoints inside a long prompt), and
+    the pages they hold per group."""
     pool = layout.pool
     manager = KVCacheManager.for_pool(pool)
     rng = random.Random(tokens)
     n = 0
     while True:
         request = _Prompt(str(n), random_tokens(rng, tokens))
-        if manager.allocate(request, tokens, manager.lookup(request)) is None:
+        done = 0
+        hit = manager.lookup(request)
+        while done < tokens:
+            chunk = min(CHUNK, tokens - done)
+            if manager.allocate(request, chunk, hit if done == 0 else None) is None:
+                break
+            done += chunk
+        if done < tokens:
+            manager.free(request.request_id, computed=False)
             break
         n += 1
     per_group = [0] * len(pool.policies)

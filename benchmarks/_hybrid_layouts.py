@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from hybridkv.memory.layout import (
+    AttentionSpec,
     KVGroup,
     LayerSpec,
     LayoutPlan,
@@ -95,9 +96,12 @@ def model_specs(name: str) -> list[LayerSpec]:
 # -- the layout: the one place that plans ------------------------------------------------
 
 
-def build_layout(model: str, budget: int, block_size: int) -> LayoutPlan:
-    """The plan every workload of ``model`` runs at: ``plan_layout`` of its specs."""
-    return plan_layout(model_specs(model), budget, block_size)
+def build_layout(model: str, budget: int, block_size: int, *, one_page: bool = False) -> LayoutPlan:
+    """The plan a workload of ``model`` runs at: ``plan_layout`` of its specs, with two
+    page sizes (states in spans of K/V pages), or ``one_page``: one page size, the block
+    raised until an attention page holds a state (hybridkv before two-level pages, and
+    what vLLM does)."""
+    return plan_layout(model_specs(model), budget, block_size, unify_page_size=one_page)
 
 
 @attrs.frozen
@@ -114,17 +118,15 @@ class GroupPage:
 
 
 def _group_page(plan: LayoutPlan, group: KVGroup) -> tuple[int, int]:
-    """A group's block size and the bytes of its page in one slot tensor.
-
-    The one reader of the plan's page size: today's plans have one for every group; a plan
-    that gives attention groups pages of their own is read here, and the rest of the script
-    takes each group's values from :func:`group_pages` and :class:`Layout`.
-    """
-    return plan.block_size, plan.block_bytes
+    """A group's block size and the bytes of its page in one slot tensor (a state page:
+    ``state_span`` K/V pages). The one reader of the plan's page sizes: the rest of the
+    script takes each group's values from :func:`group_pages` and :class:`Layout`."""
+    span = plan.state_span if group.policy.keeps_state else 1
+    return plan.block_size, plan.block_bytes * span
 
 
 def group_pages(plan: LayoutPlan, specs: Sequence[LayerSpec]) -> list[GroupPage]:
-    """Each group's block size and page bytes, from the plan (one size today)."""
+    """Each group's block size and page bytes, from the plan."""
     by_name = {s.name: s for s in specs}
     slots = sum(
         max((plan.layer_slots[n][1] + 1 for n in stage), default=0) for stage in plan.stages
@@ -165,9 +167,12 @@ def hybrid_layout(model: str, plan: LayoutPlan, specs: Sequence[LayerSpec]) -> L
     )
 
 
-def uniform_layout(plan: LayoutPlan) -> Layout:
-    """The planner's uniform layout: one full-attention group, a page per block for every
-    layer, ``uniform_num_blocks`` of them, at the plan's (largest) block size."""
+def uniform_layout(plan: LayoutPlan, specs: Sequence[LayerSpec]) -> Layout:
+    """The full-attention layout of the same model: every layer an attention layer of the
+    model's attention shape (no state anywhere, so no state cliff), all in one group, at
+    the plan's block size, in the plan's budget."""
     block_size = max(_group_page(plan, g)[0] for g in plan.groups)
-    pool = PoolSpec((FullAttention(),), plan.uniform_num_blocks, block_size)
+    page = max(s.block_bytes(block_size) for s in specs if isinstance(s, AttentionSpec))
+    num_blocks = plan.budget_bytes // (len(specs) * page)
+    pool = PoolSpec((FullAttention(),), num_blocks, block_size)
     return Layout(pool=pool, block_sizes=(block_size,))

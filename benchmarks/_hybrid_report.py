@@ -42,6 +42,7 @@ def describe_plan(name: str, plan: LayoutPlan, specs: Sequence[LayerSpec], asked
         "num_kv_layers": len(specs),
         "block_size_asked": asked,
         "block_sizes": sorted({p.block_size for p in pages}),
+        "state_span": plan.state_span,
         "num_blocks": plan.num_blocks,
         "group_size": plan.group_size,
         "uniform_num_blocks": plan.uniform_num_blocks,
@@ -61,33 +62,40 @@ def describe_plan(name: str, plan: LayoutPlan, specs: Sequence[LayerSpec], asked
 
 
 def _blocks(plan: dict[str, Any]) -> str:
-    """``block 800``, or ``blocks 16/800`` for a plan with several block sizes."""
+    """``block 800``, or ``block 16, states 50 pages`` for a plan with two page sizes."""
     sizes = plan["block_sizes"]
-    return f"block{'s' if len(sizes) > 1 else ''} {'/'.join(map(str, sizes))}"
+    out = f"block{'s' if len(sizes) > 1 else ''} {'/'.join(map(str, sizes))}"
+    return out + (f", state {plan['state_span']} pages" if plan["state_span"] > 1 else "")
 
 
 def print_plans(plans: dict[str, dict[str, Any]]) -> None:
-    """One line per kind of group: its block size and page bytes."""
+    """One line per kind of group: its block size and page bytes, each layout."""
     print(
-        f"{'model':<20}{'KV layers':>9}  {'groups':<22}{'page ids':>9}{'block':>7}"
+        f"{'model, layout':<29}{'KV layers':>9}  {'groups':<22}{'page ids':>9}{'block':>7}"
         f"{'slot page B':>13}{'page id B':>13}  filled B (by the group's layers)"
     )
-    for name, p in plans.items():
-        for i, (kind, v) in enumerate(p["page_sizes"].items()):
-            layers = p["group_size"]
-            head = f"{name:<20}{p['num_kv_layers']:>9}  " if i == 0 else f"{'':<31}"
-            blocks = f"{p['num_blocks']:>9}" if i == 0 else f"{'':>9}"
-            groups = f"{v['groups']} {kind} x {layers} slots"
-            print(
-                head + f"{groups:<22}{blocks}"
-                f"{'/'.join(map(str, v['block_sizes'])):>7}"
-                f"{'/'.join(f'{b:,}' for b in v['slot_page_bytes']):>13}"
-                f"{'/'.join(f'{b:,}' for b in v['page_id_bytes']):>13}  "
-                f"{' / '.join(f'{b:,}' for b in v['content_bytes'])}"
-            )
-        if any(b != p["block_size_asked"] for b in p["block_sizes"]):
-            asked = p["block_size_asked"]
-            print(f"{'':<31}{_blocks(p)}, raised from {asked} so a page holds a state")
+    for model, layouts in plans.items():
+        for layout, p in layouts.items():
+            _print_plan(f"{model}, {layout.replace('_', ' ')}", p)
+
+
+def _print_plan(name: str, p: dict[str, Any]) -> None:
+    """The rows of one layout: one per kind of group."""
+    for i, (kind, v) in enumerate(p["page_sizes"].items()):
+        layers = p["group_size"]
+        head = f"{name:<29}{p['num_kv_layers']:>9}  " if i == 0 else f"{'':<40}"
+        blocks = f"{p['num_blocks']:>9}" if i == 0 else f"{'':>9}"
+        groups = f"{v['groups']} {kind} x {layers} slots"
+        print(
+            head + f"{groups:<22}{blocks}"
+            f"{'/'.join(map(str, v['block_sizes'])):>7}"
+            f"{'/'.join(f'{b:,}' for b in v['slot_page_bytes']):>13}"
+            f"{'/'.join(f'{b:,}' for b in v['page_id_bytes']):>13}  "
+            f"{' / '.join(f'{b:,}' for b in v['content_bytes'])}"
+        )
+    if any(b != p["block_size_asked"] for b in p["block_sizes"]):
+        asked = p["block_size_asked"]
+        print(f"{'':<40}{_blocks(p)}, raised from {asked} so a page holds a state")
 
 
 def _print_rows(
@@ -102,11 +110,12 @@ def _print_rows(
     """One row per allocator and model of ``workload``'s hybrid layout: its ``cells``, or
     why it did not run."""
     for name in models:
-        bs = _blocks(plans[name])
-        runs = results[name][workload]["hybrid"]
-        lines = [(f"hybridkv today ({bs})", runs["hybridkv"])]
-        if "vllm" in runs:
-            lines.append((f"{vllm_label} ({bs})", runs["vllm"]))
+        two, one = _blocks(plans[name]["two_level"]), _blocks(plans[name]["one_page"])
+        runs, before = results[name][workload]["hybrid"], results[name][workload]["one_page"]
+        lines = [(f"hybridkv two-level ({two})", runs["hybridkv"])]
+        lines.append((f"hybridkv one page ({one})", before["hybridkv"]))
+        if "vllm" in before:
+            lines.append((f"{vllm_label} ({one})", before["vllm"]))
         for i, (label, res) in enumerate(lines):
             head = f"{name if i == 0 else '':<20}{label:<{width}}"
             print(head + (_problem(res) or cells(res)))
@@ -136,7 +145,7 @@ def print_report(
             "block (as its Mamba2 mixer declares), hashes per block (prefix_match_unit unset)"
         )
     print_plans(plans)
-    width = 34
+    width = 46
 
     print(f"\n1. first repeat of a prompt: tokens hit on the repeat ({args.output_tokens}-token "
           f"replies, one request at a time)")  # fmt: skip
@@ -175,15 +184,16 @@ def print_report(
     )
     print(f"{'model':<20}{'layout':<{width + 8}}{'hybridkv':>10}{vllm_label:>14}{'preempted':>13}")
     for name in models:
-        p = plans[name]
-        for i, key in enumerate(("hybrid", "uniform")):
+        layouts = plans[name]
+        for i, key in enumerate(("hybrid", "one_page", "uniform")):
             cell = results[name]["chat"][key]
-            blocks = p["num_blocks"] if key == "hybrid" else p["uniform_num_blocks"]
-            label = (
-                f"hybrid today ({_blocks(p)}, {blocks} ids)"
-                if key == "hybrid"
-                else f"full attention, uniform ({blocks} ids)"
-            )
+            p = layouts["one_page" if key == "one_page" else "two_level"]
+            blocks = cell["hybridkv"]["num_blocks"] if key == "uniform" else p["num_blocks"]
+            label = {
+                "hybrid": f"two-level ({_blocks(p)}, {blocks} ids)",
+                "one_page": f"one page ({_blocks(p)}, {blocks} ids)",
+                "uniform": f"full attention, uniform ({blocks} ids)",
+            }[key]
             ours = cell["hybridkv"]
             theirs = cell.get("vllm")
             problem = _problem(theirs) if theirs is not None else None
@@ -198,30 +208,34 @@ def print_report(
     )
 
     print(
-        "\n4. requests that fit at once, and bytes a request holds over its live bytes "
-        "(K/V + one state per Mamba2 layer)"
+        "\n4. requests that fit at once, bytes a request holds over its live bytes (K/V + one "
+        "state per Mamba2 layer), and the pool's bytes that admitted requests hold as padding"
     )
     head = (
-        f"{'model':<20}{'tokens':>7}{'plan fits':>10}{'held/live':>10}{'admitted':>10}"
-        f"{'held/live':>10}{'vLLM adm.':>10}{'held/live':>10}{'uniform':>9}{'goal fits':>10}"
-        f"{'held/live':>10}"
+        f"{'model, layout':<30}{'tokens':>7}{'plan fits':>10}{'held/live':>10}{'admitted':>10}"
+        f"{'held/live':>10}{'waste':>8}{'vLLM adm.':>10}{'held/live':>10}{'uniform':>9}"
     )
     print(head)
     for name in models:
-        for i, tokens in enumerate(CAPACITY_TOKENS):
-            c = results[name]["capacity"][str(tokens)]
-            va = c.get("vllm_admitted", {})
-            v_req = va.get("requests", "see below" if _problem(va) else "-")
-            v_hl = c.get("vllm_admitted_held_over_live") or "-"
-            print(
-                f"{name if i == 0 else '':<20}{tokens:>7}{c['plan_fits']:>10}"
-                f"{c['plan_held_over_live']:>10.2f}{c['admitted']['requests']:>10}"
-                f"{c['admitted_held_over_live']:>10.2f}{v_req:>10}{v_hl:>10}"
-                f"{c['uniform_fits']:>9}{c['goal_fits']:>10}{c['goal_held_over_live']:>10.2f}"
-            )
+        for layout, key in (("two-level", "capacity"), ("one page", "capacity_one_page")):
+            for i, tokens in enumerate(CAPACITY_TOKENS):
+                c = results[name][key][str(tokens)]
+                va = c.get("vllm_admitted", {})
+                v_req = va.get("requests", "see below" if _problem(va) else "-")
+                v_hl = c.get("vllm_admitted_held_over_live") or "-"
+                waste = c.get("waste_of_pool")
+                label = f"{name}, {layout}" if i == 0 else ""
+                print(
+                    f"{label:<30}{tokens:>7}{c['plan_fits']:>10}"
+                    f"{c['plan_held_over_live']:>10.2f}{c['admitted']['requests']:>10}"
+                    f"{c['admitted_held_over_live']:>10.2f}"
+                    f"{'-' if waste is None else f'{waste:.1%}':>8}{v_req:>10}{v_hl:>10}"
+                    f"{c['uniform_fits']:>9}"
+                )
     for name in models:
         for tokens in CAPACITY_TOKENS:
-            problem = _problem(results[name]["capacity"][str(tokens)].get("vllm_admitted", {}))
+            cell = results[name]["capacity_one_page"][str(tokens)]
+            problem = _problem(cell.get("vllm_admitted", {}))
             if problem:
                 print(f"{vllm_label}, {name} at {tokens} tokens: {problem}")
     print(f"\nran in {elapsed:.0f} s")

@@ -156,4 +156,7 @@ def run_ours(layout: Layout, jobs: Sequence[Job], in_flight: int, budget: int) -
             assert tokens == job.output, f"{key}: the fake's tokens differ from its reference"
             hits[key] = sink.items[0].num_cached_tokens
             waiting.extend(children.get(key, ()))
-    return run_summary(jobs, hits, core.stats().num_preemptions)
+    return {
+        **run_summary(jobs, hits, core.stats().num_preemptions),
+        "num_blocks": config.num_blocks,
+    }

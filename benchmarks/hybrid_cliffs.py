@@ -136,18 +136,31 @@ def main() -> None:
     for name in models:
         specs = model_specs(name)
         plan = build_layout(name, budget, args.block_size)
-        plans[name] = describe_plan(name, plan, specs, args.block_size)
-        layouts = {"hybrid": hybrid_layout(name, plan, specs), "uniform": uniform_layout(plan)}
+        one = build_layout(name, budget, args.block_size, one_page=True)
+        plans[name] = {
+            "two_level": describe_plan(name, plan, specs, args.block_size),
+            "one_page": describe_plan(name, one, specs, args.block_size),
+        }
+        layouts = {
+            "hybrid": hybrid_layout(name, plan, specs),
+            "one_page": hybrid_layout(name, one, specs),
+            "uniform": uniform_layout(plan, specs),
+        }
         row: dict[str, Any] = {}
         for workload, (jobs, in_flight, step_budget) in workloads.items():
-            wanted = ("hybrid", "uniform") if workload == "chat" else ("hybrid",)
+            wanted = ["hybrid", "one_page"] + (["uniform"] if workload == "chat" else [])
             for key in wanted:
                 cell = row.setdefault(workload, {}).setdefault(key, {})
                 cell["hybridkv"] = run_ours(layouts[key], jobs, in_flight, step_budget)
-                if vllm is not None:
+                # vLLM plans its own layout: one page size, the block raised (one_page).
+                if vllm is not None and key != "hybrid":
                     cell["vllm"] = run_vllm(vllm, layouts[key], jobs, in_flight, step_budget)
         row["capacity"] = {
-            str(t): capacity(layouts["hybrid"], plan, specs, t, vllm, budget)
+            str(t): capacity(layouts["hybrid"], plan, specs, t, None, budget)
+            for t in CAPACITY_TOKENS
+        }
+        row["capacity_one_page"] = {
+            str(t): capacity(layouts["one_page"], one, specs, t, vllm, budget)
             for t in CAPACITY_TOKENS
         }
         results[name] = row

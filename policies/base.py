@@ -21,6 +21,9 @@ Span = tuple[int, int]
 #: How many block starts the generic ``max_live_blocks`` scans at each end of a request.
 _SCAN_BLOCKS = 2048
 
+#: The first doubling boundary (in blocks) a state policy keeps by default.
+_DOUBLING_FROM = 16
+
 #: Tells whether block i of a request's prefix is cached (for a given group).
 IsCached = Callable[[int], bool]
 
@@ -116,7 +119,11 @@ class MemoryPolicy(abc.ABC):
 
         The checkpoints of a step: the running state in the block it ends in; the last
         block boundary before its end (a repeat of a prompt resumes there); every
-        :meth:`checkpoint_interval` blocks; and the token counts in ``checkpoints`` (block
+        :meth:`checkpoint_interval` blocks, or where that is None the boundaries after
+        16, 32, 64, ... blocks (a prompt that shares a prefix of b blocks with a later one
+        leaves a state at b/2 blocks or more, for one page per doubling of its length:
+        the later prompt is the first to know the prefix is shared); the token counts in
+        ``checkpoints`` (block
         multiples the KV cache manager asks for: where a prompt leaves the prefix other
         requests share, so the next request with that prefix resumes at its end). A
         decode that completes a block leaves its state there, so a conversation resumes
@@ -132,6 +139,12 @@ class MemoryPolicy(abc.ABC):
         every = self.checkpoint_interval()
         if every is not None:
             blocks.update(j for j in range(first, last) if (j + 1) % every == 0)
+        else:  # doubling boundaries: a prefix shared later resumes from half of it or more
+            count = _DOUBLING_FROM
+            while count <= last:
+                if count > first:
+                    blocks.add(count - 1)
+                count *= 2
         for tokens in checkpoints:
             j = tokens // block_size - 1
             if start < tokens <= end and first <= j < last:
@@ -140,7 +153,7 @@ class MemoryPolicy(abc.ABC):
 
     def checkpoint_interval(self) -> int | None:
         """For a policy that ``keeps_state``: keep a checkpoint every this many blocks of a
-        long prefill (None: none but those :meth:`page_blocks` always keeps)."""
+        long prefill (None: at doubling block counts, see :meth:`page_blocks`)."""
         return None
 
     # -- derived, in blocks ------------------------------------------------------------

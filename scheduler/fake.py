@@ -217,8 +217,7 @@ class FakeExecutor:
             page = tables[group][block]
             if page and self._owner[page] not in (group, -1):
                 raise FakeKVMismatchError(
-                    f"group {group} reads page {page}, which group {self._owner[page]} "
-                    "wrote since"
+                    f"group {group} reads page {page}, which group {self._owner[page]} wrote since"
                 )
         values = {
             self._store[group][tables[group][block] * self.block_size + slot]

@@ -273,3 +273,47 @@ def test_spare_chunk_fits_the_pages_nobody_keeps_and_never_goes_below_its_floor(
     assert mgr.spare_chunk(long, 6, hit, at_least=8) == 6
     alone = KVCacheManager([FULL], num_blocks=25, block_size=4)
     assert alone.spare_chunk(make_request("x", list(range(40))), 40, at_least=8) == 40
+
+
+# -- checkpoints placed by the policy ----------------------------------------------------
+
+
+@pytest.mark.parametrize("span", [1, 4])
+def test_a_prompt_leaving_a_shared_prefix_keeps_a_state_where_it_leaves(make_request, span) -> None:
+    """A second prompt sharing 10 blocks of a first one (prefilled at once, so with no
+    state there) recomputes them, keeping a state at the shared end: a third resumes at
+    the 10 blocks (at 4-token blocks; a state page spans ``span`` pages)."""
+    mgr = KVCacheManager([FULL, MambaLike()], 400, 4, state_span=span)
+    shared = list(range(40))
+    first = make_request("a", [*shared, *([1] * 30)])
+    admit(mgr, first)
+    second = make_request("b", [*shared, *([2] * 9)])
+    hit, _ = admit(mgr, second)
+    assert hit.num_tokens == 0 and hit.checkpoints == (40,)
+    assert mgr.block_tables("b")[1][9]  # the state after the shared 40 tokens has a page
+    mgr.free("a")
+    mgr.free("b")
+    hit, _ = admit(mgr, make_request("c", [*shared, *([3] * 5)]))
+    assert hit.num_tokens == 40 and hit.checkpoints == ()
+    mgr.check_integrity()
+
+
+def test_a_long_prefill_keeps_states_at_doubling_block_counts(make_request) -> None:
+    """By default a state policy keeps a state after 16, 32, 64, ... blocks of a prefill
+    (besides the last boundary and the running state); a user's state policy, written
+    with ``live_spans`` alone, gets the same (the rule is derived)."""
+    import attrs
+
+    from hybridkv.policies import MemoryPolicy, Span
+
+    @attrs.frozen
+    class LastTokenState(MemoryPolicy):
+        keeps_state = True
+
+        def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
+            return ((num_tokens - 1, num_tokens),) if num_tokens else ()
+
+    for policy in (MambaLike(), LastTokenState()):
+        assert policy.page_blocks(0, 4 * 100, 4) == [15, 31, 63, 98, 99]
+        assert policy.page_blocks(4 * 20, 4 * 100, 4) == [31, 63, 98, 99]
+    assert MambaLike(checkpoint_every=40).page_blocks(0, 400, 4) == [39, 79, 98, 99]
