@@ -66,6 +66,7 @@ def capacity(
         "goal_held_bytes": goal_held,
         "goal_held_over_live": round(goal_held / live, 2),
         "admitted": admitted_ours(layout, tokens),
+        "admitted_one_call": admitted_ours(layout, tokens, chunk=tokens)["requests"],
     }
     out["admitted_held_over_live"] = _held_over_live(out["admitted"], pages, live)
     out["waste_of_pool"] = _waste_of_pool(out["admitted"], pages, specs, plan, tokens)
@@ -123,9 +124,10 @@ class _Prompt:
 CHUNK = 2048
 
 
-def admitted_ours(layout: Layout, tokens: int) -> dict[str, Any]:
+def admitted_ours(layout: Layout, tokens: int, chunk: int = CHUNK) -> dict[str, Any]:
     """Requests of ``tokens`` unique tokens our manager holds at once, each prefilled in
-    chunks of ``CHUNK`` tokens as the engine runs it (each chunk's allocation releases
+    chunks of ``chunk`` tokens (``CHUNK``: as the engine runs it; ``tokens``: the whole
+    prompt in one call, vLLM's measure) (each chunk's allocation releases
     what the previous chunk's step left dead: the checkpoints inside a long prompt), and
     the pages they hold per group."""
     pool = layout.pool
@@ -137,10 +139,10 @@ def admitted_ours(layout: Layout, tokens: int) -> dict[str, Any]:
         done = 0
         hit = manager.lookup(request)
         while done < tokens:
-            chunk = min(CHUNK, tokens - done)
-            if manager.allocate(request, chunk, hit if done == 0 else None) is None:
+            num = min(chunk, tokens - done)
+            if manager.allocate(request, num, hit if done == 0 else None) is None:
                 break
-            done += chunk
+            done += num
         if done < tokens:
             manager.free(request.request_id, computed=False)
             break

@@ -213,7 +213,7 @@ def print_report(
     )
     head = (
         f"{'model, layout':<30}{'tokens':>7}{'plan fits':>10}{'held/live':>10}{'admitted':>10}"
-        f"{'held/live':>10}{'waste':>8}{'vLLM adm.':>10}{'held/live':>10}{'uniform':>9}"
+        f"{'held/live':>10}{'waste':>8}{'1 call':>8}{'vLLM 1 call':>12}{'held/live':>10}"
     )
     print(head)
     for name in models:
@@ -229,8 +229,8 @@ def print_report(
                     f"{label:<30}{tokens:>7}{c['plan_fits']:>10}"
                     f"{c['plan_held_over_live']:>10.2f}{c['admitted']['requests']:>10}"
                     f"{c['admitted_held_over_live']:>10.2f}"
-                    f"{'-' if waste is None else f'{waste:.1%}':>8}{v_req:>10}{v_hl:>10}"
-                    f"{c['uniform_fits']:>9}"
+                    f"{'-' if waste is None else f'{waste:.1%}':>8}"
+                    f"{c['admitted_one_call']:>8}{v_req:>12}{v_hl:>10}"
                 )
     for name in models:
         for tokens in CAPACITY_TOKENS:

@@ -1,13 +1,15 @@
-"""Hybrid cliffs: prefix hits and capacity of real-size Mamba2 hybrids at today's layout.
+"""Hybrid cliffs: prefix hits and capacity of real-size Mamba2 hybrids, two page sizes
+against one.
 
-A real Mamba2 state is megabytes, and today's planner gives every group one page size, so
-it raises the block size until an attention page holds a state: the 16 tokens asked for
-become a block of hundreds of tokens or more (each plan's block size is in the first table
-printed), every group caches in units of that block and short prompts never hit, the
-cliff vLLM users report (vLLM #40696: 528-token blocks, no hits below them; #45238: a
-1,500-token shared prefix and 700-token suffixes at block 528, 0 of 64 requests hit;
-#48402). This script measures today's behaviour on three models, at
-``--kv-memory`` (8 GiB) and ``--block-size`` (16) asked for:
+A real Mamba2 state is megabytes. With one page size for every group, the planner raises
+the block size until an attention page holds a state (what vLLM does): the 16 tokens asked
+for become a block of hundreds of tokens or more, every group caches in units of that
+block and short prompts never hit, the cliff vLLM users report (vLLM #40696: 528-token
+blocks, no hits below them; #45238: a 1,500-token shared prefix and 700-token suffixes at
+block 528, 0 of 64 requests hit; #48402). With two page sizes (the default), attention
+keeps the 16-token block and a state takes a span of K/V pages (``memory/spans.py``). This
+script runs both layouts of three models side by side, at ``--kv-memory`` (8 GiB) and
+``--block-size`` (16) asked for:
 
 1. **First repeat of a prompt** of 100, 300, 500, 1,000 and 3,000 tokens: tokens hit on
    the repeat. Goal (the issue's): ``(len - 1) // 16 * 16``.
@@ -17,16 +19,19 @@ cliff vLLM users report (vLLM #40696: 528-token blocks, no hits below them; #452
 3. **An 8-turn chat of 16 sessions** (``multisession.py``'s workload: its ``Session``, its
    defaults: a 2,000-token system prompt each, messages of 50-150 tokens, replies of
    100-300, 4 requests in flight, turns queued round-robin): prefix hit rate of turns 2-8,
-   against the full-attention layout of the same model (every layer a page per block in
-   one full-attention group: the planner's uniform layout, ``uniform_num_blocks``). Goal:
-   every turn hits its session's whole conversation so far to its last 16-token boundary.
+   against the full-attention layout of the same model (every layer an attention layer of
+   the model's attention shape, one full-attention group, in the same bytes: no state,
+   so no state cliff). Goal: within 0.02 of it.
 4. **Capacity**: requests of 4k and 32k tokens that fit in the budget at once (the
-   planner's ``describe`` report: every group at its peak), the uniform layout's count,
-   and the bytes a request holds over the bytes of its live state and K/V (its K/V and one
-   state per Mamba2 layer; padding, empty slots, partial blocks and the extra state pages
-   a mamba group holds make the rest). Also measured: requests admitted at once when each
-   allocates its whole prompt in one call (our KVCacheManager, vLLM's). Goal: K/V in
-   16-token pages beside the same state pages (the peak of ``MambaLike``: three).
+   planner's ``describe`` report: every group at its peak), and the bytes a request holds
+   over the bytes of its live state and K/V (its K/V and one state per Mamba2 layer;
+   padding, empty slots, partial blocks and the extra state pages a mamba group holds make
+   the rest). Also measured: requests our KVCacheManager holds at once when each prompt is
+   prefilled in 2,048-token chunks, as the engine runs it, with the pool's bytes those
+   requests hold as padding (``waste``: page bytes beyond the K/V of the tokens and one
+   state per state page), and requests vLLM's manager admits when each allocates its
+   whole prompt in one call (its admission gate). Goal: at least as many as one page size
+   fits, waste under 5% of the pool.
 
 Workloads 1-3 run through ``EngineCore`` with the checking ``FakeExecutor`` (every step's
 state pages are checked against the contract, and every request's tokens against the fake
@@ -54,12 +59,11 @@ numbers count KV layers only). Unsure: Granite 4.0-H Tiny's attention layer indi
 (written 5, 15, 25, 35) and the exact places of Nemotron-H's ``*`` layers; neither changes
 the layout, which depends on the counts only.
 
-The layout comes from one function, :func:`build_layout` (``plan_layout``); everything else
-takes the block size and page bytes of each group from :func:`group_pages` (whose
-``_group_page`` is the one reader of the plan's page size), so a planner option giving
-attention groups pages of their own runs the same workloads by a change to
-``build_layout``. (``ReferenceAllocator`` takes one block size: a layout with several is
-reported as not driven on vLLM's side.)
+The layouts come from one function, :func:`build_layout` (``plan_layout``, two page sizes,
+or ``one_page``: ``unify_page_size``); everything else takes the block size and page bytes
+of each group from :func:`group_pages` (whose ``_group_page`` is the one reader of the
+plan's page sizes). vLLM runs at the one-page layout, which is the layout it plans itself
+(its state pages are one page each; ``ReferenceAllocator`` has no state spans).
 
 vLLM is never installed: unless ``--reference-src DIR`` names an unpacked source tree,
 the script fetches the ``vllm==0.33.0`` wheel with ``pip download --no-deps`` into a cache
@@ -79,8 +83,8 @@ every number is deterministic (``--seed``).
 ``--json FILE`` writes every number printed, the plans' block and page sizes, and the
 command (``benchmarks/results/hybrid_cliffs.json``).
 
-Results: docs/benchmarks.md, section "Real-size hybrid states: the block-size cliff
-(today's layout)".
+Results: docs/benchmarks.md, section "Real-size hybrid states: two page sizes against
+one".
 """
 
 from __future__ import annotations
