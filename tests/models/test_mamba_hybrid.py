@@ -105,22 +105,28 @@ def test_state_layers_view_pool_pages_as_float32(make_driver) -> None:
             assert spec.state_bytes == 4 * config.mamba.state_values == 3200
 
 
+@pytest.mark.parametrize("name", ["bamba", "granite_moe"])
 def test_a_larger_state_takes_a_span_of_pages_and_keeps_the_block_size(
-    tiny_models, make_driver, prompt_of, check_reference
+    name, tiny_models, make_driver, prompt_of, check_reference
 ) -> None:
-    """Asked for blocks of 8 tokens, the planner keeps 8 and gives a state two K/V pages;
-    a prefill, a decode across blocks and a repeat's hit match transformers."""
-    driver = make_driver("bamba", block_size=8)
+    """Asked for blocks of 4 tokens, the planner keeps 4 and gives a state a span of K/V
+    pages; a chunked prefill, decodes across blocks, a repeat's hit and a preempted
+    request's recompute match transformers."""
+    driver = make_driver(name, block_size=4)
     plan = driver.executor.plan
-    assert (plan.block_size, plan.state_span) == (8, 2)
+    assert plan.block_size == 4 and plan.state_span > 1
     prompt = prompt_of(29, 3)
     driver.add("a", prompt)
-    driver.run(12, chunk=11)
-    check_reference(tiny_models["bamba"], driver, "a")
+    driver.add("c", prompt_of(17, 5))
+    driver.run(3, chunk=11)
+    driver.preempt("c")
+    driver.run(9, chunk=11)
+    check_reference(tiny_models[name], driver, "a")
     again = driver.add("b", prompt)
     driver.run(3)
-    assert again.hit_tokens == 24  # (29 - 1) // 8 * 8
-    check_reference(tiny_models["bamba"], driver, "b")
+    assert again.hit_tokens == 28  # (29 - 1) // 4 * 4
+    check_reference(tiny_models[name], driver, "b")
+    check_reference(tiny_models[name], driver, "c")
 
 
 @pytest.mark.parametrize(
