@@ -165,7 +165,9 @@ class ModelExecutor:
     def attach_offload(self, config: OffloadConfig) -> KeySpace:
         """Move pages to and from ``config``'s tiers at the start of each step (see
         ``hybridkv.scheduler.connector``); returns the model's key space."""
-        pages = KVPages(self.kv_caches, self._layer_groups, self.device)
+        span = self.plan.state_span
+        spans = {g.group_id: span for g in self.plan.groups if g.policy.keeps_state}
+        pages = KVPages(self.kv_caches, self._layer_groups, self.device, state_spans=spans)
         self.transfers = TransferWorker(pages, config)
         dtype = next(self.model.parameters()).dtype
         return self.torch_thread.run(key_space, self.model, self.config, self.plan, dtype)

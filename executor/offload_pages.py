@@ -27,23 +27,37 @@ class KVPages:
     """Reads and writes whole pages of a group over every layer it holds (a ``PageIO``).
 
     Args:
-        caches: Per layer held, its paged view ``[num_blocks, 2, heads, bs, head_dim]``.
+        caches: Per layer held, its paged view ``[num_blocks, 2, heads, bs, head_dim]`` (a
+            state layer's: one float32 row per state page).
         layer_groups: Per layer held, its KV group.
         device: Where the caches live.
+        state_spans: Per state group whose pages span several page ids, the span.
     """
 
     def __init__(
-        self, caches: Sequence[torch.Tensor], layer_groups: Sequence[int], device: torch.device
+        self,
+        caches: Sequence[torch.Tensor],
+        layer_groups: Sequence[int],
+        device: torch.device,
+        *,
+        state_spans: dict[int, int] | None = None,
     ) -> None:
+        # A state group's view has one row per state page: page id // span.
+        self._spans = state_spans or {}
         self._layers: dict[int, list[torch.Tensor]] = {}
         for cache, group in zip(caches, layer_groups, strict=True):
             self._layers.setdefault(group, []).append(cache)
         self.device = device
         self._pin = device.type == "cuda"
 
+    def _index(self, group: int, pages: Sequence[int]) -> torch.Tensor:
+        span = self._spans.get(group, 1)
+        rows = [page // span for page in pages] if span > 1 else list(pages)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
     def read_pages(self, group: int, pages: Sequence[int]) -> list[KVBlock]:
         layers = self._layers[group]
-        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        index = self._index(group, pages)
         with torch.inference_mode():
             stacked = torch.stack([cache.index_select(0, index) for cache in layers], dim=1)
             if self._pin:
@@ -72,7 +86,7 @@ class KVPages:
         raw = staging.view(torch.uint8).numpy().reshape(len(blocks), -1)
         for row, block in zip(raw, blocks, strict=True):
             row[:] = np.frombuffer(block.data, dtype=np.uint8)
-        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        index = self._index(group, pages)
         with torch.inference_mode():
             values = staging.to(self.device, non_blocking=self._pin)
             for j, cache in enumerate(layers):

@@ -136,12 +136,21 @@ class FakeExecutor:
             self.transfers.close()
 
     def read_pages(self, group: int, pages: Sequence[int]) -> list[KVBlock]:
-        """The hashes of pages of ``group`` (a ``PageIO``)."""
+        """The hashes of pages of ``group`` (a ``PageIO``); a state group's page: its
+        state's hash and the tokens it covers."""
+        if group in self._states.groups:
+            return [KVBlock("uint64", (2,), self._states.record(group, p).tobytes()) for p in pages]
         bs, store = self.block_size, self._store[group]
         return [KVBlock("uint64", (bs,), store[p * bs : (p + 1) * bs].tobytes()) for p in pages]
 
     def write_pages(self, group: int, pages: Sequence[int], blocks: Sequence[KVBlock]) -> None:
         """Write hashes into pages of ``group`` (a ``PageIO``)."""
+        if group in self._states.groups:
+            for page, block in zip(pages, blocks, strict=True):
+                if block.dtype != "uint64" or block.shape != (2,):
+                    raise CorruptBlockError(f"a {block.dtype} {block.shape} block for a state")
+                self._states.restore(group, page, array("Q", bytes(block.data)))
+            return
         bs, store = self.block_size, self._store[group]
         for page, block in zip(pages, blocks, strict=True):
             if block.dtype != "uint64" or block.shape != (bs,):

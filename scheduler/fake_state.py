@@ -83,6 +83,15 @@ class FakeStatePages:
             raise FakeStateMismatchError(f"state groups disagree on the state after {start} tokens")
         return found.pop() if found else None
 
+    def record(self, group: int, page: int) -> array[int]:
+        """A state page's hash and the tokens it covers (what an offload tier stores)."""
+        return array("Q", [self._hash[group][page], self._covers[group][page]])
+
+    def restore(self, group: int, page: int, record: array[int]) -> None:
+        """Write a stored :meth:`record` back into ``page`` of ``group`` (a load)."""
+        self._hash[group][page], self._covers[group][page] = record
+        self._owner[page : page + self.span] = array("q", [group]) * self.span
+
     def write(self, tables: Sequence[Sequence[int]], start: int, hashes: Sequence[int]) -> None:
         """Write the states of a step from ``start`` (``hashes[i]``: after token start+i)."""
         for g in self.groups:

@@ -18,7 +18,11 @@ Saves follow the same rule backwards. A full-attention group stores every block;
 window group stores only what a resume needs: the blocks live at the next boundary of
 ``save_interval`` tokens (saved as they fill) and at the request's last filled block when
 it ends. Any policy works through ``live_block_spans`` (a block that is live at some later
-boundary is assumed live at the next one, as for windows, sinks and chunks).
+boundary is assumed live at the next one, as for windows, sinks and chunks). A state group
+(mamba-like) is one of those: it stores the checkpoint a resume needs, the state page of
+the block before the boundary, where the request kept one (at its end always; at an
+interval boundary where a checkpoint falls on it), and a tier resumes a request only where
+every group, state groups included, can resume.
 """
 
 from __future__ import annotations
@@ -73,12 +77,6 @@ class KVConnector:
         if len(keys.group_kinds) != kv.num_groups:
             raise OffloadConfigError(
                 f"the key space names {len(keys.group_kinds)} groups, the pool has {kv.num_groups}"
-            )
-        stateful = [g for g, p in enumerate(kv.policies) if p.keeps_state]
-        if stateful:
-            raise OffloadConfigError(
-                f"groups {stateful} keep mamba-like state: offloading state pages is not "
-                "supported (their pages hold one state per block boundary, not K/V)"
             )
         bs = kv.block_size
         if config.save_interval % bs:

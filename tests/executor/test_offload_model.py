@@ -93,3 +93,21 @@ async def test_redis_holds_the_prefix_and_its_loss_degrades_to_recompute(
         outputs, _ = await _scenario(model, prompt_of, gone)
     assert outputs == baseline
     assert "kv_tier_unavailable" in [e["event"] for e in logs]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("name", ["bamba", "granite_moe"])
+@pytest.mark.parametrize("tier", ["host", "redis"])
+async def test_a_hybrids_state_loads_from_a_tier_with_the_same_tokens(
+    tiny_models: Any, prompt_of: Any, redis_server: Any, name: str, tier: str
+) -> None:
+    """A Mamba2 hybrid (a state page spanning several K/V pages at 4-token blocks): the
+    repeat loads its attention blocks and its states' checkpoint from host memory or
+    Redis, and every output equals the run without a connector."""
+    model = tiny_models[name]
+    baseline, _ = await _scenario(model, prompt_of, None)
+    store = HostTier(64 << 20) if tier == "host" else RedisTier(redis_server.url)
+    offload = OffloadConfig(tiers=[store], save_interval=16)
+    outputs, _ = await _scenario(model, prompt_of, offload)
+    assert outputs == baseline
+    assert offload.stats.hit_tokens[tier] >= 64

@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 
 from hybridkv.memory import BlockHash, BlockHasher
 from hybridkv.memory.offload import HostTier, OffloadConfig
-from hybridkv.policies import FullAttention, SlidingWindow
+from hybridkv.policies import FullAttention, MambaLike, SlidingWindow
 from hybridkv.scheduler import EngineConfig, SamplingParams
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.fake import CollectingSink, FakeExecutor, reference_tokens
@@ -65,9 +65,9 @@ def run(core: EngineCore, fake: FakeExecutor, prompt: list[int], rid: str, n: in
     return request
 
 
-def flush_pool(core: EngineCore, fake: FakeExecutor) -> None:
+def flush_pool(core: EngineCore, fake: FakeExecutor, num: int = 4) -> None:
     """Other prompts take every page, so the pool's prefix cache forgets the first."""
-    for k in range(4):
+    for k in range(num):
         run(core, fake, [(7 * k + i) % VOCAB for i in range(60)], f"other{k}")
 
 
@@ -183,13 +183,48 @@ def test_a_stored_prefix_larger_than_the_free_pool_loads_what_fits() -> None:
         fake.close()
 
 
-def test_a_pool_with_state_groups_is_refused() -> None:
-    """Mamba-like state pages are not offloaded: the connector says so at once."""
-    from hybridkv.memory import KVCacheManager
-    from hybridkv.memory.offload import KeySpace, KVConnector, OffloadConfigError
-    from hybridkv.policies import MambaLike
+def flush_long(core: EngineCore, fake: FakeExecutor) -> None:
+    """Two long prompts that need most of the pool: the kept prefix of the first turn
+    gives up its last blocks (and its state there)."""
+    for k in range(2):
+        run(core, fake, [(11 * k + 3 * i + 1) % VOCAB for i in range(150)], f"long{k}")
 
-    kv = KVCacheManager([FullAttention(), MambaLike()], 16, BS)
-    config = OffloadConfig(tiers=[HostTier(1 << 20)], save_interval=16)
-    with pytest.raises(OffloadConfigError, match="mamba-like state"):
-        KVConnector(config, KeySpace("m", ["full", "mamba"]), kv)
+
+@pytest.mark.parametrize("span", [1, 3])
+def test_a_state_group_resumes_from_the_tier_where_every_group_can(span: int) -> None:
+    """A Bamba-like pool (two mamba groups, one full; a state page spans ``span`` pages):
+    after the pool lost the end of a conversation, its next turn loads the full group's
+    blocks and the state groups' checkpoint at the end of the previous turn, and samples
+    what the fake model samples from scratch (the fake checks every state it reads)."""
+    core, fake, offload = make(
+        num_blocks=60, policies=[MambaLike(), FullAttention(), MambaLike()], state_span=span
+    )
+    try:
+        first = run(core, fake, prompt(), "a")
+        turn = [*first.all_token_ids, 9, 9]
+        flush_long(core, fake)
+        assert core.kv.lookup(first).num_tokens < 72  # the pool lost the turn's end
+        again = run(core, fake, turn, "b")
+        # "a" ended after 70 + 3 computed tokens: its last filled block ends at 72, where
+        # its states were saved (the state after 72 tokens, block 17's page).
+        assert again.num_cached_tokens == 72
+        assert offload.stats.hit_tokens["host"] > 0
+    finally:
+        fake.close()
+
+
+def test_no_state_in_the_tier_means_no_resume_from_it() -> None:
+    """With the state group's pages gone from the tier, the full group's blocks alone do
+    not make a resume: the request resumes from what every group has in the pool."""
+    core, fake, offload = make(num_blocks=60, policies=[MambaLike(), FullAttention()])
+    try:
+        first = run(core, fake, prompt(), "a")
+        turn = [*first.all_token_ids, 9, 9]
+        flush_long(core, fake)
+        offload.tiers[0].delete([block_key(core, turn, group=0, block=b) for b in range(18)])
+        local = core.kv.lookup(first).num_tokens
+        assert local < 72
+        again = run(core, fake, turn, "b")
+        assert again.num_cached_tokens == local
+    finally:
+        fake.close()
