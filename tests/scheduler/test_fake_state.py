@@ -129,3 +129,29 @@ def test_a_kv_page_written_inside_a_state_page_is_caught() -> None:
     step(0, [2] * 4, [[8], [5]])  # another request's K/V in id 5
     with pytest.raises(FakeStateMismatchError, match=r"state page 4 \(ids 4-7\)"):
         step(4, [1], [[4, 12], [1, 2]])
+
+
+def test_stats_count_state_pages_apart_from_kv_pages() -> None:
+    """With two page sizes, the engine's stats (and so ``/metrics``) count the pages the
+    state groups hold apart from the K/V pages, and the spans free for a state page."""
+    config = EngineConfig(
+        policies=[MambaLike(), FullAttention()],
+        num_blocks=40,
+        block_size=4,
+        max_model_len=64,
+        vocab_size=VOCAB,
+        state_span=4,
+    )
+    core = EngineCore(config)
+    fake = FakeExecutor.for_config(core.config)
+    assert core.stats().num_free_state_pages == 9  # span 0 holds the null page
+    core.add_request(
+        list(range(10)), SamplingParams(max_tokens=4), CollectingSink(), request_id="a"
+    )
+    plan = core.plan()
+    core.apply(plan, fake.execute(plan.batch))
+    stats = core.stats()
+    assert stats.num_kv_pages_used == 3  # blocks of 10 tokens and the next one's
+    assert stats.num_state_pages_used == 2  # the running state, the last boundary's
+    assert stats.num_free_state_pages == 9 - 2
+    assert stats.num_free_blocks == 39 - 3 - 2 * 4

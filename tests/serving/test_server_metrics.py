@@ -51,6 +51,10 @@ def test_engine_state_is_exported(server: Any) -> None:
     assert samples[("hybridkv_kv_blocks_used", (("group", "0"), ("policy", "full")))] == 0
     assert samples[("hybridkv_kv_blocks_used", (("group", "1"), ("policy", "sliding_window")))] == 0
     assert samples[("hybridkv_kv_blocks_total", ())] == 256
+    # A pool without state groups: no state pages, none free to take.
+    assert samples[("hybridkv_kv_pages_used", ())] == 0
+    assert samples[("hybridkv_state_pages_used", ())] == 0
+    assert samples[("hybridkv_state_pages_free", ())] == 0
     assert ("hybridkv_prefix_cache_hit_rate", ()) in samples
 
 
