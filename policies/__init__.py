@@ -4,6 +4,7 @@ from hybridkv.errors import CapacityError, HybridKVError
 from hybridkv.policies.base import AttentionWindow, MemoryPolicy, Span, cdiv
 from hybridkv.policies.builtin import ChunkedLocal, FullAttention, MambaLike, SlidingWindow
 from hybridkv.policies.errors import PolicyError
+from hybridkv.policies.laws import PolicyLawError, check_policy_laws
 from hybridkv.policies.registry import (
     ENTRY_POINT_GROUP,
     check_policy,
@@ -23,10 +24,12 @@ __all__ = [
     "MambaLike",
     "MemoryPolicy",
     "PolicyError",
+    "PolicyLawError",
     "SlidingWindow",
     "Span",
     "cdiv",
     "check_policy",
+    "check_policy_laws",
     "make_policy",
     "policy_classes",
     "policy_names",
