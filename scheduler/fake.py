@@ -172,6 +172,8 @@ class FakeExecutor:
         prompt_logprobs: list[tuple[TokenLogprobs, ...]] = []
         for request in batch.requests:
             h, prompt = self._run(request)
+            if request.sample:
+                h = self._sampling_hash(request, h)
             token = (h >> 17) % vocab if request.sample else None
             tokens.append(token)
             num_top = request.params.logprobs
@@ -186,6 +188,11 @@ class FakeExecutor:
             prompt_logprobs=tuple(prompt_logprobs) if any(prompt_logprobs) else None,
             kv_loads=loads,
         )
+
+    def _sampling_hash(self, request: StepRequest, h: int) -> int:
+        """The hash the next token is drawn from: the last position's (``h``); a fake
+        that attends folds in every position its groups read (``fake_attending.py``)."""
+        return h
 
     def sample(self, batch: StepBatch) -> list[int | None]:
         """The tokens :meth:`execute` samples, as a list (None where none is due)."""
