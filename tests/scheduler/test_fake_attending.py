@@ -66,7 +66,7 @@ def test_a_policy_that_releases_what_it_reads_is_caught() -> None:
     chaining = FakeExecutor(config.pool, vocab_size=VOCAB)
     serve(chaining, config, prompt, 12)  # no complaint: it reads the last position only
     attending = AttendingFakeExecutor(config.pool, vocab_size=VOCAB)
-    with pytest.raises(FakeKVMismatchError, match="reads position .* a policy released"):
+    with pytest.raises(FakeKVMismatchError, match=r"reads position .* a policy released"):
         serve(attending, config, prompt, 12)
 
 
