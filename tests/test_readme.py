@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,6 +51,39 @@ def test_the_model_examples_name_real_functions(marker: str) -> None:
     compile(block, "README.md", "exec")
     imports = "\n".join(line for line in block.splitlines() if line.startswith(("from", "import")))
     exec(imports, {})
+
+
+def test_the_model_example_prints_the_text_of_what_it_generates(
+    tmp_path: Path, tiny_models: Any
+) -> None:
+    """The real-model example, on a tiny checkpoint with a byte-level tokenizer, prints
+    the decode of what it generated, streamed without a broken character."""
+    from tokenizer_samples import byte_tokenizer
+
+    model = tiny_models["llama"]
+    folder = tmp_path / "model"
+    shutil.copytree(model.path, folder)
+    byte_tokenizer().save(str(folder / "tokenizer.json"))
+    (block,) = [b for b in _python_blocks() if "ModelExecutor.from_pretrained" in b]
+    block = block.replace('"path/to/checkpoint"', repr(str(folder)))
+    block = block.replace("kv_cache_bytes=2 << 30", "kv_cache_bytes=1 << 20")
+    # Record the ids as they stream, and print them after the text, on stderr.
+    push = "print(text.push(out.new_token_ids)"
+    assert push in block
+    block = "IDS = []\n" + block.replace(push, "IDS.extend(out.new_token_ids); " + push)
+    block += "\nimport sys; print(IDS, file=sys.stderr)\n"
+    done = subprocess.run(  # bytes: text mode would turn a generated "\r" into "\n"
+        [sys.executable, "-c", block],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )
+    stderr = done.stderr.decode()
+    assert done.returncode == 0, stderr
+    ids = ast.literal_eval(stderr.strip().splitlines()[-1])  # the list printed last
+    assert len(ids) == 32
+    assert done.stdout.decode() == byte_tokenizer().decode(ids) + "\n"
 
 
 def test_the_readme_is_one_page_with_working_links() -> None:
