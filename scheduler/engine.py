@@ -23,7 +23,6 @@ it, so waking hundreds of consumers never delays the executor.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import uuid
 from collections import deque
@@ -31,7 +30,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from types import TracebackType
-from typing import Any
 
 import anyio
 import anyio.abc
@@ -50,6 +48,7 @@ from hybridkv.scheduler.config import ConfigError, EngineConfig
 from hybridkv.scheduler.connector import attach_offload
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineStoppedError
+from hybridkv.scheduler.loop_host import AsyncioHost, on_asyncio
 from hybridkv.scheduler.outputs import EngineStats, FinishReason
 from hybridkv.scheduler.params import SamplingParams
 from hybridkv.scheduler.request import Request
@@ -96,7 +95,7 @@ class Engine:
         # Aborts from dropped iterators, queued: their finalizers may run on any thread.
         self._foreign_aborts: deque[Request] = deque()
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._host: _AsyncioHost | None = None
+        self._host: AsyncioHost | None = None
         self._depth = self.core.max_steps_in_flight
         # Steps submitted to a pipelined executor, oldest first.
         self._pending: deque[tuple[StepPlan, Future[StepResult]]] = deque()
@@ -111,8 +110,8 @@ class Engine:
         be entered and exited from different tasks (a pytest-asyncio async fixture sets
         up and tears down in two); on trio, in a task group of the entering task."""
         self._check_unserved()
-        if _on_asyncio():
-            self._host = _AsyncioHost(self.serve)
+        if on_asyncio():
+            self._host = AsyncioHost(self.serve)
             await self._host.start()
             return self
         task_group = anyio.create_task_group()
@@ -396,45 +395,3 @@ def _check_pool(config: EngineConfig, executor: Executor) -> None:
 
 
 __all__ = ["Engine", "RequestStream"]
-
-
-def _on_asyncio() -> bool:
-    """Whether the running event loop is asyncio's (not trio)."""
-    try:
-        return asyncio.current_task() is not None
-    except RuntimeError:
-        return False
-
-
-class _AsyncioHost:
-    """An asyncio task that owns the loop's task group: started and stopped from any
-    task, while every cancel scope stays inside the host (anyio's rule)."""
-
-    def __init__(self, serve: Callable[..., Any]) -> None:
-        self._serve = serve
-        self._task: asyncio.Task[None] | None = None
-        self._started = asyncio.Event()
-        self._stop = asyncio.Event()
-
-    async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="hybridkv-engine")
-        waiter = asyncio.ensure_future(self._started.wait())
-        try:
-            await asyncio.wait({self._task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-        if self._task.done():
-            self._task.result()  # the loop failed to start: raise its error here
-
-    async def stop(self) -> None:
-        assert self._task is not None
-        self._stop.set()
-        await asyncio.wait({self._task})  # not cancelled if the stopping task is
-        self._task.result()
-
-    async def _run(self) -> None:
-        async with anyio.create_task_group() as task_group:
-            await task_group.start(self._serve)
-            self._started.set()
-            await self._stop.wait()
-            task_group.cancel_scope.cancel()  # stops the loop once the step in flight returns
