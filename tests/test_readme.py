@@ -82,7 +82,7 @@ def test_the_model_example_prints_the_text_of_what_it_generates(
     stderr = done.stderr.decode()
     assert done.returncode == 0, stderr
     ids = ast.literal_eval(stderr.strip().splitlines()[-1])  # the list printed last
-    assert len(ids) == 32
+    assert 1 <= len(ids) <= 32  # the random model may sample its end-of-sequence token
     assert done.stdout.decode() == byte_tokenizer().decode(ids) + "\n"
 
 
