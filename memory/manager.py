@@ -79,7 +79,6 @@ class KVCacheManager:
         self.policies = tuple(policies)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.state_span = state_span
         widths = [state_span if p.keeps_state else 1 for p in self.policies]
         self.pool = make_pool(num_blocks, len(self.policies), widths)
         self._hasher = BlockHasher(block_size, hash_name)
@@ -131,10 +130,9 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         """Most page ids a request of ``num_tokens`` holds at once, computed a token at a
         time (a state page counts its span)."""
+        widths = self.pool.widths
         return sum(
-            p.max_live_blocks(num_tokens, self.block_size)
-            * len(groups)
-            * (self.state_span if p.keeps_state else 1)
+            p.max_live_blocks(num_tokens, self.block_size) * sum(widths[g] for g in groups)
             for p, groups in self._kinds
         )
 
@@ -229,12 +227,12 @@ class KVCacheManager:
         hit_tables = hit.block_tables if hit.num_tokens else ((),) * self.num_groups
         live: list[set[int]] = []
         fresh = [0, 0]  # small pages, state pages
-        for policy, hit_table in zip(self.policies, hit_tables, strict=True):
+        for group, (policy, hit_table) in enumerate(zip(self.policies, hit_tables, strict=True)):
             spans = policy.live_block_spans(num_tokens, bs)
             blocks = {i for first, stop in spans for i in range(first, min(stop, num_blocks))}
             live.append(blocks)
             num = sum(1 for i in blocks if i >= len(hit_table) or not hit_table[i])
-            fresh[policy.keeps_state and self.state_span > 1] += num
+            fresh[pool.widths[group] > 1] += num
         if hit.num_tokens:
             check_hit(self.pool, hit)
         if not pool.fits(*fresh, take=hit.block_tables if hit.num_tokens else ()):

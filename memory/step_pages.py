@@ -68,14 +68,13 @@ class StepPages:
 
     def need(self, wanted: list[list[int]] | None, num_new: int) -> tuple[int, int]:
         """Fresh small pages and state pages a step takes, over every group (``num_new``
-        blocks per table); where state pages are one page id, they count as small."""
+        blocks per table); a page one id wide counts as small (so every page does where
+        state pages are one page id)."""
         if wanted is None:
-            small, states = num_new * self._num_small, num_new * self._num_states
-        else:
-            widths = self.pool.widths
-            small = sum(len(w) for w, width in zip(wanted, widths, strict=True) if width == 1)
-            states = sum(map(len, wanted)) - small
-        return (small, states) if self._span > 1 else (small + states, 0)
+            return num_new * self._num_small, num_new * self._num_states
+        widths = self.pool.widths
+        small = sum(len(w) for w, width in zip(wanted, widths, strict=True) if width == 1)
+        return small, sum(map(len, wanted)) - small
 
     def count(self, wanted: list[list[int]] | None, num_new: int) -> int:
         """Page ids a step takes, over every group (``num_new`` blocks per table)."""

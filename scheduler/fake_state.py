@@ -90,7 +90,7 @@ class FakeStatePages:
     def restore(self, group: int, page: int, record: array[int]) -> None:
         """Write a stored :meth:`record` back into ``page`` of ``group`` (a load)."""
         self._hash[group][page], self._covers[group][page] = record
-        self._owner[page : page + self.span] = array("q", [group]) * self.span
+        self._own(group, page)
 
     def write(self, tables: Sequence[Sequence[int]], start: int, hashes: Sequence[int]) -> None:
         """Write the states of a step from ``start`` (``hashes[i]``: after token start+i)."""
@@ -99,4 +99,8 @@ class FakeStatePages:
             for count, page in access.writes:
                 self._hash[g][page] = hashes[count - 1]
                 self._covers[g][page] = start + count
-                self._owner[page : page + self.span] = array("q", [g]) * self.span
+                self._own(g, page)
+
+    def _own(self, group: int, page: int) -> None:
+        """``group`` wrote the state page ``page``: every id of its span is now its."""
+        self._owner[page : page + self.span] = array("q", [group]) * self.span
