@@ -4,8 +4,8 @@ The pool keeps prefixes a future request can resume from (``hybridkv.memory.rete
 chooses them, :class:`~hybridkv.memory.free_queue.FreeQueue` holds their pages). When
 pages run out, one of them must give up pages. The best choice is the prefix needed
 farthest in the future (Belady); this module predicts that from what it saw, on a clock
-that counts the pages allocations took from the free queue (a distance is the churn a
-prefix must outlive)::
+of demand: the tokens requests were given slots for, resumed ones included (the KV cache
+manager advances it)::
 
     predicted resume = last use + reuse distance
     last use         when the last request that read it ended (or when it was kept)
@@ -13,7 +13,15 @@ prefix must outlive)::
                      to it after eviction gave it up (its key is remembered); the prefix
                      a request ends with inherits the distance of the one it continued;
                      one never resumed is expected no sooner than any measured reuse,
-                     nor than a pool's worth of churn
+                     nor than a pool's worth of tokens
+
+Why demand and not the pages allocations took: pages taken depend on what the cache
+held. A miss recomputes its whole prefix and takes many times the pages of a hit, so on
+a clock of pages, sessions of one loop measured distances that differed by the misses
+that fell into their gaps, the order among them followed that luck, and the wrong ones
+missed (``benchmarks/multisession.py``; docs/benchmarks.md has the measurement). Demand
+counts the same tokens whether the requests in between hit or missed, so a distance
+measures the loop, not the cache's past choices.
 
 Least recently used is what this gives with no history at all reversed: a prefix that was
 never resumed gives way newest first. Sessions that come back in a loop larger than the
@@ -59,8 +67,8 @@ class KeptPrefix:
         is_branch: Requests branched off here (kept across hits), rather than a request
             ended here (given up by the request that continues it).
         is_carried: A running request continues it and will extend it when it ends.
-        reuse_distance: Pages allocated between its last use and its resume, as last
-            measured in its conversation; 0 while never measured.
+        reuse_distance: Tokens requests were given slots for between its last use and
+            its resume, as last measured in its conversation; 0 while never measured.
     """
 
     hashes: Sequence[BlockHash]
@@ -94,15 +102,17 @@ class EvictionOrder:
     """The kept prefixes, in the order they give up pages.
 
     Args:
-        horizon: The least reuse distance assumed for a prefix never resumed, in pages
-            (the pool's size).
+        horizon: The least reuse distance assumed for a prefix never resumed, on the
+            clock (a pool's worth of tokens); whoever advances the clock may set it.
+        max_ghosts: How many keys of evicted prefixes are remembered (``horizon``).
 
     Every method is O(log prefixes), amortized.
     """
 
-    def __init__(self, horizon: int) -> None:
-        self.clock = 0  # pages taken from the free queue so far
-        self._horizon = horizon
+    def __init__(self, horizon: int, max_ghosts: int | None = None) -> None:
+        self.clock = 0  # tokens requests were given slots for so far (hits included)
+        self.horizon = horizon
+        self._max_ghosts = horizon if max_ghosts is None else max_ghosts
         self._longest = 0  # the longest reuse distance measured so far
         self._idle: OrderedDict[KeptPrefix, None] = OrderedDict()  # least recently used first
         self._pinned: dict[KeptPrefix, None] = {}
@@ -126,7 +136,7 @@ class EvictionOrder:
     def predicted_resume(self, prefix: KeptPrefix) -> int:
         """When a request is expected to resume ``prefix``, on the clock."""
         # One never resumed is expected no sooner than any measured reuse, nor than a pool.
-        distance = prefix.reuse_distance or max(self._horizon, self._longest)
+        distance = prefix.reuse_distance or max(self.horizon, self._longest)
         return prefix.last_use + distance
 
     def add(self, prefix: KeptPrefix, *, pinned: bool = False) -> None:
@@ -169,11 +179,11 @@ class EvictionOrder:
 
     def remember(self, prefix: KeptPrefix) -> None:
         """Eviction gave ``prefix`` up wholly: a request that comes back to it later still
-        tells its reuse distance (:meth:`recall`). The last ``horizon`` are remembered."""
+        tells its reuse distance (:meth:`recall`). The last ``max_ghosts`` are remembered."""
         ghosts = self._ghosts
         ghosts[prefix.key] = prefix.last_use
         ghosts.move_to_end(prefix.key)
-        if len(ghosts) > self._horizon:
+        if len(ghosts) > self._max_ghosts:
             ghosts.popitem(last=False)
 
     def recall(self, hashes: Sequence[BlockHash]) -> int:
@@ -231,7 +241,7 @@ class EvictionOrder:
         """Assert that pinned prefixes are exactly those with pins, and each idle one has
         a current heap entry."""
         assert not set(self._idle) & set(self._pinned)
-        assert len(self._ghosts) <= self._horizon
+        assert len(self._ghosts) <= self._max_ghosts
         for prefix in self._pinned:
             assert prefix.num_pins > 0, prefix.num_pins
         current = {-stamp for _, stamp, _ in self._heap}

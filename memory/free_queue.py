@@ -52,7 +52,7 @@ class FreeQueue:
         self._given_up: OrderedDict[int, None] = OrderedDict()
         self._warm: dict[int, None] = {}  # a dict: stores and deletes are not method calls
         self._count = [0] * num_blocks  # kept prefixes holding each page
-        self._order = EvictionOrder(horizon=num_blocks)
+        self._order = EvictionOrder(horizon=num_blocks, max_ghosts=num_blocks)
         self._by_key: dict[BlockHash, KeptPrefix] = {}
 
     def __len__(self) -> int:
@@ -70,6 +70,12 @@ class FreeQueue:
         """The free pages no kept prefix holds (cold, then given up)."""
         yield from self._cold
         yield from self._given_up
+
+    @property
+    def order(self) -> EvictionOrder:
+        """The kept prefixes' eviction order (its clock is advanced by the KV cache
+        manager, which counts the tokens requests are given slots for)."""
+        return self._order
 
     def is_kept(self, page: int) -> bool:
         """Whether some kept prefix holds ``page``."""
@@ -117,7 +123,6 @@ class FreeQueue:
         Cold pages first, then given-up ones; when none are left, kept prefixes give up
         pages in :class:`EvictionOrder`'s order. The caller evicts the pages' hashes.
         """
-        self._order.clock += num
         cold = self._cold
         popitem = cold.popitem
         pages: list[int] = []

@@ -38,14 +38,7 @@ from hybridkv.memory.span_pool import make_pool
 from hybridkv.memory.step_pages import StepPages
 from hybridkv.policies.base import MemoryPolicy, cdiv
 
-__all__ = [
-    "NO_NEW_BLOCKS",
-    "KVCacheManager",
-    "KVRequest",
-    "KVUsage",
-    "PrefixHit",
-    "StaleHitError",
-]
+__all__ = ["NO_NEW_BLOCKS", "KVCacheManager", "KVRequest", "KVUsage", "PrefixHit", "StaleHitError"]
 
 
 class KVCacheManager:
@@ -81,6 +74,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         widths = [state_span if p.keeps_state else 1 for p in self.policies]
         self.pool = make_pool(num_blocks, len(self.policies), widths)
+        # Its clock counts demand, tokens given slots hits included (eviction_order.py
+        # says why); its horizon, about a pool's worth of tokens.
+        self._order = self.pool.eviction_order
+        self._order.horizon = max(1, num_blocks * block_size // len(self.policies))
         self._hasher = BlockHasher(block_size, hash_name)
         # Groups with equal policies share the block arithmetic: a "kind" per policy.
         kinds: dict[MemoryPolicy, list[int]] = {}
@@ -183,6 +180,7 @@ class KVCacheManager:
             # Within the current blocks and no block can die yet: nothing to do.
             state.num_tokens = end
             state.cache_mark = state.num_cached_blocks
+            self._order.clock += num_new_tokens
             return NO_NEW_BLOCKS
         return self._extend(request, state, end)
 
@@ -238,6 +236,7 @@ class KVCacheManager:
         if not pool.fits(*fresh, take=hit.block_tables if hit.num_tokens else ()):
             return None
         self._admit(request, 0, hit)
+        self._order.clock += num_tokens - hit.num_tokens
         state = self._requests[request.request_id]
         placed: list[tuple[tuple[int, int], ...]] = []
         for group, (table, blocks) in enumerate(zip(state.tables, live, strict=True)):
@@ -273,6 +272,7 @@ class KVCacheManager:
             released = [(g, tables[g][i]) for g, i in dead]
             if not pool.fits(*self._pages.need(wanted, num_new), release=released):
                 return None
+        self._order.clock += end - n
         # Commit: release first (tail first), then take fresh pages.
         if n >= state.min_release_at:
             if dead:
@@ -332,6 +332,7 @@ class KVCacheManager:
         self._cache_full_blocks(request, state)
         if hit is not None and hashes:
             state.resumed = self._retention.request_admitted(hashes, hit_blocks, hit.block_tables)
+        self._order.clock += end  # after the resume measured the demand since its last use
         if self.enable_prefix_caching:
             self._hit_tokens += num_hit
             self._query_tokens += len(request.all_token_ids)

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import NewType
 
 from hybridkv.memory.errors import LayoutError
+from hybridkv.memory.eviction_order import EvictionOrder
 from hybridkv.memory.free_queue import FreeQueue, KeptPrefix
 from hybridkv.memory.hashing import BlockHash
 
@@ -265,6 +266,11 @@ class BlockPool:
     def kept_prefixes(self) -> Iterable[KeptPrefix]:
         """Every prefix kept now."""
         return self._free.kept_prefixes()
+
+    @property
+    def eviction_order(self) -> EvictionOrder:
+        """The order in which kept prefixes give up pages; its clock counts demand."""
+        return self._free.order
 
     def cache(self, page: int, block_hash: BlockHash, group: int) -> bool:
         """Make ``page`` findable as ``block_hash`` of ``group``; False if it stays uncached.

@@ -194,3 +194,26 @@ def test_a_turn_that_missed_its_evicted_prefix_still_measures_its_reuse() -> Non
     assert serve(mgr, "t2", [*first, 1, 2, 3, 4, 5], []) == 0
     (kept,) = (p for p in mgr.pool.kept_prefixes() if p.num_blocks == 5)
     assert kept.reuse_distance > 0
+
+
+def test_a_reuse_distance_does_not_depend_on_whether_the_requests_between_hit() -> None:
+    """The eviction order's clock counts demand (tokens given slots, hits included), so a
+    conversation measures the same distance whether a request served in its gap hit or
+    recomputed. On a clock of pages taken, the miss took 5 pages where the hit took 1,
+    and the sessions of one loop were ordered by that luck."""
+
+    def distance(between_hits: bool) -> int:
+        mgr = KVCacheManager([FULL], num_blocks=64, block_size=4)
+        other = [*range(500, 516)]
+        serve(mgr, "other-1", other, [])
+        chat = [*range(16)]
+        serve(mgr, "chat-1", chat, [])
+        asked = other if between_hits else [*range(600, 616)]
+        assert (serve(mgr, "other-2", [*asked, 1, 2], []) > 0) is between_hits
+        turn = Req("chat-2", [*chat, 9, 9])
+        hit = mgr.lookup(turn)
+        assert hit.num_tokens == 16 and mgr.allocate(turn, 2, hit) is not None
+        (resumed,) = (p for p in mgr.pool.kept_prefixes() if p.num_pins)
+        return resumed.reuse_distance
+
+    assert distance(between_hits=True) == distance(between_hits=False) == 18
