@@ -241,3 +241,32 @@ def test_bfloat16_models_keep_their_state_in_float32(tiny_models, make_driver, p
     expected = tiny_models["bamba"].reference_logits(seq.prompt + seq.output[:-1])
     got = torch.stack(driver.logits["a"])
     torch.testing.assert_close(got, expected[len(seq.prompt) - 1 :], atol=0.1, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["bamba", "granite_moe"])
+def test_a_shared_prefix_resumes_from_where_prompts_diverged_and_from_doubling_checkpoints(
+    name, tiny_models, make_driver, prompt_of, check_reference
+):
+    """At blocks of 4 tokens (a state spans several K/V pages), with the default policy:
+    a prompt sharing 40 tokens of one prefilled at once finds no state there and
+    recomputes, but keeps one where it left the shared part, so the next prompt sharing
+    it resumes at 40; a prompt sharing 70 tokens of an 84-token one resumes at the
+    checkpoint its prefill kept after 16 blocks (64 tokens). All match transformers."""
+    driver = make_driver(name, block_size=4)
+    assert driver.executor.plan.state_span > 1
+    shared = prompt_of(40, 11)
+    driver.add("first", shared + prompt_of(30, 12))
+    driver.run(2)
+    second = driver.add("second", shared + prompt_of(9, 13))
+    driver.run(2)
+    third = driver.add("third", shared + prompt_of(12, 14))
+    driver.run(3)
+    assert (second.hit_tokens, third.hit_tokens) == (0, 40)
+    long = prompt_of(84, 15)
+    driver.add("long", long)
+    driver.run(2)
+    near = driver.add("near", long[:70] + prompt_of(6, 16))
+    driver.run(3)
+    assert near.hit_tokens == 64
+    for rid in ("second", "third", "long", "near"):
+        check_reference(tiny_models[name], driver, rid)
