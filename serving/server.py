@@ -33,6 +33,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from hybridkv.errors import HybridKVError
+from hybridkv.scheduler.loop_host import on_asyncio
 from hybridkv.serving.connection import ConnectionLimits, RateLimitedLog
 
 #: The errors asyncio's accept loop reports and retries a second later.
@@ -46,6 +47,10 @@ ExceptionHandler = Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object]
 
 class ListenError(HybridKVError, OSError):
     """The server cannot listen on the address asked for."""
+
+
+class ServeBackendError(HybridKVError, RuntimeError):
+    """``serve_http`` was called on an event loop uvicorn cannot run on (trio)."""
 
 
 def open_socket(host: str, port: int) -> socket.socket:
@@ -85,9 +90,15 @@ async def serve_http(
 
     With ``await tg.start(serve_http, app, sock)`` the caller gets the uvicorn server
     once it accepts connections, and stops it by setting ``server.should_exit = True``.
+    asyncio only (uvicorn's loop); on trio, ``serve_hypercorn`` serves the same app.
     ``limits`` bound the connections and their timeouts (connection.py); the cap is
     fitted to the process's open-file limit first (logged if that changes anything).
     """
+    if not on_asyncio():
+        raise ServeBackendError(
+            "serve_http runs uvicorn, which needs asyncio, and this loop is not asyncio's: "
+            "on trio serve the app with hybridkv.serving.hypercorn_server.serve_hypercorn"
+        )
     limits = (limits or ConnectionLimits()).fit_descriptor_limit()
     config = uvicorn.Config(
         app,
