@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 TORCH := torch==2.13.0
 # The package folders, each installed as hybridkv.<folder>.
-FOLDERS := errors scheduler policies memory kernels models executor parallel serving
+FOLDERS := errors scheduler policies memory kernels models executor parallel serving testing
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)

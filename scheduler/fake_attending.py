@@ -83,8 +83,9 @@ class AttendingFakeExecutor(FakeExecutor):
         *,
         attends: Sequence[MemoryPolicy] | None = None,
         vocab_size: int = 32000,
+        step_delay_s: float = 0.0,
     ) -> None:
-        super().__init__(pool, vocab_size=vocab_size)
+        super().__init__(pool, vocab_size=vocab_size, step_delay_s=step_delay_s)
         kv = [g for g, p in enumerate(pool.policies) if not p.keeps_state]
         reads = list(attends) if attends is not None else [pool.policies[g] for g in kv]
         if len(reads) != len(kv):

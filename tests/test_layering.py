@@ -29,6 +29,11 @@ ALLOWED: dict[str, set[str]] = {
     "serving": {
         "errors", "policies", "memory", "kernels", "models", "executor", "parallel", "scheduler",
     },
+    # The test helpers sit on top: fakes, the sampler, the server, the policy laws.
+    "testing": {
+        "errors", "policies", "memory", "kernels", "models", "executor", "parallel", "scheduler",
+        "serving",
+    },
 }  # fmt: skip
 
 #: The scheduler modules an executor may see: the protocol and the sampling params.

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = (
     "errors", "scheduler", "policies", "memory", "kernels",
-    "models", "executor", "parallel", "serving",
+    "models", "executor", "parallel", "serving", "testing",
 )  # fmt: skip
 
 

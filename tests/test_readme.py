@@ -58,7 +58,7 @@ def test_the_model_example_prints_the_text_of_what_it_generates(
 ) -> None:
     """The real-model example, on a tiny checkpoint with a byte-level tokenizer, prints
     the decode of what it generated, streamed without a broken character."""
-    from tokenizer_samples import byte_tokenizer
+    from hybridkv.testing import byte_tokenizer
 
     model = tiny_models["llama"]
     folder = tmp_path / "model"

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from tokenizer_samples import byte_tokenizer
 from tokenizers import Tokenizer
 
 from hybridkv.executor.grammars import GrammarError
@@ -14,6 +13,7 @@ from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.sampler import Sampler, StructuredOutputUnavailableError, filter_logits
 from hybridkv.scheduler.batch import StepRequest
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams, StructuredOutput
+from hybridkv.testing import byte_tokenizer
 
 
 def _logits(rows: int, seed: int = 0) -> torch.Tensor:
