@@ -27,35 +27,47 @@ def make_request() -> type[FakeRequest]:
 
 
 class RedisServer:
-    """A real ``redis-server`` process on a free local port (``stop`` ends it)."""
+    """A real ``redis-server`` process on a free local port (``stop`` ends it).
+
+    Ready once it logs that it accepts connections (its log is read from its stdout, no
+    polling); a port taken between the probe and the start is a start that fails."""
 
     def __init__(self, binary: str, workdir: str) -> None:
         import socket
         import subprocess
-        import time
+        import threading
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.url = f"redis://127.0.0.1:{self.port}/0"
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        args += ["--appendonly", "no", "--dir", workdir]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
+        args += ["--appendonly", "no", "--dir", workdir, "--loglevel", "notice"]
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert self.process.stdout is not None
+        log = []
+        for line in self.process.stdout:  # ends when the process does
+            log.append(line)
+            if "Ready to accept connections" in line:
+                break
+        else:
+            self.stop()
+            raise RuntimeError("redis-server did not start:\n" + "".join(log[-20:]))
+        # Keep reading its log, so a full pipe never blocks the server.
+        self._drain = threading.Thread(target=self.process.stdout.read, daemon=True)
+        self._drain.start()
 
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
             self.process.wait(timeout=10)
+        drain = getattr(self, "_drain", None)
+        if drain is not None:
+            drain.join(timeout=10)  # the log ends with the process
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
 
 def redis_binary() -> str | None:
@@ -96,3 +108,16 @@ def builtin_gemma3() -> Any:
     torch.set_num_threads(2)
     yield resolve_model("gemma-3-270m")[1]
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_found() -> Any:
+    """Leave structlog unconfigured if the test found it so. ``capture_logs`` (and the
+    command tests) configure it, after which hybridkv's events go through structlog's
+    defaults and print; the next test must see the library as an application would."""
+    import structlog
+
+    configured = structlog.is_configured()
+    yield
+    if not configured and structlog.is_configured():
+        structlog.reset_defaults()

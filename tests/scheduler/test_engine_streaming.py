@@ -247,15 +247,23 @@ class SteppedExecutor:
         self.fake = FakeExecutor.for_config(config)
         self.permits = threading.Semaphore(0)
         self.num_entered = 0
+        self.entered = threading.Condition()
 
     @property
     def pool(self) -> PoolSpec:
         return self.fake.pool
 
     def execute(self, batch: StepBatch) -> StepResult:
-        self.num_entered += 1
+        with self.entered:
+            self.num_entered += 1
+            self.entered.notify_all()
         assert self.permits.acquire(timeout=20), "the test never released the step"
         return self.fake.execute(batch)
+
+    def wait_entered(self, num_steps: int) -> None:
+        """Return once ``num_steps`` steps have entered (from any thread)."""
+        with self.entered:
+            assert self.entered.wait_for(lambda: self.num_entered >= num_steps, timeout=20)
 
 
 @pytest.mark.asyncio
@@ -268,8 +276,7 @@ async def test_outputs_stream_and_requests_arrive_while_a_step_runs() -> None:
         async with Engine(config, executor) as engine:
             stream = engine.generate([3] * 5, SamplingParams(max_tokens=3, ignore_eos=True))
             executor.permits.release()  # step 1 (the prompt) may run; step 2 may not
-            while executor.num_entered < 2:
-                await anyio.sleep(0.001)
+            await anyio.to_thread.run_sync(executor.wait_entered, 2)
             first = await stream.__anext__()
             assert first.new_token_ids == tuple(reference_tokens([3] * 5, 1, VOCAB))
             late = engine.generate([4] * 5, SamplingParams(max_tokens=1))

@@ -3,10 +3,11 @@ event loop: the server stays reachable and every case ends cleanly."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import pytest
@@ -120,19 +121,17 @@ def test_connection_beyond_the_limit_closes_the_oldest_idle_one(make_server: Any
 def test_client_that_stops_reading_is_cut_and_its_request_aborted(make_server: Any) -> None:
     """A stream nobody reads fills the socket; past the write timeout the server closes it,
     aborts the request and frees its pages."""
-    from structlog.testing import capture_logs
-
     # Small socket buffers, and chunks of ~900 bytes (20 top logprobs each): the server's
     # writes stall after about 90 of the 250 tokens, which take 5 s to generate.
     server = make_server(limits=FAST, send_buffer=4096, step_delay_s=0.02)
     body = b'{"model": "fake-model", "prompt": "w2 w3", "max_tokens": 250, "logprobs": 20, '
     body += b'"stream": true, "ignore_eos": true}'
-    with capture_logs() as logs, connect(server, receive_buffer=4096) as sock:
+    with watched_logs() as logs, connect(server, receive_buffer=4096) as sock:
         sock.sendall(head(len(body)) + body)
         server.wait_until_running()
         server.wait_until_free(timeout=20)
         read_until_closed(sock)
-        wait_for_event(logs, "client_disconnected")
+        logs.wait_for("client_disconnected")
     assert server.executor.num_steps < 250
     events = [e["event"] for e in logs]
     assert "client_not_reading" in events
@@ -142,31 +141,100 @@ def test_client_that_stops_reading_is_cut_and_its_request_aborted(make_server: A
 # -- disconnects are logged once, at info, without a traceback --------------------------
 
 
-@pytest.fixture
-def quiet_logs(caplog: pytest.LogCaptureFixture) -> Iterator[list[dict[str, Any]]]:
-    """structlog events of the test; afterwards, no error-level line from anyone."""
-    from structlog.testing import capture_logs
+class WatchedLogs(list[dict[str, Any]]):
+    """structlog events as they come, from any thread, and a wait for one of them."""
 
-    with capture_logs() as logs:
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = threading.Condition()
+
+    def __call__(self, _: Any, method_name: str, event_dict: dict[str, Any]) -> NoReturn:
+        import structlog
+
+        event_dict["log_level"] = structlog.testing.map_method_name(method_name)
+        with self.changed:
+            self.append(event_dict)
+            self.changed.notify_all()
+        raise structlog.DropEvent
+
+    def wait_for(self, event: str, timeout: float = 30.0) -> None:
+        """Return once ``event`` was logged (woken by each log line, never polled)."""
+        with self.changed:
+            found = self.changed.wait_for(lambda: any(e["event"] == event for e in self), timeout)
+        assert found, f"no {event} event within {timeout} s"
+
+
+@contextlib.contextmanager
+def watched_logs() -> Iterator[WatchedLogs]:
+    """As structlog's ``capture_logs``, with :class:`WatchedLogs` capturing."""
+    import structlog
+
+    logs = WatchedLogs()
+    processors = structlog.get_config()["processors"]
+    saved = processors.copy()
+    try:
+        processors.clear()
+        processors.append(logs)
+        structlog.configure(processors=processors)
+        yield logs
+    finally:
+        processors.clear()
+        processors.extend(saved)
+        structlog.configure(processors=processors)
+
+
+class AppProbe:
+    """ASGI middleware around the app (``make_server(wrap_app=probe)``): an event once a
+    request's handler has received a piece of its body, and one once the handler returned."""
+
+    def __init__(self) -> None:
+        self.read_body = threading.Event()
+        self.returned = threading.Event()
+
+    def __call__(self, app: Any) -> Any:
+        async def probed(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+                return await app(scope, receive, send)
+
+            async def watched() -> Any:
+                message = await receive()
+                if message["type"] == "http.request" and message.get("body"):
+                    self.read_body.set()
+                return message
+
+            try:
+                await app(scope, watched, send)
+            finally:
+                self.returned.set()
+
+        return probed
+
+
+@pytest.fixture
+def quiet_logs(caplog: pytest.LogCaptureFixture) -> Iterator[WatchedLogs]:
+    """structlog events of the test; afterwards, no error-level line from anyone."""
+    with watched_logs() as logs:
         yield logs
     assert [e for e in logs if e["log_level"] in ("error", "critical")] == []
     assert [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
 
 
-def test_disconnect_mid_upload_is_one_info_line(server: Any, quiet_logs: list[Any]) -> None:
+def test_disconnect_mid_upload_is_one_info_line(make_server: Any, quiet_logs: WatchedLogs) -> None:
     """A client leaving while sending its body: one client_disconnected at info, no error."""
+    probe = AppProbe()
+    server = make_server(wrap_app=probe)
     with connect(server) as sock:
         sock.sendall(head(1000) + b'{"model": "fake-model", ')
-        server.portal.call(_settle)  # the server has read what was sent
-    wait_for_event(quiet_logs, "client_disconnected")
-    server.portal.call(_settle)
+        assert probe.read_body.wait(30)  # the handler has what was sent, and waits for more
+    assert probe.returned.wait(30)  # it saw the client go, logged, and answered nobody
     disconnects = [e for e in quiet_logs if e["event"] == "client_disconnected"]
     assert [(e["log_level"], e.get("phase")) for e in disconnects] == [("info", "request")]
 
 
-def test_disconnect_mid_stream_is_one_info_line(make_server: Any, quiet_logs: list[Any]) -> None:
+def test_disconnect_mid_stream_is_one_info_line(make_server: Any, quiet_logs: WatchedLogs) -> None:
     """A client leaving a stream: one client_disconnected at info, the request aborted."""
-    server = make_server(step_delay_s=0.01)
+    probe = AppProbe()
+    server = make_server(step_delay_s=0.01, wrap_app=probe)
     body = {"model": MODEL, "prompt": "w2", "max_tokens": 200, "stream": True, "ignore_eos": True}
     with (
         httpx.Client(base_url=server.url, timeout=30) as http,
@@ -174,26 +242,8 @@ def test_disconnect_mid_stream_is_one_info_line(make_server: Any, quiet_logs: li
     ):
         next(stream.iter_lines())
     server.wait_until_free()
-    wait_for_event(quiet_logs, "client_disconnected")
-    server.portal.call(_settle)
+    assert probe.returned.wait(30)  # the stream's handler is done: nothing more to log
     assert [e["log_level"] for e in quiet_logs if e["event"] == "client_disconnected"] == ["info"]
-
-
-async def _settle() -> None:
-    # Let the server's loop run what it has queued (a read, a log line).
-    import anyio
-
-    await anyio.sleep(0.1)
-
-
-def wait_for_event(logs: list[dict[str, Any]], event: str, timeout: float = 10.0) -> None:
-    """Poll the captured logs until ``event`` appears (the server logs on its own thread)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not any(e["event"] == event for e in logs):
-        assert time.monotonic() < deadline, f"no {event} event within {timeout} s"
-        time.sleep(0.01)
 
 
 # -- a hung step -------------------------------------------------------------------------
