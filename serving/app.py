@@ -77,6 +77,9 @@ class ServerOptions:
             prompt, many choices) gets a 400 naming the limit, and no larger body is ever
             built. Bodies with many logprobs are built and encoded in the preprocessing
             threads, so the loop keeps answering meanwhile.
+        strict_fields: Refuse a body with a field this server does not know (400), as
+            OpenAI's API does; by default, as vLLM, such fields are ignored and listed in
+            one ``request_fields_ignored`` warning per request.
     """
 
     max_body_bytes: int = attrs.field(default=4 * 2**20, validator=attrs.validators.ge(1))
@@ -94,6 +97,7 @@ class ServerOptions:
     max_response_bytes: int = attrs.field(
         default=DEFAULT_MAX_RESPONSE_BYTES, validator=attrs.validators.ge(1)
     )
+    strict_fields: bool = False
 
 
 def build_app(
@@ -197,11 +201,14 @@ class _Routes:
 
         return handle
 
-    def generation(self, parse: Callable[[dict[str, Any]], Any]) -> Handler:
+    def generation(self, parse: Callable[..., Any]) -> Handler:
         """The handler of a generation endpoint whose body ``parse`` reads."""
 
         async def handle(request: Request) -> Response:
-            parsed = parse(await self.read_json(request))
+            parsed = parse(await self.read_json(request), strict=self.options.strict_fields)
+            if parsed.ignored_fields:
+                fields = list(parsed.ignored_fields)
+                log.warning("request_fields_ignored", path=request.url.path, fields=fields)
             job = await self.service.submit(parsed)
             if parsed.stream:
                 return EventStreamResponse(

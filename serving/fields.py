@@ -1,14 +1,18 @@
-"""A JSON request body read field by field, each value checked, unknown fields refused.
+"""A JSON request body read field by field, each value checked, unknown fields listed.
 
 Every reader names its field in the 400 it raises. A body is read through one
-:class:`Fields`, which remembers what was read; :meth:`Fields.check_all_read` then refuses
-any field nobody read, as OpenAI's API does ("unrecognized request argument"), so a field
-a user set is either honoured or refused, never silently ignored::
+:class:`Fields`, which remembers what was read; :meth:`Fields.check_all_read` then deals
+with any field nobody read. As vLLM does, by default such a field is ignored and named
+(``ignored``: the app logs one warning per request listing them), since clients send
+fields a server may not know (guidellm's ``stream_options.continuous_usage_stats``,
+OpenAI's ``service_tier``); strict, as OpenAI's API is, it is refused ("unrecognized
+request argument"). A field this server knows and does not implement, where a value
+would change the output, is refused either way (:meth:`Fields.refuse`)::
 
-    fields = Fields(body)
+    fields = Fields(body, ignored=[])
     temperature = fields.number("temperature", 1.0, low=0.0, high=2.0)
-    fields.refuse("suffix", allowed=(None, ""))    # known, not implemented
-    fields.check_all_read()                         # {"temprature": 1} -> 400
+    fields.refuse("suffix", allowed=(None, ""))    # known, not implemented: 400
+    fields.check_all_read()                         # {"temprature": 1}: listed, ignored
 """
 
 from __future__ import annotations
@@ -26,12 +30,21 @@ class Fields:
     Args:
         body: The decoded JSON object.
         where: How the body is named in messages (a nested object's field name).
+        ignored: Where unknown fields are listed (shared by the nested objects); None:
+            refuse them (strict).
     """
 
-    def __init__(self, body: Mapping[str, Any], where: str = "") -> None:
+    def __init__(
+        self, body: Mapping[str, Any], where: str = "", *, ignored: list[str] | None = None
+    ) -> None:
         self._body = body
         self._where = where
         self._read: set[str] = set()
+        self.ignored = ignored
+
+    def inner(self, body: Mapping[str, Any], where: str) -> Fields:
+        """Another object of the same request (a list's entry), with the same rule."""
+        return Fields(body, where, ignored=self.ignored)
 
     def name(self, field: str) -> str:
         """The field's name as errors report it (``stream_options.include_usage``)."""
@@ -117,7 +130,7 @@ class Fields:
             return None
         if not isinstance(value, dict):
             raise self.error(field, f"must be an object, got {_show(value)}")
-        return Fields(value, self.name(field))
+        return self.inner(value, self.name(field))
 
     def refuse(self, field: str, *, allowed: tuple[object, ...] = (None,), why: str = "") -> None:
         """Refuse a known field this server does not implement, unless its value is one
@@ -128,9 +141,12 @@ class Fields:
             raise self.error(field, f"is not supported by this server{reason}")
 
     def check_all_read(self) -> None:
-        """Refuse the body if it holds a field nobody read (unknown to this server)."""
+        """List the fields nobody read (unknown to this server) in ``ignored``, or, strict,
+        refuse the body."""
         unknown = sorted(set(self._body) - self._read)
-        if unknown:
+        if unknown and self.ignored is not None:
+            self.ignored.extend(self.name(f) for f in unknown)
+        elif unknown:
             names = ", ".join(repr(self.name(f)) for f in unknown)
             raise APIError(
                 f"unrecognized request argument(s): {names}",

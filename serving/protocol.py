@@ -59,6 +59,9 @@ class GenerationRequest:
             signed 64-bit integer under ``priority``) before anything is queued.
         cache_salt: Separates this request's prefix-cache entries from others'.
         structured_param: The field that set ``sampling.structured_output``.
+        continuous_usage: Every streamed chunk carries the usage so far (vLLM's
+            ``stream_options.continuous_usage_stats``, with ``include_usage``).
+        ignored_fields: Fields of the body this server does not know, ignored.
     """
 
     model: str
@@ -70,6 +73,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     n: int = 1
     best_of: int = 1
     logprobs: int | None = None
@@ -84,6 +88,7 @@ class GenerationRequest:
     priority: int = 0
     cache_salt: str | None = None
     structured_param: str | None = None
+    ignored_fields: tuple[str, ...] = ()
 
     @property
     def is_chat(self) -> bool:
@@ -148,9 +153,10 @@ class GenerationRequest:
         return max((c for c in counts if c is not None), default=None)
 
 
-def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
-    """A ``/v1/completions`` body (``max_tokens`` defaults to 16, as OpenAI's does)."""
-    fields = Fields(body)
+def parse_completion(body: Mapping[str, Any], *, strict: bool = False) -> GenerationRequest:
+    """A ``/v1/completions`` body (``max_tokens`` defaults to 16, as OpenAI's does);
+    unknown fields are ignored and listed, or with ``strict`` refused."""
+    fields = Fields(body, ignored=None if strict else [])
     fields.refuse("suffix", allowed=(None, ""), why="send the text before it as the prompt")
     request = GenerationRequest(
         prompt=_prompt(fields),
@@ -158,13 +164,19 @@ def parse_completion(body: Mapping[str, Any]) -> GenerationRequest:
         echo=fields.boolean("echo", False),
         **_common(fields, default_max_tokens=16),
     )
+    return _checked(fields, request)
+
+
+def _checked(fields: Fields, request: GenerationRequest) -> GenerationRequest:
     fields.check_all_read()
+    if fields.ignored:
+        return attrs.evolve(request, ignored_fields=tuple(sorted(fields.ignored)))
     return request
 
 
-def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
-    """A ``/v1/chat/completions`` body."""
-    fields = Fields(body)
+def parse_chat(body: Mapping[str, Any], *, strict: bool = False) -> GenerationRequest:
+    """A ``/v1/chat/completions`` body; unknown fields as in :func:`parse_completion`."""
+    fields = Fields(body, ignored=None if strict else [])
     fields.refuse("echo", allowed=(None, False), why="not for chat")
     top_logprobs = _num_logprobs(fields, "top_logprobs")
     if not fields.boolean("logprobs", False):
@@ -195,8 +207,7 @@ def parse_chat(body: Mapping[str, Any]) -> GenerationRequest:
         template_kwargs=parse_template_kwargs(template_kwargs),
         **_common(fields, default_max_tokens=None),
     )
-    fields.check_all_read()
-    return request
+    return _checked(fields, request)
 
 
 def _common(fields: Fields, default_max_tokens: int | None) -> dict[str, Any]:
@@ -213,10 +224,10 @@ def _common(fields: Fields, default_max_tokens: int | None) -> dict[str, Any]:
         raise fields.error("max_tokens", f"must be >= 1, got {max_tokens}")
     stream = fields.boolean("stream", False)
     options = fields.nested("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         include_usage = options.boolean("include_usage", False)
-        options.refuse("continuous_usage_stats", allowed=(None, False))
+        continuous = include_usage and options.boolean("continuous_usage_stats", False)
         options.check_all_read()
     prompt_logprobs = _num_logprobs(fields, "prompt_logprobs")
     if stream and prompt_logprobs is not None:
@@ -234,6 +245,7 @@ def _common(fields: Fields, default_max_tokens: int | None) -> dict[str, Any]:
         "stop": _stop(fields),
         "stream": stream,
         "include_usage": include_usage,
+        "continuous_usage": continuous,
         "n": n,
         "best_of": best_of,
         "prompt_logprobs": prompt_logprobs,
@@ -294,7 +306,7 @@ def parse_messages(fields: Fields) -> tuple[Mapping[str, str], ...]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise APIError(f"'{where}' must be an object with a 'role'", param="messages")
-        entry = Fields(message, where)
+        entry = fields.inner(message, where)
         role = entry.string("role")
         if not role:
             raise APIError(f"'{where}.role' must be a non-empty string", param="messages")

@@ -269,7 +269,8 @@ class GenerationService:
                     if choice.is_done:
                         break  # leaving the stream early aborts the request (stop string)
                     if emit is not None and delta:  # tokens without text keep their logprobs
-                        chunk = functools.partial(_chunk, header, choice, delta)
+                        usage = _usage(job, job.choices) if job.request.continuous_usage else None
+                        chunk = functools.partial(_chunk, header, choice, delta, usage=usage)
                         await emit(sse_encoded(await self.encoder.encode(chunk, large=large)))
                         delta = ""
         except HybridKVError as exc:
@@ -281,7 +282,10 @@ class GenerationService:
         tail = choice.finish()
         self._finish(choice)
         if emit is not None:
-            chunk = functools.partial(_chunk, header, choice, delta + tail, choice.finish_reason)
+            usage = _usage(job, job.choices) if job.request.continuous_usage else None
+            chunk = functools.partial(
+                _chunk, header, choice, delta + tail, choice.finish_reason, usage=usage
+            )
             try:
                 event = await self.encoder.encode(chunk, large=large)
             except APIError as exc:  # the last event is over the limit: the stream fails
@@ -348,10 +352,19 @@ class GenerationService:
 
 
 def _chunk(
-    header: ResponseHeader, choice: Choice, text: str, finish_reason: str | None = None
+    header: ResponseHeader,
+    choice: Choice,
+    text: str,
+    finish_reason: str | None = None,
+    *,
+    usage: Usage | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk of ``choice``, with the logprobs gathered since the last."""
-    return header.chunk(choice.index, text, finish_reason, logprobs=choice.take_logprobs())
+    """One streamed chunk of ``choice``, with the logprobs gathered since the last (and
+    the usage so far, where every chunk carries it)."""
+    chunk = header.chunk(choice.index, text, finish_reason, logprobs=choice.take_logprobs())
+    if usage is not None:
+        chunk["usage"] = usage.body()
+    return chunk
 
 
 def _failed(exc: HybridKVError) -> APIError:

@@ -4,6 +4,7 @@
 
     --api-key KEY             clients send "Authorization: Bearer KEY" (env HYBRIDKV_API_KEY)
     --allowed-hosts A,B       Host header names answered (default: any)
+    --strict-fields           refuse unknown request fields (default: ignore them, warned)
     --max-connections N       open connections at once (1000; one more closes the oldest
                               that has not sent a full request; fitted to the process's
                               open-file limit at start)
@@ -70,6 +71,12 @@ def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="comma-separated Host names to answer, '*.example.com' allowed (default: any)",
     )
+    access.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse a request field this server does not know (400), as OpenAI's API "
+        "does (default: ignore it, named in one warning per request, as vLLM does)",
+    )
     limits = parser.add_argument_group("limits")
     limits.add_argument(
         "--max-connections",
@@ -135,6 +142,7 @@ def http_settings(
         allowed_hosts=hosts,
         body_timeout_s=args.timeout_body,
         template_timeout_s=args.template_timeout,
+        strict_fields=args.strict_fields,
     )
     limits = ConnectionLimits(
         max_connections=args.max_connections,

@@ -159,9 +159,12 @@ def test_serve_access_and_limit_flags_make_the_settings() -> None:
     add_access_and_limit_arguments(parser)
     args = parser.parse_args(
         ["--api-key", "k", "--allowed-hosts", "localhost, *.lan", "--timeout-body", "2",
-         "--max-connections", "7", "--step-timeout", "0"]
+         "--max-connections", "7", "--step-timeout", "0", "--strict-fields"]
     )  # fmt: skip
     settings = http_settings(args, max_body_bytes=100, default_max_tokens=None)
+    assert settings.options.strict_fields
+    default = http_settings(parser.parse_args([]), max_body_bytes=1, default_max_tokens=None)
+    assert not default.options.strict_fields
     assert settings.options.api_key == "k"
     assert settings.options.allowed_hosts == ("localhost", "*.lan")
     assert settings.options.body_timeout_s == 2.0

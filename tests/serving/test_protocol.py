@@ -168,21 +168,60 @@ def test_error_body_is_openai_shaped() -> None:
     }
 
 
-def test_unknown_field_is_refused_by_name() -> None:
-    """A field no reader knows is refused as unrecognized, naming it."""
+def test_unknown_fields_are_ignored_and_listed_as_vllm_does() -> None:
+    """Fields no reader knows, at the top, in stream_options and in messages, are listed by
+    their full names; the request is what it would be without them."""
+    request = parse_completion(
+        completion(
+            stream=True,
+            stream_options={"include_usage": True, "colour": 1},
+            service_tier="auto",
+            prompt_cache_key="k",
+        )
+    )
+    assert request.ignored_fields == ("prompt_cache_key", "service_tier", "stream_options.colour")
+    assert request.include_usage and request.stream
+    chat = parse_chat(
+        {"model": "m", "messages": [{"role": "user", "content": "x", "refusal": None}]}
+    )
+    assert chat.ignored_fields == ("messages[0].refusal",)
+    assert parse_completion(completion()).ignored_fields == ()
+
+
+def test_unknown_field_is_refused_by_name_when_strict() -> None:
+    """strict: a field no reader knows is refused as unrecognized, naming it."""
     with pytest.raises(APIError, match="unrecognized request argument") as info:
-        parse_completion(completion(temprature=0.2))
+        parse_completion(completion(temprature=0.2), strict=True)
     assert info.value.param == "temprature"
 
 
-def test_unknown_nested_field_is_refused_with_its_path() -> None:
-    """Unknown fields inside stream_options and messages are refused by their full name."""
+def test_unknown_nested_field_is_refused_with_its_path_when_strict() -> None:
+    """strict: unknown fields inside stream_options and messages, by their full name."""
     with pytest.raises(APIError) as info:
-        parse_completion(completion(stream=True, stream_options={"include_usgae": True}))
+        parse_completion(
+            completion(stream=True, stream_options={"include_usgae": True}), strict=True
+        )
     assert info.value.param == "stream_options.include_usgae"
     with pytest.raises(APIError) as info:
-        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "colour": 1}]})
+        parse_chat(
+            {"model": "m", "messages": [{"role": "user", "content": "x", "colour": 1}]},
+            strict=True,
+        )
     assert info.value.param == "messages[0].colour"
+
+
+def test_a_known_field_that_would_change_the_output_stays_refused() -> None:
+    """Leniency is for fields nobody knows: one this server knows and does not build is a
+    400 naming it, strict or not."""
+    with pytest.raises(APIError, match="'use_beam_search' is not supported"):
+        parse_completion(completion(use_beam_search=True))
+
+
+def test_continuous_usage_stats_follows_include_usage() -> None:
+    on = {"include_usage": True, "continuous_usage_stats": True}
+    assert parse_completion(completion(stream=True, stream_options=on)).continuous_usage
+    alone = {"continuous_usage_stats": True}
+    assert not parse_completion(completion(stream=True, stream_options=alone)).continuous_usage
 
 
 def test_logit_bias_is_clamped_as_vllm_does() -> None:

@@ -90,8 +90,59 @@ def test_a_slow_template_is_stopped_at_its_deadline(make_server: Any) -> None:
     assert "ran longer than 0.3 s" in response.json()["error"]["message"]
 
 
-def test_unknown_fields_are_refused_by_name(client: Any) -> None:
-    """A misspelt field is a 400 naming it, never silently ignored."""
+#: Fields vLLM users' clients send that this server does not know.
+VLLM_TOLERATED = {
+    "service_tier": "auto",
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "prompt_cache_key": "session-1",
+    "safety_identifier": "user-1",
+    "temprature": 0.5,  # a misspelling is named in the warning
+}
+
+
+def test_fields_this_server_does_not_know_are_ignored_with_one_warning(make_server: Any) -> None:
+    """As vLLM: the request is served, and one warning per request names every field it
+    ignored; guidellm's stream options stream the usage in every chunk."""
+    from structlog.testing import capture_logs
+
+    server = make_server()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    with capture_logs() as logs:
+        done = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "w2 w3"}],
+            max_tokens=3,
+            extra_body=VLLM_TOLERATED,
+        )
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt="w2",
+                max_tokens=4,
+                stream=True,
+                stream_options=continuous,  # type: ignore[arg-type]
+                extra_body={"ignore_eos": True},
+            )
+        )
+    assert done.choices[0].message.content is not None
+    warnings = [e for e in logs if e["event"] == "request_fields_ignored"]
+    assert [w["fields"] for w in warnings] == [sorted(VLLM_TOLERATED)]
+    assert [w["log_level"] for w in warnings] == ["warning"]
+    text_chunks = [c for c in chunks if c.choices]
+    assert text_chunks and all(c.usage is not None for c in text_chunks)
+    counts = [c.usage.completion_tokens for c in text_chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+
+
+def test_strict_fields_refuse_an_unknown_field_by_name(make_server: Any) -> None:
+    """ServerOptions(strict_fields=True) (``--strict-fields``): a 400 naming the field."""
+    from hybridkv.serving.app import ServerOptions
+
+    server = make_server(options=ServerOptions(strict_fields=True))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="temprature") as info:
         client.completions.create(model=MODEL, prompt="w2", extra_body={"temprature": 0.5})
     assert info.value.body["param"] == "temprature"  # type: ignore[index]
