@@ -29,6 +29,7 @@ from torch import nn
 
 from hybridkv.errors import HybridKVError
 from hybridkv.models.weights.cpu_features import cpu_flags
+from hybridkv.models.weights.formats import WEIGHT_CHOICES
 from hybridkv.models.weights.grid import grid_steps, on_grid
 from hybridkv.models.weights.quantized_linear import (
     INT4_GROUP,
@@ -39,9 +40,6 @@ from hybridkv.models.weights.quantized_linear import (
     linear_weight_bytes,
 )
 from hybridkv.models.weights.rescored_head import RescoredHead
-
-WEIGHT_FORMATS = ("dtype", "int8", "int4")
-WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 
 class WeightFormatError(HybridKVError, ValueError):
@@ -77,7 +75,8 @@ def quantize_linears(model: nn.Module, weights: str, *, device: torch.device) ->
 
     Args:
         model: The model (a :class:`~hybridkv.models.transformer.CausalLM`).
-        weights: One of :data:`WEIGHT_FORMATS` (``dtype`` changes nothing).
+        weights: One of ``WEIGHT_FORMATS`` (``hybridkv.models.weights.formats``; ``dtype``
+            changes nothing).
         device: Where the model lives; the weight-only kernels run on the CPU.
 
     Returns:

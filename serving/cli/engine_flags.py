@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from hybridkv.models.weights.precision import WEIGHT_CHOICES
+from hybridkv.models.weights.formats import WEIGHT_CHOICES
 from hybridkv.serving.cli.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL
 from hybridkv.serving.cli.values import add_import_argument
 

@@ -84,8 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridkv", description="An async LLM serving core with hybrid KV memory."
     )
+    parser.add_argument("--version", action="version", version=f"hybridkv {_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for target in SUBCOMMANDS.values():
         module, _, function = target.partition(":")
         getattr(importlib.import_module(module), function)(subparsers)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridkv")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"

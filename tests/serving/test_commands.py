@@ -25,6 +25,34 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(name in out for name in ("demo", "serve", "generate", "plan", "bench"))
 
 
+#: What ``--help`` must not import: the model and HTTP stacks take seconds to load.
+HEAVY = ("torch", "transformers", "safetensors", "starlette", "uvicorn", "jinja2", "llguidance")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["--version"]])
+def test_help_and_version_import_neither_torch_nor_the_server(argv: list[str]) -> None:
+    """The imports are measured, not the time: a fresh interpreter builds every parser,
+    prints, exits, and none of the heavy packages was imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from hybridkv.serving.cli.main import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.splitlines()[-1] == "HEAVY []", done.stdout
+    if argv == ["--version"]:
+        assert re.match(r"hybridkv \d+\.\d+", done.stdout)
+
+
 def test_serve_help_shows_the_engine_and_http_flags(capsys: pytest.CaptureFixture[str]) -> None:
     """`hybridkv serve --help` documents the KV budget, batching, threads, host and port."""
     with pytest.raises(SystemExit):
