@@ -63,6 +63,8 @@ class RequestOutput:
         prompt_logprobs: With ``SamplingParams.prompt_logprobs``, in the request's first
             output only: one entry per prompt token, None for the first (nothing predicts
             it); else None.
+        queue_time_s: Seconds from the request's arrival to its first admission (None if
+            it was never admitted).
     """
 
     request_id: str
@@ -74,6 +76,7 @@ class RequestOutput:
     num_preemptions: int
     logprobs: tuple[TokenLogprobs, ...] | None = None
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    queue_time_s: float | None = None
     # The engine's append-only prompt + outputs of the request (private: never mutate
     # it); ``token_ids`` slices it when read, so streaming does not copy it per token.
     _sequence: Sequence[int] = attrs.field(eq=False, repr=False, alias="sequence")

@@ -209,6 +209,7 @@ class Request:
             self.num_prompt_tokens
         ):
             prompt_logprobs = tuple(self.prompt_logprobs)
+        first = self.first_scheduled_time
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=new_token_ids,
@@ -219,5 +220,6 @@ class Request:
             num_preemptions=self.num_preemptions,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            queue_time_s=None if first is None else first - self.arrival_time,
             sequence=self.all_token_ids,
         )

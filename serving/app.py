@@ -112,7 +112,7 @@ def build_app(
     """The ASGI app serving ``engine`` under the name ``model_name``."""
     options = options or ServerOptions()
     policies = [p.name for p in engine.config.policies]
-    metrics = ServerMetrics(engine.stats, policies)
+    metrics = ServerMetrics(engine.stats, policies, model_name)
     if engine.core.offload is not None:
         metrics.registry.register(OffloadCollector(engine.core.offload.stats))
     prompter = Prompter(

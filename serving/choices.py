@@ -57,6 +57,7 @@ class Choice:
         self.last: RequestOutput | None = None
         self.cumulative_logprob = 0.0
         self.is_counted = False
+        self.last_token_at: float | None = None  # monotonic time of the latest token
 
     @property
     def is_done(self) -> bool:

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridkv.scheduler.outputs import EngineStats
+from hybridkv.serving.vllm_metrics import VllmMetrics
 
 if TYPE_CHECKING:
     from hybridkv.memory.offload import OffloadStats
@@ -84,9 +85,14 @@ class ServerMetrics:
     """The metrics of one app, in their own registry."""
 
     def __init__(
-        self, stats: Callable[[], EngineStats], group_policies: Sequence[str] = ()
+        self,
+        stats: Callable[[], EngineStats],
+        group_policies: Sequence[str] = (),
+        model_name: str = "",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        #: vLLM's series (``hybridkv.serving.vllm_metrics``), labelled ``model_name``.
+        self.vllm = VllmMetrics(self.registry, stats, model_name)
         self.requests = Counter(
             "hybridkv_http_requests",
             "HTTP requests by endpoint and status code",

@@ -241,7 +241,7 @@ class GenerationService:
         for choice in job.choices:
             choice.stream.close()
             if not choice.is_counted:
-                self._count(choice, "abort")
+                self._count(job, choice, "abort")
 
     # -- internals ---------------------------------------------------------------------
 
@@ -260,7 +260,7 @@ class GenerationService:
         try:
             async with aclosing(choice.stream) as outputs:
                 async for out in outputs:
-                    self._observe(job, out)
+                    self._observe(job, choice, out)
                     large = output_is_large(job.request, len(job.prompt_ids), out)
                     if large:  # the prompt's logprobs: thousands of entries
                         delta = await self.encoder.off_loop(choice.push, out)
@@ -274,13 +274,13 @@ class GenerationService:
                         await emit(sse_encoded(await self.encoder.encode(chunk, large=large)))
                         delta = ""
         except HybridKVError as exc:
-            self._count(choice, "error")
+            self._count(job, choice, "error")
             failures.append(exc)
             scope.cancel()  # one failed choice fails the response
             return
         assert choice.last is not None, "the engine ends every request with an output"
         tail = choice.finish()
-        self._finish(choice)
+        self._finish(job, choice)
         if emit is not None:
             usage = _usage(job, job.choices) if job.request.continuous_usage else None
             chunk = functools.partial(
@@ -334,21 +334,29 @@ class GenerationService:
             return request.prompt
         return self.tokenizer.decode(prompt_ids)
 
-    def _observe(self, job: Job, out: Any) -> None:
-        if out.new_token_ids and out.num_output_tokens == len(out.new_token_ids):
-            self.metrics.time_to_first_token.observe(time.monotonic() - job.arrival)
+    def _observe(self, job: Job, choice: Choice, out: Any) -> None:
+        if not out.new_token_ids:
+            return
+        now = time.monotonic()
+        if out.num_output_tokens == len(out.new_token_ids):
+            self.metrics.time_to_first_token.observe(now - job.arrival)
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        last = choice.last_token_at
+        self.metrics.vllm.tokens(out, now - job.arrival, None if last is None else now - last)
+        choice.last_token_at = now
 
-    def _finish(self, choice: Choice) -> None:
+    def _finish(self, job: Job, choice: Choice) -> None:
         last = choice.last
         assert last is not None
         self.metrics.prompt_tokens.inc(last.num_prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(last.num_cached_tokens)
-        self._count(choice, choice.finish_reason or "unknown")
+        self._count(job, choice, choice.finish_reason or "unknown")
 
-    def _count(self, choice: Choice, reason: str) -> None:
+    def _count(self, job: Job, choice: Choice, reason: str) -> None:
         choice.is_counted = True
         self.metrics.finished.labels(reason=reason).inc()
+        if choice.last is not None:
+            self.metrics.vllm.ended(choice.last, reason, time.monotonic() - job.arrival)
 
 
 def _chunk(
