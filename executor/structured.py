@@ -74,7 +74,13 @@ class GrammarMasks:
 
         self.vocab_size = vocab_size
         eos = list(eos_token_ids) or None
-        self._tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
+        try:
+            self._tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
+        except ValueError as exc:  # a tokenizer.json llguidance cannot read
+            raise GrammarError(
+                f"structured output is unavailable: llguidance cannot read this model's "
+                f"tokenizer ({exc})"
+            ) from None
         self._capacity = capacity
         self._live: OrderedDict[str, _Entry] = OrderedDict()
         self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()

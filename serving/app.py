@@ -77,6 +77,8 @@ class ServerOptions:
             prompt, many choices) gets a 400 naming the limit, and no larger body is ever
             built. Bodies with many logprobs are built and encoded in the preprocessing
             threads, so the loop keeps answering meanwhile.
+        allowed_origins: Browser origins CORS allows (``*``: any); empty: no CORS
+            headers, so browsers keep other sites' pages from reading the answers.
         strict_fields: Refuse a body with a field this server does not know (400), as
             OpenAI's API does; by default, as vLLM, such fields are ignored and listed in
             one ``request_fields_ignored`` warning per request.
@@ -98,6 +100,7 @@ class ServerOptions:
         default=DEFAULT_MAX_RESPONSE_BYTES, validator=attrs.validators.ge(1)
     )
     strict_fields: bool = False
+    allowed_origins: tuple[str, ...] = ()
 
 
 def build_app(
@@ -152,6 +155,7 @@ def build_app(
             Route("/metrics", routes.metrics, methods=["GET"]),
         ],
         middleware=[
+            *_cors(options.allowed_origins),
             Middleware(RequestCounter, metrics=metrics),
             Middleware(AccessGuard, api_key=options.api_key, allowed_hosts=options.allowed_hosts),
         ],
@@ -163,6 +167,20 @@ def build_app(
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """Starlette's CORS middleware for ``origins`` (it answers preflights itself, before
+    the access guard: a browser sends no key with one), or none."""
+    if not origins:
+        return []
+    from starlette.middleware.cors import CORSMiddleware
+
+    return [
+        Middleware(
+            CORSMiddleware, allow_origins=list(origins), allow_methods=["*"], allow_headers=["*"]
+        )
+    ]
 
 
 class _Routes:

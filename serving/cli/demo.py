@@ -10,7 +10,12 @@ from typing import Any
 import attrs
 
 from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
-from hybridkv.serving.cli.engine_flags import add_engine_arguments, add_model_argument, engine_args
+from hybridkv.serving.cli.engine_flags import (
+    add_engine_arguments,
+    add_model_argument,
+    engine_args,
+    kv_memory_flag,
+)
 from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
 
 
@@ -92,7 +97,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print("\n".join(format_table(summary_rows(result, plan, loaded.specs))))
     source = (
         f"hybridkv demo {loaded.name} --requests {args.requests} --rate {args.rate:g} "
-        f"--max-tokens {args.max_tokens} --seed {args.seed} --kv-memory {args.kv_memory}"
+        f"--max-tokens {args.max_tokens} --seed {args.seed} --kv-memory {kv_memory_flag(args)}"
     )
     _save_plot(args, result, plan, f"pages per KV group, hybridkv demo on {loaded.name}", source)
     return 0
@@ -194,7 +199,7 @@ def run_bench(args: argparse.Namespace) -> int:
     source = (
         f"hybridkv bench {loaded.name} --requests {args.requests} "
         f"--prompt-len {args.prompt_len} --output-len {args.output_len} "
-        f"--shared-prefix {args.shared_prefix} --kv-memory {args.kv_memory}"
+        f"--shared-prefix {args.shared_prefix} --kv-memory {kv_memory_flag(args)}"
         + ("" if args.rate is None else f" --rate {args.rate:g}")
     )
     title = f"pages per KV group, hybridkv bench on {loaded.name}"

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from hybridkv.policies import MemoryPolicy
 
 _DTYPES = ("float32", "bfloat16", "float16")
+#: vLLM's ``--kv-cache-dtype`` values; the KV pages here are in the model dtype (``auto``).
+_KV_CACHE_DTYPES = ("auto", *_DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @attrs.frozen(kw_only=True)
@@ -47,6 +49,10 @@ class EngineArgs:
     weights: str = "auto"
     context_parallel_size: int = 1
     kv_interleave: str = "token"
+    #: vLLM's --gpu-memory-utilization: KV bytes are this share of the device's memory
+    #: (free host memory on the CPU) less the weights; None: ``kv_memory``.
+    memory_utilization: float | None = None
+    seed: int | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -55,7 +61,8 @@ class EngineArgs:
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    """The optional MODEL positional: a checkpoint folder or a built-in name."""
+    """The optional MODEL positional (or ``--model``, vLLM's spelling): a checkpoint
+    folder or a built-in name."""
     names = ", ".join(BUILTIN_MODELS)
     parser.add_argument(
         "model",
@@ -65,6 +72,7 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
         help=f"checkpoint folder (config.json, safetensors, tokenizer.json) or built-in "
         f"name ({names}); default: {DEFAULT_MODEL}",
     )
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as MODEL")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1GiB") -> None:
@@ -72,10 +80,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--kv-memory",
-        default=kv_memory,
+        default=None,
         metavar="SIZE",
         help=f"bytes of KV cache, shared by every layer group: 512MiB, 2GiB ({kv_memory})",
     )
+    parser.set_defaults(kv_memory_default=kv_memory)
     group.add_argument(
         "--block-size", type=int, default=16, metavar="N", help="tokens per KV page (16)"
     )
@@ -104,13 +113,40 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         help="do not reuse the KV pages of repeated prompt prefixes",
     )
     group.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM's spelling of prefix caching on (default) or off",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="F",
+        help="as vLLM: the share of the device's memory (on the CPU, of the free host "
+        "memory) for the weights and the KV pool; replaces --kv-memory",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=_KV_CACHE_DTYPES,
+        default="auto",
+        help="the KV pages' dtype: auto (or --dtype's name) keeps the model dtype; fp8 is "
+        "refused (not built)",
+    )
+    group.add_argument(
         "--threads",
         type=int,
         default=None,
         metavar="N",
         help="torch CPU threads, per pipeline stage (all cores, shared among the stages)",
     )
-    group.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights and KV dtype")
+    group.add_argument(
+        "--dtype",
+        choices=("auto", *_DTYPES),
+        default="float32",
+        help="weights and KV dtype; auto: the checkpoint's torch_dtype (float32 if it names none)",
+    )
     group.add_argument(
         "--weights",
         choices=WEIGHT_CHOICES,
@@ -236,6 +272,11 @@ def _number_or_text(value: str) -> object:
     return value
 
 
+def kv_memory_flag(args: argparse.Namespace) -> str:
+    """``--kv-memory`` as given, or the command's default."""
+    return str(args.kv_memory or args.kv_memory_default)
+
+
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     """The parsed flags as :class:`EngineArgs`."""
     from hybridkv.memory.sizes import parse_size
@@ -246,9 +287,26 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    model, named = args.model, getattr(args, "model_flag", None)
+    if model is not None and named is not None and model != named:
+        raise UsageError(f"MODEL {model!r} and --model {named!r} name two models")
+    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    if kv_dtype not in ("auto", args.dtype):
+        raise UsageError(
+            f"--kv-cache-dtype {kv_dtype}: the KV pages are in the model dtype here "
+            f"(--dtype {args.dtype}); fp8 KV caches are not built"
+        )
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    if utilization is not None:
+        if not 0 < utilization <= 1:
+            raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+        if args.kv_memory is not None:
+            raise UsageError("--gpu-memory-utilization and --kv-memory both size the pool")
     return EngineArgs(
-        model=args.model,
-        kv_memory=parse_size(args.kv_memory),
+        model=model or named,
+        kv_memory=parse_size(kv_memory_flag(args)),
+        memory_utilization=utilization,
+        seed=getattr(args, "engine_seed", None),
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

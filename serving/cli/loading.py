@@ -79,6 +79,8 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
     from hybridkv.serving.cli.values import UsageError
 
     name, folder = resolve_model(settings.model)
+    dtype, kv_memory = checkpoint_dtype(settings.dtype, folder), kv_bytes(settings, folder)
+    settings = attrs.evolve(settings, dtype=dtype, kv_memory=kv_memory)
     weights = _weight_format(settings, builtin=name in BUILTIN_MODELS)
     if not quiet:
         print(f"loading {name} from {folder}", file=sys.stderr, flush=True)
@@ -143,7 +145,59 @@ def load_options(settings: EngineArgs, weights: str = "dtype") -> LoadOptions:
         uniform_layout=settings.uniform_kv,
         policies=settings.layer_policies,
         weights=weights,
+        seed=settings.seed,
     )
+
+
+def checkpoint_dtype(dtype: str, folder: Path) -> str:
+    """``--dtype`` with ``auto`` resolved to the checkpoint's ``torch_dtype`` (``dtype`` in
+    newer configs) where it names one of ours, else float32."""
+    if dtype != "auto":
+        return dtype
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    named = config.get("torch_dtype") or config.get("dtype")
+    return named if named in ("float32", "bfloat16", "float16") else "float32"
+
+
+def kv_bytes(settings: EngineArgs, folder: Path) -> int:
+    """The KV pool's bytes: ``--kv-memory``, or with ``--gpu-memory-utilization F`` (as
+    vLLM) F times the device's memory (on the CPU, the host memory free now) less the
+    checkpoint's weight bytes.
+
+    Raises:
+        UsageError: that share leaves nothing for the KV pool.
+    """
+    from hybridkv.serving.cli.values import UsageError
+
+    share = settings.memory_utilization
+    if share is None:
+        return settings.kv_memory
+    weights = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+    total, where = device_memory()
+    budget = int(share * total) - weights
+    if budget <= 0:
+        raise UsageError(
+            f"--gpu-memory-utilization {share}: {share * total / 2**30:.2f} GiB of the "
+            f"{total / 2**30:.2f} GiB {where} leaves nothing for the KV pool after "
+            f"{weights / 2**30:.2f} GiB of weights"
+        )
+    return budget
+
+
+def device_memory() -> tuple[int, str]:
+    """The bytes ``--gpu-memory-utilization`` is a share of, and what they are: the host
+    memory available now (this engine runs on the CPU)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "of free host memory"
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return pages * os.sysconf("SC_PAGE_SIZE"), "of free host memory"
 
 
 #: Pipelines load_model started. A pipeline owns the process group, so a process runs one

@@ -49,6 +49,18 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     http.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     http.add_argument(
+        "--seed",
+        dest="engine_seed",
+        type=int,
+        default=None,
+        help="seed of the sampler for requests that set none (vLLM's --seed)",
+    )
+    http.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template file (or the template itself) replacing the checkpoint's",
+    )
+    http.add_argument(
         "--served-model-name",
         metavar="NAME",
         help="the name clients pass as 'model' (default: the model's name)",
@@ -108,23 +120,58 @@ def run_serve(args: argparse.Namespace) -> int:
     options = attrs.evolve(settings.options, max_response_bytes=max_response_bytes)
     settings = attrs.evolve(settings, options=options)
     sock = open_socket(args.host, args.port)  # fail fast, before the model loads
+    template = read_chat_template(args.chat_template)  # a bad one fails before loading
     with sock:  # closed too when the model fails to load
         loaded = load_model(engine_args(args))
         loaded = attrs.evolve(
             loaded, engine_config=attrs.evolve(loaded.engine_config, **scheduling)
         )
+        if template is not None:  # the checkpoint's bos/eos strings stay available to it
+            from hybridkv.serving.chat import ChatTemplate
+
+            special = loaded.chat_template.special_tokens
+            template = ChatTemplate(template.source, special_tokens=special, is_builtin=False)
+            loaded = attrs.evolve(loaded, chat_template=template)
         _prepare_structured_output(loaded)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way to stop
             anyio.run(_serve, loaded, sock, settings, args)
     return 0
 
 
+def read_chat_template(value: str | None) -> Any:
+    """``--chat-template``: a file's text, or (as vLLM) the template itself.
+
+    Raises:
+        UsageError: neither a file nor a template.
+        ChatTemplateError: the template does not parse.
+    """
+    from pathlib import Path
+
+    from hybridkv.serving.chat import ChatTemplate
+    from hybridkv.serving.cli.values import UsageError
+
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return ChatTemplate(path.read_text(encoding="utf-8"), is_builtin=False)
+    if "{{" not in value and "{%" not in value:
+        raise UsageError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return ChatTemplate(value, is_builtin=False)
+
+
 def _prepare_structured_output(loaded: Any) -> None:
     """Read the vocabulary for grammar masks now (seconds for a large one), not in the
     first step of the first request that asks for structured output."""
+    from hybridkv.errors.events import get_logger
+    from hybridkv.executor.grammars import GrammarError
+
     sampler = getattr(loaded.executor, "sampler", None)
     if sampler is not None and hasattr(sampler, "enable_structured_output"):
-        sampler.enable_structured_output(loaded.tokenizer, loaded.executor.vocab_size)
+        try:
+            sampler.enable_structured_output(loaded.tokenizer, loaded.executor.vocab_size)
+        except GrammarError as exc:  # the rest serves; such requests get a 400 saying why
+            get_logger(__name__).warning("structured_output_unavailable", reason=str(exc))
 
 
 async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace) -> None:

@@ -5,6 +5,7 @@
     --api-key KEY             clients send "Authorization: Bearer KEY" (env HYBRIDKV_API_KEY)
     --allowed-hosts A,B       Host header names answered (default: any)
     --strict-fields           refuse unknown request fields (default: ignore them, warned)
+    --allowed-origins LIST    CORS: browser origins allowed ('["*"]'; default: none)
     --max-connections N       open connections at once (1000; one more closes the oldest
                               that has not sent a full request; fitted to the process's
                               open-file limit at start)
@@ -70,6 +71,13 @@ def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAMES",
         default="",
         help="comma-separated Host names to answer, '*.example.com' allowed (default: any)",
+    )
+    access.add_argument(
+        "--allowed-origins",
+        metavar="ORIGINS",
+        default=None,
+        help="browser origins allowed by CORS: a JSON list as vLLM takes it "
+        "('[\"https://app.example\"]', '[\"*\"]') or comma-separated (default: none)",
     )
     access.add_argument(
         "--strict-fields",
@@ -143,6 +151,7 @@ def http_settings(
         body_timeout_s=args.timeout_body,
         template_timeout_s=args.template_timeout,
         strict_fields=args.strict_fields,
+        allowed_origins=_origins(args.allowed_origins),
     )
     limits = ConnectionLimits(
         max_connections=args.max_connections,
@@ -153,3 +162,20 @@ def http_settings(
         write_timeout_s=args.timeout_write,
     ).fit_descriptor_limit()  # logs what it changed
     return HTTPSettings(options=options, limits=limits, step_timeout_s=args.step_timeout or None)
+
+
+def _origins(text: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: a JSON list of strings, or names separated by commas."""
+    import json
+
+    if not text:
+        return ()
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"--allowed-origins {text!r} is not a JSON list of strings")
+        return tuple(value)
+    return tuple(o.strip() for o in text.split(",") if o.strip())

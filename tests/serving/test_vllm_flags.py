@@ -1,0 +1,168 @@
+"""`vllm serve`'s flags under their names and meanings: parsed into the settings, refused
+where a value cannot be honoured, and accepted all together by a real `hybridkv serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from hybridkv.serving.cli.engine_flags import engine_args
+from hybridkv.serving.cli.loading import checkpoint_dtype, kv_bytes
+from hybridkv.serving.cli.main import build_parser
+from hybridkv.serving.cli.serve import read_chat_template
+from hybridkv.serving.cli.serve_flags import http_settings
+from hybridkv.serving.cli.values import UsageError
+
+RUN_CLI = "import sys; from hybridkv.serving.cli.main import main; sys.exit(main(sys.argv[1:]))"
+
+
+def serve_args(*flags: str) -> Any:
+    return build_parser().parse_args(["serve", *flags])
+
+
+def test_vllm_spellings_make_the_same_settings() -> None:
+    args = serve_args(
+        "--model", "m", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+        "--dtype", "auto", "--kv-cache-dtype", "auto", "--seed", "7",
+    )  # fmt: skip
+    settings = engine_args(args)
+    assert settings.model == "m"
+    assert not settings.enable_prefix_caching
+    assert settings.memory_utilization == 0.5
+    assert settings.seed == 7
+    assert settings.dtype == "auto"
+    assert engine_args(serve_args("--enable-prefix-caching")).enable_prefix_caching
+    assert engine_args(serve_args("m", "--model", "m")).model == "m"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["a", "--model", "b"], "name two models"),
+        (["--kv-cache-dtype", "fp8"], "fp8 KV caches are not built"),
+        (["--kv-cache-dtype", "bfloat16"], "in the model dtype"),
+        (["--gpu-memory-utilization", "1.5"], r"in \(0, 1\]"),
+        (["--gpu-memory-utilization", "0.5", "--kv-memory", "1GiB"], "both size the pool"),
+    ],
+)
+def test_values_that_cannot_be_honoured_are_refused_by_name(flags: list[str], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        engine_args(serve_args(*flags))
+
+
+def test_allowed_origins_take_a_json_list_or_commas() -> None:
+    def origins(value: str) -> tuple[str, ...]:
+        args = serve_args("--allowed-origins", value)
+        return http_settings(
+            args, max_body_bytes=1, default_max_tokens=None
+        ).options.allowed_origins
+
+    assert origins('["https://a.example", "https://b.example"]') == (
+        "https://a.example",
+        "https://b.example",
+    )
+    assert origins("https://a.example, https://b.example") == (
+        "https://a.example",
+        "https://b.example",
+    )
+    with pytest.raises(ValueError, match="JSON list"):
+        origins('["https://a.example", 3]')
+
+
+def test_dtype_auto_reads_the_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert checkpoint_dtype("auto", tmp_path) == "bfloat16"
+    assert checkpoint_dtype("float16", tmp_path) == "float16"
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "int8"}))
+    assert checkpoint_dtype("auto", tmp_path) == "float32"
+
+
+def test_memory_utilization_is_a_share_of_free_memory_less_the_weights(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The free memory is read once, here pinned so the arithmetic is exact."""
+    import hybridkv.serving.cli.loading as loading
+
+    monkeypatch.setattr(loading, "device_memory", lambda: (10 << 30, "of free host memory"))
+    weights = sum(p.stat().st_size for p in tiny_checkpoint.glob("*.safetensors"))
+    settings = engine_args(serve_args("--gpu-memory-utilization", "0.1"))
+    assert kv_bytes(settings, tiny_checkpoint) == int(0.1 * (10 << 30)) - weights
+    tiny = engine_args(serve_args("--gpu-memory-utilization", "1e-9"))
+    with pytest.raises(UsageError, match="leaves nothing for the KV pool"):
+        kv_bytes(tiny, tiny_checkpoint)
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert read_chat_template(str(path)).source == path.read_text()
+    assert read_chat_template("{{ messages[0]['content'] }}").is_builtin is False
+    with pytest.raises(UsageError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_hybridkv_serve_accepts_the_vllm_flags_together(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A real server started with vLLM's flags: the template from the file renders the
+    chat, CORS answers a preflight for the allowed origin only, completions are served."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}w5 {{ m['content'] }} {% endfor %}w6")
+    process = subprocess.Popen(
+        [
+            sys.executable, "-c", RUN_CLI, "serve", "--port", "0",
+            "--model", str(tiny_checkpoint), "--dtype", "auto", "--kv-cache-dtype", "auto",
+            "--enable-prefix-caching", "--seed", "3", "--gpu-memory-utilization", "0.05",
+            "--chat-template", str(template), "--allowed-origins", '["https://app.example"]',
+            "--threads", "1",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert process.stderr is not None
+        url, seen = "", []
+        for line in process.stderr:  # the line it prints once it listens
+            seen.append(line)
+            if line.startswith("serving "):
+                url = line.split(" at ")[1].split()[0].removesuffix("/v1")
+                break
+        assert url, "the server never said it listens:\n" + "".join(seen)
+        tokens = httpx.post(
+            f"{url}/tokenize", json={"messages": [{"role": "user", "content": "w2 w3"}]}
+        ).json()
+        assert tokens["count"] == 4  # w5 w2 w3 w6: the file's template
+        preflight = {"Access-Control-Request-Method": "POST"}
+        allowed = httpx.options(
+            f"{url}/v1/completions", headers={"Origin": "https://app.example", **preflight}
+        )
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(
+            f"{url}/v1/completions", headers={"Origin": "https://evil.example", **preflight}
+        )
+        assert "access-control-allow-origin" not in other.headers
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        done = httpx.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "w2", "max_tokens": 3}
+        )
+        assert done.status_code == 200, done.text
+        # Its word-level tokenizer has no decoder llguidance reads: structured output is
+        # refused per request, saying why, and everything else serves.
+        body = {"model": model, "prompt": "w2", "response_format": {"type": "json_object"}}
+        refused = httpx.post(f"{url}/v1/completions", json=body)
+        assert refused.status_code == 400
+        assert "structured output is unavailable" in refused.json()["error"]["message"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+        if process.stderr is not None:
+            process.stderr.close()
