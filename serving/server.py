@@ -105,6 +105,7 @@ async def serve_http(
         http=limits.protocol(),
         ws="none",  # no websocket routes; an upgraded connection would leave the table
         log_level=log_level,
+        log_config=None,  # uvicorn's records go to the application's logging, as any library's
         lifespan="off",
         timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=5,

@@ -55,7 +55,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from hybridkv.serving.cli.report import format_table, summary_rows
     from hybridkv.serving.cli.workload import demo_workload
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     _check_positive(args, "requests", "max_tokens", "rate")
     _check_plot(args)
     loaded = load_model(engine_args(args))
@@ -159,7 +159,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from hybridkv.serving.cli.loading import load_model
     from hybridkv.serving.cli.workload import run_workload, synthetic_workload
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     _check_positive(args, "requests", "prompt_len", "output_len")
     if args.rate is not None:  # None sends every request at once
         _check_positive(args, "rate")

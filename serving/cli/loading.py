@@ -246,7 +246,7 @@ def pipeline_worker_status(args: argparse.Namespace) -> int | None:
     from hybridkv.parallel.pipeline_launch import StageSettings, run_torchrun_worker
     from hybridkv.serving.cli.console import configure_logging
 
-    configure_logging(getattr(args, "log_level", "warning"))  # as rank 0's command does
+    configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
     settings = engine_args(args)
     _, folder = resolve_model(settings.model)
     stage = StageSettings.create(

@@ -82,6 +82,16 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         help="output limit of chat requests that set none (default: the rest of the context)",
     )
     add_log_level_argument(http, "info")
+    http.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between engine_stats lines while requests run (10; 0: none)",
+    )
+    http.add_argument(
+        "--disable-log-stats", action="store_true", help="no engine_stats lines (vLLM's flag)"
+    )
     add_access_and_limit_arguments(parser)
     add_engine_arguments(parser)
     add_scheduling_arguments(parser)
@@ -99,7 +109,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from hybridkv.serving.cli.values import UsageError
     from hybridkv.serving.server import open_socket
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     max_body_bytes = parse_size(args.max_body_size)
@@ -175,9 +185,12 @@ def _prepare_structured_output(loaded: Any) -> None:
 
 
 async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace) -> None:
+    import anyio
+
     from hybridkv.scheduler import Engine
     from hybridkv.serving.app import build_app
     from hybridkv.serving.server import serve_http
+    from hybridkv.serving.stats_log import log_stats
     from hybridkv.serving.watchdog import StepWatchdog
 
     name = args.served_model_name or loaded.name
@@ -202,7 +215,11 @@ async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace
             file=sys.stderr,
             flush=True,
         )
-        await serve_http(app, sock, log_level=args.log_level, limits=settings.limits)
+        async with anyio.create_task_group() as tg:
+            if args.log_stats_interval > 0 and not args.disable_log_stats:
+                tg.start_soon(log_stats, engine, args.log_stats_interval)
+            await serve_http(app, sock, log_level=args.log_level, limits=settings.limits)
+            tg.cancel_scope.cancel()
 
 
 def register_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -241,7 +258,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from hybridkv.scheduler import SamplingParams
     from hybridkv.serving.cli.loading import load_model
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.log_format)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -122,7 +122,7 @@ def test_hybridkv_serve_accepts_the_vllm_flags_together(
             "--model", str(tiny_checkpoint), "--dtype", "auto", "--kv-cache-dtype", "auto",
             "--enable-prefix-caching", "--seed", "3", "--gpu-memory-utilization", "0.05",
             "--chat-template", str(template), "--allowed-origins", '["https://app.example"]',
-            "--threads", "1",
+            "--threads", "1", "--log-level", "info", "--log-format", "json",
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -137,6 +137,7 @@ def test_hybridkv_serve_accepts_the_vllm_flags_together(
                 url = line.split(" at ")[1].split()[0].removesuffix("/v1")
                 break
         assert url, "the server never said it listens:\n" + "".join(seen)
+        assert any(json.loads(line)["event"] == "model_loaded" for line in seen[1:-1])
         tokens = httpx.post(
             f"{url}/tokenize", json={"messages": [{"role": "user", "content": "w2 w3"}]}
         ).json()
@@ -163,6 +164,8 @@ def test_hybridkv_serve_accepts_the_vllm_flags_together(
         assert "structured output is unavailable" in refused.json()["error"]["message"]
     finally:
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
-        if process.stderr is not None:
-            process.stderr.close()
+        rest = process.communicate(timeout=60)[1]
+    # Every line after it is one JSON object: hybridkv's events and uvicorn's access lines.
+    records = [json.loads(line) for line in rest.splitlines() if line.strip()]
+    access = [r["event"] for r in records if "POST /v1/completions" in r["event"]]
+    assert access and all(r["level"] for r in records)
