@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hybridkv.errors import HybridKVError
+from hybridkv.serving.cli.config_file import expand_config
 
 #: Subcommand name -> ``"module:function"`` of its registrar, in ``--help`` order.
 SUBCOMMANDS: dict[str, str] = {
@@ -33,6 +34,12 @@ SUBCOMMANDS: dict[str, str] = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (the console script exits with it)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config(argv, _negatable(parser))
+    except HybridKVError as exc:
+        print(f"hybridkv: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
@@ -79,12 +86,25 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return out
 
 
+def _negatable(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The long flags of every subcommand that have a ``--no-`` form."""
+    out: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                for inner in sub._actions:
+                    if isinstance(inner, argparse.BooleanOptionalAction):
+                        out.update(o for o in inner.option_strings if not o.startswith("--no-"))
+    return frozenset(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every registered subcommand."""
     parser = argparse.ArgumentParser(
         prog="hybridkv", description="An async LLM serving core with hybrid KV memory."
     )
     parser.add_argument("--version", action="version", version=f"hybridkv {_version()}")
+    parser.epilog = "COMMAND --config FILE reads flags from a YAML file (as vllm serve does)."
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for target in SUBCOMMANDS.values():
         module, _, function = target.partition(":")

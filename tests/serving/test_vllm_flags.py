@@ -169,3 +169,45 @@ def test_hybridkv_serve_accepts_the_vllm_flags_together(
     records = [json.loads(line) for line in rest.splitlines() if line.strip()]
     access = [r["event"] for r in records if "POST /v1/completions" in r["event"]]
     assert access and all(r["level"] for r in records)
+
+
+def test_a_yaml_config_gives_flags_the_command_line_overrides(tmp_path: Path) -> None:
+    from hybridkv.serving.cli.config_file import expand_config
+    from hybridkv.serving.cli.main import _negatable
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: some-model\n"
+        "port: 8001\n"
+        "max_num_seqs: 4\n"
+        "enable-prefix-caching: false\n"
+        "strict-fields: true\n"
+        "layer-policy:\n"
+        "  - full_attention=sliding_window:window=64\n"
+        "  - sliding_attention=sliding_window:window=32\n"
+    )
+    parser = build_parser()
+    argv = expand_config(["serve", "--config", str(config), "--port", "9000"], _negatable(parser))
+    args = parser.parse_args(argv)
+    assert args.port == 9000  # the command line wins
+    settings = engine_args(args)
+    assert settings.model == "some-model" and settings.max_num_seqs == 4
+    assert not settings.enable_prefix_caching
+    assert [kind for kind, _ in settings.layer_policies] == ["full_attention", "sliding_attention"]
+    assert args.strict_fields
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [("[1, 2]", "must map flag names"), ("a: [b", "is not YAML")]
+)
+def test_a_bad_config_file_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    from hybridkv.serving.cli.main import main
+
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    assert main(["plan", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert main(["plan", "--config", str(tmp_path / "missing.yaml")]) == 2
