@@ -22,8 +22,15 @@ def grammar_text(spec: StructuredOutput) -> str:
     from llguidance import LLMatcher, grammar_from
 
     if spec.kind == "json_schema":
-        # Any whitespace between JSON tokens, as vLLM's default.
-        return LLMatcher.grammar_from_json_schema(spec.spec, defaults={"whitespace_flexible": True})
+        # vLLM's default backend's defaults: any whitespace, no property a schema does
+        # not list (where it says nothing of others).
+        schema = spec.spec
+        if not spec.additional_properties:
+            schema = json.dumps(close_objects(json.loads(schema)))
+        flexible = spec.any_whitespace is not False
+        return LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": flexible}
+        )
     if spec.kind == "choice":
         choices = json.loads(spec.spec)
         return grammar_from("choice", json.dumps([str(c) for c in choices]))
@@ -43,3 +50,32 @@ def check_grammar(spec: StructuredOutput) -> None:
     message = LLMatcher.validate_grammar(text)
     if message and not message.startswith("WARNING"):
         raise GrammarError(f"the {spec.kind} does not compile: {message.strip()}")
+
+
+#: Keywords whose value is one subschema, a list of them, or a mapping of names to them.
+_ONE = ("items", "additionalProperties", "unevaluatedProperties", "not", "if", "then", "else",
+        "contains", "propertyNames", "additionalItems", "unevaluatedItems")  # fmt: skip
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: object) -> object:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    its ``properties`` and says nothing of others (a bare ``{"type": "object"}`` stays any
+    object); subschemas are followed by keyword, so a property named ``properties`` is a
+    name, not a keyword."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _ONE:
+        if key in out:
+            out[key] = close_objects(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(item) for item in out[key]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    return out

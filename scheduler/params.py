@@ -71,10 +71,19 @@ class StructuredOutput:
             "object"}`` is any object), ``regex``, ``choice`` (``spec`` is a JSON list
             of strings: the text is one of them) or ``grammar`` (a Lark or GBNF grammar).
         spec: The schema, expression, choices or grammar.
+        any_whitespace: JSON schemas: any whitespace between tokens (vLLM's
+            ``disable_any_whitespace`` false); False: compact JSON. None: the default,
+            True, as vLLM's default backend.
+        additional_properties: JSON schemas: objects may hold properties their schema
+            does not list, where it says nothing (vLLM's ``disable_additional_properties``
+            false). None: the default, False, as vLLM's default backend (xgrammar's
+            strict mode); a schema's own ``additionalProperties`` always holds.
     """
 
     kind: StructuredKind
     spec: str
+    any_whitespace: bool | None = None
+    additional_properties: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         kinds = ("json_schema", "regex", "choice", "grammar")

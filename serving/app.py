@@ -79,6 +79,11 @@ class ServerOptions:
             threads, so the loop keeps answering meanwhile.
         allowed_origins: Browser origins CORS allows (``*``: any); empty: no CORS
             headers, so browsers keep other sites' pages from reading the answers.
+        any_whitespace: JSON output may hold any whitespace between tokens, unless a
+            request's ``structured_outputs.disable_any_whitespace`` says otherwise.
+        additional_properties: JSON output may hold properties a schema does not list
+            (where it says nothing of others), unless a request says otherwise; False
+            by default, as vLLM's default backend.
         strict_fields: Refuse a body with a field this server does not know (400), as
             OpenAI's API does; by default, as vLLM, such fields are ignored and listed in
             one ``request_fields_ignored`` warning per request.
@@ -101,6 +106,8 @@ class ServerOptions:
     )
     strict_fields: bool = False
     allowed_origins: tuple[str, ...] = ()
+    any_whitespace: bool = True
+    additional_properties: bool = False
 
 
 def build_app(
@@ -169,6 +176,23 @@ def build_app(
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+def _json_defaults(parsed: Any, options: ServerOptions) -> Any:
+    """The request with the server's JSON output options where it sets none."""
+    wanted = parsed.sampling.structured_output
+    if wanted is None or None not in (wanted.any_whitespace, wanted.additional_properties):
+        return parsed
+    wanted = attrs.evolve(
+        wanted,
+        any_whitespace=_first(wanted.any_whitespace, options.any_whitespace),
+        additional_properties=_first(wanted.additional_properties, options.additional_properties),
+    )
+    return attrs.evolve(parsed, sampling=attrs.evolve(parsed.sampling, structured_output=wanted))
+
+
+def _first(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
+
+
 def _cors(origins: tuple[str, ...]) -> list[Middleware]:
     """Starlette's CORS middleware for ``origins`` (it answers preflights itself, before
     the access guard: a browser sends no key with one), or none."""
@@ -224,6 +248,7 @@ class _Routes:
 
         async def handle(request: Request) -> Response:
             parsed = parse(await self.read_json(request), strict=self.options.strict_fields)
+            parsed = _json_defaults(parsed, self.options)
             if parsed.ignored_fields:
                 fields = list(parsed.ignored_fields)
                 log.warning("request_fields_ignored", path=request.url.path, fields=fields)

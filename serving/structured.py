@@ -14,6 +14,11 @@ Setting two constraints is a 400; so is a schema, expression or grammar over a b
 that does not compile (``grammar_check``, in a worker thread before the request is
 queued). A JSON schema sent as a string is decoded with the request body's own limits.
 llguidance is the only backend: ``guided_decoding_backend`` may name it or ``auto``.
+
+JSON schemas follow vLLM's default backend: any whitespace between tokens, and no
+property a schema does not list where it says nothing of others. ``structured_outputs``
+may set ``disable_any_whitespace`` and ``disable_additional_properties`` (false: allow
+them) for the request; ``ServerOptions.structured_outputs`` sets them for the server.
 """
 
 from __future__ import annotations
@@ -96,12 +101,24 @@ def _structured_outputs(fields: Fields) -> tuple[StructuredOutput, str] | None:
         found.append(("grammar", _grammar(options.raw("grammar"), options.name("grammar"))))
     if options.boolean("json_object", False):
         found.append(("json_object", '{"type": "object"}'))
+    any_whitespace = _negated(options, "disable_any_whitespace")
+    additional = _negated(options, "disable_additional_properties")
+    options.refuse("whitespace_pattern", why="choose disable_any_whitespace")
     options.check_all_read()
     if len(found) != 1:
         raise fields.error("structured_outputs", "must set exactly one constraint")
     key, spec = found[0]
     kind = {"json": "json_schema", "json_object": "json_schema"}.get(key, key)
-    return StructuredOutput(kind, spec), options.name(key)  # type: ignore[arg-type]
+    output = StructuredOutput(kind, spec, any_whitespace, additional)  # type: ignore[arg-type]
+    return output, options.name(key)
+
+
+def _negated(fields: Fields, field: str) -> bool | None:
+    """vLLM's ``disable_*`` switch as the option it turns off; None when not set."""
+    if not fields.has(field):
+        fields.raw(field)
+        return None
+    return not fields.boolean(field, False)
 
 
 def _guided(

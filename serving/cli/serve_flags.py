@@ -6,6 +6,8 @@
     --allowed-hosts A,B       Host header names answered (default: any)
     --strict-fields           refuse unknown request fields (default: ignore them, warned)
     --allowed-origins LIST    CORS: browser origins allowed ('["*"]'; default: none)
+    --structured-outputs-config JSON
+                              disable_any_whitespace, disable_additional_properties
     --max-connections N       open connections at once (1000; one more closes the oldest
                               that has not sent a full request; fitted to the process's
                               open-file limit at start)
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -78,6 +80,13 @@ def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="browser origins allowed by CORS: a JSON list as vLLM takes it "
         "('[\"https://app.example\"]', '[\"*\"]') or comma-separated (default: none)",
+    )
+    access.add_argument(
+        "--structured-outputs-config",
+        metavar="JSON",
+        default=None,
+        help='as vLLM: \'{"disable_any_whitespace": true, "disable_additional_properties": '
+        "false}' for JSON output (defaults: any whitespace, no unlisted properties)",
     )
     access.add_argument(
         "--strict-fields",
@@ -152,6 +161,7 @@ def http_settings(
         template_timeout_s=args.template_timeout,
         strict_fields=args.strict_fields,
         allowed_origins=_origins(args.allowed_origins),
+        **_json_output(args.structured_outputs_config),
     )
     limits = ConnectionLimits(
         max_connections=args.max_connections,
@@ -179,3 +189,25 @@ def _origins(text: str | None) -> tuple[str, ...]:
             raise ValueError(f"--allowed-origins {text!r} is not a JSON list of strings")
         return tuple(value)
     return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def _json_output(text: str | None) -> dict[str, Any]:
+    """``--structured-outputs-config``: vLLM's switches as ServerOptions' fields."""
+    import json
+
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    keys = {"disable_any_whitespace": "any_whitespace",
+            "disable_additional_properties": "additional_properties"}  # fmt: skip
+    if not isinstance(value, dict) or not all(
+        k in keys and isinstance(v, bool) for k, v in value.items()
+    ):
+        raise ValueError(
+            f"--structured-outputs-config {text!r} must be a JSON object of "
+            f"{' and '.join(keys)} set to true or false"
+        )
+    return {keys[k]: not v for k, v in value.items()}

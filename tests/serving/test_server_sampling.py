@@ -194,3 +194,48 @@ def test_truncate_beyond_the_context_is_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         complete(client, extra_body={"truncate_prompt_tokens": 10_000})
     assert info.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
+#: A schema that says nothing of other properties: closed by default, as vLLM's default
+#: backend (xgrammar's strict mode) treats it.
+OPEN_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def _json_outputs(client: openai.OpenAI, **options: Any) -> list[str]:
+    texts = []
+    for seed in range(6):
+        texts.append(
+            complete(
+                client,
+                max_tokens=60,
+                seed=seed,
+                temperature=1.0,
+                extra_body={"structured_outputs": {"json": OPEN_SCHEMA, **options}},
+            )
+        )
+    return texts
+
+
+def test_json_output_holds_no_unlisted_property_by_default(client: openai.OpenAI) -> None:
+    for text in _json_outputs(client):
+        assert set(json.loads(text)) == {"n"}, text
+
+
+def test_disable_any_whitespace_gives_compact_json(client: openai.OpenAI) -> None:
+    texts = _json_outputs(client, disable_any_whitespace=True)
+    for text in texts:
+        assert set(json.loads(text)) == {"n"} and not re.search(r"\s", text), text
+
+
+def test_the_server_may_allow_unlisted_properties(make_sampling_server: Any) -> None:
+    """ServerOptions(additional_properties=True) (``--structured-outputs-config
+    '{"disable_additional_properties": false}'``): the grammar lets other keys in, which
+    the random logits then write in some outputs."""
+    from hybridkv.serving.app import ServerOptions
+
+    server = make_sampling_server(options=ServerOptions(additional_properties=True))
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0) as c:
+        texts = _json_outputs(c)
+    # An open object may run past max_tokens inside a string: read the keys as written.
+    keys = [set(re.findall(r'"((?:[^"\\]|\\.)*)"\s*:', t)) for t in texts]
+    assert any(k - {"n"} for k in keys), texts

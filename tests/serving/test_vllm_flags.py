@@ -211,3 +211,16 @@ def test_a_bad_config_file_is_a_one_line_error(
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert main(["plan", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_structured_outputs_config_sets_the_json_defaults() -> None:
+    def options(value: str) -> Any:
+        args = serve_args("--structured-outputs-config", value)
+        return http_settings(args, max_body_bytes=1, default_max_tokens=None).options
+
+    loose = options('{"disable_any_whitespace": true, "disable_additional_properties": false}')
+    assert (loose.any_whitespace, loose.additional_properties) == (False, True)
+    default = http_settings(serve_args(), max_body_bytes=1, default_max_tokens=None).options
+    assert (default.any_whitespace, default.additional_properties) == (True, False)
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        options('{"backend": "xgrammar"}')
