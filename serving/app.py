@@ -22,6 +22,7 @@ client that disconnects aborts its requests and is logged once, at info level.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ from hybridkv.serving.protocol import parse_chat, parse_completion
 from hybridkv.serving.responses import DEFAULT_MAX_RESPONSE_BYTES
 from hybridkv.serving.service import GenerationService
 from hybridkv.serving.streaming import EventStreamResponse, cancel_on_disconnect
+from hybridkv.serving.tools import PARSERS
 from hybridkv.serving.utility_routes import UtilityRoutes
 
 log = get_logger(__name__)
@@ -79,6 +81,10 @@ class ServerOptions:
             threads, so the loop keeps answering meanwhile.
         allowed_origins: Browser origins CORS allows (``*``: any); empty: no CORS
             headers, so browsers keep other sites' pages from reading the answers.
+        tool_call_parser: How ``tool_choice: auto`` calls are read from the text
+            (``hermes`` or ``json``, ``hybridkv.serving.tools``); None: not at all.
+        enable_auto_tool_choice: Let requests leave the call to the model (``auto``, the
+            default when tools are sent); needs ``tool_call_parser``.
         any_whitespace: JSON output may hold any whitespace between tokens, unless a
             request's ``structured_outputs.disable_any_whitespace`` says otherwise.
         additional_properties: JSON output may hold properties a schema does not list
@@ -106,6 +112,10 @@ class ServerOptions:
     )
     strict_fields: bool = False
     allowed_origins: tuple[str, ...] = ()
+    tool_call_parser: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(PARSERS))
+    )
+    enable_auto_tool_choice: bool = False
     any_whitespace: bool = True
     additional_properties: bool = False
 
@@ -152,7 +162,17 @@ def build_app(
     app = Starlette(
         routes=[
             Route("/v1/completions", routes.generation(parse_completion), methods=["POST"]),
-            Route("/v1/chat/completions", routes.generation(parse_chat), methods=["POST"]),
+            Route(
+                "/v1/chat/completions",
+                routes.generation(
+                    functools.partial(
+                        parse_chat,
+                        tool_parser=options.tool_call_parser,
+                        auto_tools=options.enable_auto_tool_choice,
+                    )
+                ),
+                methods=["POST"],
+            ),
             Route("/v1/models", utility.models, methods=["GET"]),
             Route("/v1/models/{model:path}", utility.model, methods=["GET"]),
             Route("/tokenize", routes.guarded(utility.tokenize), methods=["POST"]),

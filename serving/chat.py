@@ -108,7 +108,7 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
         variables: Mapping[str, Any] | None = None,

@@ -17,6 +17,7 @@ from typing import Any
 from hybridkv.scheduler import FinishReason, RequestOutput, RequestStream
 from hybridkv.serving.logprobs import LogprobsStream
 from hybridkv.serving.text import TextStream
+from hybridkv.serving.tools import ToolSpec
 
 
 class Choice:
@@ -46,6 +47,7 @@ class Choice:
         logprobs: LogprobsStream | None = None,
         echo_text: str = "",
         include_stop: bool = False,
+        tools: ToolSpec | None = None,
     ) -> None:
         self.index = index
         self.stream = stream
@@ -58,6 +60,10 @@ class Choice:
         self.cumulative_logprob = 0.0
         self.is_counted = False
         self.last_token_at: float | None = None  # monotonic time of the latest token
+        self._tools = tools
+        self._sent = 0  # with tools: characters of the text streamed as content so far
+        #: With tools, once finished: the calls the text made (OpenAI's ``tool_calls``).
+        self.tool_calls: list[dict[str, Any]] = []
 
     @property
     def is_done(self) -> bool:
@@ -77,23 +83,45 @@ class Choice:
         if self.logprobs is not None:
             self.logprobs.push(out)
         self._parts.append(delta)
-        return delta
+        return self._content_delta()
 
     def finish(self) -> str:
-        """The text held back until the end."""
-        tail = self.texts.finish()
-        self._parts.append(tail)
+        """The text held back until the end (with tools: the content's rest; the calls
+        go to :attr:`tool_calls`)."""
+        self._parts.append(self.texts.finish())
+        if self._tools is None:
+            return self._parts[-1]
+        content, self.tool_calls = self._tools.calls(self.raw_text)
+        tail = (content or "")[self._sent :]
+        self._sent += len(tail)
         return tail
 
     @property
-    def text(self) -> str:
-        """Everything :meth:`push` and :meth:`finish` returned."""
+    def raw_text(self) -> str:
+        """The text the model wrote, tool calls included."""
         return "".join(self._parts)
+
+    @property
+    def text(self) -> str:
+        """The content: everything :meth:`push` and :meth:`finish` returned."""
+        if self._tools is None:
+            return self.raw_text
+        return self.raw_text[: self._sent] if self.tool_calls else self.raw_text
+
+    def _content_delta(self) -> str:
+        if self._tools is None:
+            return self._parts[-1]
+        raw = self.raw_text
+        safe = max(self._sent, self._tools.held(raw))
+        delta, self._sent = raw[self._sent : safe], safe
+        return delta
 
     @property
     def finish_reason(self) -> str | None:
         """OpenAI's finish reason: ``stop`` (a stop string, EOS or stop token),
         ``length``, or the engine's reason for any other end."""
+        if self.tool_calls:
+            return "tool_calls"
         if self.texts.is_stopped:
             return "stop"
         last = self.last

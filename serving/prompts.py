@@ -92,11 +92,15 @@ class Prompter:
         assert request.messages is not None
         template = self.chat_template
 
+        variables = dict(request.template_kwargs or {})
+        if request.tools is not None:  # Hugging Face templates read them beside messages
+            variables["tools"] = [dict(tool) for tool in request.tools.tools]
+
         def render() -> str:
             return template.render(
                 request.messages or (),
                 add_generation_prompt=request.add_generation_prompt,
-                variables=request.template_kwargs,
+                variables=variables,
                 limits=self.render_limits,
             )
 

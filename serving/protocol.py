@@ -23,8 +23,10 @@ import attrs
 from hybridkv.scheduler.params import MAX_LOGPROBS, SamplingParams
 from hybridkv.serving.errors import APIError
 from hybridkv.serving.fields import Fields
+from hybridkv.serving.messages import parse_messages
 from hybridkv.serving.sampling_fields import parse_sampling
 from hybridkv.serving.structured import parse_structured_output
+from hybridkv.serving.tools import ToolSpec, parse_tools
 
 #: Most choices (``n``, ``best_of``) one request may ask for.
 MAX_CHOICES = 128
@@ -62,11 +64,12 @@ class GenerationRequest:
         continuous_usage: Every streamed chunk carries the usage so far (vLLM's
             ``stream_options.continuous_usage_stats``, with ``include_usage``).
         ignored_fields: Fields of the body this server does not know, ignored.
+        tools: A chat request's tools and tool choice (``hybridkv.serving.tools``).
     """
 
     model: str
     prompt: str | tuple[int, ...] | None = None
-    messages: tuple[Mapping[str, str], ...] | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     max_tokens: int | None = None
     min_tokens: int = 0
@@ -89,6 +92,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     structured_param: str | None = None
     ignored_fields: tuple[str, ...] = ()
+    tools: ToolSpec | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -174,8 +178,16 @@ def _checked(fields: Fields, request: GenerationRequest) -> GenerationRequest:
     return request
 
 
-def parse_chat(body: Mapping[str, Any], *, strict: bool = False) -> GenerationRequest:
-    """A ``/v1/chat/completions`` body; unknown fields as in :func:`parse_completion`."""
+def parse_chat(
+    body: Mapping[str, Any],
+    *,
+    strict: bool = False,
+    tool_parser: str | None = None,
+    auto_tools: bool = False,
+) -> GenerationRequest:
+    """A ``/v1/chat/completions`` body; unknown fields as in :func:`parse_completion`;
+    tools as ``hybridkv.serving.tools`` says (``tool_parser``, ``auto_tools``: the
+    server's parser of ``auto`` calls, and whether it takes them)."""
     fields = Fields(body, ignored=None if strict else [])
     fields.refuse("echo", allowed=(None, False), why="not for chat")
     top_logprobs = _num_logprobs(fields, "top_logprobs")
@@ -188,11 +200,7 @@ def parse_chat(body: Mapping[str, Any], *, strict: bool = False) -> GenerationRe
         top_logprobs = None
     elif top_logprobs is None:
         top_logprobs = 0
-    for field in ("tools", "functions"):
-        fields.refuse(field, allowed=(None, []), why="tool calling is not implemented")
-    fields.refuse("tool_choice", allowed=(None, "none", "auto"), why="there are no tools")
-    fields.refuse("function_call", allowed=(None, "none", "auto"), why="there are no tools")
-    fields.boolean("parallel_tool_calls", True)  # no tools: nothing to run in parallel
+    tools = parse_tools(fields, parser=tool_parser, auto=auto_tools)
     fields.refuse("continue_final_message", allowed=(None, False))
     fields.refuse("chat_template", why="the server uses the checkpoint's template")
     fields.refuse("documents", allowed=(None, []))
@@ -205,8 +213,15 @@ def parse_chat(body: Mapping[str, Any], *, strict: bool = False) -> GenerationRe
         logprobs=top_logprobs,
         add_generation_prompt=fields.boolean("add_generation_prompt", True),
         template_kwargs=parse_template_kwargs(template_kwargs),
+        tools=tools,
         **_common(fields, default_max_tokens=None),
     )
+    constraint = tools.constraint() if tools is not None else None
+    if constraint is not None:
+        if request.sampling.structured_output is not None:
+            raise fields.error("tool_choice", "cannot be combined with a structured output")
+        sampling = attrs.evolve(request.sampling, structured_output=constraint)
+        request = attrs.evolve(request, sampling=sampling, structured_param="tool_choice")
     return _checked(fields, request)
 
 
@@ -294,43 +309,6 @@ def _prompt(fields: Fields) -> str | tuple[int, ...]:
             "prompt", f"is a batch of {len(prompt)} prompts; send one request per prompt"
         )
     raise fields.error("prompt", "must be a non-empty string or list of token ids")
-
-
-def parse_messages(fields: Fields) -> tuple[Mapping[str, str], ...]:
-    """The ``messages`` of a chat body: role, content (text), optional name."""
-    messages = fields.raw("messages")
-    if not isinstance(messages, list) or not messages:
-        raise fields.error("messages", "must be a non-empty list")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise APIError(f"'{where}' must be an object with a 'role'", param="messages")
-        entry = fields.inner(message, where)
-        role = entry.string("role")
-        if not role:
-            raise APIError(f"'{where}.role' must be a non-empty string", param="messages")
-        item = {"role": role, "content": _content(entry.raw("content"), where)}
-        name = entry.string("name")
-        if name is not None:
-            item["name"] = name
-        for field in ("tool_calls", "function_call", "audio"):
-            entry.refuse(field, allowed=(None, []), why="tool calling is not implemented")
-        entry.check_all_read()
-        out.append(item)
-    return tuple(out)
-
-
-def _content(content: object, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    # The list form: text parts only.
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise APIError(f"'{where}.content' must be a string or a list of text parts", param="messages")
 
 
 def parse_template_kwargs(fields: Fields | None) -> dict[str, Any]:

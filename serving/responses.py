@@ -18,7 +18,7 @@ limit instead of building an unbounded body::
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -150,14 +150,19 @@ class ResponseHeader:
         *,
         logprobs: dict[str, Any] | None = None,
         prompt_logprobs: list[Any] | None = None,
+        tool_calls: Sequence[Mapping[str, Any]] = (),
     ) -> dict[str, Any]:
         """One choice of a whole response.
 
         ``prompt_logprobs`` (vLLM's extension) goes in the choice of a completion; a chat
-        response carries it at the top (see :meth:`full`). It is left out when None.
+        response carries it at the top (see :meth:`full`). It is left out when None. A
+        chat message with ``tool_calls`` has no content unless text came before them.
         """
         if self.is_chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"] = text if text.strip() else None
+                message["tool_calls"] = [dict(c) for c in tool_calls]
             return {
                 "index": index,
                 "message": message,
@@ -197,6 +202,7 @@ class ResponseHeader:
         *,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: Sequence[Mapping[str, Any]] = (),
     ) -> dict[str, Any]:
         """One streamed chunk of choice ``index``: a text delta, the logprobs of its
         tokens, the finish reason in the last."""
@@ -204,6 +210,8 @@ class ResponseHeader:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
+            if tool_calls:  # each call whole, in the last chunk
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
             choice = {
                 "index": index,
                 "delta": delta,

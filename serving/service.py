@@ -160,6 +160,7 @@ class GenerationService:
                 logprobs=LogprobsStream.for_request(request, prompt_ids, self.token_texts),
                 echo_text=echo_text,
                 include_stop=request.include_stop,
+                tools=request.tools,
             )
             for i, stream in enumerate(streams)
         ]
@@ -214,6 +215,7 @@ class GenerationService:
                     choice.finish_reason,
                     logprobs=choice.take_logprobs(),
                     prompt_logprobs=prompt_logprobs if not job.request.is_chat else None,
+                    tool_calls=choice.tool_calls,
                 )
             )
         return job.header.full(bodies, _usage(job, chosen), prompt_logprobs=prompt_logprobs)
@@ -369,7 +371,10 @@ def _chunk(
 ) -> dict[str, Any]:
     """One streamed chunk of ``choice``, with the logprobs gathered since the last (and
     the usage so far, where every chunk carries it)."""
-    chunk = header.chunk(choice.index, text, finish_reason, logprobs=choice.take_logprobs())
+    calls = choice.tool_calls if finish_reason is not None else ()
+    chunk = header.chunk(
+        choice.index, text, finish_reason, logprobs=choice.take_logprobs(), tool_calls=calls
+    )
     if usage is not None:
         chunk["usage"] = usage.body()
     return chunk

@@ -26,7 +26,8 @@ from starlette.responses import JSONResponse, Response
 
 from hybridkv.serving.errors import APIError
 from hybridkv.serving.fields import Fields
-from hybridkv.serving.protocol import GenerationRequest, parse_messages, parse_template_kwargs
+from hybridkv.serving.messages import parse_messages
+from hybridkv.serving.protocol import GenerationRequest, parse_template_kwargs
 from hybridkv.serving.service import GenerationService
 
 #: Detokenizing this many ids or fewer runs on the loop.

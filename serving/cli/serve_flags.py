@@ -5,6 +5,8 @@
     --api-key KEY             clients send "Authorization: Bearer KEY" (env HYBRIDKV_API_KEY)
     --allowed-hosts A,B       Host header names answered (default: any)
     --strict-fields           refuse unknown request fields (default: ignore them, warned)
+    --tool-call-parser P      hermes or json: tool calls read from the text (tool_choice auto)
+    --enable-auto-tool-choice let the model decide whether to call a tool
     --allowed-origins LIST    CORS: browser origins allowed ('["*"]'; default: none)
     --structured-outputs-config JSON
                               disable_any_whitespace, disable_additional_properties
@@ -89,6 +91,18 @@ def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "false}' for JSON output (defaults: any whitespace, no unlisted properties)",
     )
     access.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "json"),
+        default=None,
+        help="how tool calls are read from the text for tool_choice auto: hermes "
+        "(<tool_call>{...}</tool_call>, Hermes and Qwen) or json",
+    )
+    access.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let the model decide whether to call a tool (needs --tool-call-parser)",
+    )
+    access.add_argument(
         "--strict-fields",
         action="store_true",
         help="refuse a request field this server does not know (400), as OpenAI's API "
@@ -149,6 +163,8 @@ def http_settings(
         raise ValueError(f"--max-connections-per-client must be >= 1, got {per_client}")
     if args.step_timeout < 0:
         raise ValueError(f"--step-timeout must be >= 0 (0 disables it), got {args.step_timeout}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
     hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
@@ -161,6 +177,8 @@ def http_settings(
         template_timeout_s=args.template_timeout,
         strict_fields=args.strict_fields,
         allowed_origins=_origins(args.allowed_origins),
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         **_json_output(args.structured_outputs_config),
     )
     limits = ConnectionLimits(

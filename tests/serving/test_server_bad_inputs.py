@@ -176,7 +176,7 @@ def test_unsupported_fields_are_refused_by_name(server: Any, field: str, value: 
 def test_unsupported_chat_fields_are_refused_by_name(
     server: Any, field: str, value: object
 ) -> None:
-    """Tools and request-supplied templates are refused on chat, naming the field."""
+    """Malformed tools and request-supplied templates are refused on chat, naming the field."""
     response = httpx.post(
         f"{server.url}/v1/chat/completions", json={**CHAT, field: value}, timeout=30
     )
