@@ -23,6 +23,7 @@ client that disconnects aborts its requests and is logged once, at info level.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -46,6 +47,12 @@ from hybridkv.serving.errors import APIError, ClientGoneError, error_body
 from hybridkv.serving.grammar_check import GrammarCheck, GrammarCompiler
 from hybridkv.serving.guard import AccessGuard
 from hybridkv.serving.metrics import CONTENT_TYPE, OffloadCollector, RequestCounter, ServerMetrics
+from hybridkv.serving.openai_responses import (
+    EventTranslator,
+    ResponseBuilder,
+    ResponseStore,
+    chat_body,
+)
 from hybridkv.serving.prompts import Prompter
 from hybridkv.serving.protocol import parse_chat, parse_completion
 from hybridkv.serving.responses import DEFAULT_MAX_RESPONSE_BYTES
@@ -173,6 +180,7 @@ def build_app(
                 ),
                 methods=["POST"],
             ),
+            Route("/v1/responses", routes.guarded(routes.responses), methods=["POST"]),
             Route("/v1/models", utility.models, methods=["GET"]),
             Route("/v1/models/{model:path}", utility.model, methods=["GET"]),
             Route("/tokenize", routes.guarded(utility.tokenize), methods=["POST"]),
@@ -232,6 +240,7 @@ class _Routes:
         self.service = service
         self.metrics_ = metrics
         self.options = options
+        self.store = ResponseStore()
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The request's JSON object, through every check of body.py."""
@@ -277,32 +286,74 @@ class _Routes:
                 return EventStreamResponse(
                     lambda emit: self.service.stream(job, emit), lambda: self.service.close(job)
                 )
-            outcome: list[bytes | APIError] = []
-
-            async def complete() -> None:
-                try:
-                    outcome.append(await self.service.complete(job))
-                except APIError as exc:
-                    outcome.append(exc)
-                tg.cancel_scope.cancel()
-
-            # Run until done or until the client disconnects (then the request is aborted).
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(
-                        cancel_on_disconnect, request.receive, tg.cancel_scope, request.url.path
-                    )
-                    tg.start_soon(complete)
-            finally:
-                self.service.close(job)
-            if not outcome:
+            body = await self.whole(request, job)
+            if body is None:
                 return Response(status_code=499)  # nobody reads it: the client has gone
-            if isinstance(outcome[0], APIError):
-                raise outcome[0]
             # Encoded already (off the loop when large): JSONResponse would encode again.
-            return Response(outcome[0], media_type="application/json")
+            return Response(body, media_type="application/json")
 
         return self.guarded(handle)
+
+    async def whole(self, request: Request, job: Any) -> bytes | None:
+        """Run ``job`` to its end and return its body; None if the client left (the
+        request is aborted then)."""
+        outcome: list[bytes | APIError] = []
+
+        async def complete() -> None:
+            try:
+                outcome.append(await self.service.complete(job))
+            except APIError as exc:
+                outcome.append(exc)
+            tg.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    cancel_on_disconnect, request.receive, tg.cancel_scope, request.url.path
+                )
+                tg.start_soon(complete)
+        finally:
+            self.service.close(job)
+        if not outcome:
+            return None
+        if isinstance(outcome[0], APIError):
+            raise outcome[0]
+        return outcome[0]
+
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses`` (``hybridkv.serving.openai_responses``)."""
+        body = await self.read_json(request)
+        chat, ignored = chat_body(body, self.store)
+        if ignored and self.options.strict_fields:
+            names = ", ".join(repr(name) for name in sorted(ignored))
+            raise APIError(f"unrecognized request argument(s): {names}", param=sorted(ignored)[0])
+        if ignored:
+            log.warning("request_fields_ignored", path=request.url.path, fields=sorted(ignored))
+        options = self.options
+        parsed = parse_chat(
+            chat, tool_parser=options.tool_call_parser, auto_tools=options.enable_auto_tool_choice
+        )
+        parsed = _json_defaults(parsed, options)
+        job = await self.service.submit(parsed)
+        builder = ResponseBuilder(parsed.model, body, chat)
+        keep = body.get("store", True) is not False
+        if parsed.stream:
+
+            async def produce(emit: Any) -> None:
+                translator = EventTranslator(builder, emit)
+                await translator.start()
+                await self.service.stream(job, translator)
+                if keep:
+                    self.store.put(builder.id, builder.conversation())
+
+            return EventStreamResponse(produce, lambda: self.service.close(job))
+        whole = await self.whole(request, job)
+        if whole is None:
+            return Response(status_code=499)
+        builder.take_chat(json.loads(whole))
+        if keep:
+            self.store.put(builder.id, builder.conversation())
+        return JSONResponse(builder.response("completed"))
 
     async def health(self, request: Request) -> Response:
         engine = self.service.engine

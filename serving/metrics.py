@@ -133,6 +133,7 @@ class ServerMetrics:
 ENDPOINTS = {
     "/v1/completions": "completions",
     "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
     "/v1/models": "models",
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
