@@ -134,3 +134,10 @@ class EngineStats:
     num_kv_pages_used: int = 0
     num_state_pages_used: int = 0
     num_free_state_pages: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the pool's usable pages (the null page left out) that requests
+        hold; cached free pages count as free. 1 is full."""
+        usable = max(1, self.num_blocks - 1)
+        return (usable - self.num_free_blocks) / usable

@@ -62,6 +62,7 @@ class Choice:
         self.last_token_at: float | None = None  # monotonic time of the latest token
         self._tools = tools
         self._sent = 0  # with tools: characters of the text streamed as content so far
+        self._pending = ""  # with tools: the text after those, held back
         #: With tools, once finished: the calls the text made (OpenAI's ``tool_calls``).
         self.tool_calls: list[dict[str, Any]] = []
 
@@ -111,9 +112,10 @@ class Choice:
     def _content_delta(self) -> str:
         if self._tools is None:
             return self._parts[-1]
-        raw = self.raw_text
-        safe = max(self._sent, self._tools.held(raw))
-        delta, self._sent = raw[self._sent : safe], safe
+        pending = self._pending + self._parts[-1]
+        safe = self._tools.held(pending, started=self._sent > 0)
+        delta, self._pending = pending[:safe], pending[safe:]
+        self._sent += safe
         return delta
 
     @property

@@ -20,11 +20,10 @@ log = get_logger(__name__)
 
 def stats_fields(stats: EngineStats) -> dict[str, object]:
     """The fields of one stats line."""
-    usable = max(1, stats.num_blocks - 1)
     return {
         "running": stats.num_running,
         "waiting": stats.num_waiting,
-        "kv_usage": round((usable - stats.num_free_blocks) / usable, 3),
+        "kv_usage": round(stats.kv_usage, 3),
         "pages_per_group": list(stats.blocks_used_per_group),
         "prefix_hit_rate": round(stats.prefix_hit_rate, 3),
         "tokens_per_s": round(stats.tokens_per_second, 1),

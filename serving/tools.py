@@ -25,6 +25,7 @@ chunk, each whole, as ``delta.tool_calls``.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +37,7 @@ from hybridkv.serving.fields import Fields
 
 PARSERS = ("hermes", "json")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_FIRST = re.compile(r"\s*(\S)")
 
 
 @attrs.frozen
@@ -96,23 +98,29 @@ class ToolSpec:
             return _hermes(text)
         return _json(text)
 
-    def held(self, text: str) -> int:
-        """Of a streamed choice's text so far, how much is content safe to send: all of
-        it unless a call may begin (``auto``), none while one is constrained."""
+    def held(self, pending: str, *, started: bool) -> int:
+        """How much of a streamed choice's text not yet sent (``pending``; ``started``:
+        some content was sent before it) is content safe to send now: all of it unless
+        a call may begin there (``auto``), none while one is constrained. Reads only the
+        text not yet sent, never the whole text again."""
         if self.choice == "none":
-            return len(text)
+            return len(pending)
         if self.choice in ("named", "required"):
             return 0
-        if self.parser == "json":
-            stripped = text.lstrip()
-            return 0 if not stripped or stripped[0] in "{[" else len(text)
-        start = text.find(_OPEN)
+        if self.parser == "json":  # a call is the whole output: decided by its first character
+            if started:
+                return len(pending)
+            first = _FIRST.match(pending)
+            return 0 if first is None or first.group(1) in "{[" else len(pending)
+        if pending.startswith(_OPEN):
+            return 0  # a call began: the rest waits for the end
+        start = pending.find(_OPEN)
         if start >= 0:
             return start
-        for keep in range(min(len(_OPEN) - 1, len(text)), 0, -1):  # a marker's beginning
-            if _OPEN.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        for keep in range(min(len(_OPEN) - 1, len(pending)), 0, -1):  # a marker's beginning
+            if _OPEN.startswith(pending[-keep:]):
+                return len(pending) - keep
+        return len(pending)
 
 
 def call(name: str, arguments: object) -> dict[str, Any]:

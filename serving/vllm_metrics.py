@@ -46,7 +46,6 @@ class _EngineSeries(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
         labels, names = self._labels, ["model_name"]
-        usable = max(1, s.num_blocks - 1)
         for kind, name, text, value in (
             (GaugeMetricFamily, "vllm:num_requests_running", "Requests running", s.num_running),
             (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting", s.num_waiting),
@@ -54,7 +53,7 @@ class _EngineSeries(Collector):
                 GaugeMetricFamily,
                 "vllm:kv_cache_usage_perc",
                 "Fraction of the KV pool's pages held by requests (1 is full)",
-                (usable - s.num_free_blocks) / usable,
+                s.kv_usage,
             ),
             (
                 CounterMetricFamily,
