@@ -70,15 +70,18 @@ def llama_cmake_args(flags: set[str]) -> tuple[str, list[str]]:
     return isa, args
 
 
-def _install(folder: Path, requirement: str, env: dict[str, str]) -> Path:
-    """A venv at ``folder`` with ``requirement`` installed; reused once it has ``.done``."""
+def _install(folder: Path, requirement: str, env: dict[str, str], *first: str) -> Path:
+    """A venv at ``folder`` with ``requirement`` installed (after ``first``, where given);
+    reused once it has ``.done``."""
     if (folder / ".done").exists():
         return folder
     if folder.exists():
         shutil.rmtree(folder)
     venv.create(folder, with_pip=True)
     pip = [str(folder / "bin" / "python"), "-m", "pip", "install", "-q", "--no-cache-dir"]
-    subprocess.run([*pip, requirement], check=True, env={**os.environ, **env})
+    for requirements in ([*first], [requirement]):
+        if requirements:
+            subprocess.run([*pip, *requirements], check=True, env={**os.environ, **env})
     (folder / ".done").write_text(requirement + "\n")
     return folder
 
@@ -123,7 +126,9 @@ def install_llama() -> Path:
 
 
 def install_guidellm() -> Path:
-    return _install(guidellm_folder(), f"guidellm=={GUIDELLM_VERSION}", {})
+    # guidellm depends on torch: the project's pin first, or pip takes the newest CUDA
+    # build and its libraries (gigabytes) for a load generator that never runs a model.
+    return _install(guidellm_folder(), f"guidellm=={GUIDELLM_VERSION}", {}, "torch==2.13.0")
 
 
 def main() -> None:

@@ -97,6 +97,24 @@ def make_sampling_server(make_server: Callable[..., LiveServer]) -> Callable[...
     return functools.partial(make_server, executor_class=SamplingFakeExecutor)
 
 
+@pytest.fixture
+def hermes_server(make_server: Callable[..., LiveServer]) -> LiveServer:
+    """A server whose model writes ``tool_samples.HERMES`` (a Hermes-style call after some
+    text), with ``--tool-call-parser hermes --enable-auto-tool-choice``."""
+    from tool_samples import HERMES, ScriptedExecutor
+
+    from hybridkv.serving.app import ServerOptions
+
+    ScriptedExecutor.script = HERMES
+    return make_server(
+        executor_class=ScriptedExecutor,
+        tokenizer=byte_tokenizer(),
+        vocab_size=BYTE_EOS + 1,
+        eos_token_ids=[BYTE_EOS],
+        options=ServerOptions(tool_call_parser="hermes", enable_auto_tool_choice=True),
+    )
+
+
 @pytest.fixture(name="byte_tokenizer")
 def byte_tokenizer_fixture() -> Tokenizer:
     """The byte-level test tokenizer of the sampling fake."""

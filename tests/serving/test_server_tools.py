@@ -10,52 +10,12 @@ from typing import Any
 
 import openai
 import pytest
+from tool_samples import ASK, CLOCK, WEATHER, ScriptedExecutor
 
-from hybridkv.scheduler import FakeExecutor, StepBatch, StepResult
-from hybridkv.serving.app import ServerOptions
 from hybridkv.serving.chat import ChatTemplate
-from hybridkv.testing import BYTE_EOS, SamplingFakeExecutor, byte_tokenizer
+from hybridkv.testing import SamplingFakeExecutor
 
 MODEL = "fake-model"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}},
-            "required": ["city"],
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 8}},
-            "required": ["zone"],
-        },
-    },
-}
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-class ScriptedExecutor(FakeExecutor):
-    """The fake, writing a fixed text (byte tokens), then ``<eos>``."""
-
-    script = ""
-
-    def execute(self, batch: StepBatch) -> StepResult:
-        result = super().execute(batch)
-        ids = [*byte_tokenizer().encode(self.script).ids, BYTE_EOS]
-        tokens = [
-            None if t is None else ids[min(r.output_index, len(ids) - 1)]
-            for r, t in zip(batch.requests, result.token_ids, strict=True)
-        ]
-        return StepResult(token_ids=tuple(tokens), prompt_logprobs=result.prompt_logprobs)
 
 
 def client_of(server: Any) -> openai.OpenAI:
@@ -121,23 +81,9 @@ def test_a_streamed_call_comes_whole_in_the_last_chunk(constrained: openai.OpenA
     assert set(json.loads(call.function.arguments or "")) == {"city"}
 
 
-HERMES = (
-    'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-)
-
-
 @pytest.fixture
-def auto(make_server: Any) -> Iterator[openai.OpenAI]:
-    ScriptedExecutor.script = HERMES
-    options = ServerOptions(tool_call_parser="hermes", enable_auto_tool_choice=True)
-    server = make_server(
-        executor_class=ScriptedExecutor,
-        tokenizer=byte_tokenizer(),
-        vocab_size=BYTE_EOS + 1,
-        eos_token_ids=[BYTE_EOS],
-        options=options,
-    )
-    with client_of(server) as client:
+def auto(hermes_server: Any) -> Iterator[openai.OpenAI]:
+    with client_of(hermes_server) as client:
         yield client
 
 
