@@ -170,8 +170,8 @@ def drive(
         "target": f"http://127.0.0.1:{port}",
         "model": "gemma-3-270m",
         "request_format": "/v1/completions",
-        # guidellm asks for usage in every chunk (a vLLM extension hybridkv refuses);
-        # the final usage chunk is enough for its counts.
+        # guidellm asks for usage in every chunk (a vLLM extension llama-server does not
+        # have): off, so both servers stream the same chunks; the final usage is enough.
         "extras": {"body": {"stream_options": {"continuous_usage_stats": False}}},
     }
     subprocess.run(
