@@ -1,0 +1,142 @@
+"""Speculative decoding, the scheduler's side: the configuration and the proposers.
+
+A proposer guesses the next ``k`` tokens of a request; the target model then checks them
+all in one step (``hybridkv.executor.verification``), keeping the longest run it agrees
+with and one token of its own after it. This module holds what needs no model:
+
+- :class:`SpeculativeConfig`, parsed from vLLM's ``--speculative-config`` JSON
+  (``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}``), every
+  bad value refused with the key it came from;
+- :class:`NgramProposer`, vLLM's ``ngram`` method (prompt lookup): the longest suffix of
+  the request's tokens, between ``prompt_lookup_min`` and ``prompt_lookup_max`` tokens
+  long, that occurred before; the tokens that followed its latest earlier occurrence are
+  the proposal. It costs no model and pays off where outputs copy their input
+  (summaries, edits, code).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import attrs
+
+from hybridkv.errors import HybridKVError
+
+
+class SpeculativeConfigError(HybridKVError, ValueError):
+    """A ``--speculative-config`` that names an unknown method or a bad value."""
+
+
+Method = Literal["ngram", "draft_model"]
+_METHODS: tuple[Method, ...] = ("ngram", "draft_model")
+_KEYS = frozenset(
+    {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+)
+
+
+def _count(value: object, key: str, low: int) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+        raise SpeculativeConfigError(f"speculative config: {key} must be an integer >= {low}")
+    return int(value)
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeConfig:
+    """How requests speculate (vLLM's ``--speculative-config``).
+
+    Attributes:
+        method: ``ngram`` (prompt lookup) or ``draft_model`` (a smaller checkpoint that
+            shares the target's tokenizer).
+        num_speculative_tokens: Tokens proposed per step.
+        prompt_lookup_min: Shortest suffix the n-gram proposer matches.
+        prompt_lookup_max: Longest suffix it tries first.
+        model: The draft checkpoint (``draft_model`` only).
+    """
+
+    method: Method
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    model: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.method not in _METHODS:
+            raise SpeculativeConfigError(
+                f"speculative config: method {self.method!r} is not one of {list(_METHODS)}"
+            )
+        _count(self.num_speculative_tokens, "num_speculative_tokens", 1)
+        _count(self.prompt_lookup_min, "prompt_lookup_min", 1)
+        _count(self.prompt_lookup_max, "prompt_lookup_max", 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SpeculativeConfigError(
+                "speculative config: prompt_lookup_min "
+                f"({self.prompt_lookup_min}) > prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise SpeculativeConfigError(
+                "speculative config: model names the draft checkpoint, for draft_model only"
+            )
+
+    @classmethod
+    def from_mapping(cls, fields: Mapping[str, object]) -> SpeculativeConfig:
+        """Parse vLLM's JSON object; unknown keys are refused by name. vLLM infers
+        ``ngram`` where ``method`` is missing and only n-gram keys are given, and so
+        does this; one of ``prompt_lookup_min`` / ``_max`` alone sets the other too, and
+        neither means 5 and 5, as in vLLM."""
+        unknown = sorted(set(fields) - _KEYS)
+        if unknown:
+            raise SpeculativeConfigError(f"speculative config: unknown keys {unknown}")
+        if "num_speculative_tokens" not in fields:
+            raise SpeculativeConfigError("speculative config: num_speculative_tokens is required")
+        method = fields.get("method", "draft_model" if "model" in fields else "ngram")
+        if not isinstance(method, str):
+            raise SpeculativeConfigError("speculative config: method must be a string")
+        low = fields.get("prompt_lookup_min", fields.get("prompt_lookup_max", 5))
+        high = fields.get("prompt_lookup_max", fields.get("prompt_lookup_min", 5))
+        model = fields.get("model")
+        if model is not None and not isinstance(model, str):
+            raise SpeculativeConfigError("speculative config: model must be a path or name")
+        return cls(
+            method=method,  # type: ignore[arg-type]  # checked in __attrs_post_init__
+            num_speculative_tokens=fields["num_speculative_tokens"],  # type: ignore[arg-type]
+            prompt_lookup_min=low,  # type: ignore[arg-type]
+            prompt_lookup_max=high,  # type: ignore[arg-type]
+            model=model,
+        )
+
+
+@attrs.frozen
+class NgramProposer:
+    """Prompt lookup: propose what followed the last time the context's tail occurred.
+
+    Tries suffix lengths from ``max_n`` down to ``min_n``; for the first that occurred
+    earlier, the latest earlier occurrence wins (the nearest text is likeliest to be
+    the one being copied). Proposes at most ``k`` tokens, fewer where the context ends
+    first, none where no suffix matched. O(len(tokens) * max_n) per call.
+    """
+
+    k: int
+    min_n: int = 1
+    max_n: int = 3
+
+    @classmethod
+    def for_config(cls, config: SpeculativeConfig) -> NgramProposer:
+        return cls(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+
+    def propose(self, tokens: Sequence[int]) -> tuple[int, ...]:
+        """The proposal after ``tokens`` (the prompt and the output so far)."""
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            tail = list(tokens[length - n :])
+            # An occurrence ending at ``end`` (exclusive) must leave a token after it.
+            for end in range(length - 1, n - 1, -1):
+                if list(tokens[end - n : end]) == tail:
+                    return tuple(tokens[end : min(end + self.k, length)])
+        return ()
+
+
+__all__ = ["NgramProposer", "SpeculativeConfig", "SpeculativeConfigError"]
