@@ -184,6 +184,48 @@ class KVCacheManager:
             return NO_NEW_BLOCKS
         return self._extend(request, state, end)
 
+    def reserve_lookahead(self, request: KVRequest, num_tokens: int) -> bool:
+        """Slots for ``num_tokens`` positions past the request's latest allocation, for
+        the proposed tokens a verification step runs with it (speculative decoding)::
+
+            tokens  ... 9 | 10 11 12 13 | 14 15      bs=4, allocated to 11, 4 ahead
+            slots           alloc ahead | ahead      block 3 is taken for the lookahead
+
+        They are not taken as computed, never cached, and release nothing; state groups
+        take a page in every block they reach, so that a state can be kept wherever
+        verification stops. :meth:`accept` keeps the verified ones and gives back the
+        pages past them. False when the pool cannot supply every group: nothing changed.
+        """
+        state = self._requests[request.request_id]
+        bs, n, tables = self.block_size, state.num_tokens, state.tables
+        end = n + num_tokens
+        num_new = cdiv(end, bs) - len(tables[0])
+        if num_new <= 0:
+            return True
+        boundaries = tuple(range((n // bs + 1) * bs, end + 1, bs))
+        wanted = self._pages.wanted(len(tables[0]), n, end, state.checkpoints + boundaries)
+        if not self.pool.fits(*self._pages.need(wanted, num_new)):
+            return False
+        self._pages.take(tables, wanted, num_new)
+        state.capacity = len(tables[0]) * bs
+        return True
+
+    def accept(self, request: KVRequest, num_tokens: int) -> None:
+        """A verification step ran: its first ``num_tokens`` lookahead positions hold
+        tokens it kept (appended to ``request.all_token_ids`` by now), which count as
+        computed and are cached as blocks fill; pages of blocks past them go back to the
+        pool, uncached (they hold the K/V or state of rejected tokens only)."""
+        state = self._requests[request.request_id]
+        state.num_tokens += num_tokens
+        self._order.clock += num_tokens
+        keep = cdiv(state.num_tokens, self.block_size)
+        if len(state.tables[0]) > keep:
+            for group, table in enumerate(state.tables):
+                self.pool.release([p for p in reversed(table[keep:]) if p], group)
+                del table[keep:]
+            state.capacity = keep * self.block_size
+        self._cache_full_blocks(request, state)
+
     def spare_chunk(
         self,
         request: KVRequest,

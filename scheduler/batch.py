@@ -51,6 +51,12 @@ class StepRequest:
             the request's prompt and output tokens so far, the last ``output_index`` of
             them outputs; empty otherwise. It is the engine's own list, not a copy: read
             it during ``execute``, never keep or change it.
+        num_draft_tokens: Speculative decoding: the last this many of ``token_ids`` are
+            proposed, not yet part of the request. The executor samples after every one
+            of the request's last ``num_draft_tokens + 1`` positions, keeps the longest
+            run of proposals its samples agree with (``executor/verification.py``) and
+            one token of its own after it, and keeps the state of a state group only up
+            to the last token it kept (``memory/state_pages.py``).
     """
 
     request_id: str
@@ -62,11 +68,18 @@ class StepRequest:
     output_index: int
     prompt_logprob_token_ids: Sequence[int] = ()
     all_token_ids: Sequence[int] = ()
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         """Tokens run for this request in this step."""
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> Sequence[int]:
+        """The proposed tokens the step verifies (empty without speculation)."""
+        num = self.num_draft_tokens
+        return self.token_ids[len(self.token_ids) - num :] if num else ()
 
 
 @attrs.frozen
@@ -111,6 +124,12 @@ class StepResult:
             step (its other entries are ignored); the engine fails it and goes on.
         kv_loads: Loads of earlier steps' transfers that finished by this step, each
             with its loaded and failed (group, block) pages.
+        num_accepted: Per request, how many of its ``draft_token_ids`` were accepted (0
+            without a proposal); None as a whole when no request of the step proposed.
+            The request emits those, then its ``token_ids`` entry.
+        accepted_logprobs: Where ``params.logprobs`` asked and proposals were accepted,
+            the log-probabilities of each accepted token, in order (``logprobs`` holds
+            the last token's); None as a whole when no such request.
     """
 
     token_ids: tuple[int | None, ...] = attrs.field(converter=_token_tuple)
@@ -118,6 +137,8 @@ class StepResult:
     prompt_logprobs: tuple[tuple[TokenLogprobs, ...], ...] | None = None
     errors: Mapping[str, HybridKVError] = attrs.field(factory=dict)
     kv_loads: tuple[LoadReport, ...] = ()
+    num_accepted: tuple[int, ...] | None = None
+    accepted_logprobs: tuple[tuple[TokenLogprobs, ...], ...] | None = None
 
 
 class Executor(Protocol):

@@ -14,6 +14,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.memory.layout import PoolSpec
 from hybridkv.policies.base import MemoryPolicy
 from hybridkv.scheduler.params import InvalidRequestError
+from hybridkv.scheduler.speculation import SpeculativeConfig
 
 if TYPE_CHECKING:
     from hybridkv.scheduler.batch import Executor
@@ -99,6 +100,8 @@ class EngineConfig:
             :attr:`max_copies_running`.
         state_span: Page ids one page of a state group takes (the executor's pool says
             it: :meth:`for_executor`); 1: every page is one id.
+        speculative_config: Speculative decoding (vLLM's ``--speculative-config``): decode
+            steps verify proposed tokens (``scheduler/speculator.py``); None: off.
     """
 
     policies: tuple[MemoryPolicy, ...] = attrs.field(converter=_policies)
@@ -116,6 +119,7 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = attrs.field(default="fcfs", validator=_scheduling_policy)
     max_running_share: float = attrs.field(default=0.5, validator=_share)
     state_span: int = attrs.field(default=1, validator=_at_least(1))
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def for_executor(cls, executor: Executor, **options: Any) -> EngineConfig:

@@ -34,7 +34,7 @@ from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.memory.offload.config import OffloadConfig
 from hybridkv.memory.offload.keys import KeySpace
-from hybridkv.scheduler.batch import ExecutorResultError, StepResult
+from hybridkv.scheduler.batch import ExecutorResultError, StepRequest, StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.connector import EngineOffload, NoOffload
 from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
@@ -45,6 +45,8 @@ from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
 from hybridkv.scheduler.queue import WaitingQueue
 from hybridkv.scheduler.request import OutputSink, Request, RequestStatus
 from hybridkv.scheduler.results import check_result, gather_prompt_logprobs, request_failure
+from hybridkv.scheduler.speculation import Proposer
+from hybridkv.scheduler.speculator import Speculator
 from hybridkv.scheduler.step_planner import StepPlan, plan_step, share_of_ready
 from hybridkv.scheduler.validation import check_request, never_fits
 
@@ -61,6 +63,7 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         max_steps_in_flight: int = 1,
         offload: tuple[OffloadConfig, KeySpace] | None = None,
+        proposer: Proposer | None = None,
     ):
         self.config = config
         self.max_steps_in_flight = max_steps_in_flight
@@ -75,6 +78,8 @@ class EngineCore:
         # the core calls the seam alike either way.
         self.offload = EngineOffload(*offload, self.kv) if offload else None
         self._transfers: EngineOffload | NoOffload = self.offload or NoOffload()
+        spec = config.speculative_config
+        self.speculator = None if spec is None else Speculator(spec, config.max_model_len, proposer)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self._requests: dict[str, Request] = {}
@@ -113,6 +118,7 @@ class EngineCore:
         request_id: str,
         priority: int = 0,
         extra_keys: tuple[object, ...] = (),
+        speculative: bool = True,
     ) -> Request:
         """Validate and queue a request; raise at once if it is malformed or cannot be taken.
 
@@ -141,6 +147,7 @@ class EngineCore:
             log=log.bind(request_id=request_id),
             priority=priority,
             extra_keys=extra_keys,
+            speculative=speculative,
         )
         self._requests[request_id] = request
         self.waiting.push(request)
@@ -174,7 +181,9 @@ class EngineCore:
         free_steps = self.max_steps_in_flight - len(self._in_flight)
         cap = share_of_ready(self.running, self.waiting, free_steps)
         loader = self._transfers.loader
-        plan = plan_step(self.running, self.waiting, self.kv, self.config, cap, loader)
+        plan = plan_step(
+            self.running, self.waiting, self.kv, self.config, cap, loader, self.speculator
+        )
         transfers = self._transfers.take_transfers()
         if transfers is not None:
             plan = attrs.evolve(plan, batch=attrs.evolve(plan.batch, transfers=transfers))
@@ -219,13 +228,15 @@ class EngineCore:
         # This loop runs once per request per step: absent columns are repeat(None), and
         # _check_result has matched every present column's length to the batch.
         has_failures = bool(result.errors) or self._in_flight.has_stale
-        for request, item, token, prompt_found, found in zip(
-            plan.scheduled,
-            items,
-            result.token_ids,
-            result.prompt_logprobs or itertools.repeat(None),
-            result.logprobs or itertools.repeat(None),
-            strict=False,
+        for index, (request, item, token, prompt_found, found) in enumerate(
+            zip(
+                plan.scheduled,
+                items,
+                result.token_ids,
+                result.prompt_logprobs or itertools.repeat(None),
+                result.logprobs or itertools.repeat(None),
+                strict=False,
+            )
         ):
             request.in_step = False
             if request.status is RequestStatus.FINISHED:  # aborted while the step ran
@@ -237,6 +248,9 @@ class EngineCore:
                 if error is not None:
                     self._fail_request(request, error, computed=False)
                     continue
+            if item.num_draft_tokens:
+                num_outputs += self._apply_verified(request, item, result, index, now)
+                continue
             request.num_computed_tokens += len(item.token_ids)
             transfers.filled(request, item.start_position)
             if prompt_found:
@@ -272,6 +286,57 @@ class EngineCore:
             plan_us=round(self._plan_us, 1),
             apply_us=round(apply_us, 1),
         )
+
+    def _apply_verified(
+        self, request: Request, item: StepRequest, result: StepResult, index: int, now: float
+    ) -> int:
+        """Apply a verification step's tokens (the accepted proposals, then the
+        executor's own), stopping at the first that ends the request; returns the tokens
+        emitted."""
+        num_drafts = item.num_draft_tokens
+        num_accepted = result.num_accepted[index] if result.num_accepted else 0
+        if not 0 <= num_accepted <= num_drafts:
+            error = ExecutorResultError(f"{num_accepted} of {num_drafts} proposals accepted")
+            self._fail_request(request, error, computed=False)
+            return 0
+        token = result.token_ids[index]
+        assert token is not None, "request_failure fails a sampling request without token"
+        emitted = [*item.draft_token_ids[:num_accepted], token]
+        logprobs: tuple[TokenLogprobs, ...] | None = None
+        if request.params.logprobs is not None:
+            found = result.logprobs[index] if result.logprobs else None
+            before = result.accepted_logprobs[index] if result.accepted_logprobs else ()
+            if found is None or len(before) != num_accepted:
+                error = ExecutorResultError("the executor returned no logprobs for it")
+                self._fail_request(request, error, computed=False)
+                return 0
+            logprobs = (*before, found)
+        assert self.speculator is not None, "a proposal without a speculator"
+        self.speculator.verified(request, num_drafts, num_accepted)
+        eos, max_len = self.config.eos_token_ids, self.config.max_model_len
+        reason = None
+        tokens = request.all_token_ids
+        for count, new in enumerate(emitted, 1):
+            tokens.append(new)
+            reason = request.stop_reason(new, eos, max_len)
+            if reason is not None:
+                emitted = emitted[:count]
+                break
+        # The step computed the last token and the proposals kept before the last emitted.
+        num_kept = len(emitted) - 1 if reason is None else min(len(emitted), num_accepted)
+        request.num_computed_tokens += 1 + num_kept
+        self.kv.accept(request, num_kept)
+        self._transfers.filled(request, item.start_position)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        new_ids = tuple(emitted)
+        if logprobs is not None:
+            logprobs = logprobs[: len(emitted)]
+        if reason is None:
+            self._outbox.append((request, request.output(new_ids, None, logprobs), False))
+        else:
+            self._finish(request, reason, new_token_ids=new_ids, logprobs=logprobs)
+        return len(emitted)
 
     def fail(self, plan: StepPlan, error: BaseException) -> None:
         """The executor raised for the oldest step: fail its requests, free their blocks.

@@ -52,6 +52,7 @@ from hybridkv.scheduler.loop_host import AsyncioHost, on_asyncio
 from hybridkv.scheduler.outputs import EngineStats, FinishReason
 from hybridkv.scheduler.params import SamplingParams
 from hybridkv.scheduler.request import Request
+from hybridkv.scheduler.speculation import Proposer
 from hybridkv.scheduler.step_planner import StepPlan
 from hybridkv.scheduler.stream import OutputChannel, RequestStream
 
@@ -66,9 +67,10 @@ class Engine:
         executor: Runs steps over the pool it reports (``executor.pool``), which must be
             the pool ``config`` describes: build the config from it
             (``EngineConfig.for_executor``), or the executor from the config.
-
         offload: Offload tiers for KV blocks (``hybridkv.memory.offload``); the executor
             must move pages (``attach_offload``, see ``scheduler/connector.py``).
+        proposer: With ``config.speculative_config``, what proposes tokens (the
+            config's n-gram lookup when None; ``scheduler/speculation.py``).
 
     Raises:
         ConfigError: the config describes another pool than the executor's, or an
@@ -79,14 +81,22 @@ class Engine:
     """
 
     def __init__(
-        self, config: EngineConfig, executor: Executor, *, offload: OffloadConfig | None = None
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        *,
+        offload: OffloadConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         _check_pool(config, executor)
+        _check_speculation(config, executor, proposer)
         self.config = config
         self.executor = executor
         depth = _steps_in_flight(executor)
         attached = attach_offload(executor, offload, depth)
-        self.core = EngineCore(config, max_steps_in_flight=depth, offload=attached)
+        self.core = EngineCore(
+            config, max_steps_in_flight=depth, offload=attached, proposer=proposer
+        )
         self._wakeup: anyio.Event | None = None  # set while the loop idles
         self._has_served = False
         self._is_running = False
@@ -278,6 +288,7 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        speculative: bool = True,
     ) -> RequestStream:
         """Queue a request and return the async iterator of its outputs.
 
@@ -289,6 +300,8 @@ class Engine:
                 ``EngineConfig.scheduling_policy="priority"``; under ``"fcfs"`` (the
                 default) only 0 is accepted.
             cache_salt: Separates prefix-cache entries (e.g. per tenant).
+            speculative: False opts this request out of speculative decoding (where the
+                config turns it on): its steps then verify no proposed tokens.
 
         Raises (at once, before anything is queued):
             InvalidRequestError: malformed prompt or a request id in use.
@@ -308,6 +321,7 @@ class Engine:
             request_id=request_id,
             priority=priority,
             extra_keys=() if cache_salt is None else (cache_salt,),
+            speculative=speculative,
         )
         wakeup, self._wakeup = self._wakeup, None
         if wakeup is not None:
@@ -392,6 +406,23 @@ def _check_pool(config: EngineConfig, executor: Executor) -> None:
                 f"EngineConfig.{field}={ours!r} but the executor's pool has {field}={theirs!r}; "
                 "build the config with EngineConfig.for_executor(executor)"
             )
+
+
+def _check_speculation(config: EngineConfig, executor: Executor, proposer: object) -> None:
+    """Refuse speculative decoding that the executor or the config cannot do, at start."""
+    spec = config.speculative_config
+    if spec is None:
+        return
+    if not getattr(executor, "verifies_proposals", False):
+        raise ConfigError(
+            f"speculative_config: {type(executor).__name__} does not verify proposed tokens "
+            "(it has no verifies_proposals = True); run without speculative decoding"
+        )
+    if spec.method == "draft_model" and proposer is None:
+        raise ConfigError(
+            "speculative_config: method draft_model needs a proposer that runs the draft "
+            f"model {spec.model!r}; none was given"
+        )
 
 
 __all__ = ["Engine", "RequestStream"]

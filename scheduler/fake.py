@@ -87,6 +87,9 @@ class FakeExecutor:
         step_delay_s: Seconds each step sleeps, to stand for model time.
     """
 
+    #: It verifies proposed tokens (speculative decoding), greedily.
+    verifies_proposals = True
+
     def __init__(
         self, pool: PoolSpec, *, vocab_size: int = 32000, step_delay_s: float = 0.0
     ) -> None:
@@ -170,13 +173,23 @@ class FakeExecutor:
         tokens: list[int | None] = []
         logprobs: list[TokenLogprobs | None] = []
         prompt_logprobs: list[tuple[TokenLogprobs, ...]] = []
+        accepted: list[int] = []
+        accepted_logprobs: list[tuple[TokenLogprobs, ...]] = []
         for request in batch.requests:
-            h, prompt = self._run(request)
-            if request.sample:
-                h = self._sampling_hash(request, h)
+            hashes, prompt = self._run(request)
+            num_top = request.params.logprobs
+            found: tuple[TokenLogprobs, ...] = ()
+            if request.num_draft_tokens:
+                h, num_accepted, found = self._verify(request, hashes)
+                accepted.append(num_accepted)
+            else:
+                h = hashes[-1]
+                accepted.append(0)
+                if request.sample:
+                    h = self._sampling_hash(request, h, request.start_position + len(hashes) - 1)
+            accepted_logprobs.append(found)
             token = (h >> 17) % vocab if request.sample else None
             tokens.append(token)
-            num_top = request.params.logprobs
             if token is None or num_top is None:
                 logprobs.append(None)
             else:
@@ -187,19 +200,48 @@ class FakeExecutor:
             logprobs=tuple(logprobs) if any(logprobs) else None,
             prompt_logprobs=tuple(prompt_logprobs) if any(prompt_logprobs) else None,
             kv_loads=loads,
+            num_accepted=tuple(accepted) if any(accepted) else None,
+            accepted_logprobs=tuple(accepted_logprobs) if any(accepted_logprobs) else None,
         )
 
-    def _sampling_hash(self, request: StepRequest, h: int) -> int:
-        """The hash the next token is drawn from: the last position's (``h``); a fake
-        that attends folds in every position its groups read (``fake_attending.py``)."""
+    def _sampling_hash(self, request: StepRequest, h: int, position: int) -> int:
+        """The hash the token after ``position`` is drawn from: that position's (``h``);
+        a fake that attends folds in every position its groups read
+        (``fake_attending.py``)."""
         return h
+
+    def _verify(
+        self, request: StepRequest, hashes: list[int]
+    ) -> tuple[int, int, tuple[TokenLogprobs, ...]]:
+        """Greedy verification of the request's proposals: the hash its own token is
+        drawn from, the proposals accepted, and their logprobs if asked. Writes the states
+        of the positions kept, and only those."""
+        draft, vocab = request.draft_token_ids, self.vocab_size
+        first = len(hashes) - len(draft) - 1  # the last real token's index
+        position = request.start_position + first
+        num_top = request.params.logprobs
+        found: list[TokenLogprobs] = []
+        num_accepted = 0
+        while True:
+            h = self._sampling_hash(request, hashes[first + num_accepted], position + num_accepted)
+            if num_accepted == len(draft) or (h >> 17) % vocab != draft[num_accepted]:
+                break
+            if num_top is not None:
+                found.append(fake_logprobs(h, draft[num_accepted], num_top, vocab))
+            num_accepted += 1
+        if self._states.groups:
+            kept = hashes[: first + 1 + num_accepted]
+            self._states.write(request.block_tables, request.start_position, kept)
+        return h, num_accepted, tuple(found)
 
     def sample(self, batch: StepBatch) -> list[int | None]:
         """The tokens :meth:`execute` samples, as a list (None where none is due)."""
         return list(self.execute(batch).token_ids)
 
-    def _run(self, request: StepRequest) -> tuple[int, tuple[TokenLogprobs, ...]]:
-        """Write the request's hashes; the last hash, and its prompt logprobs if asked."""
+    def _run(self, request: StepRequest) -> tuple[list[int], tuple[TokenLogprobs, ...]]:
+        """Write the request's hashes (a state only up to its last real token where it
+        verifies proposals: see ``_verify``); its hashes, and its prompt logprobs if
+        asked."""
         bs, vocab, store = self.block_size, self.vocab_size, self._store
         tables = request.block_tables
         position = request.start_position
@@ -221,9 +263,9 @@ class FakeExecutor:
         for block in range(request.start_position // bs, (position - 1) // bs + 1):
             for group in self._kv_groups:
                 owner[tables[group][block]] = group
-        if self._states.groups:
+        if self._states.groups and not request.num_draft_tokens:
             self._states.write(tables, request.start_position, hashes)
-        return h, tuple(prompt_logprobs)
+        return hashes, tuple(prompt_logprobs)
 
     def _read(self, tables: Sequence[Sequence[int]], position: int) -> int:
         """The hash at ``position``, from every group that still holds its page (a state
@@ -285,6 +327,11 @@ class PipelinedFakeExecutor:
     def pool(self) -> PoolSpec:
         """The fake's pool."""
         return self.fake.pool
+
+    @property
+    def verifies_proposals(self) -> bool:
+        """Whether the fake behind the stages verifies proposed tokens."""
+        return self.fake.verifies_proposals
 
     def submit(self, batch: StepBatch) -> Future[StepResult]:
         """Queue the step at the first stage; its future completes after the last."""

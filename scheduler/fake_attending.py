@@ -99,9 +99,9 @@ class AttendingFakeExecutor(FakeExecutor):
         policies = [policy for _, policy in self.attends]
         return attending_reference_tokens(prompt, num_tokens, self.vocab_size, policies)
 
-    def _sampling_hash(self, request: StepRequest, h: int) -> int:
+    def _sampling_hash(self, request: StepRequest, h: int, position: int) -> int:
         bs, tables = self.block_size, request.block_tables
-        p = request.start_position + len(request.token_ids) - 1
+        p = position
         acc = h
         for group, policy in self.attends:
             table, store = tables[group], self._store[group]

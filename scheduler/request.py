@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.outputs import FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridkv.scheduler.speculator import DraftState
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +65,9 @@ class Request:
         prompt_logprobs: With ``params.prompt_logprobs``, the prompt positions' log-
             probabilities gathered so far (None for position 0); else None.
         sink: Where its outputs go.
+        speculative: Whether its decode steps may verify proposed tokens, where the
+            engine speculates (``scheduler/speculator.py``).
+        draft: Its speculation's state, once it first decodes with speculation on.
         arrival_time, first_scheduled_time, first_token_time: Monotonic clock readings.
     """
 
@@ -69,6 +75,7 @@ class Request:
         "all_token_ids",
         "arrival_seq",
         "arrival_time",
+        "draft",
         "extra_keys",
         "finish_reason",
         "first_scheduled_time",
@@ -85,6 +92,7 @@ class Request:
         "prompt_logprobs",
         "request_id",
         "sink",
+        "speculative",
         "status",
     )
 
@@ -100,6 +108,7 @@ class Request:
         log: Any,
         priority: int = 0,
         extra_keys: tuple[object, ...] = (),
+        speculative: bool = True,
     ) -> None:
         self.request_id = request_id
         self.params = params
@@ -123,6 +132,8 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             None if params.prompt_logprobs is None else [None]
         )
+        self.speculative = speculative
+        self.draft: DraftState | None = None
 
     def __repr__(self) -> str:
         return (

@@ -45,7 +45,7 @@ def check_result(plan: StepPlan, result: object, vocab_size: int) -> str | None:
     if ints and not (min(ints) >= 0 and max(ints) < vocab_size):
         bad = next(t for t in ints if not 0 <= t < vocab_size)
         return f"executor sampled {bad!r}, not a token id in [0, {vocab_size})"
-    for name in ("logprobs", "prompt_logprobs"):
+    for name in ("logprobs", "prompt_logprobs", "num_accepted", "accepted_logprobs"):
         column = getattr(result, name)
         if column is not None and len(column) != num:
             return f"executor returned {len(column)} {name} entries for {num} requests"

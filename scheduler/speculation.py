@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 import attrs
 
@@ -107,6 +107,15 @@ class SpeculativeConfig:
         )
 
 
+class Proposer(Protocol):
+    """Guesses how a request goes on; the target model verifies the guess."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        """At most ``k`` tokens to follow ``tokens`` (the prompt and the output so far);
+        none where it has no guess."""
+        ...
+
+
 @attrs.frozen
 class NgramProposer:
     """Prompt lookup: propose what followed the last time the context's tail occurred.
@@ -114,29 +123,39 @@ class NgramProposer:
     Tries suffix lengths from ``max_n`` down to ``min_n``; for the first that occurred
     earlier, the latest earlier occurrence wins (the nearest text is likeliest to be
     the one being copied). Proposes at most ``k`` tokens, fewer where the context ends
-    first, none where no suffix matched. O(len(tokens) * max_n) per call.
+    first, none where no suffix matched::
+
+        tokens   5 6 7 8 5 6 9 1 5 6        tail (5, 6), k=3
+        earlier          ^^^ -> 9 1 5       its latest earlier occurrence, then 3 tokens
+
+    Only the last ``window`` tokens are searched, so a step costs the same at any length.
     """
 
-    k: int
     min_n: int = 1
     max_n: int = 3
+    window: int = 4096
 
     @classmethod
     def for_config(cls, config: SpeculativeConfig) -> NgramProposer:
-        return cls(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        return cls(config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def propose(self, tokens: Sequence[int]) -> tuple[int, ...]:
+    def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
         """The proposal after ``tokens`` (the prompt and the output so far)."""
         length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            tail = list(tokens[length - n :])
-            # An occurrence ending at ``end`` (exclusive) must leave a token after it.
-            for end in range(length - 1, n - 1, -1):
-                if list(tokens[end - n : end]) == tail:
-                    return tuple(tokens[end : min(end + self.k, length)])
+        if length < 2 or k < 1:
+            return ()
+        first = max(0, length - self.window)
+        context = list(tokens[first:])
+        last = context[-1]
+        size = len(context)
+        # Every earlier position holding the last token, latest first: the candidates.
+        ends = [e + 1 for e in range(size - 2, -1, -1) if context[e] == last]
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            tail = context[size - n :]
+            for end in ends:
+                if end >= n and context[end - n : end] == tail:
+                    return tuple(context[end : min(end + k, size)])
         return ()
 
 
-__all__ = ["NgramProposer", "SpeculativeConfig", "SpeculativeConfigError"]
+__all__ = ["NgramProposer", "Proposer", "SpeculativeConfig", "SpeculativeConfigError"]

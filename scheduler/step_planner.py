@@ -21,7 +21,11 @@ on its own. Order of business::
        pages until the next step, so a whole-prompt chunk can need more than the pool.
        The one exception to "no overtaking": a copy whose parent already runs
        ``max_copies_running`` copies (``SamplingParams.parent_id``) is passed over,
-       keeping its place, so that one request's ``n`` choices never hold every slot.
+       keeping its place, so that one request's ``n`` choices never hold every slot;
+    3. with speculative decoding: decodes of step 1, most urgent first, add the tokens
+       the speculator proposes (``scheduler/speculator.py``), with the budget and pages
+       left over: a proposal never preempts or delays anyone, and one that does not fit
+       is dropped.
 
 The running list stays sorted by urgency, so the preemption victim is its last entry
 that is in no step: never a request already planned in this step or in flight.
@@ -39,6 +43,7 @@ from hybridkv.scheduler.batch import StepBatch, StepRequest
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.queue import WaitingQueue
 from hybridkv.scheduler.request import Request, RequestStatus
+from hybridkv.scheduler.speculator import Speculator
 
 
 @attrs.frozen(kw_only=True)
@@ -84,6 +89,7 @@ def plan_step(
     config: EngineConfig,
     max_requests: int | None = None,
     loader: Loader | None = None,
+    speculator: Speculator | None = None,
 ) -> StepPlan:
     """Plan the next step, allocating its pages; updates ``running`` and ``waiting``.
 
@@ -98,6 +104,7 @@ def plan_step(
     scheduled: list[Request] = []
     items: list[StepRequest] = []
     preempted: list[Request] = []
+    decodes: list[int] = []  # items that decode an output token: they may speculate
     allocate = kv.allocate
 
     i = 0
@@ -120,6 +127,8 @@ def plan_step(
                 _preempt(running.pop(i), kv, waiting, preempted)
                 break
         else:
+            if num_new == len(request.all_token_ids) - request.num_computed_tokens == 1:
+                decodes.append(len(items))  # a decode (or a prompt's last token)
             items.append(_step_item(request, num_new, kv))
             scheduled.append(request)
             budget -= num_new
@@ -133,6 +142,8 @@ def plan_step(
             running, waiting, kv, config, budget, (admitted, rejected, loading), items, cap, loader
         )
         scheduled.extend(admitted)
+    if speculator is not None and decodes and budget > 0:
+        budget = _speculate(decodes, items, scheduled, kv, speculator, budget)
     return StepPlan(
         batch=StepBatch(tuple(items)),
         scheduled=scheduled,
@@ -302,6 +313,30 @@ def _step_item(request: Request, num_new: int, kv: KVCacheManager) -> StepReques
         return item  # the common case: no prompt logprobs due
     targets = tokens[start + 1 : min(end + 1, request.num_prompt_tokens)]
     return attrs.evolve(item, prompt_logprob_token_ids=targets)
+
+
+def _speculate(
+    decodes: list[int],
+    items: list[StepRequest],
+    scheduled: list[Request],
+    kv: KVCacheManager,
+    speculator: Speculator,
+    budget: int,
+) -> int:
+    """Add proposed tokens to the decodes at ``decodes`` (indices into ``items``, most
+    urgent first) with what the step left; returns the budget left."""
+    for index in decodes:
+        if budget <= 0:
+            break
+        request = scheduled[index]
+        draft = speculator.propose(request, budget)
+        if draft and kv.reserve_lookahead(request, len(draft)):
+            item = items[index]
+            items[index] = attrs.evolve(
+                item, token_ids=[*item.token_ids, *draft], num_draft_tokens=len(draft)
+            )
+            budget -= len(draft)
+    return budget
 
 
 def _urgency(request: Request) -> tuple[int, int]:

@@ -19,6 +19,8 @@ fixtures for an engine, a live server and a tiny checkpoint::
 - a server: :func:`live_server`, :class:`LiveServer`;
 - leaks: :func:`wait_until_free`, :func:`check_no_leaks`, :class:`LeakError`;
 - policies: :func:`check_policy_laws`, :class:`PolicyLawError`;
+- speculative decoding: :class:`ReferenceProposer` (the fakes' own continuation, a
+  chosen share of it wrong);
 - checkpoints: :func:`save_tiny_llama` (needs transformers).
 
 Names are imported on first use, so ``import hybridkv.testing`` needs neither the
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from hybridkv.scheduler.fake_attending import AttendingFakeExecutor
     from hybridkv.testing.leaks import LeakError, check_no_leaks, wait_until_free
     from hybridkv.testing.plugin import default_config
+    from hybridkv.testing.proposers import ReferenceProposer
     from hybridkv.testing.sample_tokenizers import (
         BYTE_EOS,
         WORD_EOS,
@@ -63,6 +66,7 @@ _WHERE = {
     "PolicyLawError": "hybridkv.policies.laws",
     "save_tiny_llama": "hybridkv.testing.tiny_models",
     "default_config": "hybridkv.testing.plugin",
+    "ReferenceProposer": "hybridkv.testing.proposers",
 }
 
 __all__ = [
@@ -73,6 +77,7 @@ __all__ = [
     "LeakError",
     "LiveServer",
     "PolicyLawError",
+    "ReferenceProposer",
     "SamplingFakeExecutor",
     "byte_tokenizer",
     "check_no_leaks",

@@ -24,6 +24,9 @@ class SamplingFakeExecutor(FakeExecutor):
     config with ``vocab_size=BYTE_EOS + 1`` and ``eos_token_ids=[BYTE_EOS]``.
     """
 
+    #: It samples after the last position only: no speculative decoding.
+    verifies_proposals = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sampler = Sampler(eos_token_ids=[BYTE_EOS], seed=0)

@@ -14,32 +14,38 @@ from hybridkv.scheduler.speculation import (
 
 
 def test_the_tokens_after_the_latest_earlier_occurrence_are_proposed() -> None:
-    proposer = NgramProposer(k=3, min_n=1, max_n=2)
+    proposer = NgramProposer(min_n=1, max_n=2)
     #         0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 8, 5, 6, 9, 1, 5, 6]
     # The tail (5, 6) occurred at 0 and 4; the latest, 4, was followed by 9, 1, 5.
-    assert proposer.propose(tokens) == (9, 1, 5)
+    assert proposer.propose(tokens, 3) == (9, 1, 5)
 
 
 def test_the_longest_suffix_wins_over_a_later_shorter_one() -> None:
-    proposer = NgramProposer(k=2, min_n=1, max_n=3)
+    proposer = NgramProposer(min_n=1, max_n=3)
     tokens = [1, 2, 3, 40, 41, 9, 3, 50, 1, 2, 3]
     # (1, 2, 3) occurred at 0 (then 40, 41); (3,) alone occurred later, at 6 (then 50).
-    assert proposer.propose(tokens) == (40, 41)
+    assert proposer.propose(tokens, 2) == (40, 41)
 
 
 def test_no_match_no_proposal_and_a_proposal_ends_with_the_context() -> None:
-    assert NgramProposer(k=4, min_n=2, max_n=3).propose([1, 2, 3, 4]) == ()
-    assert NgramProposer(k=4).propose([]) == () and NgramProposer(k=4).propose([7]) == ()
+    assert NgramProposer(min_n=2, max_n=3).propose([1, 2, 3, 4], 4) == ()
+    assert NgramProposer().propose([], 4) == () and NgramProposer().propose([7], 4) == ()
     # (7,) occurred at 1, followed by only 8 and 7 before the context ends.
-    assert NgramProposer(k=4, min_n=1, max_n=1).propose([0, 7, 8, 7]) == (8, 7)
+    assert NgramProposer(min_n=1, max_n=1).propose([0, 7, 8, 7], 4) == (8, 7)
+
+
+def test_only_the_window_is_searched() -> None:
+    tokens = [1, 2, 3, *range(10, 20), 1, 2]
+    assert NgramProposer(1, 2).propose(tokens, 1) == (3,)
+    assert NgramProposer(1, 2, window=10).propose(tokens, 1) == ()
 
 
 @given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 5), st.integers(1, 4))
 def test_a_proposal_continues_an_earlier_occurrence_of_the_tail(
     tokens: list[int], k: int, max_n: int
 ) -> None:
-    proposal = NgramProposer(k=k, min_n=1, max_n=max_n).propose(tokens)
+    proposal = NgramProposer(min_n=1, max_n=max_n).propose(tokens, k)
     assert len(proposal) <= k
     if not proposal:
         assert len(tokens) < 2 or tokens[-1] not in tokens[:-1]
@@ -60,7 +66,7 @@ def test_vllm_keys_parse_and_method_is_inferred() -> None:
         3,
         3,
     )
-    assert NgramProposer.for_config(config) == NgramProposer(4, 3, 3)
+    assert NgramProposer.for_config(config) == NgramProposer(3, 3)
     draft = SpeculativeConfig.from_mapping({"model": "/ckpt/small", "num_speculative_tokens": 2})
     assert draft.method == "draft_model" and draft.model == "/ckpt/small"
 

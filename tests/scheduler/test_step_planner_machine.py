@@ -111,12 +111,19 @@ class PlannerMachine(RuleBasedStateMachine):
         for request, item in zip(plan.scheduled, items, strict=True):
             tokens = request.all_token_ids
             start, end = item.start_position, item.start_position + item.num_tokens
+            # Proposed tokens (speculative decoding) follow the request's own.
+            own = item.num_tokens - item.num_draft_tokens
             assert request.in_step and request.status is RequestStatus.RUNNING
             assert item.request_id == request.request_id
-            assert 1 <= item.num_tokens <= config.prefill_chunk
-            assert start == request.num_computed_tokens and end <= len(tokens)
-            assert list(item.token_ids) == tokens[start:end]
-            assert item.sample == (end == len(tokens))
+            assert 1 <= own <= config.prefill_chunk
+            assert start == request.num_computed_tokens and start + own <= len(tokens)
+            assert list(item.token_ids[:own]) == tokens[start : start + own]
+            assert item.sample == (start + own == len(tokens))
+            if item.num_draft_tokens:
+                assert own == 1 and end < config.max_model_len
+                assert len(tokens) + item.num_draft_tokens <= (
+                    request.num_prompt_tokens + request.params.max_tokens
+                )
             for table, policy in zip(item.block_tables, config.policies, strict=True):
                 assert len(table) >= cdiv(end, bs)
                 # A state group's step needs a page where it ends (memory/state_pages.py).

@@ -1,0 +1,135 @@
+"""Speculative decoding, the engine's side: what each decode step proposes, and the counts.
+
+A decoding request whose speculation is on runs its last token and up to ``k`` proposed
+tokens in one step; the executor verifies them and emits the accepted ones and one of its
+own (``hybridkv.executor.verification``). The :class:`Speculator` decides the proposal
+and learns from the outcome:
+
+- **How many.** ``k`` starts at ``num_speculative_tokens``; a verification that stops
+  early sets it to one more than it accepted, one that accepts all doubles it (up to
+  the configured ``k``). A proposal never runs past ``max_tokens`` or ``max_model_len``.
+- **Backing off.** A proposal with nothing accepted costs a step its extra rows and gains
+  nothing: after ``m`` such proposals in a row, the request proposes nothing for the next
+  ``2 ** m`` decode steps (at most 64), so on text that does not copy its context the
+  steps are plain decodes again.
+- **Who.** A request opts out at submission (``speculative=False``); structured output
+  does not speculate (its grammar matcher cannot yet step back over rejected tokens).
+
+The counts are vLLM's ``spec_decode_*``: drafts (proposals verified), draft tokens,
+accepted tokens, and accepted tokens per position of the proposal.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from hybridkv.scheduler.request import Request
+from hybridkv.scheduler.speculation import NgramProposer, Proposer, SpeculativeConfig
+
+#: Most decode steps a request sits out after proposals that were all rejected.
+_MAX_BACKOFF = 64
+
+
+@attrs.define(slots=True)
+class DraftState:
+    """One request's speculation: its current ``k`` and its back-off."""
+
+    k: int
+    skip: int = 0  # decode steps left without a proposal
+    misses: int = 0  # proposals in a row with nothing accepted
+
+
+@attrs.frozen(kw_only=True)
+class SpecDecodeStats:
+    """Counts since the engine started (vLLM's ``spec_decode_*`` counters).
+
+    Attributes:
+        num_drafts: Proposals verified.
+        num_draft_tokens: Tokens proposed, over all of them.
+        num_accepted_tokens: Proposed tokens accepted.
+        accepted_per_position: Per position of a proposal (0 first), tokens accepted there.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed tokens (0 before any proposal)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class Speculator:
+    """Proposes tokens for decoding requests and keeps the counts. Not thread-safe.
+
+    Args:
+        config: The engine's speculative config.
+        max_model_len: Longest sequence: a proposal stops before it.
+        proposer: What proposes (the config's n-gram lookup when None).
+    """
+
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = proposer or NgramProposer.for_config(config)
+        self._num_drafts = 0
+        self._num_draft_tokens = 0
+        self._accepted = [0] * config.num_speculative_tokens
+
+    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
+        """The tokens to verify after ``request``'s last one (at most ``limit``); empty
+        where it does not speculate this step."""
+        if not request.speculative or request.params.structured_output is not None:
+            return ()
+        state = request.draft
+        if state is None:
+            state = request.draft = DraftState(self.config.num_speculative_tokens)
+        if state.skip:
+            state.skip -= 1
+            return ()
+        tokens = request.all_token_ids
+        # The last token runs too, and the bonus token after the proposal must still fit.
+        k = min(
+            state.k,
+            limit,
+            request.params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - len(tokens) - 1,
+        )
+        if k < 1:
+            return ()
+        return self.proposer.propose(tokens, k)
+
+    def verified(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        """Record a verification of ``num_proposed`` tokens, ``num_accepted`` kept."""
+        self._num_drafts += 1
+        self._num_draft_tokens += num_proposed
+        for position in range(num_accepted):
+            self._accepted[position] += 1
+        state = request.draft
+        assert state is not None, "a request verified a proposal it never made"
+        limit = self.config.num_speculative_tokens
+        if num_accepted == num_proposed:
+            state.k = min(limit, 2 * num_proposed)
+        else:
+            state.k = min(limit, num_accepted + 1)
+        if num_accepted:
+            state.misses = 0
+        else:
+            state.misses += 1
+            state.skip = min(_MAX_BACKOFF, 2**state.misses)
+
+    def stats(self) -> SpecDecodeStats:
+        """The counts so far."""
+        return SpecDecodeStats(
+            num_drafts=self._num_drafts,
+            num_draft_tokens=self._num_draft_tokens,
+            num_accepted_tokens=sum(self._accepted),
+            accepted_per_position=tuple(self._accepted),
+        )
+
+
+__all__ = ["DraftState", "SpecDecodeStats", "Speculator"]
