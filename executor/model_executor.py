@@ -17,6 +17,7 @@ layers and their pages; the layout is planned for all stages, so its pool is the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -33,12 +34,14 @@ from hybridkv.executor.loader import StageSlice, load_checkpoint
 from hybridkv.executor.logprobs import prompt_logprobs, token_logprobs
 from hybridkv.executor.offload_pages import KVPages, key_space
 from hybridkv.executor.sampler import Sampler
+from hybridkv.executor.speculative import draft_rows, verify_rows
 from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
 from hybridkv.memory.layout import LayoutPlan, PoolSpec
 from hybridkv.memory.offload import KeySpace, LoadReport, OffloadConfig, TransferWorker
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
+from hybridkv.models.mamba2 import write_verified_states
 from hybridkv.models.transformer import CausalLM
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
@@ -46,7 +49,8 @@ from hybridkv.scheduler.params import StructuredOutput
 
 log = get_logger(__name__)
 
-#: Called with (request id, float32 logits of its last position) for each sampled request.
+#: Called with (request id, float32 logits) for each token a request emits: its last
+#: position's, or with proposals, the rows of the proposals kept and of its own token.
 LogitsHook = Callable[[str, torch.Tensor], None]
 
 
@@ -65,6 +69,9 @@ class ModelExecutor:
         eos_token_ids: End-of-sequence tokens.
         max_model_len: Longest sequence (prompt and output) a request may reach.
     """
+
+    #: It verifies proposed tokens (speculative decoding): ``executor/speculative.py``.
+    verifies_proposals = True
 
     def __init__(
         self,
@@ -215,6 +222,8 @@ class ModelExecutor:
                 return StepResult(token_ids=(), kv_loads=loads)
             inputs = self.prepare(batch)
             result = self.finish(batch, inputs, self.forward(inputs))
+            if result.num_accepted is not None:
+                write_kept_states(inputs, batch, result)
         except BaseException:
             if self.transfers is not None:
                 self.transfers.undeliver(loads)  # reported by the next step instead
@@ -240,11 +249,12 @@ class ModelExecutor:
             workspace=self._workspace,
         )
         metadata: dict[int, PagedMetadata | StepStates] = dict(zip(kv_groups, built, strict=True))
+        drafts = [r.num_draft_tokens for r in requests]
         for g in self._groups:  # state (Mamba2) groups: which page each request reads, writes
             if groups[g].policy.keeps_state:
                 tables = [r.block_tables[g] for r in requests]
                 metadata[g] = StepStates.build(
-                    query_lens, context_lens, tables, bs, self.plan.state_span
+                    query_lens, context_lens, tables, bs, self.plan.state_span, drafts
                 )
         input_ids = None
         if self.model.is_first:
@@ -270,43 +280,91 @@ class ModelExecutor:
             return self.model.run_layers(hidden, inputs.positions, inputs.caches)
 
     def finish(self, batch: StepBatch, inputs: StageInputs, hidden: torch.Tensor) -> StepResult:
-        """Sample where asked, with logprobs and prompt logprobs (the last stage)."""
+        """Sample where asked, with logprobs and prompt logprobs (the last stage); verify
+        proposed tokens where a request has them (``executor/speculative.py``)."""
         requests = batch.requests
         with torch.inference_mode():
             prompt = self._prompt_logprobs(requests, hidden, inputs.query_lens)
-            tokens, logprobs = self._sample(requests, hidden, inputs.query_lens)
-        return StepResult(token_ids=tuple(tokens), logprobs=logprobs, prompt_logprobs=prompt)
+            sampled = self._sample(requests, hidden, inputs.query_lens)
+        return attrs.evolve(sampled, prompt_logprobs=prompt)
 
     def _sample(
         self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
-    ) -> tuple[list[int | None], tuple[TokenLogprobs | None, ...] | None]:
+    ) -> StepResult:
         """Per request, the token sampled after its last position (where ``sample``), and
-        that token's log-probabilities (where ``params.logprobs`` asks; None if nowhere)."""
+        that token's log-probabilities (where ``params.logprobs`` asks; None if nowhere);
+        a request with proposals emits the kept ones before it."""
         tokens: list[int | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.sample]
         if not rows:
-            return tokens, None
-        ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[ends[rows]])
+            return StepResult(token_ids=tokens)
+        spans = draft_rows(query_lens, requests)
+        logits = self.model.compute_logits(hidden[[row for span in spans for row in span]])
+        # Per sampled request, its rows of ``logits``: one, or k + 1 with k proposals.
+        firsts = list(itertools.accumulate((len(span) for span in spans), initial=0))
+        plain = [n for n, i in enumerate(rows) if not requests[i].num_draft_tokens]
+        emitted: dict[int, list[int]] = {}
+        if len(plain) < len(rows):
+            for n, i in enumerate(rows):
+                if requests[i].num_draft_tokens:
+                    own = logits[firsts[n] : firsts[n + 1]]
+                    emitted[n] = verify_rows(self.sampler, own, requests[i], self.tokenizer)
+        if plain:
+            last = [firsts[n + 1] - 1 for n in plain]
+            drawn = self.sampler.sample(
+                logits[last], [requests[rows[n]] for n in plain], tokenizer=self.tokenizer
+            )
+            emitted.update((n, [token]) for n, token in zip(plain, drawn, strict=True))
+        for n, i in enumerate(rows):
+            tokens[i] = emitted[n][-1]
         if self.logits_hook is not None:
-            for row, i in enumerate(rows):
-                self.logits_hook(requests[i].request_id, logits[row])
-        params = [requests[i].params for i in rows]
-        sampled = self.sampler.sample(logits, [requests[i] for i in rows], tokenizer=self.tokenizer)
-        for i, token in zip(rows, sampled, strict=True):
-            tokens[i] = token
-        asked = [row for row, p in enumerate(params) if p.logprobs is not None]
-        if not asked:
-            return tokens, None
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        found = token_logprobs(
-            logits[asked],
-            [sampled[row] for row in asked],
-            [params[row].logprobs or 0 for row in asked],
+            for n, i in enumerate(rows):
+                for row in range(firsts[n], firsts[n] + len(emitted[n])):
+                    self.logits_hook(requests[i].request_id, logits[row])
+        accepted = None
+        if len(plain) < len(rows):
+            accepted = [0] * len(requests)
+            for n, i in enumerate(rows):
+                accepted[i] = len(emitted[n]) - 1
+        logprobs, before = self._token_logprobs(requests, rows, logits, firsts, emitted)
+        return StepResult(
+            token_ids=tokens,
+            logprobs=logprobs,
+            num_accepted=None if accepted is None else tuple(accepted),
+            accepted_logprobs=before,
         )
-        for row, entry in zip(asked, found, strict=True):
-            logprobs[rows[row]] = entry
-        return tokens, tuple(logprobs)
+
+    def _token_logprobs(
+        self,
+        requests: Sequence[StepRequest],
+        rows: list[int],
+        logits: torch.Tensor,
+        firsts: list[int],
+        emitted: dict[int, list[int]],
+    ) -> tuple[
+        tuple[TokenLogprobs | None, ...] | None, tuple[tuple[TokenLogprobs, ...], ...] | None
+    ]:
+        """Log-probabilities of every emitted token where asked: the last token's per
+        request, and those of the proposals kept before it."""
+        asked = [n for n, i in enumerate(rows) if requests[i].params.logprobs is not None]
+        if not asked:
+            return None, None
+        index = [firsts[n] + j for n in asked for j in range(len(emitted[n]))]
+        found = token_logprobs(
+            logits[index],
+            [token for n in asked for token in emitted[n]],
+            [requests[rows[n]].params.logprobs or 0 for n in asked for _ in emitted[n]],
+        )
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        before: list[tuple[TokenLogprobs, ...]] = [()] * len(requests)
+        at = 0
+        for n in asked:
+            count = len(emitted[n])
+            logprobs[rows[n]] = found[at + count - 1]
+            before[rows[n]] = tuple(found[at : at + count - 1])
+            at += count
+        has_before = any(before)
+        return tuple(logprobs), tuple(before) if has_before else None
 
     def _prompt_logprobs(
         self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
@@ -325,6 +383,22 @@ class ModelExecutor:
                 out[i] = prompt_logprobs(rows, targets, num_top, self.model.compute_logits)
             first += num_tokens
         return tuple(out)
+
+
+def write_kept_states(inputs: StageInputs, batch: StepBatch, result: StepResult) -> None:
+    """After a verification step, write the state groups' states of the tokens each
+    request kept: its own last token and the proposals accepted (``StepStates.pending``)."""
+    accepted = result.num_accepted or (0,) * len(batch.requests)
+    kept = [
+        0 if r.request_id in result.errors else r.num_tokens - r.num_draft_tokens + a
+        for r, a in zip(batch.requests, accepted, strict=True)
+    ]
+    seen: set[int] = set()
+    for _, metadata in inputs.caches:
+        if isinstance(metadata, StepStates) and id(metadata) not in seen:
+            seen.add(id(metadata))
+            with torch.inference_mode():
+                write_verified_states(metadata, kept)
 
 
 def _positions(requests: Sequence[StepRequest], device: torch.device) -> torch.Tensor:

@@ -144,6 +144,30 @@ class Sampler:
                 out[i] = token
         return out
 
+    def distributions(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[StepRequest],
+        *,
+        tokenizer: Tokenizer | None = None,
+    ) -> torch.Tensor:
+        """Per row, the distribution :meth:`sample` draws a sampled (not greedy) row's
+        token from: ``[rows, vocab]`` float32 probabilities, after the row's processing,
+        temperature, min-p, top-k and top-p (speculative decoding verifies with them)."""
+        rows = logits.detach().to("cpu", torch.float32)
+        out = []
+        for row, request in zip(rows, requests, strict=True):
+            params = request.params
+            if params.needs_processing or request.output_index < params.min_tokens:
+                row = self._process_row(row, request, tokenizer)
+            out.append(filter_logits(row, params).softmax(-1))
+        return torch.stack(out)
+
+    @property
+    def shared_generator(self) -> torch.Generator:
+        """The generator unseeded requests draw from."""
+        return self._shared
+
     def _uniforms(self, requests: Sequence[StepRequest]) -> torch.Tensor:
         """One number in [0, 1) per sampled row: from the request's seed and output index
         where it has a seed, else from the shared generator (in row order)."""

@@ -26,6 +26,9 @@ the fake's checks) agree on what each page holds::
   blocks resumes from the page of block k-1 (``MambaLike.live_spans``), which holds the
   state after ``k * bs`` tokens. A block cached by an allocation whose step never ran is
   uncached again (``KVCacheManager.free(computed=False)``).
+* A verification step (speculative decoding) runs proposed tokens after the request's
+  own; it writes the states of the tokens verification keeps, and only those
+  (:func:`verified_writes`), so no page ever holds a state of a rejected token.
 * Within a step, a request may read a page another request of the same step fills (a
   prefix hit on blocks cached at allocation); executors run requests in batch order, so
   the writer, allocated first, runs first.
@@ -34,6 +37,7 @@ the fake's checks) agree on what each page holds::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -101,6 +105,27 @@ def state_access(start: int, num_tokens: int, table: Sequence[int], block_size: 
     return StateAccess(read, tuple(writes))
 
 
+def verified_writes(access: StateAccess, num_kept: int) -> tuple[tuple[int, int], ...]:
+    """The writes of a verification step whose first ``num_kept`` tokens were kept
+    (speculative decoding): the step's ``access`` covers every token it ran, proposed
+    ones included, with a page in every block they reach (``KVCacheManager.
+    reserve_lookahead``); the kept tokens' states go to the same pages::
+
+        tokens   | 8 9 10 11 | 12 13 14 .      bs=4, a step over [9, 15), 4 kept
+        access   (3, s11), (6, s14)            the state after 3 tokens to s11, ...
+        kept     (3, s11), (4, s14)            ... the running state after 4 to s14
+
+    Raises:
+        StateContractError: no block of the access holds token ``num_kept - 1``.
+    """
+    writes = [(count, page) for count, page in access.writes if count < num_kept]
+    last = next((page for count, page in access.writes if count >= num_kept), None)
+    if last is None or num_kept < 1:
+        raise StateContractError(f"no page holds the state after {num_kept} kept tokens")
+    writes.append((num_kept, last))
+    return tuple(writes)
+
+
 @attrs.frozen
 class StepStates:
     """Every request's :class:`StateAccess` in one step, for one state group: what the
@@ -109,10 +134,18 @@ class StepStates:
     Attributes:
         accesses: Per request, in batch order, its state pages.
         query_lens: Per request, the tokens it runs.
+        num_drafts: Per request, the proposed tokens among them (speculative decoding;
+            empty: none). A layer keeps such a request's state after each of its tokens
+            in ``pending`` instead of writing its pages; once verification has said how
+            many tokens are kept, :func:`verified_writes` says where their states go.
+        pending: What the layers kept for the executor to write after verification
+            (opaque here: a layer's own record).
     """
 
     accesses: tuple[StateAccess, ...]
     query_lens: tuple[int, ...]
+    num_drafts: tuple[int, ...] = ()
+    pending: list[Any] = attrs.field(factory=list, eq=False, repr=False)
 
     @classmethod
     def build(
@@ -122,6 +155,7 @@ class StepStates:
         tables: Sequence[Sequence[int]],
         block_size: int,
         span: int = 1,
+        num_drafts: Sequence[int] = (),
     ) -> StepStates:
         """The accesses of a step's requests (``context_lens``: tokens after the step).
 
@@ -143,4 +177,4 @@ class StepStates:
                 )
                 for a in accesses
             )
-        return cls(accesses, tuple(query_lens))
+        return cls(accesses, tuple(query_lens), tuple(num_drafts) if any(num_drafts) else ())

@@ -14,6 +14,8 @@ step fills); consecutive one-token steps run as one batched recurrence.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +26,7 @@ from hybridkv.kernels.ssm import (
     ssd_decode,
     ssd_scan_states,
 )
-from hybridkv.memory.state_pages import StateAccess, StepStates
+from hybridkv.memory.state_pages import StateAccess, StepStates, verified_writes
 from hybridkv.models.layers import LayerInputs
 from hybridkv.models.state_shapes import Mamba2Shape
 
@@ -87,8 +89,14 @@ class Mamba2Mixer(nn.Module):
         first = 0
         run: list[tuple[int, StateAccess]] = []  # one-token steps waiting to run together
         written: set[int] = set()
-        for access, num in zip(states.accesses, states.query_lens, strict=True):
-            if num == 1 and access.read_page not in written:
+        drafts = states.num_drafts or (0,) * len(states.accesses)
+        for index, (access, num) in enumerate(zip(states.accesses, states.query_lens, strict=True)):
+            if drafts[index]:
+                self._decode(run, xbc, dt, pages, out)
+                run, written = [], set()
+                rows = slice(first, first + num)
+                out[rows] = self._verify(access, xbc[rows], dt[rows], pages, (states, index))
+            elif num == 1 and access.read_page not in written:
                 run.append((first, access))
                 written.add(access.writes[0][1])
             else:
@@ -169,6 +177,32 @@ class Mamba2Mixer(nn.Module):
         self._write(pages, [a.writes[0][1] for _, a in run], conv_after, ssm_after)
         out[rows] = y.reshape(len(run), -1)
 
+    def _verify(
+        self,
+        access: StateAccess,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        pages: torch.Tensor,
+        where: tuple[StepStates, int],
+    ) -> torch.Tensor:
+        """A request's last token and its proposed ones, one recurrence step at a time (the
+        arithmetic of a decode, so kept tokens match decoding them one by one). The state
+        after each token is kept in ``states.pending`` for :func:`write_verified_states`;
+        no page is written here."""
+        conv, ssm = self._split(self._read(pages, [access.read_page]))
+        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        outputs, convs, ssms = [], [], []
+        for t in range(xbc.shape[0]):
+            mixed, conv = causal_conv1d_decode(xbc[t : t + 1], conv, weight, bias)
+            x, b, c = self._heads(mixed)
+            y, ssm = ssd_decode(x, dt[t : t + 1], self._a(), b, c, self.D, ssm)
+            outputs.append(y.reshape(1, -1))
+            convs.append(conv)
+            ssms.append(ssm)
+        states, index = where
+        states.pending.append((self, pages, index, torch.cat(convs), torch.cat(ssms)))
+        return torch.cat(outputs)
+
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output ``[T, conv_dim]`` -> x ``[T, H, P]``, B and C ``[T, G, N]``."""
         shape = self.shape
@@ -182,3 +216,17 @@ class Mamba2Mixer(nn.Module):
 
     def _a(self) -> torch.Tensor:
         return -torch.exp(self.A_log.float())
+
+
+def write_verified_states(states: StepStates, num_kept: Sequence[int]) -> None:
+    """Write the states of the tokens verification kept (``num_kept``: per request of the
+    step, its tokens kept; 0 for a request that failed) into the pages the contract names
+    (:func:`~hybridkv.memory.state_pages.verified_writes`); the rest are dropped."""
+    for layer, pages, index, convs, ssms in states.pending:
+        kept = num_kept[index]
+        if not kept:
+            continue
+        writes = verified_writes(states.accesses[index], kept)
+        rows = [count - 1 for count, _ in writes]
+        layer._write(pages, [page for _, page in writes], convs[rows], ssms[rows])
+    states.pending.clear()

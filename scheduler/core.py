@@ -459,4 +459,5 @@ class EngineCore:
             num_kv_pages_used=usage.kv_pages_used,
             num_state_pages_used=usage.state_pages_used,
             num_free_state_pages=usage.num_free_state_pages,
+            spec_decode=None if self.speculator is None else self.speculator.stats(),
         )

@@ -94,6 +94,28 @@ class RequestOutput:
 
 
 @attrs.frozen(kw_only=True)
+class SpecDecodeStats:
+    """Counts since the engine started (vLLM's ``spec_decode_*`` counters).
+
+    Attributes:
+        num_drafts: Proposals verified.
+        num_draft_tokens: Tokens proposed, over all of them.
+        num_accepted_tokens: Proposed tokens accepted.
+        accepted_per_position: Per position of a proposal (0 first), tokens accepted there.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed tokens (0 before any proposal)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@attrs.frozen(kw_only=True)
 class EngineStats:
     """A snapshot of the engine's queues, pool and recent throughput.
 
@@ -117,6 +139,7 @@ class EngineStats:
             of page ids where a state is larger than a K/V page.
         num_free_state_pages: State pages an allocation could take now (spans with no
             page in use; 0 where a state page is one page id).
+        spec_decode: Speculative decoding's counts, where the engine speculates.
     """
 
     num_waiting: int
@@ -134,6 +157,7 @@ class EngineStats:
     num_kv_pages_used: int = 0
     num_state_pages_used: int = 0
     num_free_state_pages: int = 0
+    spec_decode: SpecDecodeStats | None = None
 
     @property
     def kv_usage(self) -> float:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import attrs
 
+from hybridkv.scheduler.outputs import SpecDecodeStats
 from hybridkv.scheduler.request import Request
 from hybridkv.scheduler.speculation import NgramProposer, Proposer, SpeculativeConfig
 
@@ -37,28 +38,6 @@ class DraftState:
     k: int
     skip: int = 0  # decode steps left without a proposal
     misses: int = 0  # proposals in a row with nothing accepted
-
-
-@attrs.frozen(kw_only=True)
-class SpecDecodeStats:
-    """Counts since the engine started (vLLM's ``spec_decode_*`` counters).
-
-    Attributes:
-        num_drafts: Proposals verified.
-        num_draft_tokens: Tokens proposed, over all of them.
-        num_accepted_tokens: Proposed tokens accepted.
-        accepted_per_position: Per position of a proposal (0 first), tokens accepted there.
-    """
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: tuple[int, ...] = ()
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted over proposed tokens (0 before any proposal)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 class Speculator:
@@ -132,4 +111,4 @@ class Speculator:
         )
 
 
-__all__ = ["DraftState", "SpecDecodeStats", "Speculator"]
+__all__ = ["DraftState", "Speculator"]

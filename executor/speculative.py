@@ -1,0 +1,88 @@
+"""One request's verification step: its proposals against the model's own samples.
+
+A request with ``num_draft_tokens = k`` ran its last token and ``k`` proposed tokens, so
+the model gave ``k + 1`` rows of logits; row ``i`` predicts the token after proposal
+``i`` (after the request's own last token for ``i = 0``). Each row is processed as the
+sampler would process it at that output position, as if the proposals before it were
+already part of the request: penalties count them, ``min_tokens`` counts them, and a
+seeded request seeds with the output index of that position::
+
+    tokens     ... t | d0 d1 d2        k = 3, output_index o
+    row i        0     1  2  3
+    processed  as output o + i, with d0 .. d(i-1) appended to the request's tokens
+
+A greedy request keeps the proposals while each is its row's argmax, then the argmax of
+the next row (``verify_greedy``): exactly the tokens of decoding one at a time. A sampled
+one keeps them by the rejection rule over the rows' distributions after temperature,
+min-p, top-k and top-p (``verify_sampled``), so each token it emits is distributed as
+without speculation. Structured output does not speculate (``scheduler/speculator.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+from tokenizers import Tokenizer
+
+from hybridkv.executor.sampler import Sampler, position_seed
+from hybridkv.executor.verification import verify_greedy, verify_sampled
+from hybridkv.scheduler.batch import StepRequest
+
+
+def position_requests(request: StepRequest) -> list[StepRequest]:
+    """The request as the sampler sees it at each of its ``k + 1`` rows."""
+    draft = request.draft_token_ids
+    tokens = request.all_token_ids
+    out = []
+    for i in range(len(draft) + 1):
+        seen = [*tokens, *draft[:i]] if tokens and i else tokens
+        out.append(attrs.evolve(request, output_index=request.output_index + i, all_token_ids=seen))
+    return out
+
+
+def verify_rows(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    request: StepRequest,
+    tokenizer: Tokenizer | None = None,
+) -> list[int]:
+    """The tokens the request emits: the proposals kept, then one of the model's own.
+
+    Args:
+        sampler: The executor's sampler (its shared generator for unseeded requests).
+        logits: ``[k + 1, vocab]``, the request's last rows.
+        request: The request, with its ``num_draft_tokens`` proposals.
+        tokenizer: As for :meth:`Sampler.sample`.
+    """
+    draft = request.draft_token_ids
+    rows = position_requests(request)
+    if request.params.is_greedy:
+        return verify_greedy(sampler.sample(logits, rows, tokenizer=tokenizer), draft)
+    probs = sampler.distributions(logits, rows, tokenizer=tokenizer)
+    return verify_sampled(probs, draft, generator=_generator(sampler, request))
+
+
+def _generator(sampler: Sampler, request: StepRequest) -> torch.Generator:
+    seed = request.params.seed
+    if seed is None:
+        return sampler.shared_generator
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(position_seed(seed, request.output_index))
+    return generator
+
+
+def draft_rows(query_lens: Sequence[int], requests: Sequence[StepRequest]) -> list[list[int]]:
+    """Per sampled request, the rows of the step's hidden states it samples from: its last
+    one, or its last ``k + 1`` with ``k`` proposals."""
+    out = []
+    end = -1
+    for num, request in zip(query_lens, requests, strict=True):
+        end += num
+        if request.sample:
+            out.append(list(range(end - request.num_draft_tokens, end + 1)))
+    return out
+
+
+__all__ = ["draft_rows", "position_requests", "verify_rows"]

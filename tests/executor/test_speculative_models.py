@@ -1,0 +1,124 @@
+"""Speculative decoding on every architecture: the tokens and logits of transformers.
+
+A proposer that knows transformers' greedy continuation gets a share of it wrong, so
+every step verifies a mix of kept and rejected tokens, through chunked prefill, prefix
+hits, preemption and decodes; each emitted token and its logits must be transformers'.
+The Mamba2 hybrids (Bamba, Granite 4.0-H) must resume every step from the state of the
+last kept token, never from a rejected one.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from hybridkv.executor.load_options import LoadOptions
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
+from hybridkv.scheduler.speculation import SpeculativeConfig
+
+SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+NUM_TOKENS = 14
+#: Bytes of a pool of this many pages of 4 tokens (K/V ones; a state takes a span of
+#: them): three requests of about 30 tokens do not fit at once.
+POOL_PAGES = {"bamba": 64, "granite_moe": 64, "granite_dense": 64}
+
+
+class ReferenceModelProposer:
+    """transformers' greedy continuation, each token wrong with probability ``miss``."""
+
+    def __init__(self, reference: Any, vocab_size: int, miss: float, seed: int) -> None:
+        self.reference = reference
+        self.vocab_size = vocab_size
+        self.miss = miss
+        self._random = random.Random(seed)
+
+    def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        with torch.no_grad():
+            out = self.reference.generate(
+                torch.tensor([list(tokens)]), max_new_tokens=k, do_sample=False, pad_token_id=0
+            )
+        right = out[0, len(tokens) :].tolist()
+        return tuple(
+            (t + 1) % self.vocab_size if self._random.random() < self.miss else t for t in right
+        )
+
+
+async def _serve(
+    executor: ModelExecutor,
+    config: EngineConfig,
+    prompts: Sequence[list[int]],
+    proposer: Any,
+    logits: dict[str, list[torch.Tensor]],
+) -> tuple[dict[str, list[int]], Any]:
+    outputs: dict[str, list[int]] = {}
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+    async def one(engine: Engine, i: int) -> None:
+        rid = f"r{i}"
+        tokens: list[int] = []
+        async for out in engine.generate(prompts[i], params, request_id=rid):
+            tokens.extend(out.new_token_ids)
+        outputs[rid] = tokens
+
+    with anyio.fail_after(120):
+        async with Engine(config, executor, proposer=proposer) as engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, engine, i)
+            stats = engine.stats()
+    return outputs, stats
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "name", ["llama", "gemma2", "gemma3", "bamba", "granite_moe", "granite_dense"]
+)
+async def test_speculated_tokens_and_logits_are_transformers(
+    name: str, tiny_models: Any, prompt_of: Any
+) -> None:
+    model = tiny_models[name]
+    logits: dict[str, list[torch.Tensor]] = {}
+
+    def record(request_id: str, row: torch.Tensor) -> None:
+        logits.setdefault(request_id, []).append(row.detach().float().clone())
+
+    # A pool too small for all three (preemption), chunks of 8, a shared prefix (hits).
+    probe = ModelExecutor.from_pretrained(model.path, LoadOptions(kv_cache_bytes=1 << 20))
+    page_bytes = (1 << 20) // probe.pool.num_blocks // 4  # pages of 16 tokens, then of 4
+    probe.close()
+    executor = ModelExecutor.from_pretrained(
+        model.path,
+        LoadOptions(kv_cache_bytes=page_bytes * POOL_PAGES.get(name, 18), block_size=4),
+        logits_hook=record,
+    )
+    config = EngineConfig.for_executor(
+        executor,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        max_prefill_chunk=8,
+        speculative_config=SPEC,
+    )
+    shared = prompt_of(12, 1)
+    prompts = [shared + prompt_of(5, 2), shared + prompt_of(9, 3), prompt_of(17, 4)]
+    proposer = ReferenceModelProposer(model.reference, 256, miss=0.3, seed=7)
+    outputs, stats = await _serve(executor, config, prompts, proposer, logits)
+    executor.close()
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        got = outputs[rid]
+        full = model.reference_logits(prompt + got[:-1])
+        expected = full[len(prompt) - 1 :]
+        assert got == expected.argmax(-1).tolist()
+        # A preempted request is recomputed: its logits were recorded twice from the
+        # restart on; the last NUM_TOKENS rows are the ones it kept.
+        recorded = torch.stack(logits[rid][-NUM_TOKENS:])
+        torch.testing.assert_close(recorded, expected, atol=1e-4, rtol=0)
+    spec = stats.spec_decode
+    assert spec is not None and 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert stats.num_preemptions > 0 and stats.prefix_hit_rate > 0
