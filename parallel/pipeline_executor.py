@@ -105,6 +105,13 @@ class PipelineExecutor:
         self._collector.start()
         self._monitor.start()
 
+    @property
+    def verifies_proposals(self) -> bool:
+        """Whether it verifies proposed tokens (speculative decoding): the last stage
+        does, where no stage holds a state layer, whose kept states only that stage
+        would know (``serving/cli/loading.py`` refuses the rest before the workers start)."""
+        return not any(group.policy.keeps_state for group in self.plan.groups)
+
     @classmethod
     def from_pretrained(
         cls,

@@ -60,6 +60,8 @@ class GenerationRequest:
             checks it against the engine's scheduling policy (only 0 under ``fcfs``, a
             signed 64-bit integer under ``priority``) before anything is queued.
         cache_salt: Separates this request's prefix-cache entries from others'.
+        speculative: False opts the request out of speculative decoding (hybridkv's
+            field, where the server speculates: ``--speculative-config``).
         structured_param: The field that set ``sampling.structured_output``.
         continuous_usage: Every streamed chunk carries the usage so far (vLLM's
             ``stream_options.continuous_usage_stats``, with ``include_usage``).
@@ -90,6 +92,7 @@ class GenerationRequest:
     template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
     priority: int = 0
     cache_salt: str | None = None
+    speculative: bool = True
     structured_param: str | None = None
     ignored_fields: tuple[str, ...] = ()
     tools: ToolSpec | None = None
@@ -270,6 +273,7 @@ def _common(fields: Fields, default_max_tokens: int | None) -> dict[str, Any]:
         "add_special_tokens": _optional_bool(fields, "add_special_tokens"),
         "priority": fields.integer("priority", 0),
         "cache_salt": fields.string("cache_salt"),
+        "speculative": fields.boolean("speculative", True),
         "structured_param": structured[1] if structured else None,
     }
 

@@ -315,6 +315,7 @@ class GenerationService:
                         request_id=rid,
                         priority=request.priority,
                         cache_salt=request.cache_salt,
+                        speculative=request.speculative,
                     )
                 )
         except (EngineOverloadedError, EngineStoppedError) as exc:

@@ -14,7 +14,10 @@ What each means here, where it differs from vLLM:
 - ``vllm:prefix_cache_queries`` / ``_hits``: prompt tokens looked up at a request's
   first admission, and those served from the prefix cache (vLLM counts tokens too);
 - ``vllm:request_queue_time_seconds``: arrival to first admission;
-- ``vllm:inter_token_latency_seconds``: between the outputs of one request, per token.
+- ``vllm:inter_token_latency_seconds``: between the outputs of one request, per token;
+- ``vllm:spec_decode_*`` (with ``--speculative-config``): proposals verified, tokens
+  proposed and accepted, and accepted per position (its rate over drafts is the
+  acceptance rate at that position).
 """
 
 from __future__ import annotations
@@ -65,6 +68,29 @@ class _EngineSeries(Collector):
             family = kind(name, text, labels=names)
             family.add_metric(labels, value)
             yield family
+        spec = s.spec_decode
+        if spec is None:
+            return
+        for name, text, value in (
+            ("vllm:spec_decode_num_drafts", "Proposals verified", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Tokens proposed", spec.num_draft_tokens),
+            (
+                "vllm:spec_decode_num_accepted_tokens",
+                "Proposed tokens accepted",
+                spec.num_accepted_tokens,
+            ),
+        ):
+            counter = CounterMetricFamily(name, text, labels=names)
+            counter.add_metric(labels, value)
+            yield counter
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted at each position of a proposal (0 first)",
+            labels=[*names, "position"],
+        )
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([*labels, str(position)], value)
+        yield per_position
 
 
 class VllmMetrics:

@@ -88,6 +88,7 @@ class _Setup:
     limits: ConnectionLimits | None
     send_buffer: int | None
     wrap_app: Callable[[Any], Any] | None
+    proposer: Any = None
 
 
 async def _run(
@@ -97,7 +98,7 @@ async def _run(
     if setup.send_buffer is not None:  # accepted sockets inherit it (Linux)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, setup.send_buffer)
     port = bound_port(sock)
-    async with Engine(setup.config, setup.executor) as engine:
+    async with Engine(setup.config, setup.executor, proposer=setup.proposer) as engine:
         app = build_app(
             engine,
             setup.tokenizer,
@@ -130,6 +131,7 @@ def live_server(
     portal: BlockingPortal | None = None,
     send_buffer: int | None = None,
     wrap_app: Callable[[Any], Any] | None = None,
+    proposer: Any = None,
 ) -> Iterator[LiveServer]:
     """Serve ``executor`` under ``config`` on a loopback port until the block ends.
 
@@ -147,6 +149,8 @@ def live_server(
         send_buffer: The accepted sockets' send buffer, in bytes (tests of slow readers).
         wrap_app: ASGI middleware to serve around the app (``wrap_app(app)``): a test
             can watch a request's body being read, or its handler returning.
+        proposer: With ``config.speculative_config``, what proposes tokens
+            (:class:`~hybridkv.testing.ReferenceProposer` for the fakes).
 
     Raises:
         ValueError: ``limits`` with the trio backend, which cannot apply them.
@@ -163,6 +167,7 @@ def live_server(
         limits=limits,
         send_buffer=send_buffer,
         wrap_app=wrap_app,
+        proposer=proposer,
     )
     with contextlib.ExitStack() as stack:
         if portal is None:

@@ -3,8 +3,9 @@
 ``serve``, ``generate``, ``demo`` and ``bench`` share these flags, so a user learns them
 once: the KV byte budget, the block size, the per-step token budget, the running-request
 limit, prefix caching, threads, dtype, weights, the memory policy of each kind of layer,
-pipeline stages (``--pipeline-parallel-size N``) and context-parallel ranks per stage
-(``--context-parallel-size N``: every request's tokens and KV pages shared by N processes).
+pipeline stages (``--pipeline-parallel-size N``), context-parallel ranks per stage
+(``--context-parallel-size N``: every request's tokens and KV pages shared by N processes)
+and speculative decoding (``--speculative-config JSON``, vLLM's).
 
 ``serve`` also takes the scheduling flags (:func:`add_scheduling_arguments`): the order of
 waiting requests (``--scheduling-policy``, vLLM's) and the share of the running slots one
@@ -24,6 +25,7 @@ from hybridkv.serving.cli.values import add_import_argument
 
 if TYPE_CHECKING:
     from hybridkv.policies import MemoryPolicy
+    from hybridkv.scheduler.speculation import SpeculativeConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
 #: vLLM's ``--kv-cache-dtype`` values; the KV pages here are in the model dtype (``auto``).
@@ -53,6 +55,7 @@ class EngineArgs:
     #: (free host memory on the CPU) less the weights; None: ``kv_memory``.
     memory_utilization: float | None = None
     seed: int | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -175,6 +178,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         "so requests may be N times longer (1)",
     )
     group.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='as vLLM: speculative decoding, such as \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (n-gram prompt lookup); '
+        "off by default",
+    )
+    group.add_argument(
         "--kv-interleave",
         choices=("token", "block"),
         default="token",
@@ -263,6 +274,42 @@ def parse_layer_policies(texts: list[str]) -> tuple[tuple[str, MemoryPolicy], ..
     return tuple(out.items())
 
 
+def speculative_config(
+    text: str | None, context_parallel_size: int = 1
+) -> SpeculativeConfig | None:
+    """``--speculative-config`` as vLLM reads it (a JSON object), or None.
+
+    Raises:
+        UsageError: not a JSON object, a key or value it refuses (named), a method that
+            is not built here, or context parallelism beside it.
+    """
+    import json
+
+    from hybridkv.scheduler.speculation import SpeculativeConfig, SpeculativeConfigError
+    from hybridkv.serving.cli.values import UsageError
+
+    if text is None:
+        return None
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise UsageError("--speculative-config must be a JSON object")
+    try:
+        config = SpeculativeConfig.from_mapping(fields)
+    except SpeculativeConfigError as exc:
+        raise UsageError(f"--speculative-config: {exc}") from None
+    if config.method != "ngram":
+        raise UsageError(
+            f"--speculative-config: method {config.method!r} is not built in the command line "
+            "yet; use ngram (prompt lookup)"
+        )
+    if context_parallel_size > 1:
+        raise UsageError("--speculative-config with --context-parallel-size: not built")
+    return config
+
+
 def _number_or_text(value: str) -> object:
     for kind in (int, float):
         try:
@@ -303,6 +350,9 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         if args.kv_memory is not None:
             raise UsageError("--gpu-memory-utilization and --kv-memory both size the pool")
     return EngineArgs(
+        speculative_config=speculative_config(
+            getattr(args, "speculative_config", None), getattr(args, "context_parallel_size", 1)
+        ),
         model=model or named,
         kv_memory=parse_size(kv_memory_flag(args)),
         memory_utilization=utilization,
