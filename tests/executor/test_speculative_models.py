@@ -122,3 +122,59 @@ async def test_speculated_tokens_and_logits_are_transformers(
     spec = stats.spec_decode
     assert spec is not None and 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     assert stats.num_preemptions > 0 and stats.prefix_hit_rate > 0
+
+
+@pytest.mark.asyncio
+async def test_pipeline_stages_in_processes_verify_as_one_process(
+    tiny_models: Any, prompt_of: Any
+) -> None:
+    """Two stage processes, two steps in flight: the last stage verifies, and the tokens
+    and logits are transformers'."""
+    from hybridkv.parallel.pipeline_executor import PipelineExecutor
+
+    model = tiny_models["gemma3"]
+    logits: dict[str, list[torch.Tensor]] = {}
+    options = LoadOptions(kv_cache_bytes=1 << 19, block_size=4, num_threads=1)
+    prompts = [prompt_of(n, 40 + n) for n in (9, 13, 6)]
+    proposer = ReferenceModelProposer(model.reference, 256, miss=0.3, seed=3)
+    with PipelineExecutor.from_pretrained(model.path, options, pipeline_parallel_size=2) as pipe:
+        pipe.logits_hook = lambda rid, row: logits.setdefault(rid, []).append(row.clone())
+        config = EngineConfig.for_executor(pipe, max_model_len=64, speculative_config=SPEC)
+        outputs, stats = await _serve(pipe, config, prompts, proposer, logits)  # type: ignore[arg-type]
+        assert pipe.peak_steps_in_flight == 2
+    for i, prompt in enumerate(prompts):
+        got = outputs[f"r{i}"]
+        expected = model.reference_logits(prompt + got[:-1])[len(prompt) - 1 :]
+        assert got == expected.argmax(-1).tolist()
+        torch.testing.assert_close(torch.stack(logits[f"r{i}"]), expected, atol=1e-4, rtol=0)
+    assert stats.spec_decode.num_accepted_tokens > 0
+
+
+def test_stages_holding_mamba2_layers_are_refused_before_any_worker(tiny_models: Any) -> None:
+    from hybridkv.serving.cli.loading import EngineArgs, load_model
+    from hybridkv.serving.cli.values import UsageError
+
+    settings = EngineArgs(
+        model=str(tiny_models["bamba"].path), pipeline_parallel_size=2, speculative_config=SPEC
+    )
+    with pytest.raises(UsageError, match="keeps a state"):
+        load_model(settings, quiet=True)
+
+
+@pytest.mark.asyncio
+async def test_ngram_lookup_on_a_real_model_keeps_the_greedy_text(tiny_models: Any) -> None:
+    """The engine's own proposer (prompt lookup), no oracle: transformers' greedy text."""
+    model = tiny_models["llama"]
+    executor = ModelExecutor.from_pretrained(
+        model.path, LoadOptions(kv_cache_bytes=1 << 20, block_size=4)
+    )
+    config = EngineConfig.for_executor(executor, max_model_len=128, speculative_config=SPEC)
+    # Random tiny models fall into loops: their own output is what lookup proposes from.
+    prompts = [[5, 6, 7, 8] * 4, [9, 1, 9, 2, 9, 3] * 2]
+    outputs, stats = await _serve(executor, config, prompts, None, {})
+    executor.close()
+    for i, prompt in enumerate(prompts):
+        got = outputs[f"r{i}"]
+        expected = model.reference_logits(prompt + got[:-1])[len(prompt) - 1 :]
+        assert got == expected.argmax(-1).tolist()
+    assert stats.spec_decode.num_drafts > 0
