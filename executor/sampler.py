@@ -144,24 +144,33 @@ class Sampler:
                 out[i] = token
         return out
 
-    def distributions(
+    def processed_rows(
         self,
         logits: torch.Tensor,
         requests: Sequence[StepRequest],
         *,
         tokenizer: Tokenizer | None = None,
+        masks: Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Per row, the distribution :meth:`sample` draws a sampled (not greedy) row's
-        token from: ``[rows, vocab]`` float32 probabilities, after the row's processing,
-        temperature, min-p, top-k and top-p (speculative decoding verifies with them)."""
+        """Per row, the float32 logits :meth:`sample` picks from before temperature: the
+        request's processing applied (grammar mask, ``min_tokens``, bias, penalties).
+        ``masks``: per row, the grammar mask to use instead of the request's matcher's
+        (speculative decoding: ``GrammarMasks.logit_masks_ahead``)."""
         rows = logits.detach().to("cpu", torch.float32)
         out = []
-        for row, request in zip(rows, requests, strict=True):
+        for i, (row, request) in enumerate(zip(rows, requests, strict=True)):
             params = request.params
             if params.needs_processing or request.output_index < params.min_tokens:
-                row = self._process_row(row, request, tokenizer)
-            out.append(filter_logits(row, params).softmax(-1))
+                mask = None if masks is None else masks[i]
+                row = self._process_row(row, request, tokenizer, mask)
+            out.append(row)
         return torch.stack(out)
+
+    def grammar_masks(
+        self, request: StepRequest, tokenizer: Tokenizer | None, vocab_size: int
+    ) -> list[torch.Tensor]:
+        """A structured request's grammar mask at each row of its verification step."""
+        return self._grammar_masks(vocab_size, tokenizer).logit_masks_ahead(request)
 
     @property
     def shared_generator(self) -> torch.Generator:
@@ -186,13 +195,18 @@ class Sampler:
         return uniforms
 
     def _process_row(
-        self, row: torch.Tensor, request: StepRequest, tokenizer: Tokenizer | None
+        self,
+        row: torch.Tensor,
+        request: StepRequest,
+        tokenizer: Tokenizer | None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         params = request.params
         raw = row
         row = process_logits(row, request, self.eos_token_ids)
         if params.structured_output is not None:
-            mask = self._grammar_masks(row.shape[0], tokenizer).logit_mask(request)
+            if mask is None:
+                mask = self._grammar_masks(row.shape[0], tokenizer).logit_mask(request)
             row = row + mask
             if request.output_index < params.min_tokens and not torch.isfinite(row.max()):
                 # min_tokens banned all the grammar allows (EOS at its end): it wins.

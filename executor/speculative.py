@@ -15,7 +15,9 @@ A greedy request keeps the proposals while each is its row's argmax, then the ar
 the next row (``verify_greedy``): exactly the tokens of decoding one at a time. A sampled
 one keeps them by the rejection rule over the rows' distributions after temperature,
 min-p, top-k and top-p (``verify_sampled``), so each token it emits is distributed as
-without speculation. Structured output does not speculate (``scheduler/speculator.py``).
+without speculation. A request with structured output masks row ``i`` with its grammar
+after proposals ``0 .. i-1`` (``GrammarMasks.logit_masks_ahead``), so no kept token is one
+the grammar forbids, and its matcher steps back over the proposals afterwards.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import attrs
 import torch
 from tokenizers import Tokenizer
 
+from hybridkv.executor.draw import filter_logits
 from hybridkv.executor.sampler import Sampler, position_seed
 from hybridkv.executor.verification import verify_greedy, verify_sampled
 from hybridkv.scheduler.batch import StepRequest
@@ -56,11 +59,16 @@ def verify_rows(
         request: The request, with its ``num_draft_tokens`` proposals.
         tokenizer: As for :meth:`Sampler.sample`.
     """
-    draft = request.draft_token_ids
-    rows = position_requests(request)
-    if request.params.is_greedy:
-        return verify_greedy(sampler.sample(logits, rows, tokenizer=tokenizer), draft)
-    probs = sampler.distributions(logits, rows, tokenizer=tokenizer)
+    draft, params = request.draft_token_ids, request.params
+    masks = None
+    if params.structured_output is not None:
+        masks = sampler.grammar_masks(request, tokenizer, logits.shape[-1])
+    rows = sampler.processed_rows(
+        logits, position_requests(request), tokenizer=tokenizer, masks=masks
+    )
+    if params.is_greedy:
+        return verify_greedy(rows.argmax(-1).tolist(), draft)
+    probs = torch.stack([filter_logits(row, params).softmax(-1) for row in rows])
     return verify_sampled(probs, draft, generator=_generator(sampler, request))
 
 

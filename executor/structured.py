@@ -95,6 +95,30 @@ class GrammarMasks:
     def logit_mask(self, request: StepRequest) -> torch.Tensor:
         """``[vocab]`` float32: 0 for the tokens ``request`` may sample next, ``-inf`` for
         the others (add it to the logits)."""
+        return self._mask(self._synced(request))
+
+    def logit_masks_ahead(self, request: StepRequest) -> list[torch.Tensor]:
+        """The masks of a verification step (speculative decoding): one per row of the
+        request, ``k + 1`` for ``k`` proposed tokens, row ``i``'s as if proposals ``0 ..
+        i-1`` were output. Past a proposal the grammar forbids, the rows repeat that
+        row's mask (verification stops there: the proposal has probability 0). The
+        matcher steps back over the proposals afterwards, so it holds only outputs."""
+        matcher = self._synced(request)
+        masks = [self._mask(matcher)]
+        consumed = 0
+        for token in request.draft_token_ids:
+            if matcher.is_error() or not torch.isfinite(masks[-1][token]):
+                break
+            matcher.consume_tokens([token])
+            consumed += 1
+            masks.append(self._mask(matcher))
+        if consumed:
+            matcher.rollback(consumed)
+        masks.extend([masks[-1]] * (request.num_draft_tokens + 1 - len(masks)))
+        return masks
+
+    def _synced(self, request: StepRequest) -> Any:
+        """The request's matcher, having consumed every output token so far."""
         entry = self._entry(request)
         matcher = entry.matcher
         tokens = request.all_token_ids
@@ -107,6 +131,9 @@ class GrammarMasks:
             # The matcher now allows only EOS: the request ends, as vLLM's does.
             error = matcher.get_error()  # it may quote the whole grammar: the start is enough
             log.warning("structured_output_error", request_id=request.request_id, error=error[:300])
+        return matcher
+
+    def _mask(self, matcher: Any) -> torch.Tensor:
         words = self._words
         matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         masks = self._byte_masks.index_select(0, words.view(torch.uint8).long())

@@ -12,8 +12,9 @@ and learns from the outcome:
   nothing: after ``m`` such proposals in a row, the request proposes nothing for the next
   ``2 ** m`` decode steps (at most 64), so on text that does not copy its context the
   steps are plain decodes again.
-- **Who.** A request opts out at submission (``speculative=False``); structured output
-  does not speculate (its grammar matcher cannot yet step back over rejected tokens).
+- **Who.** Every decoding request, unless it opted out at submission
+  (``speculative=False``); structured output included (each row is masked by the
+  grammar after the proposals before it: ``executor/speculative.py``).
 
 The counts are vLLM's ``spec_decode_*``: drafts (proposals verified), draft tokens,
 accepted tokens, and accepted tokens per position of the proposal.
@@ -62,7 +63,7 @@ class Speculator:
     def propose(self, request: Request, limit: int) -> tuple[int, ...]:
         """The tokens to verify after ``request``'s last one (at most ``limit``); empty
         where it does not speculate this step."""
-        if not request.speculative or request.params.structured_output is not None:
+        if not request.speculative:
             return ()
         state = request.draft
         if state is None:

@@ -95,3 +95,55 @@ def test_greedy_rows_keep_the_argmax_chain() -> None:
     assert verify_rows(Sampler(), LOGITS, entry) == [0, 1, 2]
     entry = request(SamplingParams(temperature=0.0, max_tokens=9), (0, 3))
     assert verify_rows(Sampler(), LOGITS, entry) == [0, 1]
+
+
+def test_structured_output_keeps_only_what_the_grammar_allows_and_the_greedy_text() -> None:
+    """Random logits that depend on the sequence (a model's), greedy, under a regex: the
+    tokens emitted with proposals (some the grammar forbids) are those of decoding one at
+    a time, and the matcher holds only outputs between steps."""
+    import re
+
+    from hybridkv.scheduler.params import StructuredOutput
+    from hybridkv.testing import BYTE_EOS, byte_tokenizer
+
+    tokenizer, vocab = byte_tokenizer(), BYTE_EOS + 1
+    spec = StructuredOutput("regex", "[0-9]{3}-[a-z]{2,6}")
+    params = SamplingParams(temperature=0.0, max_tokens=20, structured_output=spec)
+
+    def logits(seq: list[int]) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(hash(tuple(seq)) % (1 << 31))
+        return torch.randn(vocab, generator=generator) * 4
+
+    def entry(seq: list[int], num_prompt: int, draft: tuple[int, ...]) -> StepRequest:
+        return StepRequest(
+            request_id="s",
+            token_ids=[seq[-1], *draft],
+            start_position=len(seq) - 1,
+            block_tables=[],
+            sample=True,
+            params=params,
+            output_index=len(seq) - num_prompt,
+            all_token_ids=seq,
+            num_draft_tokens=len(draft),
+        )
+
+    prompt = [65, 66]
+    plain_sampler, seq = Sampler(eos_token_ids=[BYTE_EOS]), list(prompt)
+    while seq[-1] != BYTE_EOS and len(seq) - len(prompt) < 20:
+        row = logits(seq).unsqueeze(0)
+        seq.append(plain_sampler.sample(row, [entry(seq, 2, ())], tokenizer=tokenizer)[0])
+    expected = seq[len(prompt) :]
+    assert re.fullmatch(spec.spec, tokenizer.decode(expected[:-1]))
+
+    sampler, seq, step = Sampler(eos_token_ids=[BYTE_EOS]), list(prompt), 0
+    while seq[-1] != BYTE_EOS and len(seq) - len(prompt) < 20:
+        done = len(seq) - len(prompt)
+        # The right continuation with every third token wrong, often one the grammar forbids.
+        draft = tuple(
+            ord("x") if (step + j) % 3 == 2 else t for j, t in enumerate(expected[done : done + 3])
+        )
+        rows = torch.stack([logits([*seq, *draft[:i]]) for i in range(len(draft) + 1)])
+        seq.extend(verify_rows(sampler, rows, entry(seq, 2, draft), tokenizer))
+        step += 1
+    assert seq[len(prompt) :] == expected
+    assert step < len(expected)
