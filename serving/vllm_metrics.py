@@ -49,7 +49,7 @@ class _EngineSeries(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
         labels, names = self._labels, ["model_name"]
-        for kind, name, text, value in (
+        series: list[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, float]] = [
             (GaugeMetricFamily, "vllm:num_requests_running", "Requests running", s.num_running),
             (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting", s.num_waiting),
             (
@@ -64,25 +64,35 @@ class _EngineSeries(Collector):
                 "Preemptions since start",
                 s.num_preemptions,
             ),
-        ):
+        ]
+        spec = s.spec_decode
+        if spec is not None:
+            series += [
+                (
+                    CounterMetricFamily,
+                    "vllm:spec_decode_num_drafts",
+                    "Proposals verified",
+                    spec.num_drafts,
+                ),
+                (
+                    CounterMetricFamily,
+                    "vllm:spec_decode_num_draft_tokens",
+                    "Tokens proposed",
+                    spec.num_draft_tokens,
+                ),
+                (
+                    CounterMetricFamily,
+                    "vllm:spec_decode_num_accepted_tokens",
+                    "Proposed tokens accepted",
+                    spec.num_accepted_tokens,
+                ),
+            ]
+        for kind, name, text, value in series:
             family = kind(name, text, labels=names)
             family.add_metric(labels, value)
             yield family
-        spec = s.spec_decode
         if spec is None:
             return
-        for name, text, value in (
-            ("vllm:spec_decode_num_drafts", "Proposals verified", spec.num_drafts),
-            ("vllm:spec_decode_num_draft_tokens", "Tokens proposed", spec.num_draft_tokens),
-            (
-                "vllm:spec_decode_num_accepted_tokens",
-                "Proposed tokens accepted",
-                spec.num_accepted_tokens,
-            ),
-        ):
-            counter = CounterMetricFamily(name, text, labels=names)
-            counter.add_metric(labels, value)
-            yield counter
         per_position = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Proposed tokens accepted at each position of a proposal (0 first)",

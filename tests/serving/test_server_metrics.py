@@ -5,18 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_samples import scrape
 
 MODEL = "fake-model"
-
-
-def scrape(server: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def test_requests_and_tokens_are_counted(client: Any, server: Any) -> None:

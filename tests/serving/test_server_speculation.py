@@ -7,9 +7,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_samples import scrape
 
 from hybridkv.scheduler.speculation import SpeculativeConfig
 from hybridkv.serving.cli.engine_flags import add_engine_arguments, engine_args
@@ -18,15 +17,6 @@ from hybridkv.testing import LiveServer, ReferenceProposer
 
 MODEL = "fake-model"
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-
-
-def scrape(server: LiveServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def test_speculated_text_is_the_text_and_the_series_count_it(
