@@ -120,7 +120,9 @@ async def _run_with_bar(loaded: Any, requests: Any, show: Any, offload: Any) -> 
             bar.update(1)
             show(record, bar.write)
 
-        async with Engine(loaded.engine_config, loaded.executor, offload=offload) as engine:
+        async with Engine(
+            loaded.engine_config, loaded.executor, offload=offload, proposer=loaded.proposer
+        ) as engine:
             return await run_workload(engine, requests, on_tokens=on_tokens, on_finish=on_finish)
 
 
@@ -185,7 +187,10 @@ def run_bench(args: argparse.Namespace) -> int:
             from hybridkv.scheduler import Engine
 
             async with Engine(
-                loaded.engine_config, loaded.executor, offload=offload_config(args, loaded.executor)
+                loaded.engine_config,
+                loaded.executor,
+                offload=offload_config(args, loaded.executor),
+                proposer=loaded.proposer,
             ) as engine:
                 return await run_workload(engine, requests)
 

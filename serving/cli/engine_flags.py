@@ -183,7 +183,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         metavar="JSON",
         help='as vLLM: speculative decoding, such as \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (n-gram prompt lookup); '
-        "off by default",
+        'or a draft model sharing the tokenizer (\'{"model": "FOLDER", '
+        '"num_speculative_tokens": 3}\'); off by default',
     )
     group.add_argument(
         "--kv-interleave",
@@ -275,13 +276,13 @@ def parse_layer_policies(texts: list[str]) -> tuple[tuple[str, MemoryPolicy], ..
 
 
 def speculative_config(
-    text: str | None, context_parallel_size: int = 1
+    text: str | None, context_parallel_size: int = 1, num_ranks: int = 1
 ) -> SpeculativeConfig | None:
     """``--speculative-config`` as vLLM reads it (a JSON object), or None.
 
     Raises:
-        UsageError: not a JSON object, a key or value it refuses (named), a method that
-            is not built here, or context parallelism beside it.
+        UsageError: not a JSON object, a key or value it refuses (named), context
+            parallelism beside it, or a draft model beside several processes.
     """
     import json
 
@@ -300,10 +301,10 @@ def speculative_config(
         config = SpeculativeConfig.from_mapping(fields)
     except SpeculativeConfigError as exc:
         raise UsageError(f"--speculative-config: {exc}") from None
-    if config.method != "ngram":
+    if num_ranks > 1 and config.method == "draft_model":
         raise UsageError(
-            f"--speculative-config: method {config.method!r} is not built in the command line "
-            "yet; use ngram (prompt lookup)"
+            "--speculative-config: a draft model beside pipeline or context-parallel "
+            "processes is not built; use ngram (prompt lookup)"
         )
     if context_parallel_size > 1:
         raise UsageError("--speculative-config with --context-parallel-size: not built")
@@ -351,7 +352,9 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
             raise UsageError("--gpu-memory-utilization and --kv-memory both size the pool")
     return EngineArgs(
         speculative_config=speculative_config(
-            getattr(args, "speculative_config", None), getattr(args, "context_parallel_size", 1)
+            getattr(args, "speculative_config", None),
+            getattr(args, "context_parallel_size", 1),
+            getattr(args, "pipeline_parallel_size", 1) * getattr(args, "context_parallel_size", 1),
         ),
         model=model or named,
         kv_memory=parse_size(kv_memory_flag(args)),

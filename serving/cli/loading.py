@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from hybridkv.memory.layout import LayerSpec
     from hybridkv.parallel.pipeline_executor import PipelineExecutor
     from hybridkv.scheduler import EngineConfig
+    from hybridkv.scheduler.draft_proposer import DraftModelProposer
 
 __all__ = ["EngineArgs", "LoadedModel", "load_model", "load_options"]
 
@@ -49,6 +50,8 @@ class LoadedModel:
         chat_template: Its chat template (or the plain fallback).
         specs: Per-layer KV specs the layout was planned from (for layout reports).
         weights: The weight format loaded (``--weights`` with ``auto`` resolved).
+        proposer: With ``--speculative-config`` of method ``draft_model``, the draft
+            model's proposer (give it to the :class:`Engine`); None otherwise.
     """
 
     name: str
@@ -59,6 +62,7 @@ class LoadedModel:
     chat_template: ChatTemplate
     specs: list[LayerSpec]
     weights: str = "dtype"
+    proposer: DraftModelProposer | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -115,7 +119,34 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         chat_template=ChatTemplate.from_checkpoint(folder),
         specs=list(executor.specs),
         weights=weights,
+        proposer=_draft_proposer(settings, executor, limit, quiet=quiet),
     )
+
+
+def _draft_proposer(
+    settings: EngineArgs,
+    target: ModelExecutor | PipelineExecutor,
+    max_model_len: int,
+    *,
+    quiet: bool,
+) -> DraftModelProposer | None:
+    """The draft model of ``--speculative-config``'s ``model``, loaded as the target is
+    (dtype, threads) on the target's torch thread, with a quarter of its KV bytes."""
+    from hybridkv.executor.model_executor import ModelExecutor
+    from hybridkv.scheduler.draft_proposer import DraftModelProposer
+
+    spec = settings.speculative_config
+    if spec is None or spec.model is None:
+        return None
+    assert isinstance(target, ModelExecutor), "engine_args refuses a draft beside stages"
+    name, folder = resolve_model(spec.model)
+    if not quiet:
+        print(f"loading the draft model {name} from {folder}", file=sys.stderr, flush=True)
+    options = attrs.evolve(
+        load_options(settings, "dtype"), kv_cache_bytes=max(1 << 20, settings.kv_memory // 4)
+    )
+    draft = ModelExecutor.from_pretrained(folder, options, torch_thread=target.torch_thread)
+    return DraftModelProposer(draft, vocab_size=target.vocab_size, max_model_len=max_model_len)
 
 
 def _weight_format(settings: EngineArgs, *, builtin: bool) -> str:

@@ -198,7 +198,10 @@ async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace
     if settings.step_timeout_s is not None:
         executor = StepWatchdog(executor, settings.step_timeout_s)
     async with Engine(
-        loaded.engine_config, executor, offload=offload_config(args, loaded.executor)
+        loaded.engine_config,
+        executor,
+        offload=offload_config(args, loaded.executor),
+        proposer=loaded.proposer,
     ) as engine:
         app = build_app(
             engine,
@@ -285,17 +288,25 @@ async def _generate(loaded: Any, prompt: str, params: Any, chat: bool, offload: 
     texts = TextStream(loaded.tokenizer, classes=TokenClasses.of(loaded.tokenizer))
     start = time.monotonic()
     first: float | None = None
-    async with Engine(loaded.engine_config, loaded.executor, offload=offload) as engine:
+    async with Engine(
+        loaded.engine_config, loaded.executor, offload=offload, proposer=loaded.proposer
+    ) as engine:
         async for out in engine.generate(ids, params):
             first = first or time.monotonic()
             sys.stdout.write(texts.push(out.new_token_ids))
             sys.stdout.flush()
+        spec = engine.stats().spec_decode
     sys.stdout.write(texts.finish() + "\n")
     elapsed = time.monotonic() - start
     ttft = (first or start) - start
+    speculated = ""
+    if spec is not None:
+        speculated = (
+            f", {spec.num_accepted_tokens} of {spec.num_draft_tokens} proposed tokens accepted"
+        )
     print(
         f"[{len(ids)} prompt tokens, {out.num_output_tokens} generated "
         f"({out.finish_reason}), first token after {ttft:.2f} s, "
-        f"{out.num_output_tokens / max(elapsed, 1e-9):.1f} tokens/s]",
+        f"{out.num_output_tokens / max(elapsed, 1e-9):.1f} tokens/s{speculated}]",
         file=sys.stderr,
     )

@@ -178,3 +178,55 @@ async def test_ngram_lookup_on_a_real_model_keeps_the_greedy_text(tiny_models: A
         expected = model.reference_logits(prompt + got[:-1])[len(prompt) - 1 :]
         assert got == expected.argmax(-1).tolist()
     assert stats.spec_decode.num_drafts > 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("draft", ["llama", "gemma3"])
+async def test_a_draft_model_proposes_and_the_text_is_the_targets(
+    draft: str, tiny_models: Any, prompt_of: Any
+) -> None:
+    """A draft checkpoint sharing the vocabulary: itself (every proposal kept) or another
+    model (most rejected); either way the target's greedy tokens and logits."""
+    from hybridkv.scheduler.draft_proposer import DraftModelProposer
+
+    target = tiny_models["llama"]
+    logits: dict[str, list[torch.Tensor]] = {}
+    executor = ModelExecutor.from_pretrained(
+        target.path,
+        LoadOptions(kv_cache_bytes=1 << 20, block_size=4),
+        logits_hook=lambda rid, row: logits.setdefault(rid, []).append(row.clone()),
+    )
+    small = ModelExecutor.from_pretrained(
+        tiny_models[draft].path,
+        LoadOptions(kv_cache_bytes=1 << 19, block_size=4),
+        torch_thread=executor.torch_thread,
+    )
+    proposer = DraftModelProposer(small, vocab_size=256, max_model_len=128)
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="draft")
+    config = EngineConfig.for_executor(executor, max_model_len=128, speculative_config=spec)
+    prompts = [prompt_of(11, 5), prompt_of(7, 6)]
+    outputs, stats = await _serve(executor, config, prompts, proposer, logits)
+    executor.close()
+    for i, prompt in enumerate(prompts):
+        got = outputs[f"r{i}"]
+        expected = target.reference_logits(prompt + got[:-1])[len(prompt) - 1 :]
+        assert got == expected.argmax(-1).tolist()
+        torch.testing.assert_close(torch.stack(logits[f"r{i}"]), expected, atol=1e-4, rtol=0)
+    spec_stats = stats.spec_decode
+    if draft == "llama":  # the target as its own draft: every proposal is kept
+        assert spec_stats.num_accepted_tokens == spec_stats.num_draft_tokens > 0
+    else:
+        assert spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
+    proposer.kv.check_integrity()
+    assert proposer.kv.num_free_blocks == proposer.kv.num_usable_blocks
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_models: Any) -> None:
+    from hybridkv.scheduler.draft_proposer import DraftModelError, DraftModelProposer
+
+    small = ModelExecutor.from_pretrained(
+        tiny_models["llama"].path, LoadOptions(kv_cache_bytes=1 << 19)
+    )
+    with pytest.raises(DraftModelError, match="256 tokens, the target's 300"):
+        DraftModelProposer(small, vocab_size=300, max_model_len=64)
+    small.close()
