@@ -260,3 +260,32 @@ async def test_pipeline_stages_in_flight_give_the_same_tokens() -> None:
             assert engine.stats().num_steps > 0
         assert fake.peak_steps_in_flight == 2
     assert got == {i: reference_tokens(p, 25, VOCAB) for i, p in enumerate(prompts)}
+
+
+@pytest.mark.parametrize("shared", ["the prompt", "the prompt and the reply"])
+def test_speculation_costs_no_cached_block(shared: str) -> None:
+    """vLLM #54360: with MTP a whole cache unit of every prompt is lost. Here a request
+    that repeats a speculated request's prompt (or continues its reply) hits exactly as
+    many tokens as without speculation, in a hybrid pool with state pages."""
+    layout = {"policies": [MambaLike(), FullAttention(), SlidingWindow(window=6)]}
+
+    def second_hit(spec: SpeculativeConfig | None) -> int:
+        config = make_config(**layout, speculative_config=spec, num_blocks=128)
+        core = EngineCore(config, proposer=ReferenceProposer(VOCAB, miss=0.3, seed=8))
+        fake = FakeExecutor.for_config(config)
+        prompt = [(5 * j + 1) % VOCAB for j in range(37)]
+        first = CollectingSink()
+        params = SamplingParams(max_tokens=21, ignore_eos=True)
+        core.add_request(prompt, params, first, request_id="a")
+        run(core, fake)
+        turn = prompt if shared == "the prompt" else [*prompt, *outputs(first), 3]
+        second = CollectingSink()
+        core.add_request(turn, params, second, request_id="b")
+        run(core, fake)
+        assert outputs(second) == reference_tokens(turn, 21, VOCAB)
+        last = second.items[-1]
+        assert isinstance(last, RequestOutput)
+        return last.num_cached_tokens
+
+    plain = second_hit(None)
+    assert plain > 0 and second_hit(NGRAM) == plain
