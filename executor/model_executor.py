@@ -223,7 +223,7 @@ class ModelExecutor:
             inputs = self.prepare(batch)
             result = self.finish(batch, inputs, self.forward(inputs))
             if result.num_accepted is not None:
-                write_kept_states(inputs, batch, result)
+                write_kept_states(inputs, kept_tokens(batch, result))
         except BaseException:
             if self.transfers is not None:
                 self.transfers.undeliver(loads)  # reported by the next step instead
@@ -385,19 +385,24 @@ class ModelExecutor:
         return tuple(out)
 
 
-def write_kept_states(inputs: StageInputs, batch: StepBatch, result: StepResult) -> None:
-    """After a verification step, write the state groups' states of the tokens each
-    request kept: its own last token and the proposals accepted (``StepStates.pending``)."""
+def kept_tokens(batch: StepBatch, result: StepResult) -> tuple[int, ...]:
+    """Per request of a verification step, the tokens it kept: its own last token and the
+    proposals accepted (0 for a request the step failed)."""
     accepted = result.num_accepted or (0,) * len(batch.requests)
-    kept = [
+    return tuple(
         0 if r.request_id in result.errors else r.num_tokens - r.num_draft_tokens + a
         for r, a in zip(batch.requests, accepted, strict=True)
-    ]
+    )
+
+
+def write_kept_states(inputs: StageInputs, kept: Sequence[int]) -> None:
+    """After a verification step, write the state groups' states of the tokens each
+    request kept (``StepStates.pending``; ``kept`` from :func:`kept_tokens`)."""
     seen: set[int] = set()
-    for _, metadata in inputs.caches:
-        if isinstance(metadata, StepStates) and id(metadata) not in seen:
-            seen.add(id(metadata))
-            with torch.inference_mode():
+    with torch.inference_mode():
+        for _, metadata in inputs.caches:
+            if isinstance(metadata, StepStates) and id(metadata) not in seen:
+                seen.add(id(metadata))
                 write_verified_states(metadata, kept)
 
 

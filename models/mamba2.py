@@ -188,7 +188,7 @@ class Mamba2Mixer(nn.Module):
         """A request's last token and its proposed ones, one recurrence step at a time (the
         arithmetic of a decode, so kept tokens match decoding them one by one). The state
         after each token is kept in ``states.pending`` for :func:`write_verified_states`;
-        no page is written here."""
+        only the state after the request's own token is written here."""
         conv, ssm = self._split(self._read(pages, [access.read_page]))
         weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         outputs, convs, ssms = [], [], []
@@ -200,7 +200,13 @@ class Mamba2Mixer(nn.Module):
             convs.append(conv)
             ssms.append(ssm)
         states, index = where
-        states.pending.append((self, pages, index, torch.cat(convs), torch.cat(ssms)))
+        conv_all, ssm_all = torch.cat(convs), torch.cat(ssms)
+        # The request's own token is always kept: its state is written now, so that a
+        # later step hitting the block it completed (cached at allocation) reads it even
+        # before this step's verdict reaches a pipeline stage.
+        first = verified_writes(access, 1)
+        self._write(pages, [page for _, page in first], conv_all[:1], ssm_all[:1])
+        states.pending.append((self, pages, index, conv_all, ssm_all))
         return torch.cat(outputs)
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

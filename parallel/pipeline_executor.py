@@ -38,7 +38,7 @@ from hybridkv.errors.events import get_logger
 from hybridkv.executor.batch_checks import check_batch
 from hybridkv.executor.errors import BatchError
 from hybridkv.executor.load_options import LoadOptions
-from hybridkv.executor.model_executor import LogitsHook
+from hybridkv.executor.model_executor import LogitsHook, kept_tokens
 from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
 from hybridkv.models.config import ModelConfig
 from hybridkv.parallel.pipeline_launch import StageSettings, read_stats
@@ -94,7 +94,12 @@ class PipelineExecutor:
         self._last_progress = time.monotonic()
         self._error: ExecutorBrokenError | None = None
         self._is_closed = False
-        self._results: queue.SimpleQueue[Future[StepResult] | None] = queue.SimpleQueue()
+        # Steps sent, oldest first, with the batch where its stages await a verdict.
+        self._results: queue.SimpleQueue[tuple[Future[StepResult], StepBatch | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._verdicts: list[tuple[int, tuple[int, ...]]] = []  # for the next message
+        self._holds_states = any(g.policy.keeps_state for g in stage0.plan.groups)
         self._stopping = threading.Event()
         self._collector = threading.Thread(
             target=self._collect, name="hybridkv-pipeline-results", daemon=True
@@ -105,12 +110,10 @@ class PipelineExecutor:
         self._collector.start()
         self._monitor.start()
 
-    @property
-    def verifies_proposals(self) -> bool:
-        """Whether it verifies proposed tokens (speculative decoding): the last stage
-        does, where no stage holds a state layer, whose kept states only that stage
-        would know (``serving/cli/loading.py`` refuses the rest before the workers start)."""
-        return not any(group.policy.keeps_state for group in self.plan.groups)
+    #: It verifies proposed tokens (speculative decoding): the last stage does, and the
+    #: stages holding Mamba2 layers write the kept tokens' states when the next message
+    #: brings the verdict (``pipeline_stage.py``).
+    verifies_proposals = True
 
     @classmethod
     def from_pretrained(
@@ -227,13 +230,15 @@ class PipelineExecutor:
         if not batch.requests:
             future.set_result(StepResult(token_ids=()))
             return future
-        message = StepMessage(batch, want_logits=self.logits_hook is not None)
         with self._lock:
+            verdicts, self._verdicts = tuple(self._verdicts), []
+            message = StepMessage(batch, self.logits_hook is not None, verdicts)
             if not self._in_flight:
                 self._last_progress = time.monotonic()
             self._in_flight.append(future)
             self.peak_steps_in_flight = max(self.peak_steps_in_flight, len(self._in_flight))
-        self._results.put(future)
+        drafted = self._holds_states and any(r.num_draft_tokens for r in batch.requests)
+        self._results.put((future, batch if drafted else None))
         self.stage0.torch_thread.submit(self._first_stage, message).add_done_callback(
             self._check_first_stage
         )
@@ -255,8 +260,14 @@ class PipelineExecutor:
             self._break(f"pipeline stage 0 failed: {error!r}")
 
     def _collect(self) -> None:
-        """Receive results in order and complete the futures, until told to stop."""
-        while (future := self._results.get()) is not None:
+        """Receive results in order and complete the futures, until told to stop. A
+        verification step's verdict (the tokens each request kept) is queued for the
+        next message before its future completes, so every step that may read the kept
+        states is sent after the stages have learnt which to write."""
+        number = -1
+        while (item := self._results.get()) is not None:
+            future, drafted = item
+            number += 1
             try:
                 received = self._channels.recv_result()
             except Exception as exc:
@@ -272,6 +283,8 @@ class PipelineExecutor:
                 assert self._in_flight[0] is future
                 self._in_flight.popleft()
                 self._last_progress = time.monotonic()
+                if drafted is not None:
+                    self._verdicts.append((number, kept_tokens(drafted, result)))
             future.set_result(result)
 
     def _watch(self) -> None:

@@ -20,7 +20,8 @@ import time
 import attrs
 import torch
 
-from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.executor.model_executor import ModelExecutor, StageInputs, write_kept_states
+from hybridkv.memory.state_pages import StepStates
 from hybridkv.parallel.context_executor import ContextParallelExecutor
 from hybridkv.parallel.pipeline_wire import PipelineChannels, StepMessage
 
@@ -65,14 +66,22 @@ class StageRunner:
         self._first_start: float | None = None
         self._last_end = 0.0
         self._logits: list[tuple[str, torch.Tensor]] = []
+        # Verification steps whose Mamba2 states wait for their verdict, by step number.
+        self._verifying: dict[int, StageInputs] = {}
 
     def run_step(self, message: StepMessage) -> None:
-        """Prepare, receive (past the first stage), compute, and send on."""
+        """Write the kept states of earlier verification steps, then prepare, receive
+        (past the first stage), compute, and send on."""
         started = time.perf_counter()
         if self._first_start is None:
             self._first_start = started
+        for number, kept in message.verdicts:
+            write_kept_states(self._verifying.pop(number), kept)
         executor, channels, batch = self.executor, self.channels, message.batch
         inputs = executor.prepare(batch)
+        if any(r.num_draft_tokens for r in batch.requests) and has_states(inputs):
+            # Its Mamba2 states wait for the verdict, which only the last stage knows.
+            self._verifying[self._num_steps] = inputs
         hidden, waited = None, 0.0
         if channels.prev is not None:
             before = time.perf_counter()
@@ -109,6 +118,11 @@ class StageRunner:
 
     def _keep_logits(self, request_id: str, logits: torch.Tensor) -> None:
         self._logits.append((request_id, logits.detach().to("cpu", copy=True)))
+
+
+def has_states(inputs: StageInputs) -> bool:
+    """Whether the stage holds state (Mamba2) layers in this step."""
+    return any(isinstance(metadata, StepStates) for _, metadata in inputs.caches)
 
 
 def serve_stage(runner: StageRunner) -> None:

@@ -50,10 +50,14 @@ _STOP = -1
 
 @attrs.frozen
 class StepMessage:
-    """What rank 0 broadcasts for one step: the batch, and whether to return logits."""
+    """What rank 0 broadcasts for one step: the batch, whether to return logits, and the
+    verdicts of earlier verification steps that arrived since the last message (step
+    number in submission order, tokens each request kept), for the stages to write the
+    states of the kept tokens before this step runs (``pipeline_stage.py``)."""
 
     batch: StepBatch
     want_logits: bool = False
+    verdicts: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @attrs.define

@@ -91,7 +91,6 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
     executor: ModelExecutor | PipelineExecutor
     options = load_options(settings, weights)
     if settings.num_ranks > 1:
-        _check_speculation_in_stages(folder, settings)
         executor = _start_pipeline(folder, settings, options)
     else:
         executor = ModelExecutor.from_pretrained(folder, options)
@@ -253,26 +252,6 @@ def _start_pipeline(folder: Path, settings: EngineArgs, options: LoadOptions) ->
     )
     _pipelines.append(pipeline)
     return pipeline
-
-
-def _check_speculation_in_stages(folder: Path, settings: EngineArgs) -> None:
-    """Refuse speculative decoding over pipeline stages holding state (Mamba2) layers,
-    before any worker starts: each stage would have to learn, after the last stage
-    verified a step, which tokens' states to keep (not built)."""
-    import json
-
-    from hybridkv.models.specs import layer_specs_from_config
-    from hybridkv.serving.cli.values import UsageError
-
-    if settings.speculative_config is None:
-        return
-    config = json.loads((folder / "config.json").read_text())
-    states = [s.name for s in layer_specs_from_config(config) if s.policy.keeps_state]
-    if states:
-        raise UsageError(
-            f"--speculative-config with --pipeline-parallel-size: layer {states[0]!r} keeps "
-            "a state (Mamba2), and stages cannot yet keep only the states of verified tokens"
-        )
 
 
 def _kv_interleave(settings: EngineArgs) -> int:
