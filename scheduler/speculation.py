@@ -32,7 +32,14 @@ class SpeculativeConfigError(HybridKVError, ValueError):
 Method = Literal["ngram", "draft_model"]
 _METHODS: tuple[Method, ...] = ("ngram", "draft_model")
 _KEYS = frozenset(
-    {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+    {
+        "method",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "model",
+        "disable_by_batch_size",
+    }
 )
 
 
@@ -53,6 +60,9 @@ class SpeculativeConfig:
         prompt_lookup_min: Shortest suffix the n-gram proposer matches.
         prompt_lookup_max: Longest suffix it tries first.
         model: The draft checkpoint (``draft_model`` only).
+        disable_by_batch_size: No proposals in a step while more requests than this run
+            (vLLM's key: a large batch is bound by compute, where verifying costs more
+            than it saves); None: any batch.
     """
 
     method: Method
@@ -60,6 +70,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.method not in _METHODS:
@@ -69,6 +80,8 @@ class SpeculativeConfig:
         _count(self.num_speculative_tokens, "num_speculative_tokens", 1)
         _count(self.prompt_lookup_min, "prompt_lookup_min", 1)
         _count(self.prompt_lookup_max, "prompt_lookup_max", 1)
+        if self.disable_by_batch_size is not None:
+            _count(self.disable_by_batch_size, "disable_by_batch_size", 1)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeConfigError(
                 "speculative config: prompt_lookup_min "
@@ -104,6 +117,7 @@ class SpeculativeConfig:
             prompt_lookup_min=low,  # type: ignore[arg-type]
             prompt_lookup_max=high,  # type: ignore[arg-type]
             model=model,
+            disable_by_batch_size=fields.get("disable_by_batch_size"),  # type: ignore[arg-type]
         )
 
 

@@ -12,6 +12,9 @@ and learns from the outcome:
   nothing: after ``m`` such proposals in a row, the request proposes nothing for the next
   ``2 ** m`` decode steps (at most 64), so on text that does not copy its context the
   steps are plain decodes again.
+- **When.** Every step, unless more requests run than ``disable_by_batch_size``
+  (vLLM's key): a large batch is bound by compute, not by reading the weights, and
+  verifying costs it more than it saves.
 - **Who.** Every decoding request, unless it opted out at submission
   (``speculative=False``); structured output included (each row is masked by the
   grammar after the proposals before it: ``executor/speculative.py``).
@@ -59,6 +62,12 @@ class Speculator:
         self._num_drafts = 0
         self._num_draft_tokens = 0
         self._accepted = [0] * config.num_speculative_tokens
+
+    def allows(self, num_running: int) -> bool:
+        """Whether a step with ``num_running`` running requests proposes at all
+        (``disable_by_batch_size``)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
 
     def propose(self, request: Request, limit: int) -> tuple[int, ...]:
         """The tokens to verify after ``request``'s last one (at most ``limit``); empty

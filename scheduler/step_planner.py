@@ -142,7 +142,7 @@ def plan_step(
             running, waiting, kv, config, budget, (admitted, rejected, loading), items, cap, loader
         )
         scheduled.extend(admitted)
-    if speculator is not None and decodes and budget > 0:
+    if speculator is not None and decodes and budget > 0 and speculator.allows(len(running)):
         budget = _speculate(decodes, items, scheduled, kv, speculator, budget)
     return StepPlan(
         batch=StepBatch(tuple(items)),

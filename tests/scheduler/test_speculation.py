@@ -82,6 +82,7 @@ def test_vllm_keys_parse_and_method_is_inferred() -> None:
         ({"num_speculative_tokens": 2, "drop_eagle_block": True}, "drop_eagle_block"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model names"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model names"),
+        ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ],
 )
 def test_a_bad_config_names_its_key(fields: dict[str, object], names: str) -> None:

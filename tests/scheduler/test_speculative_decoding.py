@@ -289,3 +289,15 @@ def test_speculation_costs_no_cached_block(shared: str) -> None:
 
     plain = second_hit(None)
     assert plain > 0 and second_hit(NGRAM) == plain
+
+
+def test_no_proposals_while_more_requests_run_than_disable_by_batch_size() -> None:
+    spec = SpeculativeConfig.from_mapping({"num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    config = make_config(speculative_config=spec)
+    proposer = ReferenceProposer(VOCAB, seed=1)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    got, _, _ = serve(config, prompts, 12, proposer=proposer)
+    assert got == [reference_tokens(p, 12, VOCAB) for p in prompts]
+    assert proposer.num_proposed == 0  # three ran together to the end
+    got, _, _ = serve(config, prompts[:2], 12, proposer=proposer)
+    assert proposer.num_proposed > 0
