@@ -1,8 +1,10 @@
 """kernels/ under its bare name (repository root on sys.path, hybridkv not importable).
 
-transformers probes for Hugging Face's `kernels` package by importing whatever
-find_spec("kernels") finds; from a checkout that is this folder. It must come back as an
-empty module that the probe reads as "not installed", not crash transformers.
+Hugging Face's `kernels` package has the same name, and transformers imports it (a
+requirement since transformers 5.25; before, a probe imported whatever
+find_spec("kernels") found). From a checkout the bare name finds this folder first: it must
+become the installed package where there is one, and an empty module that a probe reads
+as "not installed" where there is none, never crash transformers.
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ sys.modules["hybridkv"] = None
 """
 
 
-def _run(code: str) -> subprocess.CompletedProcess[str]:
+#: Site-packages off the path: as if Hugging Face's `kernels` were not installed.
+_NOTHING_INSTALLED = """\
+sys.path = [p for p in sys.path if "-packages" not in p]
+"""
+
+
+def _run(code: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", _PRELUDE + code],
+        [sys.executable, "-c", _PRELUDE + prelude + code],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -55,6 +63,23 @@ except ImportError:
     pass
 else:
     raise AssertionError("from kernels import paged_attention worked")
+""",
+        _NOTHING_INSTALLED,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("kernels") is None, reason="Hugging Face's kernels not installed"
+)
+def test_bare_kernels_becomes_the_installed_package() -> None:
+    done = _run(
+        """\
+import os
+import kernels
+assert not kernels.__file__.startswith(os.path.join(os.getcwd(), "kernels")), kernels.__file__
+assert sys.modules["kernels"] is kernels
+from kernels import get_kernel  # noqa: F401
 """
     )
     assert done.returncode == 0, done.stderr
@@ -63,18 +88,17 @@ else:
 @pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers not installed"
 )
-def test_transformers_kernels_probe_treats_the_folder_as_absent() -> None:
-    """transformers.integrations.hub_kernels runs is_kernels_available() on import; it imports
-    the bare `kernels` (import_utils._is_package_available) and must carry on."""
+def test_transformers_imports_from_the_checkout_root() -> None:
+    """transformers.integrations.hub_kernels imports `kernels` (the installed package, or
+    probes for it) and must carry on from a checkout's root."""
     done = _run(
         """\
 import os
 import transformers.integrations.hub_kernels
 from transformers.utils import is_kernels_available
-assert is_kernels_available() is False
-probed = sys.modules.get("kernels")
-assert probed is not None, "the probe did not import the bare kernels folder"
-assert os.path.dirname(probed.__file__) == os.path.join(os.getcwd(), "kernels"), probed.__file__
+import kernels
+installed = not kernels.__file__.startswith(os.path.join(os.getcwd(), "kernels"))
+assert is_kernels_available() is installed, (is_kernels_available(), kernels.__file__)
 """
     )
     assert done.returncode == 0, done.stderr
