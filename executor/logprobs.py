@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hybridkv.scheduler.batch import StepRequest
 from hybridkv.scheduler.outputs import TokenLogprobs
 
 # Rows of prompt logits computed at once: a 262k vocabulary makes each row 1 MiB.
@@ -64,3 +65,41 @@ def prompt_logprobs(
         logits = compute_logits(hidden[start:stop])
         out.extend(token_logprobs(logits, token_ids[start:stop], [num_top] * (stop - start)))
     return tuple(out)
+
+
+def emitted_logprobs(
+    requests: Sequence[StepRequest],
+    rows: list[int],
+    logits: torch.Tensor,
+    firsts: list[int],
+    emitted: dict[int, list[int]],
+) -> tuple[tuple[TokenLogprobs | None, ...] | None, tuple[tuple[TokenLogprobs, ...], ...] | None]:
+    """Log-probabilities of every token a step emitted where asked: per request of the
+    step, its last token's, and those of the proposals it kept before it.
+
+    Args:
+        requests: The step's requests.
+        rows: The indices of those that sampled.
+        logits: The rows of logits they sampled from, request after request.
+        firsts: Per sampled request (and one past the last), its first row of ``logits``.
+        emitted: Per sampled request (by its index in ``rows``), the tokens it emitted.
+    """
+    asked = [n for n, i in enumerate(rows) if requests[i].params.logprobs is not None]
+    if not asked:
+        return None, None
+    index = [firsts[n] + j for n in asked for j in range(len(emitted[n]))]
+    found = token_logprobs(
+        logits[index],
+        [token for n in asked for token in emitted[n]],
+        [requests[rows[n]].params.logprobs or 0 for n in asked for _ in emitted[n]],
+    )
+    logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+    before: list[tuple[TokenLogprobs, ...]] = [()] * len(requests)
+    at = 0
+    for n in asked:
+        count = len(emitted[n])
+        logprobs[rows[n]] = found[at + count - 1]
+        before[rows[n]] = tuple(found[at : at + count - 1])
+        at += count
+    has_before = any(before)
+    return tuple(logprobs), tuple(before) if has_before else None

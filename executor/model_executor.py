@@ -31,17 +31,16 @@ from hybridkv.executor.grammars import GrammarError
 from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.loader import StageSlice, load_checkpoint
-from hybridkv.executor.logprobs import prompt_logprobs, token_logprobs
+from hybridkv.executor.logprobs import emitted_logprobs, prompt_logprobs
 from hybridkv.executor.offload_pages import KVPages, key_space
 from hybridkv.executor.sampler import Sampler
-from hybridkv.executor.speculative import draft_rows, verify_rows
+from hybridkv.executor.speculative import draft_rows, kept_tokens, verify_rows, write_kept_states
 from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
 from hybridkv.memory.layout import LayoutPlan, PoolSpec
 from hybridkv.memory.offload import KeySpace, LoadReport, OffloadConfig, TransferWorker
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.mamba2 import write_verified_states
 from hybridkv.models.transformer import CausalLM
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.outputs import TokenLogprobs
@@ -223,7 +222,7 @@ class ModelExecutor:
             inputs = self.prepare(batch)
             result = self.finish(batch, inputs, self.forward(inputs))
             if result.num_accepted is not None:
-                write_kept_states(inputs, kept_tokens(batch, result))
+                write_kept_states(inputs.caches, kept_tokens(batch, result))
         except BaseException:
             if self.transfers is not None:
                 self.transfers.undeliver(loads)  # reported by the next step instead
@@ -326,45 +325,13 @@ class ModelExecutor:
             accepted = [0] * len(requests)
             for n, i in enumerate(rows):
                 accepted[i] = len(emitted[n]) - 1
-        logprobs, before = self._token_logprobs(requests, rows, logits, firsts, emitted)
+        logprobs, before = emitted_logprobs(requests, rows, logits, firsts, emitted)
         return StepResult(
             token_ids=tokens,
             logprobs=logprobs,
             num_accepted=None if accepted is None else tuple(accepted),
             accepted_logprobs=before,
         )
-
-    def _token_logprobs(
-        self,
-        requests: Sequence[StepRequest],
-        rows: list[int],
-        logits: torch.Tensor,
-        firsts: list[int],
-        emitted: dict[int, list[int]],
-    ) -> tuple[
-        tuple[TokenLogprobs | None, ...] | None, tuple[tuple[TokenLogprobs, ...], ...] | None
-    ]:
-        """Log-probabilities of every emitted token where asked: the last token's per
-        request, and those of the proposals kept before it."""
-        asked = [n for n, i in enumerate(rows) if requests[i].params.logprobs is not None]
-        if not asked:
-            return None, None
-        index = [firsts[n] + j for n in asked for j in range(len(emitted[n]))]
-        found = token_logprobs(
-            logits[index],
-            [token for n in asked for token in emitted[n]],
-            [requests[rows[n]].params.logprobs or 0 for n in asked for _ in emitted[n]],
-        )
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        before: list[tuple[TokenLogprobs, ...]] = [()] * len(requests)
-        at = 0
-        for n in asked:
-            count = len(emitted[n])
-            logprobs[rows[n]] = found[at + count - 1]
-            before[rows[n]] = tuple(found[at : at + count - 1])
-            at += count
-        has_before = any(before)
-        return tuple(logprobs), tuple(before) if has_before else None
 
     def _prompt_logprobs(
         self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
@@ -383,27 +350,6 @@ class ModelExecutor:
                 out[i] = prompt_logprobs(rows, targets, num_top, self.model.compute_logits)
             first += num_tokens
         return tuple(out)
-
-
-def kept_tokens(batch: StepBatch, result: StepResult) -> tuple[int, ...]:
-    """Per request of a verification step, the tokens it kept: its own last token and the
-    proposals accepted (0 for a request the step failed)."""
-    accepted = result.num_accepted or (0,) * len(batch.requests)
-    return tuple(
-        0 if r.request_id in result.errors else r.num_tokens - r.num_draft_tokens + a
-        for r, a in zip(batch.requests, accepted, strict=True)
-    )
-
-
-def write_kept_states(inputs: StageInputs, kept: Sequence[int]) -> None:
-    """After a verification step, write the state groups' states of the tokens each
-    request kept (``StepStates.pending``; ``kept`` from :func:`kept_tokens`)."""
-    seen: set[int] = set()
-    with torch.inference_mode():
-        for _, metadata in inputs.caches:
-            if isinstance(metadata, StepStates) and id(metadata) not in seen:
-                seen.add(id(metadata))
-                write_verified_states(metadata, kept)
 
 
 def _positions(requests: Sequence[StepRequest], device: torch.device) -> torch.Tensor:

@@ -31,7 +31,9 @@ from tokenizers import Tokenizer
 from hybridkv.executor.draw import filter_logits
 from hybridkv.executor.sampler import Sampler, position_seed
 from hybridkv.executor.verification import verify_greedy, verify_sampled
-from hybridkv.scheduler.batch import StepRequest
+from hybridkv.memory.state_pages import StepStates
+from hybridkv.models.mamba2 import write_verified_states
+from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 
 
 def position_requests(request: StepRequest) -> list[StepRequest]:
@@ -93,4 +95,25 @@ def draft_rows(query_lens: Sequence[int], requests: Sequence[StepRequest]) -> li
     return out
 
 
-__all__ = ["draft_rows", "position_requests", "verify_rows"]
+def kept_tokens(batch: StepBatch, result: StepResult) -> tuple[int, ...]:
+    """Per request of a verification step, the tokens it kept: its own last token and the
+    proposals accepted (0 for a request the step failed)."""
+    accepted = result.num_accepted or (0,) * len(batch.requests)
+    return tuple(
+        0 if r.request_id in result.errors else r.num_tokens - r.num_draft_tokens + a
+        for r, a in zip(batch.requests, accepted, strict=True)
+    )
+
+
+def write_kept_states(caches: Sequence[tuple[torch.Tensor, object]], kept: Sequence[int]) -> None:
+    """After a verification step, write the state groups' states of the tokens each
+    request kept (``StepStates.pending``; ``kept`` from :func:`kept_tokens`)."""
+    seen: set[int] = set()
+    with torch.inference_mode():
+        for _, metadata in caches:
+            if isinstance(metadata, StepStates) and id(metadata) not in seen:
+                seen.add(id(metadata))
+                write_verified_states(metadata, kept)
+
+
+__all__ = ["draft_rows", "kept_tokens", "position_requests", "verify_rows", "write_kept_states"]

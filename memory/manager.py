@@ -185,45 +185,20 @@ class KVCacheManager:
         return self._extend(request, state, end)
 
     def reserve_lookahead(self, request: KVRequest, num_tokens: int) -> bool:
-        """Slots for ``num_tokens`` positions past the request's latest allocation, for
-        the proposed tokens a verification step runs with it (speculative decoding)::
-
-            tokens  ... 9 | 10 11 12 13 | 14 15      bs=4, allocated to 11, 4 ahead
-            slots           alloc ahead | ahead      block 3 is taken for the lookahead
-
-        They are not taken as computed, never cached, and release nothing; state groups
-        take a page in every block they reach, so that a state can be kept wherever
-        verification stops. :meth:`accept` keeps the verified ones and gives back the
-        pages past them. False when the pool cannot supply every group: nothing changed.
-        """
-        state = self._requests[request.request_id]
-        bs, n, tables = self.block_size, state.num_tokens, state.tables
-        end = n + num_tokens
-        num_new = cdiv(end, bs) - len(tables[0])
-        if num_new <= 0:
-            return True
-        boundaries = tuple(range((n // bs + 1) * bs, end + 1, bs))
-        wanted = self._pages.wanted(len(tables[0]), n, end, state.checkpoints + boundaries)
-        if not self.pool.fits(*self._pages.need(wanted, num_new)):
-            return False
-        self._pages.take(tables, wanted, num_new)
-        state.capacity = len(tables[0]) * bs
-        return True
+        """Slots for ``num_tokens`` positions past the request's latest allocation, for the
+        proposed tokens a verification step runs (speculative decoding): never computed
+        until :meth:`accept` keeps them, never cached, releasing nothing; False when the
+        pool cannot supply every group (nothing changed). See ``StepPages.reserve``."""
+        return self._pages.reserve(self._requests[request.request_id], num_tokens)
 
     def accept(self, request: KVRequest, num_tokens: int) -> None:
         """A verification step ran: its first ``num_tokens`` lookahead positions hold
-        tokens it kept (appended to ``request.all_token_ids`` by now), which count as
-        computed and are cached as blocks fill; pages of blocks past them go back to the
-        pool, uncached (they hold the K/V or state of rejected tokens only)."""
+        tokens it kept (in ``request.all_token_ids`` by now), computed and cached as blocks
+        fill; the pages of blocks past them go back uncached (rejected tokens only)."""
         state = self._requests[request.request_id]
         state.num_tokens += num_tokens
         self._order.clock += num_tokens
-        keep = cdiv(state.num_tokens, self.block_size)
-        if len(state.tables[0]) > keep:
-            for group, table in enumerate(state.tables):
-                self.pool.release([p for p in reversed(table[keep:]) if p], group)
-                del table[keep:]
-            state.capacity = keep * self.block_size
+        state.drop_blocks_from(cdiv(state.num_tokens, self.block_size), self.pool, self.block_size)
         self._cache_full_blocks(request, state)
 
     def spare_chunk(
@@ -236,16 +211,8 @@ class KVCacheManager:
     ) -> int:
         """How many of the next ``num_new_tokens`` positions to allocate so that no kept
         prefix gives up a page for them: ``num_new_tokens``, halved while a kept prefix
-        would, but not below ``at_least`` (``hit``: as for a first :meth:`allocate`).
-
-        Only where some K/V group stops reading blocks as a request advances (a window, a
-        user's policy that drops blocks): a prefill chunk holds more pages there during
-        its step than after it, and a resumable prefix of such a group is whole or lost,
-        so a long chunk's extra pages can cost a waiting request its whole hit while a
-        short one fits in pages nobody keeps. Where every K/V group keeps every block, a
-        shorter chunk would only delay the same eviction (a state group takes a page only
-        where a step leaves a state, so it adds next to nothing): ``num_new_tokens`` is
-        returned.
+        would, but not below ``at_least`` (``hit``: as for a first :meth:`allocate`);
+        ``StepPages.spare_chunk`` says where and why.
         """
         state = self._requests.get(request.request_id)
         return self._pages.spare_chunk(state, num_new_tokens, hit, at_least)
@@ -280,22 +247,11 @@ class KVCacheManager:
         self._admit(request, 0, hit)
         self._order.clock += num_tokens - hit.num_tokens
         state = self._requests[request.request_id]
-        placed: list[tuple[tuple[int, int], ...]] = []
-        for group, (table, blocks) in enumerate(zip(state.tables, live, strict=True)):
-            dead = [i for i, page in enumerate(table) if page and i not in blocks]
-            pool.release([table[i] for i in reversed(dead)], group)
-            for i in dead:
-                table[i] = NULL_BLOCK
-            table.extend([NULL_BLOCK] * (num_blocks - len(table)))
-            missing = sorted(i for i in blocks if not table[i])
-            pages = pool.allocate(len(missing), group)
-            for i, page in zip(missing, pages, strict=True):
-                table[i] = page
-            placed.append(tuple(zip(missing, pages, strict=True)))
+        placed = state.place_live(live, num_blocks, pool)
         state.num_tokens = state.capacity = num_tokens
         state.release_at = [num_tokens] * len(self._kinds)
         state.advance_release(state.release_scan(self._kinds, num_tokens, bs, find_dead=False)[1])
-        return tuple(placed)
+        return placed
 
     def _extend(
         self, request: KVRequest, state: RequestBlocks, end: int

@@ -23,6 +23,7 @@ import attrs
 
 from hybridkv.memory.free_queue import KeptPrefix
 from hybridkv.memory.hashing import BlockHash
+from hybridkv.memory.pool import NULL_BLOCK, BlockPool
 from hybridkv.policies.base import MemoryPolicy, cdiv
 
 #: A distinct policy and the groups that use it (they share the block arithmetic).
@@ -96,6 +97,37 @@ class RequestBlocks:
             # Releases happen at block starts: round the next death up to one.
             scanned.append((k, scan_from, cdiv(policy.next_release(start, bs), bs) * bs))
         return dead, scanned
+
+    def drop_blocks_from(self, first: int, pool: BlockPool, block_size: int) -> None:
+        """Release the pages of blocks ``first`` on in every group, tail first (uncached
+        pages a verification step reserved past the tokens it kept)."""
+        if len(self.tables[0]) <= first:
+            return
+        for group, table in enumerate(self.tables):
+            pool.release([p for p in reversed(table[first:]) if p], group)
+            del table[first:]
+        self.capacity = first * block_size
+
+    def place_live(
+        self, live: list[set[int]], num_blocks: int, pool: BlockPool
+    ) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Make the tables hold exactly the ``live`` blocks of each group over
+        ``num_blocks`` blocks: release the others, take a fresh page for each live block
+        without one. Returns, per group, the (block, page) pairs taken (an offload tier
+        fills them: ``KVCacheManager.admit_loading``)."""
+        placed: list[tuple[tuple[int, int], ...]] = []
+        for group, (table, blocks) in enumerate(zip(self.tables, live, strict=True)):
+            dead = [i for i, page in enumerate(table) if page and i not in blocks]
+            pool.release([table[i] for i in reversed(dead)], group)
+            for i in dead:
+                table[i] = NULL_BLOCK
+            table.extend([NULL_BLOCK] * (num_blocks - len(table)))
+            missing = sorted(i for i in blocks if not table[i])
+            pages = pool.allocate(len(missing), group)
+            for i, page in zip(missing, pages, strict=True):
+                table[i] = page
+            placed.append(tuple(zip(missing, pages, strict=True)))
+        return tuple(placed)
 
     def advance_release(self, scanned: list[tuple[int, int, int]]) -> None:
         """Record what :meth:`release_scan` found (its dead blocks are released)."""

@@ -66,6 +66,29 @@ class StepPages:
                     wanted[group] = [i for i in blocks if i >= first]
         return None if all(len(w) == len(every) for w in wanted) else wanted
 
+    def reserve(self, state: RequestBlocks, num_tokens: int) -> bool:
+        """Extend a request's tables for ``num_tokens`` lookahead positions past
+        ``state.num_tokens`` (speculative decoding), in every group or none::
+
+            tokens  ... 9 | 10 11 12 13 | 14 15      bs=4, allocated to 11, 4 ahead
+            slots           alloc ahead | ahead      block 3 is taken for the lookahead
+
+        Nothing is released or cached; state groups take a page in every block the
+        lookahead reaches, so that a state can be kept wherever verification stops.
+        False when the pool cannot supply every group: nothing changed."""
+        bs, n, tables = self.block_size, state.num_tokens, state.tables
+        end = n + num_tokens
+        num_new = cdiv(end, bs) - len(tables[0])
+        if num_new <= 0:
+            return True
+        boundaries = tuple(range((n // bs + 1) * bs, end + 1, bs))
+        wanted = self.wanted(len(tables[0]), n, end, (*state.checkpoints, *boundaries))
+        if not self.pool.fits(*self.need(wanted, num_new)):
+            return False
+        self.take(tables, wanted, num_new)
+        state.capacity = len(tables[0]) * bs
+        return True
+
     def need(self, wanted: list[list[int]] | None, num_new: int) -> tuple[int, int]:
         """Fresh small pages and state pages a step takes, over every group (``num_new``
         blocks per table); a page one id wide counts as small (so every page does where
@@ -111,7 +134,16 @@ class StepPages:
         at_least: int,
     ) -> int:
         """``num_new_tokens``, halved while the step would take a page a kept prefix holds,
-        not below ``at_least`` (see ``KVCacheManager.spare_chunk``)."""
+        not below ``at_least`` (``KVCacheManager.spare_chunk``).
+
+        Only where some K/V group stops reading blocks as a request advances (a window, a
+        user's policy that drops blocks): a prefill chunk holds more pages there during
+        its step than after it, and a resumable prefix of such a group is whole or lost,
+        so a long chunk's extra pages can cost a waiting request its whole hit while a
+        short one fits in pages nobody keeps. Where every K/V group keeps every block, a
+        shorter chunk would only delay the same eviction (a state group takes a page only
+        where a step leaves a state, so it adds next to nothing): ``num_new_tokens`` is
+        returned."""
         if num_new_tokens <= at_least or not self.releases_pages:
             return num_new_tokens
         pool = self.pool

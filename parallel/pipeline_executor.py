@@ -38,7 +38,8 @@ from hybridkv.errors.events import get_logger
 from hybridkv.executor.batch_checks import check_batch
 from hybridkv.executor.errors import BatchError
 from hybridkv.executor.load_options import LoadOptions
-from hybridkv.executor.model_executor import LogitsHook, kept_tokens
+from hybridkv.executor.model_executor import LogitsHook
+from hybridkv.executor.speculative import kept_tokens
 from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
 from hybridkv.models.config import ModelConfig
 from hybridkv.parallel.pipeline_launch import StageSettings, read_stats

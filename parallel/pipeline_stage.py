@@ -20,7 +20,8 @@ import time
 import attrs
 import torch
 
-from hybridkv.executor.model_executor import ModelExecutor, StageInputs, write_kept_states
+from hybridkv.executor.model_executor import ModelExecutor, StageInputs
+from hybridkv.executor.speculative import write_kept_states
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.parallel.context_executor import ContextParallelExecutor
 from hybridkv.parallel.pipeline_wire import PipelineChannels, StepMessage
@@ -76,7 +77,7 @@ class StageRunner:
         if self._first_start is None:
             self._first_start = started
         for number, kept in message.verdicts:
-            write_kept_states(self._verifying.pop(number), kept)
+            write_kept_states(self._verifying.pop(number).caches, kept)
         executor, channels, batch = self.executor, self.channels, message.batch
         inputs = executor.prepare(batch)
         if any(r.num_draft_tokens for r in batch.requests) and has_states(inputs):

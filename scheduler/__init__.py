@@ -24,7 +24,8 @@ from hybridkv.scheduler.errors import (
     PromptTooLongError,
     RequestFailedError,
 )
-from hybridkv.scheduler.fake import FakeExecutor, PipelinedFakeExecutor
+from hybridkv.scheduler.fake import FakeExecutor
+from hybridkv.scheduler.fake_pipelined import PipelinedFakeExecutor
 from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import SamplingParams
 

@@ -173,6 +173,35 @@ class EngineConfig:
         """
         return max(1, math.floor(self.max_running_share * self.max_num_seqs))
 
+    def check_executor(self, executor: Executor, proposer: object = None) -> None:
+        """Refuse, at an engine's start, an executor this config cannot run on.
+
+        Raises:
+            ConfigError: the executor's pool is another (named with both values); or the
+                config speculates and the executor does not verify proposed tokens, or
+                it names a draft model and no ``proposer`` runs it.
+        """
+        pool = executor.pool
+        for field in ("block_size", "num_blocks", "policies"):
+            ours, theirs = getattr(self, field), getattr(pool, field)
+            if ours != theirs:
+                raise ConfigError(
+                    f"EngineConfig.{field}={ours!r} but the executor's pool has "
+                    f"{field}={theirs!r}; build the config with "
+                    "EngineConfig.for_executor(executor)"
+                )
+        spec = self.speculative_config
+        if spec is not None and not getattr(executor, "verifies_proposals", False):
+            raise ConfigError(
+                f"speculative_config: {type(executor).__name__} does not verify proposed "
+                "tokens (it has no verifies_proposals = True); run without speculative decoding"
+            )
+        if spec is not None and spec.method == "draft_model" and proposer is None:
+            raise ConfigError(
+                "speculative_config: method draft_model needs a proposer that runs the draft "
+                f"model {spec.model!r}; none was given"
+            )
+
     def check_priority(self, priority: int) -> None:
         """Refuse a request priority the scheduling policy does not take.
 

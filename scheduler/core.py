@@ -34,10 +34,10 @@ from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.memory.offload.config import OffloadConfig
 from hybridkv.memory.offload.keys import KeySpace
-from hybridkv.scheduler.batch import ExecutorResultError, StepRequest, StepResult
+from hybridkv.scheduler.batch import ExecutorResultError, StepResult
 from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.connector import EngineOffload, NoOffload
-from hybridkv.scheduler.errors import EngineOverloadedError, RequestFailedError
+from hybridkv.scheduler.errors import RequestFailedError
 from hybridkv.scheduler.in_flight import StepsInFlight
 from hybridkv.scheduler.meter import PrefixCounter, ThroughputMeter
 from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
@@ -67,19 +67,13 @@ class EngineCore:
     ):
         self.config = config
         self.max_steps_in_flight = max_steps_in_flight
-        self.kv = KVCacheManager(
-            config.policies,
-            config.num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            state_span=config.state_span,
-        )
+        caching = config.enable_prefix_caching
+        self.kv = KVCacheManager.for_pool(config.pool, enable_prefix_caching=caching)
         # With a KV connector: loads and saves through offload tiers (connector.py);
         # the core calls the seam alike either way.
         self.offload = EngineOffload(*offload, self.kv) if offload else None
         self._transfers: EngineOffload | NoOffload = self.offload or NoOffload()
-        spec = config.speculative_config
-        self.speculator = None if spec is None else Speculator(spec, config.max_model_len, proposer)
+        self.speculator = Speculator.for_engine(config, proposer)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self._requests: dict[str, Request] = {}
@@ -132,11 +126,7 @@ class EngineCore:
         prompt = check_request(prompt_token_ids, params, self.config, self.kv)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if len(self.waiting) >= self.config.max_waiting:
-            raise EngineOverloadedError(
-                f"{len(self.waiting)} requests are waiting, the limit is "
-                f"max_waiting={self.config.max_waiting}; retry later"
-            )
+        self.waiting.check_room(self.config.max_waiting)
         request = Request(
             request_id,
             prompt,
@@ -180,10 +170,8 @@ class EngineCore:
         self._prune_running()
         free_steps = self.max_steps_in_flight - len(self._in_flight)
         cap = share_of_ready(self.running, self.waiting, free_steps)
-        loader = self._transfers.loader
-        plan = plan_step(
-            self.running, self.waiting, self.kv, self.config, cap, loader, self.speculator
-        )
+        loader, speculator = self._transfers.loader, self.speculator
+        plan = plan_step(self.running, self.waiting, self.kv, self.config, cap, loader, speculator)
         transfers = self._transfers.take_transfers()
         if transfers is not None:
             plan = attrs.evolve(plan, batch=attrs.evolve(plan.batch, transfers=transfers))
@@ -195,12 +183,8 @@ class EngineCore:
             self.num_preemptions += 1
             request.log_preempted(self.kv.num_free_blocks)
         for request in plan.admitted:
-            is_first = request.first_scheduled_time is None
-            if is_first:
-                request.first_scheduled_time = now
-                if self.config.enable_prefix_caching:
-                    self._prefix.record(request.num_cached_tokens, request.num_prompt_tokens)
-            request.log_admitted(now, is_first=is_first)
+            if request.admitted(now) and self.config.enable_prefix_caching:
+                self._prefix.record(request.num_cached_tokens, request.num_prompt_tokens)
         if plan.runs:
             self._in_flight.push(plan)
         self._plan_us = (time.perf_counter() - start) * 1e6
@@ -219,24 +203,21 @@ class EngineCore:
         for again in self._transfers.apply_loads(result.kv_loads, now, self._prefix):
             self.waiting.push(again)  # its load failed: it resumes a shorter prefix
             self._has_finished_running = True
-        transfers = self._transfers
-        eos = self.config.eos_token_ids
-        max_len = self.config.max_model_len
-        kv_free = self.kv.free
+        transfers, kv_free = self._transfers, self.kv.free
+        eos, max_len = self.config.eos_token_ids, self.config.max_model_len
         num_outputs = 0
         items = plan.batch.requests
         # This loop runs once per request per step: absent columns are repeat(None), and
         # _check_result has matched every present column's length to the batch.
         has_failures = bool(result.errors) or self._in_flight.has_stale
-        for index, (request, item, token, prompt_found, found) in enumerate(
-            zip(
-                plan.scheduled,
-                items,
-                result.token_ids,
-                result.prompt_logprobs or itertools.repeat(None),
-                result.logprobs or itertools.repeat(None),
-                strict=False,
-            )
+        for index, request, item, token, prompt_found, found in zip(
+            itertools.count(),
+            plan.scheduled,
+            items,
+            result.token_ids,
+            result.prompt_logprobs or itertools.repeat(None),
+            result.logprobs or itertools.repeat(None),
+            strict=False,
         ):
             request.in_step = False
             if request.status is RequestStatus.FINISHED:  # aborted while the step ran
@@ -248,31 +229,37 @@ class EngineCore:
                 if error is not None:
                     self._fail_request(request, error, computed=False)
                     continue
-            if item.num_draft_tokens:
-                num_outputs += self._apply_verified(request, item, result, index, now)
-                continue
-            request.num_computed_tokens += len(item.token_ids)
-            transfers.filled(request, item.start_position)
-            if prompt_found:
-                gather_prompt_logprobs(request, item, prompt_found)
-            if token is None:
-                continue
-            logprobs = None
-            if request.params.logprobs is not None:
-                if found is None:
-                    error = ExecutorResultError("the executor returned no logprobs for it")
-                    self._fail_request(request, error, computed=True)
+            if item.num_draft_tokens:  # speculative decoding: scheduler/verified.py
+                assert self.speculator is not None, "a proposal without a speculator"
+                verified = self.speculator.take(request, item, (result, index), self.kv)
+                if isinstance(verified, HybridKVError):
+                    self._fail_request(request, verified, computed=False)
                     continue
-                logprobs = (found,)
-            request.all_token_ids.append(token)
-            num_outputs += 1
+                transfers.filled(request, item.start_position)
+                tokens, reason, logprobs = verified.tokens, verified.reason, verified.logprobs
+            else:
+                request.num_computed_tokens += len(item.token_ids)
+                transfers.filled(request, item.start_position)
+                if prompt_found:
+                    gather_prompt_logprobs(request, item, prompt_found)
+                if token is None:
+                    continue
+                logprobs = None
+                if request.params.logprobs is not None:
+                    if found is None:
+                        error = ExecutorResultError("the executor returned no logprobs for it")
+                        self._fail_request(request, error, computed=True)
+                        continue
+                    logprobs = (found,)
+                request.all_token_ids.append(token)
+                tokens, reason = (token,), request.stop_reason(token, eos, max_len)
+            num_outputs += len(tokens)
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = request.stop_reason(token, eos, max_len)
             if reason is None:
-                self._outbox.append((request, request.output((token,), None, logprobs), False))
+                self._outbox.append((request, request.output(tokens, None, logprobs), False))
             else:
-                self._finish(request, reason, new_token_ids=(token,), logprobs=logprobs)
+                self._finish(request, reason, new_token_ids=tokens, logprobs=logprobs)
         self.num_steps += 1
         self._meter.record(now, plan.num_tokens, num_outputs)
         apply_us = (time.perf_counter() - start) * 1e6
@@ -286,57 +273,6 @@ class EngineCore:
             plan_us=round(self._plan_us, 1),
             apply_us=round(apply_us, 1),
         )
-
-    def _apply_verified(
-        self, request: Request, item: StepRequest, result: StepResult, index: int, now: float
-    ) -> int:
-        """Apply a verification step's tokens (the accepted proposals, then the
-        executor's own), stopping at the first that ends the request; returns the tokens
-        emitted."""
-        num_drafts = item.num_draft_tokens
-        num_accepted = result.num_accepted[index] if result.num_accepted else 0
-        if not 0 <= num_accepted <= num_drafts:
-            error = ExecutorResultError(f"{num_accepted} of {num_drafts} proposals accepted")
-            self._fail_request(request, error, computed=False)
-            return 0
-        token = result.token_ids[index]
-        assert token is not None, "request_failure fails a sampling request without token"
-        emitted = [*item.draft_token_ids[:num_accepted], token]
-        logprobs: tuple[TokenLogprobs, ...] | None = None
-        if request.params.logprobs is not None:
-            found = result.logprobs[index] if result.logprobs else None
-            before = result.accepted_logprobs[index] if result.accepted_logprobs else ()
-            if found is None or len(before) != num_accepted:
-                error = ExecutorResultError("the executor returned no logprobs for it")
-                self._fail_request(request, error, computed=False)
-                return 0
-            logprobs = (*before, found)
-        assert self.speculator is not None, "a proposal without a speculator"
-        self.speculator.verified(request, num_drafts, num_accepted)
-        eos, max_len = self.config.eos_token_ids, self.config.max_model_len
-        reason = None
-        tokens = request.all_token_ids
-        for count, new in enumerate(emitted, 1):
-            tokens.append(new)
-            reason = request.stop_reason(new, eos, max_len)
-            if reason is not None:
-                emitted = emitted[:count]
-                break
-        # The step computed the last token and the proposals kept before the last emitted.
-        num_kept = len(emitted) - 1 if reason is None else min(len(emitted), num_accepted)
-        request.num_computed_tokens += 1 + num_kept
-        self.kv.accept(request, num_kept)
-        self._transfers.filled(request, item.start_position)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        new_ids = tuple(emitted)
-        if logprobs is not None:
-            logprobs = logprobs[: len(emitted)]
-        if reason is None:
-            self._outbox.append((request, request.output(new_ids, None, logprobs), False))
-        else:
-            self._finish(request, reason, new_token_ids=new_ids, logprobs=logprobs)
-        return len(emitted)
 
     def fail(self, plan: StepPlan, error: BaseException) -> None:
         """The executor raised for the oldest step: fail its requests, free their blocks.
@@ -435,8 +371,6 @@ class EngineCore:
         if self._has_finished_running:
             self.running[:] = [r for r in self.running if r.status is RequestStatus.RUNNING]
             self._has_finished_running = False
-
-    # -- stats -------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         """Counts of the queues and the pool, prefix hit rate, recent throughput."""

@@ -88,8 +88,7 @@ class Engine:
         offload: OffloadConfig | None = None,
         proposer: Proposer | None = None,
     ) -> None:
-        _check_pool(config, executor)
-        _check_speculation(config, executor, proposer)
+        config.check_executor(executor, proposer)
         self.config = config
         self.executor = executor
         depth = _steps_in_flight(executor)
@@ -394,35 +393,6 @@ def _steps_in_flight(executor: Executor) -> int:
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ConfigError(f"executor.max_steps_in_flight must be an int >= 1, got {depth!r}")
     return depth
-
-
-def _check_pool(config: EngineConfig, executor: Executor) -> None:
-    """Refuse a config whose pool is not the executor's, naming both values."""
-    pool = executor.pool
-    for field in ("block_size", "num_blocks", "policies"):
-        ours, theirs = getattr(config, field), getattr(pool, field)
-        if ours != theirs:
-            raise ConfigError(
-                f"EngineConfig.{field}={ours!r} but the executor's pool has {field}={theirs!r}; "
-                "build the config with EngineConfig.for_executor(executor)"
-            )
-
-
-def _check_speculation(config: EngineConfig, executor: Executor, proposer: object) -> None:
-    """Refuse speculative decoding that the executor or the config cannot do, at start."""
-    spec = config.speculative_config
-    if spec is None:
-        return
-    if not getattr(executor, "verifies_proposals", False):
-        raise ConfigError(
-            f"speculative_config: {type(executor).__name__} does not verify proposed tokens "
-            "(it has no verifies_proposals = True); run without speculative decoding"
-        )
-    if spec.method == "draft_model" and proposer is None:
-        raise ConfigError(
-            "speculative_config: method draft_model needs a proposer that runs the draft "
-            f"model {spec.model!r}; none was given"
-        )
 
 
 __all__ = ["Engine", "RequestStream"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
+from hybridkv.scheduler.errors import EngineOverloadedError
 from hybridkv.scheduler.request import Request, RequestStatus
 
 
@@ -31,6 +32,18 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[Request]:
         """Live requests, in no particular order."""
         return (r for _, _, r in self._heap if r.status is RequestStatus.WAITING)
+
+    def check_room(self, limit: int) -> None:
+        """Refuse a request while ``limit`` wait already.
+
+        Raises:
+            EngineOverloadedError: the queue is full.
+        """
+        if self._num_live >= limit:
+            raise EngineOverloadedError(
+                f"{self._num_live} requests are waiting, the limit is max_waiting={limit}; "
+                "retry later"
+            )
 
     def push(self, request: Request) -> None:
         """Add a request whose status is WAITING."""

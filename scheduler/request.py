@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.outputs import FinishReason, RequestOutput, TokenLogprobs
 from hybridkv.scheduler.params import SamplingParams
-
-if TYPE_CHECKING:
-    from hybridkv.scheduler.speculator import DraftState
+from hybridkv.scheduler.speculation import DraftState
 
 
 class RequestStatus(enum.Enum):
@@ -152,6 +150,14 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     # -- events: one line each at info, with the request id bound -------------------------
+
+    def admitted(self, now: float) -> bool:
+        """The planner gave it pages: log it; whether it was the first time."""
+        is_first = self.first_scheduled_time is None
+        if is_first:
+            self.first_scheduled_time = now
+        self.log_admitted(now, is_first=is_first)
+        return is_first
 
     def log_admitted(self, now: float, *, is_first: bool) -> None:
         """The planner gave it pages (first, or again after a preemption)."""

@@ -172,4 +172,19 @@ class NgramProposer:
         return ()
 
 
-__all__ = ["NgramProposer", "Proposer", "SpeculativeConfig", "SpeculativeConfigError"]
+@attrs.define(slots=True)
+class DraftState:
+    """One request's speculation: its current ``k`` and its back-off."""
+
+    k: int
+    skip: int = 0  # decode steps left without a proposal
+    misses: int = 0  # proposals in a row with nothing accepted
+
+
+__all__ = [
+    "DraftState",
+    "NgramProposer",
+    "Proposer",
+    "SpeculativeConfig",
+    "SpeculativeConfigError",
+]

@@ -25,23 +25,16 @@ accepted tokens, and accepted tokens per position of the proposal.
 
 from __future__ import annotations
 
-import attrs
-
+from hybridkv.memory.manager import KVCacheManager
+from hybridkv.scheduler.batch import ExecutorResultError, StepRequest, StepResult
+from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.outputs import SpecDecodeStats
 from hybridkv.scheduler.request import Request
-from hybridkv.scheduler.speculation import NgramProposer, Proposer, SpeculativeConfig
+from hybridkv.scheduler.speculation import DraftState, NgramProposer, Proposer, SpeculativeConfig
+from hybridkv.scheduler.verified import Verified, take_verified
 
 #: Most decode steps a request sits out after proposals that were all rejected.
 _MAX_BACKOFF = 64
-
-
-@attrs.define(slots=True)
-class DraftState:
-    """One request's speculation: its current ``k`` and its back-off."""
-
-    k: int
-    skip: int = 0  # decode steps left without a proposal
-    misses: int = 0  # proposals in a row with nothing accepted
 
 
 class Speculator:
@@ -49,19 +42,27 @@ class Speculator:
 
     Args:
         config: The engine's speculative config.
-        max_model_len: Longest sequence: a proposal stops before it.
+        engine: The engine's config: its ``max_model_len`` (a proposal stops before it)
+            and end-of-sequence tokens.
         proposer: What proposes (the config's n-gram lookup when None).
     """
 
     def __init__(
-        self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None
+        self, config: SpeculativeConfig, engine: EngineConfig, proposer: Proposer | None = None
     ) -> None:
         self.config = config
-        self.max_model_len = max_model_len
+        self.max_model_len = engine.max_model_len
+        self._limits = (engine.eos_token_ids, engine.max_model_len)
         self.proposer = proposer or NgramProposer.for_config(config)
         self._num_drafts = 0
         self._num_draft_tokens = 0
         self._accepted = [0] * config.num_speculative_tokens
+
+    @classmethod
+    def for_engine(cls, engine: EngineConfig, proposer: Proposer | None) -> Speculator | None:
+        """The engine's speculator, or None where its config does not speculate."""
+        spec = engine.speculative_config
+        return None if spec is None else cls(spec, engine, proposer)
 
     def allows(self, num_running: int) -> bool:
         """Whether a step with ``num_running`` running requests proposes at all
@@ -92,6 +93,26 @@ class Speculator:
             return ()
         return self.proposer.propose(tokens, k)
 
+    def take(
+        self,
+        request: Request,
+        item: StepRequest,
+        entry: tuple[StepResult, int],
+        kv: KVCacheManager,
+    ) -> Verified | ExecutorResultError:
+        """Take a verification step's tokens for ``request`` (entry ``i`` of the result):
+        append them (``scheduler/verified.py``), count the kept proposals as computed in the
+        request and the KV cache manager, learn from the outcome; an error where the
+        executor's answer does not fit."""
+        result, index = entry
+        verified = take_verified(request, item, result, index, self._limits)
+        if isinstance(verified, ExecutorResultError):
+            return verified
+        self.verified(request, item.num_draft_tokens, verified.num_accepted)
+        request.num_computed_tokens += 1 + verified.num_kept
+        kv.accept(request, verified.num_kept)
+        return verified
+
     def verified(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """Record a verification of ``num_proposed`` tokens, ``num_accepted`` kept."""
         self._num_drafts += 1
@@ -121,4 +142,4 @@ class Speculator:
         )
 
 
-__all__ = ["DraftState", "Speculator"]
+__all__ = ["Speculator"]

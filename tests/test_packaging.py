@@ -50,10 +50,24 @@ def test_hybridkv_itself_is_a_namespace() -> None:
 
 @pytest.mark.parametrize("name", FOLDERS)
 def test_bare_folder_names_do_not_import(name: str, tmp_path: Path) -> None:
-    """Outside the checkout, `import memory` etc. fail: nothing is installed top-level."""
-    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is not None)"
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=False)
-    assert done.returncode == 0, f"a top-level module {name!r} is importable"
+    """Outside the checkout, `import memory` etc. find nothing of ours: hybridkv installs
+    nothing top-level (another distribution may own the name: Hugging Face's `kernels`,
+    which transformers requires)."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.find_spec({name!r})\n"
+        "print(spec.origin if spec is not None else '')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True
+    )
+    origin = done.stdout.strip()
+    ours = str(ROOT / name)
+    assert not origin.startswith(ours), f"a top-level module {name!r} is ours: {origin}"
+    if origin:
+        from importlib.metadata import packages_distributions
+
+        assert "hybridkv" not in packages_distributions().get(name, []), origin
 
 
 @pytest.mark.parametrize("name", FOLDERS)
