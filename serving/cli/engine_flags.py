@@ -275,6 +275,27 @@ def parse_layer_policies(texts: list[str]) -> tuple[tuple[str, MemoryPolicy], ..
     return tuple(out.items())
 
 
+def _check_one_process_flags(args: argparse.Namespace) -> None:
+    """Refuse what runs in one process beside pipeline or context ranks, naming both
+    flags, before anything is loaded or any worker starts.
+
+    Raises:
+        UsageError: ``--kv-offload`` with ``-pp`` or ``-cp``.
+    """
+    from hybridkv.serving.cli.values import UsageError
+
+    ranks = [
+        f"--{flag.replace('_', '-')} {getattr(args, flag, 1)}"
+        for flag in ("pipeline_parallel_size", "context_parallel_size")
+        if getattr(args, flag, 1) > 1
+    ]
+    if ranks and getattr(args, "kv_offload", None):
+        raise UsageError(
+            f"--kv-offload with {ranks[0]}: offload tiers run in one process (each rank "
+            "saving its own share of a block is not built); drop one of the two"
+        )
+
+
 def speculative_config(
     text: str | None, context_parallel_size: int = 1, num_ranks: int = 1
 ) -> SpeculativeConfig | None:
@@ -344,6 +365,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
             f"--kv-cache-dtype {kv_dtype}: the KV pages are in the model dtype here "
             f"(--dtype {args.dtype}); fp8 KV caches are not built"
         )
+    _check_one_process_flags(args)
     utilization = getattr(args, "gpu_memory_utilization", None)
     if utilization is not None:
         if not 0 < utilization <= 1:
