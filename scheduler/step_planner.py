@@ -24,8 +24,8 @@ on its own. Order of business::
        keeping its place, so that one request's ``n`` choices never hold every slot;
     3. with speculative decoding: decodes of step 1, most urgent first, add the tokens
        the speculator proposes (``scheduler/speculator.py``), with the budget and pages
-       left over: a proposal never preempts or delays anyone, and one that does not fit
-       is dropped.
+       left over, and only in a step that preempted nobody: a proposal never preempts or
+       delays anyone, and one that does not fit is dropped.
 
 The running list stays sorted by urgency, so the preemption victim is its last entry
 that is in no step: never a request already planned in this step or in flight.
@@ -142,7 +142,8 @@ def plan_step(
             running, waiting, kv, config, budget, (admitted, rejected, loading), items, cap, loader
         )
         scheduled.extend(admitted)
-    if speculator is not None and decodes and budget > 0 and speculator.allows(len(running)):
+    # A step that preempted has no pages to spare for proposals.
+    if speculator and decodes and budget > 0 and not preempted and speculator.allows(len(running)):
         budget = _speculate(decodes, items, scheduled, kv, speculator, budget)
     return StepPlan(
         batch=StepBatch(tuple(items)),

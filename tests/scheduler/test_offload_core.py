@@ -21,7 +21,7 @@ BS = 4
 
 
 def make(
-    num_blocks: int = 40, tier_bytes: int = 1 << 20, **options: Any
+    num_blocks: int = 40, tier_bytes: int = 1 << 20, proposer: Any = None, **options: Any
 ) -> tuple[EngineCore, FakeExecutor, OffloadConfig]:
     settings: dict[str, Any] = {
         "policies": [FullAttention(), SlidingWindow(window=6), SlidingWindow(window=6)],
@@ -36,7 +36,7 @@ def make(
     fake = FakeExecutor.for_config(config)
     offload = OffloadConfig(tiers=[HostTier(tier_bytes)], save_interval=16)
     keys = fake.attach_offload(offload)
-    return EngineCore(config, offload=(offload, keys)), fake, offload
+    return EngineCore(config, offload=(offload, keys), proposer=proposer), fake, offload
 
 
 @pytest.fixture
@@ -190,14 +190,26 @@ def flush_long(core: EngineCore, fake: FakeExecutor) -> None:
         run(core, fake, [(11 * k + 3 * i + 1) % VOCAB for i in range(150)], f"long{k}")
 
 
+@pytest.mark.parametrize("speculate", [False, True])
 @pytest.mark.parametrize("span", [1, 3])
-def test_a_state_group_resumes_from_the_tier_where_every_group_can(span: int) -> None:
+def test_a_state_group_resumes_from_the_tier_where_every_group_can(
+    span: int, speculate: bool
+) -> None:
     """A Bamba-like pool (two mamba groups, one full; a state page spans ``span`` pages):
     after the pool lost the end of a conversation, its next turn loads the full group's
     blocks and the state groups' checkpoint at the end of the previous turn, and samples
-    what the fake model samples from scratch (the fake checks every state it reads)."""
+    what the fake model samples from scratch (the fake checks every state it reads). With
+    speculative decoding, only kept tokens' blocks and states reach the tier."""
+    from hybridkv.scheduler.speculation import SpeculativeConfig
+    from hybridkv.testing import ReferenceProposer
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3) if speculate else None
     core, fake, offload = make(
-        num_blocks=60, policies=[MambaLike(), FullAttention(), MambaLike()], state_span=span
+        num_blocks=60,
+        policies=[MambaLike(), FullAttention(), MambaLike()],
+        state_span=span,
+        speculative_config=spec,
+        proposer=ReferenceProposer(VOCAB, miss=0.3, seed=span),
     )
     try:
         first = run(core, fake, prompt(), "a")
