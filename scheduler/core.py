@@ -176,6 +176,7 @@ class EngineCore:
         if transfers is not None:
             plan = attrs.evolve(plan, batch=attrs.evolve(plan.batch, transfers=transfers))
         now = self._clock()
+        plan = plan if self.speculator is None else attrs.evolve(plan, planned_at=now)
         for request in plan.rejected:
             error = never_fits(request.request_id, len(request.all_token_ids), self.kv)
             self._finish(request, error=error)
@@ -261,6 +262,8 @@ class EngineCore:
             else:
                 self._finish(request, reason, new_token_ids=tokens, logprobs=logprobs)
         self.num_steps += 1
+        if self.speculator is not None:
+            self.speculator.step_done(items, now - plan.planned_at, num_outputs)
         self._meter.record(now, plan.num_tokens, num_outputs)
         apply_us = (time.perf_counter() - start) * 1e6
         log.debug(

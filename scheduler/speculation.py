@@ -39,6 +39,7 @@ _KEYS = frozenset(
         "prompt_lookup_max",
         "model",
         "disable_by_batch_size",
+        "adaptive",
     }
 )
 
@@ -63,6 +64,9 @@ class SpeculativeConfig:
         disable_by_batch_size: No proposals in a step while more requests than this run
             (vLLM's key: a large batch is bound by compute, where verifying costs more
             than it saves); None: any batch.
+        adaptive: hybridkv's key: measure, per number of decoding requests in a step, the
+            tokens emitted per second with proposals and without, and propose only where
+            it pays (``scheduler/speculator.py``); False: always propose.
     """
 
     method: Method
@@ -71,6 +75,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     model: str | None = None
     disable_by_batch_size: int | None = None
+    adaptive: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.method not in _METHODS:
@@ -82,6 +87,8 @@ class SpeculativeConfig:
         _count(self.prompt_lookup_max, "prompt_lookup_max", 1)
         if self.disable_by_batch_size is not None:
             _count(self.disable_by_batch_size, "disable_by_batch_size", 1)
+        if not isinstance(self.adaptive, bool):
+            raise SpeculativeConfigError("speculative config: adaptive must be true or false")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise SpeculativeConfigError(
                 "speculative config: prompt_lookup_min "
@@ -118,6 +125,7 @@ class SpeculativeConfig:
             prompt_lookup_max=high,  # type: ignore[arg-type]
             model=model,
             disable_by_batch_size=fields.get("disable_by_batch_size"),  # type: ignore[arg-type]
+            adaptive=fields.get("adaptive", True),  # type: ignore[arg-type]
         )
 
 

@@ -12,9 +12,14 @@ and learns from the outcome:
   nothing: after ``m`` such proposals in a row, the request proposes nothing for the next
   ``2 ** m`` decode steps (at most 64), so on text that does not copy its context the
   steps are plain decodes again.
-- **When.** Every step, unless more requests run than ``disable_by_batch_size``
-  (vLLM's key): a large batch is bound by compute, not by reading the weights, and
-  verifying costs it more than it saves.
+- **When.** Where it pays. Verifying ``k`` tokens costs little more than a decode where a
+  step is bound by reading the weights (a small batch), and more than it saves where it
+  is bound by compute (a large batch on a CPU). With ``adaptive`` (the default), the
+  speculator keeps, per number of decoding requests in a step, the tokens emitted per
+  second by steps with proposals and by steps without (moving averages of steps of
+  decodes only), proposes where the first is the higher, and every 16th such step tries
+  the other way, so the choice follows the load. ``disable_by_batch_size`` (vLLM's key)
+  turns proposals off above a batch size outright.
 - **Who.** Every decoding request, unless it opted out at submission
   (``speculative=False``); structured output included (each row is masked by the
   grammar after the proposals before it: ``executor/speculative.py``).
@@ -24,6 +29,8 @@ accepted tokens, and accepted tokens per position of the proposal.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.scheduler.batch import ExecutorResultError, StepRequest, StepResult
@@ -35,6 +42,37 @@ from hybridkv.scheduler.verified import Verified, take_verified
 
 #: Most decode steps a request sits out after proposals that were all rejected.
 _MAX_BACKOFF = 64
+#: Every this many steps of a batch size, the kind of step the rates do not favour.
+_EXPLORE = 16
+#: Weight of a new step's rate in the moving averages.
+_SMOOTHING = 0.25
+
+
+class StepRates:
+    """Per number of decodes in a step, tokens emitted per second by steps without and
+    with proposals (exponential moving averages), and which kind the next step should be."""
+
+    def __init__(self) -> None:
+        self._rates: dict[int, list[float | None]] = {}  # size -> [plain, proposed]
+        self._calls: dict[int, int] = {}
+
+    def choose(self, size: int) -> bool:
+        """Whether a step of ``size`` decodes should propose: untried first (proposing,
+        then not), then the faster, and the slower every ``_EXPLORE``-th time."""
+        plain, proposed = self._rates.setdefault(size, [None, None])
+        if proposed is None:
+            return True
+        if plain is None:
+            return False
+        calls = self._calls[size] = self._calls.get(size, 0) + 1
+        better = proposed >= plain
+        return not better if calls % _EXPLORE == 0 else better
+
+    def record(self, size: int, proposed: bool, rate: float) -> None:
+        """A step of ``size`` decodes, with proposals or not, emitted ``rate`` tokens/s."""
+        rates = self._rates.setdefault(size, [None, None])
+        old = rates[proposed]
+        rates[proposed] = rate if old is None else old + _SMOOTHING * (rate - old)
 
 
 class Speculator:
@@ -54,6 +92,7 @@ class Speculator:
         self.max_model_len = engine.max_model_len
         self._limits = (engine.eos_token_ids, engine.max_model_len)
         self.proposer = proposer or NgramProposer.for_config(config)
+        self._rates = StepRates()
         self._num_drafts = 0
         self._num_draft_tokens = 0
         self._accepted = [0] * config.num_speculative_tokens
@@ -64,11 +103,25 @@ class Speculator:
         spec = engine.speculative_config
         return None if spec is None else cls(spec, engine, proposer)
 
-    def allows(self, num_running: int) -> bool:
-        """Whether a step with ``num_running`` running requests proposes at all
-        (``disable_by_batch_size``)."""
+    def allows(self, num_running: int, num_decodes: int) -> bool:
+        """Whether a step with ``num_running`` running requests, ``num_decodes`` of them
+        decoding, proposes at all (``disable_by_batch_size``, ``adaptive``)."""
         limit = self.config.disable_by_batch_size
-        return limit is None or num_running <= limit
+        if limit is not None and num_running > limit:
+            return False
+        return self._rates.choose(num_decodes) if self.config.adaptive else True
+
+    def step_done(self, items: Sequence[StepRequest], seconds: float, num_emitted: int) -> None:
+        """A step ran for ``seconds`` and emitted ``num_emitted`` tokens: where it ran
+        decodes only, learn the rate of its kind (with proposals or without)."""
+        if not self.config.adaptive or seconds <= 0.0 or not items:
+            return
+        proposed = False
+        for item in items:
+            if not item.sample or item.num_tokens - item.num_draft_tokens != 1:
+                return  # a prefill chunk: not a measure of decoding
+            proposed = proposed or bool(item.num_draft_tokens)
+        self._rates.record(len(items), proposed, num_emitted / seconds)
 
     def propose(self, request: Request, limit: int) -> tuple[int, ...]:
         """The tokens to verify after ``request``'s last one (at most ``limit``); empty

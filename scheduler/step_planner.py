@@ -60,6 +60,8 @@ class StepPlan:
         num_tokens: Tokens the step runs, over all requests.
         loading: Waiting requests admitted to load their prefix from an offload tier
             (running, ``in_step`` until the load is reported; in no batch).
+        planned_at: The engine's clock when it was planned (speculative decoding times
+            steps by it).
     """
 
     batch: StepBatch
@@ -69,6 +71,7 @@ class StepPlan:
     rejected: Sequence[Request]
     num_tokens: int
     loading: Sequence[Request] = ()
+    planned_at: float = 0.0
 
     @property
     def runs(self) -> bool:
@@ -143,7 +146,13 @@ def plan_step(
         )
         scheduled.extend(admitted)
     # A step that preempted has no pages to spare for proposals.
-    if speculator and decodes and budget > 0 and not preempted and speculator.allows(len(running)):
+    if (
+        speculator
+        and decodes
+        and budget > 0
+        and not preempted
+        and speculator.allows(len(running), len(decodes))
+    ):
         budget = _speculate(decodes, items, scheduled, kv, speculator, budget)
     return StepPlan(
         batch=StepBatch(tuple(items)),

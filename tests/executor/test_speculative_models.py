@@ -22,7 +22,9 @@ from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
 from hybridkv.scheduler.speculation import SpeculativeConfig
 
-SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+SPEC = SpeculativeConfig(
+    method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, adaptive=False
+)
 NUM_TOKENS = 14
 #: Bytes of a pool of this many pages of 4 tokens (K/V ones; a state takes a span of
 #: them): three requests of about 30 tokens do not fit at once.
@@ -194,7 +196,9 @@ async def test_a_draft_model_proposes_and_the_text_is_the_targets(
         torch_thread=executor.torch_thread,
     )
     proposer = DraftModelProposer(small, vocab_size=256, max_model_len=128)
-    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="draft")
+    spec = SpeculativeConfig(
+        method="draft_model", num_speculative_tokens=3, model="draft", adaptive=False
+    )
     config = EngineConfig.for_executor(executor, max_model_len=128, speculative_config=spec)
     prompts = [prompt_of(11, 5), prompt_of(7, 6)]
     outputs, stats = await _serve(executor, config, prompts, proposer, logits)

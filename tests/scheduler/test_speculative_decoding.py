@@ -26,7 +26,8 @@ from hybridkv.scheduler.speculation import SpeculativeConfig
 from hybridkv.testing import ReferenceProposer, SamplingFakeExecutor
 
 VOCAB = 50
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+# Always propose: these tests count steps and proposals (the adaptive choice has its own).
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
 
 
 def make_config(**options: Any) -> EngineConfig:
@@ -210,7 +211,9 @@ def test_proposals_that_never_pay_back_off() -> None:
 
 def test_pages_of_rejected_blocks_go_back_to_the_pool() -> None:
     config = make_config(
-        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=8)
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=8, adaptive=False
+        )
     )
     core = EngineCore(config, proposer=ReferenceProposer(VOCAB, miss=1.0, random_length=False))
     sink = CollectingSink()
@@ -292,7 +295,9 @@ def test_speculation_costs_no_cached_block(shared: str) -> None:
 
 
 def test_no_proposals_while_more_requests_run_than_disable_by_batch_size() -> None:
-    spec = SpeculativeConfig.from_mapping({"num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    spec = SpeculativeConfig.from_mapping(
+        {"num_speculative_tokens": 3, "disable_by_batch_size": 2, "adaptive": False}
+    )
     config = make_config(speculative_config=spec)
     proposer = ReferenceProposer(VOCAB, seed=1)
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
@@ -301,3 +306,40 @@ def test_no_proposals_while_more_requests_run_than_disable_by_batch_size() -> No
     assert proposer.num_proposed == 0  # three ran together to the end
     got, _, _ = serve(config, prompts[:2], 12, proposer=proposer)
     assert proposer.num_proposed > 0
+
+
+class TimedFake(FakeExecutor):
+    """The fake on a clock of its own: a step costs 1 + ``per_row`` per proposed token."""
+
+    def __init__(self, config: EngineConfig, per_row: float) -> None:
+        super().__init__(config.pool, vocab_size=VOCAB)
+        self.now, self.per_row = 0.0, per_row
+
+    def execute(self, batch: Any) -> Any:
+        self.now += 1.0 + self.per_row * sum(r.num_draft_tokens for r in batch.requests)
+        return super().execute(batch)
+
+
+@pytest.mark.parametrize(("per_row", "pays"), [(0.02, True), (1.0, False)])
+def test_adaptive_speculation_proposes_where_it_pays(per_row: float, pays: bool) -> None:
+    """Proposals that make a step cheaper per token are kept up; ones that make it dearer
+    than the tokens they add are tried again only every 16th step."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)  # adaptive
+    config = make_config(speculative_config=spec, max_model_len=400, num_blocks=400)
+    fake = TimedFake(config, per_row)
+    core = EngineCore(config, clock=lambda: fake.now, proposer=ReferenceProposer(VOCAB, miss=0.1))
+    prompts = [[(3 * i + j) % VOCAB for j in range(4)] for i in range(4)]
+    sinks = [CollectingSink() for _ in prompts]
+    for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
+        core.add_request(
+            prompt, SamplingParams(max_tokens=300, ignore_eos=True), sink, request_id=str(i)
+        )
+    run(core, fake)
+    assert [outputs(s) for s in sinks] == [reference_tokens(p, 300, VOCAB) for p in prompts]
+    stats = core.speculator.stats() if core.speculator else None
+    assert stats is not None
+    # Four decodes a step for some 300 steps without speculation.
+    if pays:
+        assert stats.num_drafts > 4 * 60
+    else:
+        assert 0 < stats.num_drafts < 4 * 30

@@ -31,7 +31,7 @@ class _Speculating:
     def __init__(self) -> None:
         super().__init__()
         machine: PlannerMachine = self  # type: ignore[assignment]
-        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=5)
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=5, adaptive=False)
         span = self.STATE_SPAN
         machine.config = attrs.evolve(
             machine.config,

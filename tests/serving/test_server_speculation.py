@@ -17,7 +17,7 @@ from hybridkv.serving.cli.values import UsageError
 from hybridkv.testing import LiveServer, ReferenceProposer
 
 MODEL = "fake-model"
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
 
 
 def test_speculated_text_is_the_text_and_the_series_count_it(
