@@ -57,20 +57,17 @@ Results: docs/benchmarks.md, section "Speculative decoding (n-gram prompt lookup
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -79,116 +76,20 @@ import attrs
 import structlog
 import torch
 from _results import add_json_argument, write_json
+from _speculative_prompts import WORKLOADS, Workload
+from vs_llama_cpp import running
 
 from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
 from hybridkv.scheduler.outputs import SpecDecodeStats
 from hybridkv.scheduler.speculation import SpeculativeConfig
 from hybridkv.serving.cli.loading import EngineArgs, LoadedModel, load_model
 
-_RIVER = (
-    "The river rose slowly through the night, and by morning the low fields near the mill "
-    "were under a foot of brown water. The miller's daughter walked the bank with a lantern, "
-    "counting the fence posts that still showed above the flood, and wrote each number in "
-    "a small notebook she kept in her coat. By noon the water had stopped rising."
-)
-_TRAIN = (
-    "The night train to the coast leaves the central station at ten past eleven. Passengers "
-    "with sleeping berths should board from platform four, where the guard checks tickets "
-    "at the door of each carriage. Breakfast is served in the dining car from half past six, "
-    "and the train arrives at the harbour an hour later, in time for the first ferry."
-)
-_GARDEN = (
-    "In early spring the garden looks empty, but under the soil the bulbs are already "
-    "awake. First come the snowdrops, then the crocuses, purple and yellow, and at last "
-    "the tulips that my grandmother planted along the wall forty years ago. Every April "
-    "she would walk along the path and count them, and every year there were a few more."
-)
-_TYPOS = (
-    "Our libary will be closed on Monday becuase of the public holliday. Books that are due "
-    "on that day can be returned on Tuesday without a fine. The childrens reading group "
-    "will meet as usual on Wednesday afternon, and new members are alway welcome. Please "
-    "ask at the front desk if you need help finding a book."
-)
-_FUNCTION = """```python
-def moving_average(values, window):
-    if window <= 0:
-        raise ValueError("window must be positive")
-    averages = []
-    total = 0.0
-    for index, value in enumerate(values):
-        total += value
-        if index >= window:
-            total -= values[index - window]
-        if index >= window - 1:
-            averages.append(total / window)
-    return averages
-```"""
-_RENAME = """```python
-def summarize(data):
-    count = len(data)
-    if count == 0:
-        return {"count": 0, "mean": None}
-    mean = sum(data) / count
-    largest = max(data)
-    smallest = min(data)
-    return {"count": count, "mean": mean, "max": largest, "min": smallest}
-```"""
-_LETTER = (
-    "Dear Anna,\n\nThank you for the lovely flowers you sent for my birthday. They are on "
-    "the kitchen table and the whole house smells of them. I hope you can visit us in the "
-    "summer, when the garden is at its best. Anna, please give my love to your parents.\n\n"
-    "With warm wishes,\nElisabeth"
-)
-
-_OPENINGS = [
-    "Once upon a time, in a small village at the edge of a great forest, there lived",
-    "The old lighthouse keeper climbed the stairs one last time. At the top, he",
-    "Marie opened the letter with shaking hands. It was from her brother, who",
-    "The detective looked at the muddy footprints on the kitchen floor and said,",
-    "When the spaceship landed in the middle of the football field, the crowd",
-    "My grandfather used to tell me stories about the war. One evening he",
-    "It was the first day of the summer holidays, and Tom had a plan:",
-    "The market was busy that morning. Between the fish stalls and the flower sellers,",
-]
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Prompts, as the user's turn of a chat (``chat``) or as text to continue."""
-
-    texts: list[str]
-    chat: bool
-    repetition_penalty: float = 1.0
-
-
-WORKLOADS: dict[str, Workload] = {
-    "copy": Workload(
-        [
-            f"Repeat the following text exactly:\n\n{_RIVER}",
-            "Correct the spelling mistakes in the following text and write it out in full:"
-            f"\n\n{_TYPOS}",
-            "Add a docstring to this Python function and write out the whole function:"
-            f"\n\n{_FUNCTION}",
-            f"Repeat the following text exactly:\n\n{_TRAIN}",
-            f"Rewrite this function with the parameter `data` renamed to `records`:\n\n{_RENAME}",
-            f"Write out this letter again, with the name Anna changed to Maria:\n\n{_LETTER}",
-            f"Repeat the following text exactly:\n\n{_GARDEN}",
-            f"Copy the following text, word for word:\n\n{_RIVER} {_TRAIN}",
-        ],
-        chat=True,
-    ),
-    # The built-in model continues text (its GGUF has no chat template; asked in a chat
-    # turn for a story, it repeats the question), so open-ended prompts are openings.
-    "free": Workload(_OPENINGS, chat=False),
-    # The same, with a repetition penalty (still greedy): text that does not repeat itself.
-    "free-penalised": Workload(_OPENINGS, chat=False, repetition_penalty=1.3),
-}
 LLAMA_PORT = 18331
 LLAMA_CONTEXT = 4096
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@attrs.frozen
 class Variant:
     """Plain decoding (``spec`` None) or n-gram speculation of ``k`` tokens."""
 
@@ -200,7 +101,7 @@ class Variant:
         return self.spec.num_speculative_tokens if self.spec else 0
 
 
-@dataclass
+@attrs.define
 class Run:
     """One variant of one cell in one round."""
 
@@ -220,7 +121,7 @@ class Run:
         return self.output_tokens / self.seconds
 
 
-@dataclass
+@attrs.define
 class Cell:
     """A workload at a batch size: its prompts, and its runs per variant round by round."""
 
@@ -228,13 +129,13 @@ class Cell:
     batch: int
     prompts: list[list[int]]
     params: SamplingParams
-    runs: dict[str, list[Run]] = field(default_factory=dict)
+    runs: dict[str, list[Run]] = attrs.field(factory=dict)
 
 
 # -- what else uses the machine ----------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@attrs.frozen
 class CpuSample:
     wall: float
     busy: float  # CPU seconds the machine has been busy
@@ -542,31 +443,6 @@ def llama_command(
     return command
 
 
-@contextlib.contextmanager
-def started(command: list[str], port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """The server of ``command``, ready, stopped on exit."""
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"llama-server did not start: {log.read_text()[-2000:]}")
-                url = f"http://127.0.0.1:{port}/health"
-                with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as reply:
-                    if reply.status == 200:
-                        break
-                time.sleep(0.5)
-            yield process
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
 def llama_complete(
     port: int, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0
 ) -> dict[str, Any]:
@@ -630,7 +506,9 @@ def llama(
                 for name in order:
                     k = 0 if name == "off" else int(name.removeprefix("k="))
                     command = llama_command(server, gguf, args, LLAMA_PORT, k)
-                    with started(command, LLAMA_PORT, Path(scratch) / f"{name}.log") as process:
+                    with running(
+                        command, LLAMA_PORT, Path(scratch) / f"{name}.log", 300
+                    ) as process:
                         llama_complete(LLAMA_PORT, warm, 16)  # untimed
                         for workload, chosen in prompts.items():
                             penalty = WORKLOADS[workload].repetition_penalty

@@ -78,13 +78,16 @@ def server_command(name: str, args: argparse.Namespace, gguf: Path, server: Path
 
 
 @contextlib.contextmanager
-def running(command: list[str], port: int, log: Path) -> Iterator[None]:
-    """The server of ``command`` started, and stopped on exit."""
+def running(
+    command: list[str], port: int, log: Path, timeout_s: float = 900
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The server of ``command`` started (its ``/health`` answering within
+    ``timeout_s``), and stopped on exit."""
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _wait_ready(port, process)
-            yield
+            _wait_ready(port, process, timeout_s)
+            yield process
         finally:
             process.terminate()
             try:
