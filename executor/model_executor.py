@@ -309,9 +309,12 @@ class ModelExecutor:
                     own = logits[firsts[n] : firsts[n + 1]]
                     emitted[n] = verify_rows(self.sampler, own, requests[i], self.tokenizer)
         if plain:
-            last = [firsts[n + 1] - 1 for n in plain]
+            # Without proposals every row is a plain one: no copy of the logits.
+            chosen = logits
+            if len(plain) < len(logits):
+                chosen = logits[[firsts[n + 1] - 1 for n in plain]]
             drawn = self.sampler.sample(
-                logits[last], [requests[rows[n]] for n in plain], tokenizer=self.tokenizer
+                chosen, [requests[rows[n]] for n in plain], tokenizer=self.tokenizer
             )
             emitted.update((n, [token]) for n, token in zip(plain, drawn, strict=True))
         for n, i in enumerate(rows):
