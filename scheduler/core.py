@@ -263,7 +263,7 @@ class EngineCore:
                 self._finish(request, reason, new_token_ids=tokens, logprobs=logprobs)
         self.num_steps += 1
         if self.speculator is not None:
-            self.speculator.step_done(items, now - plan.planned_at, num_outputs)
+            self.speculator.step_done(items, now - plan.planned_at)
         self._meter.record(now, plan.num_tokens, num_outputs)
         apply_us = (time.perf_counter() - start) * 1e6
         log.debug(

@@ -180,13 +180,33 @@ class NgramProposer:
         return ()
 
 
+#: Weight kept by a request's earlier verifications when a new one is counted.
+_MEMORY = 0.9
+
+
 @attrs.define(slots=True)
 class DraftState:
-    """One request's speculation: its current ``k`` and its back-off."""
+    """One request's speculation: its current ``k``, its back-off, and how often its
+    proposed tokens are kept."""
 
     k: int
     skip: int = 0  # decode steps left without a proposal
     misses: int = 0  # proposals in a row with nothing accepted
+    kept: float = 0.0  # proposed tokens kept (decayed counts)
+    rejected: float = 0.0  # verifications that rejected a token (decayed counts)
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that a proposed token is kept given the one before it was: kept
+        tokens over kept tokens and rejections, from a prior of 2 in 3, so a request's
+        first proposals are tried; always in (0, 1)."""
+        return (self.kept + 2.0) / (self.kept + self.rejected + 3.0)
+
+    def count(self, num_proposed: int, num_accepted: int) -> None:
+        """A verification kept ``num_accepted`` of ``num_proposed`` tokens; earlier ones
+        weigh ``_MEMORY`` less each time, so the rate follows the text."""
+        self.kept = _MEMORY * self.kept + num_accepted
+        self.rejected = _MEMORY * self.rejected + (num_accepted < num_proposed)
 
 
 __all__ = [

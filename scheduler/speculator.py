@@ -12,14 +12,20 @@ and learns from the outcome:
   nothing: after ``m`` such proposals in a row, the request proposes nothing for the next
   ``2 ** m`` decode steps (at most 64), so on text that does not copy its context the
   steps are plain decodes again.
-- **When.** Where it pays. Verifying ``k`` tokens costs little more than a decode where a
-  step is bound by reading the weights (a small batch), and more than it saves where it
-  is bound by compute (a large batch on a CPU). With ``adaptive`` (the default), the
-  speculator keeps, per number of decoding requests in a step, the tokens emitted per
-  second by steps with proposals and by steps without (moving averages of steps of
-  decodes only), proposes where the first is the higher, and every 16th such step tries
-  the other way, so the choice follows the load. ``disable_by_batch_size`` (vLLM's key)
-  turns proposals off above a batch size outright.
+- **When, and how many.** Where it pays. Verifying tokens costs little more than a decode
+  where a step is bound by reading the weights (a small batch), and more than they save
+  where it is bound by compute (a large batch on a CPU), in steps rather than smoothly
+  (``step_costs.py``). With ``adaptive`` (the default), every decoding request proposes
+  and the speculator verifies the ``m`` proposed tokens worth most: token ``i`` of a
+  request is kept with chance ``a ** i`` (``a``, the request's own acceptance,
+  ``DraftState.acceptance``), and ``m`` maximises the sum, over the step's requests, of
+  the log of each one's expected tokens per second, the step taking
+  ``StepCosts.estimate(rows + m)`` seconds. A request's gain must so outweigh what the
+  longer step costs every other request in it: a higher total alone would let one
+  repetitive request slow seven others down. Now and then (after 16 such steps, 32
+  more, ... every 256) a step verifies another ``m`` (none, or 1, 2 or 4 more than the
+  best) so that the costs follow the load. ``disable_by_batch_size`` (vLLM's key) turns
+  proposals off above a batch size outright.
 - **Who.** Every decoding request, unless it opted out at submission
   (``speculative=False``); structured output included (each row is masked by the
   grammar after the proposals before it: ``executor/speculative.py``).
@@ -30,6 +36,7 @@ accepted tokens, and accepted tokens per position of the proposal.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from hybridkv.memory.manager import KVCacheManager
@@ -38,41 +45,29 @@ from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.outputs import SpecDecodeStats
 from hybridkv.scheduler.request import Request
 from hybridkv.scheduler.speculation import DraftState, NgramProposer, Proposer, SpeculativeConfig
+from hybridkv.scheduler.step_costs import StepCosts
 from hybridkv.scheduler.verified import Verified, take_verified
 
 #: Most decode steps a request sits out after proposals that were all rejected.
 _MAX_BACKOFF = 64
-#: Every this many steps of a batch size, the kind of step the rates do not favour.
+#: Choices before the first that the costs do not favour (made to measure them); the
+#: wait doubles after each, up to ``_EXPLORE_MOST``, since each costs a slower step.
 _EXPLORE = 16
-#: Weight of a new step's rate in the moving averages.
-_SMOOTHING = 0.25
+_EXPLORE_MOST = 256
+#: What an exploring choice adds to the best number of tokens (0: none at all).
+_EXPLORE_MORE = (0, 1, 2, 4)
 
 
-class StepRates:
-    """Per number of decodes in a step, tokens emitted per second by steps without and
-    with proposals (exponential moving averages), and which kind the next step should be."""
-
-    def __init__(self) -> None:
-        self._rates: dict[int, list[float | None]] = {}  # size -> [plain, proposed]
-        self._calls: dict[int, int] = {}
-
-    def choose(self, size: int) -> bool:
-        """Whether a step of ``size`` decodes should propose: untried first (proposing,
-        then not), then the faster, and the slower every ``_EXPLORE``-th time."""
-        plain, proposed = self._rates.setdefault(size, [None, None])
-        if proposed is None:
-            return True
-        if plain is None:
-            return False
-        calls = self._calls[size] = self._calls.get(size, 0) + 1
-        better = proposed >= plain
-        return not better if calls % _EXPLORE == 0 else better
-
-    def record(self, size: int, proposed: bool, rate: float) -> None:
-        """A step of ``size`` decodes, with proposals or not, emitted ``rate`` tokens/s."""
-        rates = self._rates.setdefault(size, [None, None])
-        old = rates[proposed]
-        rates[proposed] = rate if old is None else old + _SMOOTHING * (rate - old)
+def _gains(acceptance: float, num_tokens: int) -> list[float]:
+    """What verifying each of ``num_tokens`` proposed tokens adds to the log of the
+    request's expected tokens this step: token ``i`` is kept with chance
+    ``acceptance ** i``, so ``i`` tokens emit ``1 + a + ... + a ** i`` in expectation."""
+    gains, expected, chance = [], 1.0, 1.0
+    for _ in range(num_tokens):
+        chance *= acceptance
+        gains.append(math.log1p(chance / expected))
+        expected += chance
+    return gains
 
 
 class Speculator:
@@ -92,7 +87,9 @@ class Speculator:
         self.max_model_len = engine.max_model_len
         self._limits = (engine.eos_token_ids, engine.max_model_len)
         self.proposer = proposer or NgramProposer.for_config(config)
-        self._rates = StepRates()
+        self._costs = StepCosts()
+        self._until_explore = _EXPLORE  # choices until one the costs do not favour
+        self._num_explored = 0
         self._num_drafts = 0
         self._num_draft_tokens = 0
         self._accepted = [0] * config.num_speculative_tokens
@@ -103,25 +100,74 @@ class Speculator:
         spec = engine.speculative_config
         return None if spec is None else cls(spec, engine, proposer)
 
-    def allows(self, num_running: int, num_decodes: int) -> bool:
-        """Whether a step with ``num_running`` running requests, ``num_decodes`` of them
-        decoding, proposes at all (``disable_by_batch_size``, ``adaptive``)."""
+    def allows(self, num_running: int) -> bool:
+        """Whether a step with ``num_running`` running requests proposes at all
+        (``disable_by_batch_size``)."""
         limit = self.config.disable_by_batch_size
-        if limit is not None and num_running > limit:
-            return False
-        return self._rates.choose(num_decodes) if self.config.adaptive else True
+        return limit is None or num_running <= limit
 
-    def step_done(self, items: Sequence[StepRequest], seconds: float, num_emitted: int) -> None:
-        """A step ran for ``seconds`` and emitted ``num_emitted`` tokens: where it ran
-        decodes only, learn the rate of its kind (with proposals or without)."""
+    def proposals(
+        self, requests: Sequence[Request], rows: int, num_waiting: int, budget: int
+    ) -> list[tuple[int, ...]]:
+        """Per decoding request of a step (most urgent first), the tokens to verify after
+        its last one, empty where none: at most ``budget`` in all, and with ``adaptive``
+        the ones worth the longer step, given it has ``rows`` rows and ``num_waiting``
+        requests in all (decodes, prefill chunks) wait for it."""
+        drafts = []
+        for request in requests:
+            draft = self.propose(request, budget) if budget > 0 else ()
+            budget -= len(draft)
+            drafts.append(draft)
+        if not self.config.adaptive or not any(drafts):
+            return drafts
+        gains = sorted(
+            (
+                (gain, at)
+                for at, (request, draft) in enumerate(zip(requests, drafts, strict=True))
+                if (state := request.draft) is not None
+                for gain in _gains(state.acceptance, len(draft))
+            ),
+            key=lambda gain: -gain[0],
+        )
+        counts = [0] * len(drafts)
+        for _, at in gains[: self._choose(rows, num_waiting, [g for g, _ in gains])]:
+            counts[at] += 1
+        return [draft[:count] for draft, count in zip(drafts, counts, strict=True)]
+
+    def _choose(self, rows: int, num_waiting: int, gains: list[float]) -> int:
+        """How many proposed tokens (their gains, best first) to verify in a step of
+        ``rows`` rows that ``num_waiting`` requests wait for: the count whose gains
+        outweigh most what the longer step costs every one of them, another count now
+        and then (after 16 choices, 32 more, 64 more, ... every 256), none where the
+        step's own rows were never measured (this step measures them)."""
+        plain = self._costs.estimate(rows)
+        if plain is None:
+            return 0
+        best, best_value, total = 0, 0.0, 0.0
+        for m, gain in enumerate(gains, 1):
+            total += gain
+            seconds = self._costs.estimate(rows + m)
+            assert seconds is not None, "a count above a measured one has an estimate"
+            value = total - num_waiting * math.log(seconds / plain)
+            if value > best_value:
+                best, best_value = m, value
+        self._until_explore -= 1
+        if self._until_explore:
+            return best
+        self._num_explored += 1
+        self._until_explore = min(_EXPLORE_MOST, _EXPLORE << self._num_explored)
+        more = _EXPLORE_MORE[self._num_explored % len(_EXPLORE_MORE)]
+        return min(len(gains), best + more) if more else 0
+
+    def step_done(self, items: Sequence[StepRequest], seconds: float) -> None:
+        """A step ran for ``seconds``: where it ran decodes only (a last token and its
+        proposals each), learn what its number of rows costs."""
         if not self.config.adaptive or seconds <= 0.0 or not items:
             return
-        proposed = False
         for item in items:
             if not item.sample or item.num_tokens - item.num_draft_tokens != 1:
                 return  # a prefill chunk: not a measure of decoding
-            proposed = proposed or bool(item.num_draft_tokens)
-        self._rates.record(len(items), proposed, num_emitted / seconds)
+        self._costs.record(sum(item.num_tokens for item in items), seconds)
 
     def propose(self, request: Request, limit: int) -> tuple[int, ...]:
         """The tokens to verify after ``request``'s last one (at most ``limit``); empty
@@ -174,6 +220,7 @@ class Speculator:
             self._accepted[position] += 1
         state = request.draft
         assert state is not None, "a request verified a proposal it never made"
+        state.count(num_proposed, num_accepted)
         limit = self.config.num_speculative_tokens
         if num_accepted == num_proposed:
             state.k = min(limit, 2 * num_proposed)

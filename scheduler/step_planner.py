@@ -146,13 +146,7 @@ def plan_step(
         )
         scheduled.extend(admitted)
     # A step that preempted has no pages to spare for proposals.
-    if (
-        speculator
-        and decodes
-        and budget > 0
-        and not preempted
-        and speculator.allows(len(running), len(decodes))
-    ):
+    if speculator and decodes and budget > 0 and not preempted and speculator.allows(len(running)):
         budget = _speculate(decodes, items, scheduled, kv, speculator, budget)
     return StepPlan(
         batch=StepBatch(tuple(items)),
@@ -335,11 +329,10 @@ def _speculate(
 ) -> int:
     """Add proposed tokens to the decodes at ``decodes`` (indices into ``items``, most
     urgent first) with what the step left; returns the budget left."""
-    for index in decodes:
-        if budget <= 0:
-            break
-        request = scheduled[index]
-        draft = speculator.propose(request, budget)
+    rows = sum(item.num_tokens for item in items)
+    requests = [scheduled[index] for index in decodes]
+    drafts = speculator.proposals(requests, rows, len(items), budget)
+    for index, request, draft in zip(decodes, requests, drafts, strict=True):
         if draft and kv.reserve_lookahead(request, len(draft)):
             item = items[index]
             items[index] = attrs.evolve(

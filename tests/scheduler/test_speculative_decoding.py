@@ -22,7 +22,7 @@ from hybridkv.scheduler import (
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.fake import CollectingSink, reference_tokens
 from hybridkv.scheduler.fake_attending import AttendingFakeExecutor
-from hybridkv.scheduler.speculation import SpeculativeConfig
+from hybridkv.scheduler.speculation import Proposer, SpeculativeConfig
 from hybridkv.testing import ReferenceProposer, SamplingFakeExecutor
 
 VOCAB = 50
@@ -320,26 +320,54 @@ class TimedFake(FakeExecutor):
         return super().execute(batch)
 
 
-@pytest.mark.parametrize(("per_row", "pays"), [(0.02, True), (1.0, False)])
-def test_adaptive_speculation_proposes_where_it_pays(per_row: float, pays: bool) -> None:
-    """Proposals that make a step cheaper per token are kept up; ones that make it dearer
-    than the tokens they add are tried again only every 16th step."""
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)  # adaptive
+def drafts_of(prompts: list[list[int]], per_row: float, proposer: Proposer, n: int) -> int:
+    """Proposals verified when ``prompts`` run together to ``n`` tokens each (adaptive,
+    ``k`` = 2), each proposed token costing ``per_row`` of a step."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     config = make_config(speculative_config=spec, max_model_len=400, num_blocks=400)
     fake = TimedFake(config, per_row)
-    core = EngineCore(config, clock=lambda: fake.now, proposer=ReferenceProposer(VOCAB, miss=0.1))
-    prompts = [[(3 * i + j) % VOCAB for j in range(4)] for i in range(4)]
+    core = EngineCore(config, clock=lambda: fake.now, proposer=proposer)
     sinks = [CollectingSink() for _ in prompts]
     for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
         core.add_request(
-            prompt, SamplingParams(max_tokens=300, ignore_eos=True), sink, request_id=str(i)
+            prompt, SamplingParams(max_tokens=n, ignore_eos=True), sink, request_id=str(i)
         )
     run(core, fake)
-    assert [outputs(s) for s in sinks] == [reference_tokens(p, 300, VOCAB) for p in prompts]
-    stats = core.speculator.stats() if core.speculator else None
-    assert stats is not None
+    assert [outputs(s) for s in sinks] == [reference_tokens(p, n, VOCAB) for p in prompts]
+    assert core.speculator is not None
+    return core.speculator.stats().num_drafts
+
+
+@pytest.mark.parametrize(("per_row", "pays"), [(0.02, True), (1.0, False)])
+def test_adaptive_speculation_proposes_where_it_pays(per_row: float, pays: bool) -> None:
+    """Proposals that make a step cheaper per token are kept up; ones that make it dearer
+    than the tokens they add are tried again only now and then."""
+    prompts = [[(3 * i + j) % VOCAB for j in range(4)] for i in range(4)]
+    num_drafts = drafts_of(prompts, per_row, ReferenceProposer(VOCAB, miss=0.1), 300)
     # Four decodes a step for some 300 steps without speculation.
     if pays:
-        assert stats.num_drafts > 4 * 60
+        assert num_drafts > 4 * 60
     else:
-        assert 0 < stats.num_drafts < 4 * 30
+        assert 0 < num_drafts < 4 * 30
+
+
+class OneRightProposer:
+    """Proposes the fake's continuation for prompts that start with 0, wrong tokens for
+    every other prompt."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        right = reference_tokens(tokens, k, VOCAB)
+        return right if tokens[0] == 0 else tuple((t + 1) % VOCAB for t in right)
+
+
+def test_one_request_does_not_slow_every_other_one_down() -> None:
+    """Two proposed tokens make a step 1.4x as long. Alone, a request whose proposals
+    are kept gains more than that and proposes nearly every step; beside three whose
+    proposals are all rejected, its gain would still raise the step's tokens per second
+    (4 + 1.9 tokens in 1.4 of the time) but slow the three down by 1.4x for nothing, so
+    it proposes only when the costs are measured again."""
+    prompts = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    alone = drafts_of(prompts[:1], 0.2, OneRightProposer(), 200)
+    assert alone > 55  # of some 70 steps of 3 tokens
+    together = drafts_of(prompts, 0.2, OneRightProposer(), 200)
+    assert together < 30  # of some 200 steps

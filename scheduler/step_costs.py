@@ -1,0 +1,78 @@
+"""What a step costs by its number of rows, learned from the steps that ran.
+
+Speculation adds rows to a step (each proposed token is one), so whether a proposal pays
+depends on what those rows cost. On a CPU that is not linear: the built-in model's int4
+LM head multiplies rows in tiles of four, and its int8 layers switch kernels at 32 rows,
+so the 9th row of a step costs about as much as the 9th to the 12th together
+(``benchmarks/speculative.py`` prints the steps it measured)::
+
+    rows      1    4    8    9   12   13   20   26
+    ms       42   59   99  135  140  170  222  295     (2 threads, decode-only steps)
+
+:class:`StepCosts` keeps, per number of rows, a moving average of the seconds of the
+decode-only steps that ran with that many (a step with a prefill chunk measures the chunk
+too). A row count never measured is estimated from its measured neighbours: between two,
+on the line joining them; past the last, along the slope of a least-squares line through
+all of them, or as the last while only one was measured (untried, so that it is tried);
+below the first, not at all (the caller measures it).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+#: Weight of a new step's seconds in a row count's moving average.
+_SMOOTHING = 0.25
+
+
+class StepCosts:
+    """Seconds of a step by its number of rows (query tokens). Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+        self._rows: list[int] = []  # measured row counts, sorted
+
+    def __len__(self) -> int:
+        """How many row counts were measured."""
+        return len(self._rows)
+
+    def record(self, rows: int, seconds: float) -> None:
+        """A step of ``rows`` rows took ``seconds``."""
+        old = self._seconds.get(rows)
+        if old is None:
+            bisect.insort(self._rows, rows)
+            self._seconds[rows] = seconds
+        else:
+            self._seconds[rows] = old + _SMOOTHING * (seconds - old)
+
+    def estimate(self, rows: int) -> float | None:
+        """The seconds a step of ``rows`` rows should take; None where no step of as many
+        rows or fewer was measured."""
+        known = self._seconds.get(rows)
+        if known is not None:
+            return known
+        if not self._rows:
+            return None
+        at = bisect.bisect_left(self._rows, rows)
+        if at == 0:
+            return None
+        low = self._rows[at - 1]
+        if at < len(self._rows):
+            high = self._rows[at]
+            share = (rows - low) / (high - low)
+            return self._seconds[low] + share * (self._seconds[high] - self._seconds[low])
+        return self._seconds[low] + (rows - low) * self._slope()
+
+    def _slope(self) -> float:
+        """Seconds per row of a least-squares line through the measured counts (0 with
+        one, never negative)."""
+        points = [(rows, self._seconds[rows]) for rows in self._rows]
+        if len(points) < 2:
+            return 0.0
+        mean_x = sum(x for x, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        spread = sum((x - mean_x) ** 2 for x, _ in points)
+        return max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread)
+
+
+__all__ = ["StepCosts"]
