@@ -105,7 +105,7 @@ def _sent(counters: Any) -> int:
     return int(counters.ring_bytes + counters.query_bytes + counters.partial_bytes)
 
 
-def _timed(run: Callable[[], object]) -> float:
+def timed(run: Callable[[], object]) -> float:
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
@@ -154,10 +154,10 @@ def measure(path: Path, prompts: list[tuple[int, int]], repeats: int) -> list[di
                 step, virtual_step = (
                     _request(tokens, cached, new, bs) for bs in (BLOCK_SIZE, virtual)
                 )
-                t1 = _timed(functools.partial(one.execute, step))
-                t12 = _timed(functools.partial(two_threads.execute, step))
+                t1 = timed(functools.partial(one.execute, step))
+                t12 = timed(functools.partial(two_threads.execute, step))
                 before = _sent(counters)
-                t2 = _timed(functools.partial(cp2.execute, virtual_step))
+                t2 = timed(functools.partial(cp2.execute, virtual_step))
                 if round_:
                     times["cp1"].append(t1)
                     times["cp1_2threads"].append(t12)

@@ -4,7 +4,8 @@
 
     Checkpoint.open(path)          config.json parsed once into per-layer specs
     split_layers                   the layers this pipeline stage holds (all, without stages)
-    load on the torch thread       weights of those layers, quantised, projections joined
+    load on the torch thread       weights of those layers, cut to a tensor-parallel rank's
+                                   share (``shard``), quantised, projections joined
     plan_layout                    the pool for every stage's layers in kv_cache_bytes
 
 The executor (``model_executor``) takes the result and allocates the KV tensors.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import torch
@@ -43,6 +45,17 @@ class StageSlice:
     num_stages: int = 1
 
 
+class ModelShard(Protocol):
+    """Cuts a loaded model to one process's share of every layer (tensor parallelism:
+    ``hybridkv.parallel.tensor_shards.TensorShard``)."""
+
+    def apply(self, model: CausalLM) -> None:
+        """Keep the share of ``model``'s weights, in place, before any quantisation, and
+        set ``model.config`` to the share's shapes (its heads, KV heads, widths): the
+        planner lays out pages of those."""
+        ...
+
+
 @attrs.frozen(eq=False)
 class LoadedCheckpoint:
     """A model ready for an executor: its layers, the layout for its pool, its text side."""
@@ -55,10 +68,15 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(
-    path: str | Path, options: LoadOptions, stage: StageSlice, thread: TorchThread
+    path: str | Path,
+    options: LoadOptions,
+    stage: StageSlice,
+    thread: TorchThread,
+    shard: ModelShard | None = None,
 ) -> LoadedCheckpoint:
-    """Load ``stage``'s layers of the checkpoint at ``path`` on ``thread``, and plan the
-    layout of ``options.kv_cache_bytes`` for every stage's layers.
+    """Load ``stage``'s layers of the checkpoint at ``path`` on ``thread`` (``shard``'s
+    share of them), and plan the layout of ``options.kv_cache_bytes`` for every stage's
+    layers.
 
     Raises:
         CheckpointError, ModelConfigError, PolicyError, WeightFormatError: see
@@ -87,13 +105,15 @@ def load_checkpoint(
         model = CausalLM.from_weights(
             config, checkpoint.architecture, tensors, target, layers=layers
         )
+        if shard is not None:
+            shard.apply(model)
         quantize_linears(model, options.weights, device=target)
         model.fuse_projections()
         model.rescore_head()
         return model
 
     model = thread.run(load)
-    specs: Sequence[LayerSpec] = config.layers
+    specs: Sequence[LayerSpec] = model.config.layers
     if options.uniform_layout:
         # Only what is kept changes: each layer still attends by its own policy, a
         # subset of every position.

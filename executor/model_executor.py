@@ -30,7 +30,7 @@ from hybridkv.executor.batch_checks import check_batch
 from hybridkv.executor.grammars import GrammarError
 from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs
 from hybridkv.executor.load_options import LoadOptions
-from hybridkv.executor.loader import StageSlice, load_checkpoint
+from hybridkv.executor.loader import ModelShard, StageSlice, load_checkpoint
 from hybridkv.executor.logprobs import emitted_logprobs, prompt_logprobs
 from hybridkv.executor.offload_pages import KVPages, key_space
 from hybridkv.executor.sampler import Sampler
@@ -118,6 +118,7 @@ class ModelExecutor:
         pipeline_stage: int = 0,
         pipeline_parallel_size: int = 1,
         torch_thread: TorchThread | None = None,
+        shard: ModelShard | None = None,
     ) -> ModelExecutor:
         """Load a checkpoint folder and lay out ``options.kv_cache_bytes`` of KV cache.
 
@@ -139,6 +140,7 @@ class ModelExecutor:
             torch_thread: The thread to run its torch work on, shared with other
                 executors of the process (one OpenMP team: ``executor/torch_thread.py``);
                 None for a thread of its own. ``close`` ends it either way.
+            shard: Keep only this share of every layer (a tensor-parallel rank's).
 
         Raises:
             CheckpointError: a folder without config.json or safetensors weights.
@@ -150,7 +152,7 @@ class ModelExecutor:
         """
         thread = torch_thread or TorchThread()
         stage = StageSlice(pipeline_stage, pipeline_parallel_size)
-        loaded = load_checkpoint(path, options, stage, thread)
+        loaded = load_checkpoint(path, options, stage, thread, shard)
         return cls(
             loaded.model,
             loaded.plan,

@@ -38,10 +38,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.hf_config import int_field, text_config
-from hybridkv.models.state_shapes import mamba2_shape
+from hybridkv.models.state_shapes import Mamba2Shape, mamba2_shape
 from hybridkv.policies import MemoryPolicy, check_policy, make_policy
 
 FULL = "full_attention"
@@ -65,6 +67,18 @@ _GRANITE_KINDS = {
 
 #: A memory policy per layer kind, chosen in place of the one the config implies.
 PolicyChoices = Mapping[str, MemoryPolicy]
+
+
+def tensor_rank_spec(spec: LayerSpec, size: int, mamba: Mamba2Shape | None) -> LayerSpec:
+    """``spec`` as each of ``size`` tensor-parallel ranks holds it
+    (``hybridkv.parallel.tensor_shards``): its share of the KV heads, or one replicated
+    head where there are fewer heads than ranks; a Mamba2 state (shape ``mamba``) of its
+    share of the heads and channels. Other states are not split."""
+    if isinstance(spec, AttentionSpec):
+        return attrs.evolve(spec, num_kv_heads=max(1, spec.num_kv_heads // size))
+    if mamba is None:
+        return spec
+    return attrs.evolve(spec, state_bytes=mamba.tensor_share(size).state_bytes)
 
 
 def pattern_layer_types(num_layers: int, every: int) -> tuple[str, ...]:

@@ -58,6 +58,17 @@ class Mamba2Shape:
     dt_min: float = 0.0
     dt_max: float = float("inf")
 
+    def tensor_share(self, size: int) -> Mamba2Shape:
+        """The mixer as each of ``size`` tensor-parallel ranks holds it: its share of the
+        heads and channels, its share of the B/C groups or, where there are fewer groups
+        than ranks, the one its heads read (``hybridkv.parallel.tensor_mamba``)."""
+        return attrs.evolve(
+            self,
+            intermediate_size=self.intermediate_size // size,
+            num_heads=self.num_heads // size,
+            num_groups=max(1, self.num_groups // size),
+        )
+
     @property
     def conv_dim(self) -> int:
         """Channels of the convolution: x, B and C."""

@@ -12,7 +12,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from hybridkv.parallel.rank_layout import ParallelConfig
+from hybridkv.parallel.rank_layout import ParallelConfig, new_groups
 
 
 @attrs.frozen(eq=False)
@@ -56,17 +56,11 @@ class ContextRanks:
 
 
 def open_context_group(layout: ParallelConfig, rank: int) -> ContextRanks | None:
-    """Create every context group of ``layout`` (each process creates all, in the same
-    order, as ``torch.distributed`` requires) and return ``rank``'s; None without cp."""
+    """Create every context group of ``layout`` and return ``rank``'s; None without cp."""
     if layout.context == 1:
         return None
-    mine = None
-    for ranks in layout.group_ranks("context"):
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = ContextRanks(group, ranks.index(rank), len(ranks))
-    assert mine is not None, "every rank is in one context group"
-    return mine
+    group, ranks = new_groups(layout, rank, "context")
+    return ContextRanks(group, ranks.index(rank), len(ranks))
 
 
 @attrs.frozen(eq=False)

@@ -128,6 +128,7 @@ class PipelineExecutor:
         max_steps_in_flight: int | None = None,
         context_parallel_size: int = 1,
         kv_interleave: int = 1,
+        tensor_parallel_size: int = 1,
     ) -> PipelineExecutor:
         """Start the stages of a checkpoint: this process runs stage 0, workers the rest.
 
@@ -141,6 +142,11 @@ class PipelineExecutor:
         request's tokens and pages (``parallel/context_executor.py``); ``kv_interleave``
         tokens (1 or ``block_size``) go to a rank at a time. The engine then sees blocks
         of ``block_size * cp`` tokens, as many as one rank has pages.
+
+        With ``tensor_parallel_size`` tp > 1 each stage (or context rank) is tp processes,
+        each holding its share of every layer's heads, MLP width and vocabulary
+        (``parallel/tensor_shards.py``) and the same page ids; ``kv_cache_bytes`` is per
+        process, so a page holds the KV heads of one rank.
 
         Raises:
             ParallelConfigError: fewer than 2 stages, more stages than layers, fewer GPUs
@@ -156,6 +162,7 @@ class PipelineExecutor:
             step_timeout_s=step_timeout_s,
             context_parallel_size=context_parallel_size,
             kv_interleave=kv_interleave,
+            tensor_parallel_size=tensor_parallel_size,
         )
         stage0, channels, workers = launch(settings)
         log.info("pipeline_started", num_stages=pipeline_parallel_size, pool=repr(stage0.pool))

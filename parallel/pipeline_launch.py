@@ -1,9 +1,9 @@
 """Starting the stages of a pipeline: where they meet, what they load, a worker's life.
 
 Rank 0 is the engine's process and runs stage 0 (``parallel/pipeline_executor.py``). With
-context parallelism each stage is ``cp`` ranks (``ParallelConfig(pipeline, context)``
-places them; rank 0 is stage 0's context rank 0). The other ranks are workers, started
-one of two ways:
+context parallelism each stage is ``cp`` ranks, with tensor parallelism ``cp x tp``
+(``ParallelConfig(pipeline, context, tensor)`` places them; rank 0 is stage 0's rank 0).
+The other ranks are workers, started one of two ways:
 
 - **spawned** by rank 0 (``torch.multiprocessing``, spawn): rank 0 hosts a
   ``torch.distributed`` TCP store on a free loopback port and passes its address;
@@ -15,7 +15,8 @@ A worker's life, and the store keys rank 0 watches (so that a worker that cannot
 is reported at once, with its error, instead of after a timeout)::
 
     connect to the store, set hello/<rank>
-    init_process_group (gloo on CPU; gloo and NCCL on CUDA), create the channels' groups
+    init_process_group (gloo on CPU; gloo and NCCL on CUDA), create the channels',
+        context and tensor groups
     load its layers, set ready/<rank> = (pid, error or None, pool)
     serve steps until rank 0 broadcasts stop            (failed/<rank> = error, exit 1)
     set stats/<rank>, destroy the process group, exit 0
@@ -59,6 +60,8 @@ from hybridkv.parallel.context_group import ContextRanks, open_context_group
 from hybridkv.parallel.pipeline_stage import StageExecutor, StageRunner, StageStats, serve_stage
 from hybridkv.parallel.pipeline_wire import PipelineChannels
 from hybridkv.parallel.rank_layout import ParallelConfig
+from hybridkv.parallel.tensor_group import TensorRanks, open_tensor_group
+from hybridkv.parallel.tensor_shards import TensorShard, check_tensor_split
 
 log = get_logger(__name__)
 
@@ -78,6 +81,7 @@ class StageSettings:
     log_level: int = logging.NOTSET
     context_parallel_size: int = 1
     kv_interleave: int = 1
+    tensor_parallel_size: int = 1
 
     @classmethod
     def create(
@@ -89,15 +93,18 @@ class StageSettings:
         step_timeout_s: float = 120.0,
         context_parallel_size: int = 1,
         kv_interleave: int = 1,
+        tensor_parallel_size: int = 1,
     ) -> StageSettings:
-        """Settings for a checkpoint, checked: every stage must hold a layer.
+        """Settings for a checkpoint, checked: every stage must hold a layer, and the
+        tensor ranks must share every layer evenly.
 
         ``options.num_threads`` defaults, on the CPU, to the cores divided among the
         ranks. The workers log at this process's structlog level, to stderr.
 
         Raises:
             ParallelConfigError: more stages than layers, or fewer than one; weights in
-                a quantised format (stages load the model dtype).
+                a quantised format (stages load the model dtype); a model the tensor
+                ranks cannot share (``check_tensor_split``).
             CheckpointError, ModelConfigError, PolicyError: a config we cannot run.
         """
         if options.weights not in ("dtype", "auto"):
@@ -107,7 +114,12 @@ class StageSettings:
             )
         checkpoint = Checkpoint.open(path, policies=options.policy_choices)
         split_layers(checkpoint.config.num_layers, pipeline_parallel_size)
-        layout = ParallelConfig(pipeline=pipeline_parallel_size, context=context_parallel_size)
+        check_tensor_split(checkpoint.config, tensor_parallel_size)
+        layout = ParallelConfig(
+            pipeline=pipeline_parallel_size,
+            context=context_parallel_size,
+            tensor=tensor_parallel_size,
+        )
         if options.num_threads is None and torch.device(options.device).type == "cpu":
             threads = max(1, (os.cpu_count() or 1) // layout.world_size)
             options = attrs.evolve(options, num_threads=threads)
@@ -120,6 +132,7 @@ class StageSettings:
             log_level=structlog.get_logger().bind().get_effective_level(),
             context_parallel_size=context_parallel_size,
             kv_interleave=kv_interleave,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     @property
@@ -134,12 +147,16 @@ class StageSettings:
 
     @property
     def layout(self) -> ParallelConfig:
-        """Where each rank sits: its pipeline stage and its context rank."""
-        return ParallelConfig(pipeline=self.num_stages, context=self.context_parallel_size)
+        """Where each rank sits: its pipeline stage, context rank and tensor rank."""
+        return ParallelConfig(
+            pipeline=self.num_stages,
+            context=self.context_parallel_size,
+            tensor=self.tensor_parallel_size,
+        )
 
     @property
     def world_size(self) -> int:
-        """Processes in all: stages times context ranks."""
+        """Processes in all: stages times context ranks times tensor ranks."""
         return self.layout.world_size
 
     def device(self, local_rank: int) -> torch.device:
@@ -148,13 +165,15 @@ class StageSettings:
             return torch.device("cuda", local_rank)
         return torch.device(self.device_type)
 
-    def load(self, rank: int, local_rank: int) -> ModelExecutor:
-        """Load rank ``rank``'s stage's layers and lay out their pages."""
+    def load(self, rank: int, local_rank: int, tensor: TensorRanks | None) -> ModelExecutor:
+        """Load rank ``rank``'s stage's layers (its tensor share of them) and lay out
+        their pages."""
         return ModelExecutor.from_pretrained(
             self.path,
             attrs.evolve(self.options, device=self.device(local_rank)),
             pipeline_stage=self.layout.coordinates(rank)["pipeline"],
             pipeline_parallel_size=self.num_stages,
+            shard=None if tensor is None else TensorShard(tensor),
         )
 
     def shard(self, executor: ModelExecutor, context: ContextRanks | None) -> StageExecutor:
@@ -214,7 +233,8 @@ class TorchrunEnv:
             raise ParallelConfigError(
                 f"the launcher started {self.world_size} processes for "
                 f"pipeline_parallel_size={layout.pipeline} x context_parallel_size="
-                f"{layout.context}; start one per stage and context rank"
+                f"{layout.context} x tensor_parallel_size={layout.tensor}; start one per "
+                "stage, context rank and tensor rank"
             )
 
 
@@ -265,8 +285,9 @@ def run_worker(
     local_rank = rank if local_rank is None else local_rank
     channels = open_channels(settings, rank, local_rank)
     context = open_context_group(settings.layout, rank)
+    tensor = open_tensor_group(settings.layout, rank)
     try:
-        executor = settings.shard(settings.load(rank, local_rank), context)
+        executor = settings.shard(settings.load(rank, local_rank, tensor), context)
     except Exception as exc:  # reported to rank 0, which raises it at start
         _set_bytes(store, f"{KEY}/ready/{rank}", pickle.dumps((os.getpid(), _describe(exc), None)))
         return 1

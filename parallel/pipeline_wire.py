@@ -7,9 +7,11 @@
     activations  hidden of step k ──send──▶ hidden ──send──▶ ...
     results      ◀──────────────────────────────────────────── step k's StepResult
 
-With context parallelism (``cp`` ranks per stage) control spans every rank; each
-context rank c has its own activations chain (stage s, rank c to stage s + 1, rank c, its
-share of the tokens) and only the last stage's rank 0 sends results. A single stage's
+With context parallelism (``cp`` ranks per stage) or tensor parallelism (``tp``) control
+spans every rank; each context or tensor rank c has its own activations chain (stage s,
+rank c to stage s + 1, rank c: its share of the tokens, or, for a tensor rank, the whole
+hidden states, which every tensor rank of a stage ends with) and only the last stage's
+rank 0 sends results. A single stage's
 results stay in rank 0's process.
 
 Each group is used by a single thread in each process, so every process issues its
@@ -39,7 +41,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from hybridkv.parallel.rank_layout import ParallelConfig
+from hybridkv.parallel.rank_layout import ParallelConfig, new_groups
 from hybridkv.scheduler.batch import StepBatch
 
 #: Timeout of the control group: effectively none, a stage waits for the next step.
@@ -70,15 +72,7 @@ class WireCounters:
 
 
 def _groups_of(layout: ParallelConfig, rank: int, *axes: str, **options: Any) -> dist.ProcessGroup:
-    """Create every group over ``axes`` (each process must create all, in order); return
-    ours."""
-    mine: dist.ProcessGroup | None = None
-    for ranks in layout.group_ranks(*axes):
-        group: dist.ProcessGroup = dist.new_group(ranks, **options)
-        if rank in ranks:
-            mine = group
-    assert mine is not None
-    return mine
+    return new_groups(layout, rank, *axes, **options)[0]
 
 
 class Outbox:
@@ -131,7 +125,7 @@ class PipelineChannels:
     ) -> None:
         timeout = timedelta(seconds=2 * step_timeout_s)
         self.control = _groups_of(
-            layout, rank, "pipeline", "context", backend="gloo", timeout=IDLE_TIMEOUT
+            layout, rank, "pipeline", "context", "tensor", backend="gloo", timeout=IDLE_TIMEOUT
         )
         data_backend = "nccl" if device.type == "cuda" else "gloo"
         self.activations = _groups_of(

@@ -45,6 +45,7 @@ from hybridkv.parallel.pipeline_launch import (
 )
 from hybridkv.parallel.pipeline_stage import StageExecutor
 from hybridkv.parallel.pipeline_wire import PipelineChannels
+from hybridkv.parallel.tensor_group import open_tensor_group
 
 log = get_logger(__name__)
 
@@ -209,11 +210,17 @@ def launch(settings: StageSettings) -> tuple[StageExecutor, PipelineChannels, Wo
         local_rank = launched.local_rank
         workers = WorkerSet.join_torchrun(launched.rendezvous, settings, timeout)
     try:
-        loaded = settings.load(0, local_rank)  # while the workers start
+        # While the workers start; a tensor rank's share waits for its group.
+        alone = settings.tensor_parallel_size == 1
+        loaded = settings.load(0, local_rank, None) if alone else None
         workers.wait_until_joined(deadline)
         init_distributed(workers.store, 0, settings.world_size, settings.device_type, timeout)
         channels = open_channels(settings, 0, local_rank)
-        stage0 = settings.shard(loaded, open_context_group(settings.layout, 0))
+        context = open_context_group(settings.layout, 0)
+        tensor = open_tensor_group(settings.layout, 0)
+        if loaded is None:
+            loaded = settings.load(0, local_rank, tensor)
+        stage0 = settings.shard(loaded, context)
         workers.wait_until_loaded(stage0.pool, deadline)
     except BaseException:
         workers.kill()
@@ -229,7 +236,7 @@ def _check_launch(settings: StageSettings, *, spawns: bool) -> None:
     num_ranks = settings.world_size
     if num_ranks < 2:
         raise ParallelConfigError(
-            f"a pipeline needs at least 2 stages or context ranks, got {num_ranks}; "
+            f"a pipeline needs at least 2 stages, context or tensor ranks, got {num_ranks}; "
             "use ModelExecutor"
         )
     if dist.is_initialized():

@@ -21,9 +21,11 @@ axis combination, for every shape up to 16 ranks, against the definition above.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from hybridkv.models.errors import ParallelConfigError
 
@@ -110,3 +112,18 @@ class ParallelConfig:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ParallelConfigError(f"rank {rank} is outside a world of {self.world_size}")
+
+
+def new_groups(
+    layout: ParallelConfig, rank: int, *axes: str, **options: Any
+) -> tuple[dist.ProcessGroup, list[int]]:
+    """Create every process group over ``axes`` of ``layout`` (each process must create
+    all of them, in the same order, as ``torch.distributed`` requires); return ``rank``'s
+    and its members. ``options`` go to ``dist.new_group`` (backend, timeout)."""
+    mine: tuple[dist.ProcessGroup, list[int]] | None = None
+    for ranks in layout.group_ranks(*axes):
+        group: dist.ProcessGroup = dist.new_group(ranks, **options)
+        if rank in ranks:
+            mine = (group, ranks)
+    assert mine is not None, "every rank is in one group over any axes"
+    return mine

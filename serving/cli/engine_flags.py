@@ -15,6 +15,7 @@ request's choices may hold (``--max-running-share``).
 from __future__ import annotations
 
 import argparse
+import math
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -56,11 +57,12 @@ class EngineArgs:
     memory_utilization: float | None = None
     seed: int | None = None
     speculative_config: SpeculativeConfig | None = None
+    tensor_parallel_size: int = 1
 
     @property
     def num_ranks(self) -> int:
-        """Processes the model runs in: stages times context ranks."""
-        return self.pipeline_parallel_size * self.context_parallel_size
+        """Processes the model runs in: stages times context ranks times tensor ranks."""
+        return self.pipeline_parallel_size * self.context_parallel_size * self.tensor_parallel_size
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +168,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1
         metavar="N",
         help="split the layers into N pipeline stages, one process each, steps overlapping; "
         "--kv-memory is then per stage (1)",
+    )
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split every layer's heads, MLP and vocabulary among N processes per stage "
+        "(an all-reduce after attention and after the MLP); --kv-memory is per process (1)",
     )
     group.add_argument(
         "--context-parallel-size",
@@ -286,7 +297,7 @@ def _check_one_process_flags(args: argparse.Namespace) -> None:
 
     ranks = [
         f"--{flag.replace('_', '-')} {getattr(args, flag, 1)}"
-        for flag in ("pipeline_parallel_size", "context_parallel_size")
+        for flag in _RANK_FLAGS
         if getattr(args, flag, 1) > 1
     ]
     if ranks and getattr(args, "kv_offload", None):
@@ -324,12 +335,21 @@ def speculative_config(
         raise UsageError(f"--speculative-config: {exc}") from None
     if num_ranks > 1 and config.method == "draft_model":
         raise UsageError(
-            "--speculative-config: a draft model beside pipeline or context-parallel "
-            "processes is not built; use ngram (prompt lookup)"
+            "--speculative-config: a draft model beside pipeline, context- or "
+            "tensor-parallel processes is not built; use ngram (prompt lookup)"
         )
     if context_parallel_size > 1:
         raise UsageError("--speculative-config with --context-parallel-size: not built")
     return config
+
+
+#: The flags that run the model in several processes.
+_RANK_FLAGS = ("pipeline_parallel_size", "context_parallel_size", "tensor_parallel_size")
+
+
+def num_ranks(args: argparse.Namespace) -> int:
+    """Processes the parsed flags run the model in (before they are checked)."""
+    return math.prod(getattr(args, flag, 1) for flag in _RANK_FLAGS)
 
 
 def _number_or_text(value: str) -> object:
@@ -352,7 +372,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
     from hybridkv.serving.cli.values import UsageError
 
     flags = ("block_size", "max_num_batched_tokens", "max_num_seqs", "threads")
-    for flag in (*flags, "pipeline_parallel_size", "context_parallel_size"):
+    for flag in (*flags, *_RANK_FLAGS):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -376,7 +396,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         speculative_config=speculative_config(
             getattr(args, "speculative_config", None),
             getattr(args, "context_parallel_size", 1),
-            getattr(args, "pipeline_parallel_size", 1) * getattr(args, "context_parallel_size", 1),
+            num_ranks(args),
         ),
         model=model or named,
         kv_memory=parse_size(kv_memory_flag(args)),
@@ -395,4 +415,5 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         weights=getattr(args, "weights", "auto"),
         context_parallel_size=getattr(args, "context_parallel_size", 1),
         kv_interleave=getattr(args, "kv_interleave", "token"),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )

@@ -21,7 +21,7 @@ import attrs
 
 from hybridkv.serving.chat import ChatTemplate
 from hybridkv.serving.cli.builtin_models import BUILTIN_MODELS, resolve_model
-from hybridkv.serving.cli.engine_flags import EngineArgs, engine_args
+from hybridkv.serving.cli.engine_flags import EngineArgs, engine_args, num_ranks
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -249,6 +249,7 @@ def _start_pipeline(folder: Path, settings: EngineArgs, options: LoadOptions) ->
         pipeline_parallel_size=settings.pipeline_parallel_size,
         context_parallel_size=settings.context_parallel_size,
         kv_interleave=_kv_interleave(settings),
+        tensor_parallel_size=settings.tensor_parallel_size,
     )
     _pipelines.append(pipeline)
     return pipeline
@@ -272,8 +273,7 @@ def pipeline_worker_status(args: argparse.Namespace) -> int | None:
     ``torchrun --nproc-per-node 2 --no-python hybridkv serve MODEL -pp 2`` starts two
     ranks: rank 0 serves HTTP and runs stage 0, rank 1 runs stage 1.
     """
-    ranks = getattr(args, "pipeline_parallel_size", 1) * getattr(args, "context_parallel_size", 1)
-    if ranks < 2 or os.environ.get("RANK", "0") == "0":
+    if num_ranks(args) < 2 or os.environ.get("RANK", "0") == "0":
         return None
     from hybridkv.parallel.pipeline_launch import StageSettings, run_torchrun_worker
     from hybridkv.serving.cli.console import configure_logging
@@ -287,5 +287,6 @@ def pipeline_worker_status(args: argparse.Namespace) -> int | None:
         pipeline_parallel_size=settings.pipeline_parallel_size,
         context_parallel_size=settings.context_parallel_size,
         kv_interleave=_kv_interleave(settings),
+        tensor_parallel_size=settings.tensor_parallel_size,
     )
     return run_torchrun_worker(stage)

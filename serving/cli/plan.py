@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.memory.sizes import parse_size
 from hybridkv.serving.cli.values import UsageError, dtype_bytes, load_config
@@ -12,6 +12,7 @@ from hybridkv.serving.cli.values import UsageError, dtype_bytes, load_config
 if TYPE_CHECKING:
     from hybridkv.memory.layout import LayerSpec, LayoutPlan
     from hybridkv.memory.layout_planner import PlanReport
+    from hybridkv.models.state_shapes import Mamba2Shape
 
 
 def split_stages(names: Sequence[str], num_stages: int) -> list[list[str]]:
@@ -56,6 +57,15 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         help="context-parallel ranks sharing each request's pages, each with --kv-memory",
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks, each holding its share of every layer's KV heads "
+        "in --kv-memory of its own",
+    )
+    parser.add_argument(
         "--request-tokens",
         type=int,
         default=4096,
@@ -71,7 +81,7 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 def run_plan(args: argparse.Namespace) -> int:
     """Plan the layout and print it."""
     from hybridkv.memory.layout_planner import describe, plan_layout
-    from hybridkv.models.specs import layer_specs_from_config
+    from hybridkv.models.specs import layer_specs_from_config, tensor_rank_spec
     from hybridkv.serving.cli.engine_flags import parse_layer_policies
 
     budget = parse_size(args.kv_memory)
@@ -80,6 +90,11 @@ def run_plan(args: argparse.Namespace) -> int:
     label, config = load_config(args.model)
     policies = dict(parse_layer_policies(args.layer_policies))
     specs = layer_specs_from_config(config, dtype_bytes(args.dtype), policies=policies)
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise UsageError(f"--tensor-parallel-size must be >= 1, got {tp}")
+    one_process, mamba = specs, _mamba_shape(config)
+    specs = [tensor_rank_spec(s, tp, mamba) for s in specs]
     stages = split_stages([s.name for s in specs], args.pp_stages)
     plan = plan_layout(specs, budget, args.block_size, stages=stages)
     report = describe(plan, specs, args.request_tokens)
@@ -93,6 +108,8 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     if plan.groups:
         print("\n".join(format_plan(plan, report)))
+        if tp > 1:
+            print("\n".join(format_tensor(one_process, mamba, budget, args, tp)))
         if args.context_parallel_size > 1:
             print(
                 "\n".join(
@@ -207,6 +224,51 @@ def format_context(
             rows,
         ),
     ]
+
+
+def _mamba_shape(config: dict[str, Any]) -> Mamba2Shape | None:
+    """The Mamba2 mixer's shape of a Bamba or Granite 4.0-H config, else None."""
+    from hybridkv.models.hf_config import text_config
+    from hybridkv.models.specs import MAMBA2_MODEL_TYPES
+    from hybridkv.models.state_shapes import mamba2_shape
+
+    cfg = text_config(config)
+    return mamba2_shape(cfg) if cfg.get("model_type") in MAMBA2_MODEL_TYPES else None
+
+
+def format_tensor(
+    specs: Sequence[LayerSpec],
+    mamba: Mamba2Shape | None,
+    budget: int,
+    args: argparse.Namespace,
+    tp: int,
+) -> list[str]:
+    """Per-rank KV bytes and capacity with ``tp`` tensor ranks, each with ``budget``,
+    beside one process with the same budget."""
+    from hybridkv.memory.layout import AttentionSpec
+    from hybridkv.memory.layout_planner import describe, plan_layout
+    from hybridkv.models.specs import tensor_rank_spec
+
+    rows = []
+    for ranks in (1, tp):
+        held = [tensor_rank_spec(s, ranks, mamba) for s in specs]
+        plan = plan_layout(held, budget, args.block_size, stages=[[s.name for s in held]])
+        report = describe(plan, held, args.request_tokens)
+        kv_heads = sorted({s.num_kv_heads for s in held if isinstance(s, AttentionSpec)})
+        token = sum(s.block_bytes(1) for s in held if isinstance(s, AttentionSpec))
+        rows.append(
+            [ranks, "/".join(map(str, kv_heads)) or "-", _bytes(token), plan.num_blocks,
+             report.max_request_tokens, report.max_requests]
+        )  # fmt: skip
+    return [
+        "",
+        f"tensor parallelism: {tp} ranks, {_bytes(budget)} of KV each",
+        *_table(
+            ["ranks", "KV heads/rank", "KV bytes/token/rank", "pages", "longest request",
+             f"requests of {args.request_tokens} tokens"],
+            rows,
+        ),
+    ]  # fmt: skip
 
 
 def _table(header: list[str], rows: Sequence[Sequence[object]]) -> list[str]:

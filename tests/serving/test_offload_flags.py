@@ -43,6 +43,7 @@ def test_generate_with_a_host_tier_prints_the_same_text(
         (("--kv-offload", "host:1MiB", "--no-prefix-caching"), "needs prefix caching"),
         (("--kv-offload", "host:1MiB", "-pp", "2"), "--kv-offload with --pipeline-parallel"),
         (("--kv-offload", "host:1MiB", "-cp", "2"), "--kv-offload with --context-parallel"),
+        (("--kv-offload", "host:1MiB", "-tp", "2"), "--kv-offload with --tensor-parallel"),
     ],
 )
 def test_bad_offload_flags_are_one_line_errors(

@@ -1,6 +1,6 @@
-"""``--pipeline-parallel-size`` and ``--context-parallel-size`` on the commands: stage and
-context processes started by the command or by torchrun give the text one process gives;
-impossible settings are one-line errors."""
+"""``--pipeline-parallel-size``, ``--context-parallel-size`` and ``--tensor-parallel-size``
+on the commands: stage, context and tensor processes started by the command or by torchrun
+give the text one process gives; impossible settings are one-line errors."""
 
 from __future__ import annotations
 
@@ -72,6 +72,28 @@ def test_generate_with_context_ranks_prints_what_one_process_prints(
     assert not multiprocessing.active_children()
 
 
+def test_generate_with_tensor_ranks_prints_what_one_process_prints(
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`generate -tp 2` streams one process's text; the tensor rank is stopped."""
+    model = str(three_layer_checkpoint)
+    expected = _generate(capsys, model, *GENERATE)
+    assert _generate(capsys, model, *GENERATE, "--tensor-parallel-size", "2") == expected
+    close_pipelines()
+    assert not multiprocessing.active_children()
+
+
+def test_tensor_ranks_a_model_cannot_share_are_a_one_line_error(
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`-tp 3` of a model with 2 query heads: exit 2, the value named, no process."""
+    code = main(["generate", str(three_layer_checkpoint), *GENERATE, "-tp", "3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "tensor_parallel_size=3 does not divide num_attention_heads=2 of" in err
+    assert not multiprocessing.active_children()
+
+
 def test_more_stages_than_layers_is_a_one_line_error(
     three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -83,20 +105,22 @@ def test_more_stages_than_layers_is_a_one_line_error(
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize("flag", ["--pipeline-parallel-size", "--context-parallel-size"])
+@pytest.mark.parametrize(
+    "flag", ["--pipeline-parallel-size", "--context-parallel-size", "--tensor-parallel-size"]
+)
 def test_a_non_positive_size_is_refused(capsys: pytest.CaptureFixture[str], flag: str) -> None:
-    """`-pp 0` or `-cp 0` is a usage error naming the flag."""
+    """`-pp 0`, `-cp 0` or `-tp 0` is a usage error naming the flag."""
     code = main(["generate", "no-such-model", "w2", flag, "0"])
     assert code == 2
     assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["-pp", pytest.param("-cp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("flag", ["-pp", "-tp", pytest.param("-cp", marks=pytest.mark.slow)])
 def test_generate_under_torchrun(
     three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str], flag: str
 ) -> None:
-    """torchrun starts both ranks (two stages, or two context ranks): rank 0 prints the
-    text one process prints."""
+    """torchrun starts both ranks (two stages, two context ranks or two tensor ranks):
+    rank 0 prints the text one process prints."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     hybridkv = shutil.which("hybridkv", path=str(Path(sys.executable).parent))
     assert torchrun and hybridkv

@@ -1,0 +1,110 @@
+"""Tensor parallelism in gloo processes: the same tokens, and logits within 1e-5, as one
+process, through chunked prefill, a prefix hit, a preemption and decodes."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from hybridkv.executor.load_options import LoadOptions
+from hybridkv.models.checkpoint import Checkpoint
+from hybridkv.models.errors import ParallelConfigError
+from hybridkv.parallel.pipeline_executor import PipelineExecutor
+from hybridkv.parallel.tensor_shards import check_tensor_split
+
+KV_BYTES = 1 << 20
+
+
+def _tensor(path: Path, tp: int, **options) -> PipelineExecutor:
+    options.setdefault("pipeline_parallel_size", 1)
+    load = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4, num_threads=1)
+    return PipelineExecutor.from_pretrained(
+        path, load, tensor_parallel_size=tp, step_timeout_s=60.0, **options
+    )
+
+
+def test_two_ranks_match_one_process_llama(
+    tiny_models, make_driver, drive, run_scenario, check_same_outputs
+) -> None:
+    """Llama on tp = 2 (2 of 4 query heads, 1 of 2 KV heads, half the MLP and the
+    vocabulary each): the scenario's tokens, and logits within 1e-5."""
+    expected = run_scenario(make_driver("llama"))
+    with _tensor(tiny_models["llama"].path, 2) as executor:
+        assert executor.world_size == 2
+        assert executor.config.num_kv_heads == 1  # a rank's share, as its pages hold
+        got = run_scenario(drive(executor))
+    check_same_outputs(got, expected)
+    assert not multiprocessing.active_children()
+
+
+def test_pages_hold_one_rank_s_heads(tiny_models) -> None:
+    """At the same KV bytes per process, a rank holding half the KV heads has twice the
+    pages of one process."""
+    from hybridkv.executor.model_executor import ModelExecutor
+
+    path = tiny_models["llama"].path
+    load = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4, num_threads=1)
+    alone = ModelExecutor.from_pretrained(path, load)
+    try:
+        blocks = alone.pool.num_blocks
+    finally:
+        alone.close()
+    with _tensor(path, 2) as executor:
+        assert executor.pool.num_blocks >= 2 * blocks - 2
+
+
+def test_two_ranks_match_one_process_bamba(
+    tiny_models, make_driver, drive, run_scenario, check_same_outputs
+) -> None:
+    """Bamba on tp = 2: each rank holds 2 of 4 Mamba2 heads, 1 of 2 B/C groups and their
+    states (pages of half the state), through the scan, state checkpoints at block ends,
+    a resume from them and the recurrence."""
+    expected = run_scenario(make_driver("bamba"))
+    with _tensor(tiny_models["bamba"].path, 2) as executor:
+        got = run_scenario(drive(executor))
+    check_same_outputs(got, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "tp", "pp", "cp"),
+    [
+        ("gemma3", 2, 1, 1),
+        ("gemma2", 2, 1, 1),
+        ("llama", 4, 1, 1),
+        ("gemma3", 4, 1, 1),
+        ("granite_moe", 2, 1, 1),
+        ("granite_dense", 4, 1, 1),
+        ("bamba", 4, 1, 1),
+        ("llama", 2, 2, 1),
+        ("bamba", 2, 2, 1),
+        ("llama", 2, 1, 2),
+    ],
+)
+def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
+    name, tp, pp, cp, tiny_models, make_driver, drive, run_scenario, check_same_outputs
+) -> None:
+    """Gemma 3 (one KV head, replicated on every rank; sliding windows; q/k norms),
+    Gemma 2 (soft-caps, tied head), Llama on 4 ranks (KV heads replicated in pairs),
+    Gemma 3 on 4, Granite 4.0-H with experts (each expert's width split) and without
+    (4 ranks: a B/C group and a norm group spread over two ranks), Bamba on 4, and
+    2 x 2 with pipeline stages and with context ranks (four processes)."""
+    expected = run_scenario(make_driver(name))
+    path = tiny_models[name].path
+    with _tensor(path, tp, pipeline_parallel_size=pp, context_parallel_size=cp) as executor:
+        assert executor.world_size == tp * pp * cp
+        got = run_scenario(drive(executor))
+    check_same_outputs(got, expected)
+
+
+def test_a_model_the_ranks_cannot_share_is_refused_before_any_process(tiny_models) -> None:
+    """tp = 3 divides neither 4 query heads nor 2 KV heads: refused at start, naming
+    them; tp = 8 is more ranks than a hybrid's 4 Mamba2 heads."""
+    with pytest.raises(ParallelConfigError, match="num_attention_heads=4, num_key_value_heads=2"):
+        _tensor(tiny_models["llama"].path, 3)
+    assert not multiprocessing.active_children()
+    bamba = Checkpoint.open(tiny_models["bamba"].path).config
+    with pytest.raises(ParallelConfigError, match="mamba_n_heads=4"):
+        check_tensor_split(bamba, 8)
