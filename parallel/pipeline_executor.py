@@ -265,7 +265,9 @@ class PipelineExecutor:
     def _check_first_stage(self, done: Future[None]) -> None:
         error = done.exception()
         if error is not None:
-            self._break(f"pipeline stage 0 failed: {error!r}")
+            # A worker that died breaks rank 0's own collectives first (tensor ranks
+            # all-reduce every layer): name the worker, not the lost connection.
+            self._break(self._exited_worker() or f"pipeline stage 0 failed: {error!r}")
 
     def _collect(self) -> None:
         """Receive results in order and complete the futures, until told to stop. A
@@ -314,13 +316,18 @@ class PipelineExecutor:
 
     def _explain_lost_stage(self, exc: Exception) -> str:
         """Name the worker that exited if there is one (it closes our connections first)."""
+        return self._exited_worker() or f"lost the connection to a stage: {exc}"
+
+    def _exited_worker(self) -> str | None:
+        """The workers that exited, described, waiting up to a second for one to be
+        reaped; None if none did."""
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             exited = self._workers.exits()
             if exited is not None:
                 return exited
             time.sleep(0.02)
-        return f"lost the connection to a stage: {exc}"
+        return None
 
     def _break(self, reason: str) -> None:
         """Fail every step in flight, refuse later ones, kill the workers (once)."""

@@ -45,6 +45,7 @@ from hybridkv.parallel.pipeline_launch import (
 )
 from hybridkv.parallel.pipeline_stage import StageExecutor
 from hybridkv.parallel.pipeline_wire import PipelineChannels
+from hybridkv.parallel.rank_layout import ParallelConfig
 from hybridkv.parallel.tensor_group import open_tensor_group
 
 log = get_logger(__name__)
@@ -61,10 +62,13 @@ class WorkerSet:
         processes: The spawned worker processes, by rank - 1; none under torchrun.
     """
 
-    def __init__(self, store: TCPStore, processes: Sequence[BaseProcess], world_size: int) -> None:
+    def __init__(
+        self, store: TCPStore, processes: Sequence[BaseProcess], layout: ParallelConfig
+    ) -> None:
         self.store = store
         self.processes = tuple(processes)
-        self.world_size = world_size
+        self.layout = layout
+        self.world_size = layout.world_size
 
     @classmethod
     def spawn(cls, settings: StageSettings, timeout: timedelta) -> WorkerSet:
@@ -87,15 +91,15 @@ class WorkerSet:
         for process in processes:
             process.start()
         log.info("pipeline_workers_spawned", pids=[p.pid for p in processes])
-        return cls(store, processes, settings.world_size)
+        return cls(store, processes, settings.layout)
 
     @classmethod
     def join_torchrun(
         cls, rendezvous: Rendezvous, settings: StageSettings, timeout: timedelta
     ) -> WorkerSet:
         """Meet the workers torchrun started, at its store."""
-        world_size = settings.world_size
-        return cls(rendezvous.connect(0, world_size, timeout), [], world_size)
+        store = rendezvous.connect(0, settings.world_size, timeout)
+        return cls(store, [], settings.layout)
 
     def wait_until_joined(self, deadline: float) -> None:
         """Wait for every worker's hello key (it connected and joins the group)."""
@@ -112,10 +116,12 @@ class WorkerSet:
         for rank in range(1, self.world_size):
             pid, error, theirs = read_ready(self.store, rank)
             if error is not None:
-                raise PipelineError(f"pipeline stage {rank} (pid {pid}) failed to load: {error}")
+                who = self.layout.describe(rank)
+                raise PipelineError(f"{who} (pid {pid}) failed to load: {error}")
             if theirs != pool:
                 raise PipelineError(
-                    f"pipeline stage {rank} planned the pool {theirs!r}, stage 0 planned {pool!r}"
+                    f"{self.layout.describe(rank)} planned the pool {theirs!r}, rank 0 "
+                    f"planned {pool!r}"
                 )
 
     def exits(self) -> str | None:
@@ -132,14 +138,16 @@ class WorkerSet:
         return "; ".join(exited) or None
 
     def describe_exit(self, rank: int, process: BaseProcess) -> str:
-        """``pipeline stage 1 (pid 42) exited with code 1: <its error>``."""
+        """``pipeline stage 1 (pid 42) exited with code 1: <its error>`` (``rank 1 (tensor
+        rank 1) ...`` beside context or tensor ranks)."""
         code = process.exitcode
         if code is not None and code < 0:
             how = f"was killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with code {code}"
         error = read_failure(self.store, rank)
-        return f"pipeline stage {rank} (pid {process.pid}) {how}" + (f": {error}" if error else "")
+        who = f"{self.layout.describe(rank)} (pid {process.pid}) {how}"
+        return who + (f": {error}" if error else "")
 
     def kill(self) -> None:
         """Kill every worker still running (a broken pipeline cannot be stopped in order)."""

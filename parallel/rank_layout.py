@@ -101,6 +101,17 @@ class ParallelConfig:
         coords = torch.nonzero(self.rank_grid() == rank)[0].tolist()
         return dict(zip(AXES, coords, strict=True))
 
+    def describe(self, rank: int) -> str:
+        """How errors name ``rank``: ``pipeline stage 2`` where stages are the only axis,
+        else ``rank 3 (stage 1, tensor rank 1)`` with every axis of more than one rank."""
+        coords = self.coordinates(rank)
+        if self.shape == (1, self.pipeline, 1, 1):
+            return f"pipeline stage {rank}"
+        named = {"pipeline": "stage", "context": "context rank", "tensor": "tensor rank"}
+        sizes = dict(zip(AXES, self.shape, strict=True))
+        places = [f"{named[axis]} {coords[axis]}" for axis in named if sizes[axis] > 1]
+        return f"rank {rank} ({', '.join(places)})"
+
     def _axis_indices(self, axes: tuple[str, ...]) -> list[int]:
         unknown = [a for a in axes if a not in AXES]
         if unknown or not axes or len(set(axes)) != len(axes):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import select
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.executor.errors import BatchError
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
-from hybridkv.models.errors import ParallelConfigError
+from hybridkv.models.errors import CheckpointError, ParallelConfigError
 from hybridkv.parallel.errors import PipelineError
 from hybridkv.parallel.pipeline_executor import PipelineExecutor
 from hybridkv.parallel.pipeline_launch import TorchrunEnv
@@ -32,11 +33,20 @@ KV_BYTES = 1 << 20
 
 
 def _pipeline(
-    path: Path, num_stages: int, *, kv_cache_bytes: int = KV_BYTES, step_timeout_s: float = 30.0
+    path: Path,
+    num_stages: int,
+    *,
+    kv_cache_bytes: int = KV_BYTES,
+    step_timeout_s: float = 30.0,
+    tensor_parallel_size: int = 1,
 ) -> PipelineExecutor:
     options = LoadOptions(kv_cache_bytes=kv_cache_bytes, block_size=4, num_threads=1)
     return PipelineExecutor.from_pretrained(
-        path, options, pipeline_parallel_size=num_stages, step_timeout_s=step_timeout_s
+        path,
+        options,
+        pipeline_parallel_size=num_stages,
+        step_timeout_s=step_timeout_s,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -129,16 +139,23 @@ def test_more_stages_than_layers_is_refused_before_any_process_starts(tiny_model
     assert not multiprocessing.active_children()
 
 
-def test_a_stage_that_cannot_load_is_named_at_start(tiny_models, tmp_path) -> None:
-    """A checkpoint missing a tensor of the last layer: stage 1 reports its error at start."""
+@pytest.mark.parametrize(
+    ("num_stages", "tp", "who"),
+    [(2, 1, r"pipeline stage 1"), (1, 2, r"rank 1 \(tensor rank 1\)")],
+)
+def test_a_rank_that_cannot_load_is_named_at_start(tiny_models, tmp_path, num_stages, tp, who):
+    """A checkpoint missing a tensor of the last layer: the stage (or tensor rank) holding
+    it reports its error at start, named by its place in the layout."""
     source = tiny_models["llama"].path
     for file in source.iterdir():
         (tmp_path / file.name).write_bytes(file.read_bytes())
     weights = load_file(tmp_path / "model.safetensors")
     del weights["model.layers.3.mlp.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(PipelineError, match=r"stage 1 \(pid \d+\) failed to load: CheckpointError"):
-        _pipeline(tmp_path, 2)
+    with pytest.raises((PipelineError, CheckpointError)) as info:
+        _pipeline(tmp_path, num_stages, tensor_parallel_size=tp)
+    if tp == 1:  # rank 0 holds no layer 3: only stage 1 fails
+        assert re.search(who + r" \(pid \d+\) failed to load: CheckpointError", str(info.value))
     assert not multiprocessing.active_children()
 
 
@@ -158,23 +175,34 @@ async def _break_mid_stream(pipeline: PipelineExecutor, fault: signal.Signals) -
 
 
 @pytest.mark.asyncio
-async def test_a_killed_worker_fails_the_request_and_stops_the_engine(tiny_models) -> None:
-    """SIGKILL to a stage: the request fails naming that stage, the engine stops."""
-    pipeline = _pipeline(tiny_models["llama"].path, 3)
+@pytest.mark.parametrize(
+    ("num_stages", "tp", "who"), [(3, 1, "pipeline stage 2"), (1, 2, "rank 1 (tensor rank 1)")]
+)
+async def test_a_killed_worker_fails_the_request_and_stops_the_engine(
+    tiny_models, num_stages, tp, who
+) -> None:
+    """SIGKILL to a stage (or a tensor rank): the request fails naming it, the engine
+    stops, no worker is left."""
+    pipeline = _pipeline(tiny_models["llama"].path, num_stages, tensor_parallel_size=tp)
     try:
         with anyio.fail_after(30):
             error = await _break_mid_stream(pipeline, signal.SIGKILL)
     finally:
         pipeline.close()
     assert isinstance(error.__cause__, ExecutorBrokenError)
-    assert f"stage 2 (pid {pipeline.worker_pids[-1]}) was killed by SIGKILL" in str(error.__cause__)
+    assert f"{who} (pid {pipeline.worker_pids[-1]}) was killed by SIGKILL" in str(error.__cause__)
     _assert_no_workers_left(pipeline)
 
 
 @pytest.mark.asyncio
-async def test_a_hung_worker_fails_the_request_within_the_step_timeout(tiny_models) -> None:
-    """SIGSTOP to a stage: after step_timeout_s the request fails, the workers are reaped."""
-    pipeline = _pipeline(tiny_models["llama"].path, 2, step_timeout_s=3.0)
+@pytest.mark.parametrize(("num_stages", "tp"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+async def test_a_hung_worker_fails_the_request_within_the_step_timeout(
+    tiny_models, num_stages, tp
+) -> None:
+    """SIGSTOP to a stage (or a tensor rank, which rank 0 then waits for inside a layer):
+    after step_timeout_s the request fails, the workers are reaped."""
+    path = tiny_models["llama"].path
+    pipeline = _pipeline(path, num_stages, step_timeout_s=3.0, tensor_parallel_size=tp)
     try:
         with anyio.fail_after(60):  # a guard: without the step timeout it never fails
             error = await _break_mid_stream(pipeline, signal.SIGSTOP)

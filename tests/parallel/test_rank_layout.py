@@ -92,3 +92,12 @@ def test_a_rank_outside_the_world_is_refused() -> None:
     """coordinates() names the rank and the world size."""
     with pytest.raises(ParallelConfigError, match="rank 4 is outside a world of 4"):
         ParallelConfig(pipeline=4).coordinates(4)
+
+
+def test_errors_name_a_rank_by_its_place() -> None:
+    """A stage alone is named as a stage; beside context or tensor ranks, a rank is named
+    with its coordinates on every axis of more than one rank."""
+    assert ParallelConfig(pipeline=3).describe(2) == "pipeline stage 2"
+    assert ParallelConfig(tensor=2).describe(1) == "rank 1 (tensor rank 1)"
+    layout = ParallelConfig(pipeline=2, context=2, tensor=2)
+    assert layout.describe(5) == "rank 5 (stage 1, context rank 0, tensor rank 1)"
