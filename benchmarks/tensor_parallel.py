@@ -18,8 +18,9 @@ time of each, the speed-up of tp = 2 over one thread and over two threads as the
 of the per-round ratios, with their range.
 
 Bytes: what rank 0 all-reduced per step (after each attention and MLP block, and the
-embedding) against the formula ``hidden x tokens x 4 bytes x (2 x layers + 1)``, and what
-it gathered of the logits (its half of the vocabulary per sampled row). Pages: the pool
+embedding) against the formula ``hidden x tokens x 4 bytes x (2 x layers + 1)``, what
+it gathered of the logits (its half of the vocabulary per sampled row), and the time rank
+0 spent inside those collectives (waiting for the other rank included). Pages: the pool
 each process lays out in the same ``KV_BYTES``: a rank holds one of the two KV heads, so
 twice the pages.
 
@@ -109,12 +110,14 @@ def measure(path: Path, cases: dict[str, tuple[int, int]], repeats: int) -> dict
             tokens = torch.randint(3, MODEL["vocab_size"], (batch, context + 1)).tolist()
             prefill, decode = _steps(tokens, context)
             times: dict[str, list[float]] = {k: [] for k in executors}
-            sent: list[tuple[int, int]] = []
+            sent: list[tuple[int, int, float]] = []
             for round_ in range(repeats + 1):  # the first round warms up
                 for key, execute in executors.items():
                     if name == "decode":
                         execute(prefill)  # the context, cached before the timed step
-                    before = (counters.reduced_bytes, counters.gathered_bytes)
+                    before = (
+                        counters.reduced_bytes, counters.gathered_bytes, counters.collective_s
+                    )  # fmt: skip
                     seconds = timed(
                         functools.partial(execute, decode if name == "decode" else prefill)
                     )
@@ -123,7 +126,8 @@ def measure(path: Path, cases: dict[str, tuple[int, int]], repeats: int) -> dict
                         if key == "tp2":
                             sent.append(
                                 (counters.reduced_bytes - before[0],
-                                 counters.gathered_bytes - before[1])
+                                 counters.gathered_bytes - before[1],
+                                 counters.collective_s - before[2])
                             )  # fmt: skip
             num_tokens = batch if name == "decode" else batch * context
             layers, hidden = MODEL["num_hidden_layers"], MODEL["hidden_size"]
@@ -139,9 +143,10 @@ def measure(path: Path, cases: dict[str, tuple[int, int]], repeats: int) -> dict
                     "speedup_range": [min(ratios), max(ratios)],
                     "speedup_vs_2_threads": statistics.median(versus_two),
                     "speedup_vs_2_threads_range": [min(versus_two), max(versus_two)],
-                    "reduced_bytes_rank0": statistics.median(r for r, _ in sent),
+                    "reduced_bytes_rank0": statistics.median(r for r, _, _ in sent),
                     "formula_reduced_bytes": hidden * num_tokens * DTYPE_BYTES * (2 * layers + 1),
-                    "gathered_bytes_rank0": statistics.median(g for _, g in sent),
+                    "gathered_bytes_rank0": statistics.median(g for _, g, _ in sent),
+                    "collective_s_rank0": statistics.median(c for _, _, c in sent),
                     "formula_gathered_bytes": batch * MODEL["vocab_size"] // 2 * DTYPE_BYTES,
                 }
             )
@@ -172,7 +177,7 @@ def main() -> None:
           f"tp2 {results['pages']['tp2']}")  # fmt: skip
     print(f"{'step':>7} {'tokens':>6} {'tp1 1t ms':>9} {'tp1 2t ms':>9} {'tp2 ms':>7} "
           f"{'vs 1t (range)':>17} {'vs 2t (range)':>17} {'reduced KiB':>11} "
-          f"{'formula KiB':>11} {'gathered KiB':>12}")  # fmt: skip
+          f"{'formula KiB':>11} {'gathered KiB':>12} {'in collectives ms':>17}")  # fmt: skip
     for r in results["rows"]:
         t = {k: 1000 * v for k, v in r["median_s"].items()}
         low, high = r["speedup_range"]
@@ -182,7 +187,7 @@ def main() -> None:
             f"{t['tp2']:>7.1f} {r['speedup_median']:>5.2f} ({low:.2f}-{high:.2f}) "
             f"{r['speedup_vs_2_threads']:>5.2f} ({low2:.2f}-{high2:.2f}) "
             f"{r['reduced_bytes_rank0'] / kib:>11.1f} {r['formula_reduced_bytes'] / kib:>11.1f} "
-            f"{r['gathered_bytes_rank0'] / kib:>12.1f}"
+            f"{r['gathered_bytes_rank0'] / kib:>12.1f} {1000 * r['collective_s_rank0']:>17.1f}"
         )
     print(json.dumps({"model": MODEL, "repeats": repeats, "block_size": BLOCK_SIZE, **results}))
 

@@ -17,11 +17,13 @@ from hybridkv.parallel.rank_layout import ParallelConfig, new_groups
 @attrs.define
 class TensorCounters:
     """Bytes of this rank's tensors in the group's collectives: all-reduces (after
-    attention, MLPs, experts, Mamba2 mixers and the embedding) and the logits gather."""
+    attention, MLPs, experts, Mamba2 mixers and the embedding) and the logits gather,
+    and the seconds spent in them (waiting for the slower rank included)."""
 
     reduced_bytes: int = 0
     gathered_bytes: int = 0
     num_reduces: int = 0
+    collective_s: float = 0.0
 
 
 @attrs.frozen(eq=False)

@@ -16,6 +16,8 @@ the same tensor, so the residual stream is the same on every rank of a group.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,9 +28,12 @@ from hybridkv.parallel.tensor_group import TensorRanks
 
 def all_reduce(tensor: torch.Tensor, ranks: TensorRanks) -> None:
     """Sum ``tensor`` over the group in place, and count it."""
+    started = time.perf_counter()
     dist.all_reduce(tensor, group=ranks.group)
-    ranks.counters.reduced_bytes += tensor.nbytes
-    ranks.counters.num_reduces += 1
+    counters = ranks.counters
+    counters.collective_s += time.perf_counter() - started
+    counters.reduced_bytes += tensor.nbytes
+    counters.num_reduces += 1
 
 
 class SummedOverRanks(nn.Module):
@@ -101,8 +106,11 @@ class VocabParallelHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight)
         parts = [torch.empty_like(local) for _ in range(self.ranks.size)]
+        started = time.perf_counter()
         dist.all_gather(parts, local, group=self.ranks.group)
-        self.ranks.counters.gathered_bytes += local.nbytes
+        counters = self.ranks.counters
+        counters.collective_s += time.perf_counter() - started
+        counters.gathered_bytes += local.nbytes
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
