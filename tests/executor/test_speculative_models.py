@@ -127,13 +127,22 @@ async def test_speculated_tokens_and_logits_are_transformers(
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("name", ["gemma3", "bamba"])
+@pytest.mark.parametrize(
+    ("name", "pp", "tp"),
+    [
+        ("gemma3", 2, 1),
+        ("bamba", 2, 1),
+        pytest.param("bamba", 1, 2, marks=pytest.mark.slow),
+        pytest.param("granite_moe", 2, 2, marks=pytest.mark.slow),
+    ],
+)
 async def test_pipeline_stages_in_processes_verify_as_one_process(
-    name: str, tiny_models: Any, prompt_of: Any
+    name: str, pp: int, tp: int, tiny_models: Any, prompt_of: Any
 ) -> None:
-    """Two stage processes, two steps in flight: the last stage verifies, each stage
-    writes its Mamba2 layers' kept states when the next step brings the verdict, and the
-    tokens and logits are transformers'."""
+    """Two stage processes (or two tensor ranks, or 2 x 2), steps in flight: the last
+    stage verifies, each stage (each tensor rank its share of the heads) writes its Mamba2
+    layers' kept states when the next step brings the verdict, and the tokens and logits
+    are transformers'."""
     from hybridkv.parallel.pipeline_executor import PipelineExecutor
 
     model = tiny_models[name]
@@ -142,11 +151,13 @@ async def test_pipeline_stages_in_processes_verify_as_one_process(
     shared = prompt_of(8, 44)
     prompts = [shared + prompt_of(n, 40 + n) for n in (3, 5)] + [prompt_of(6, 2)]
     proposer = ReferenceModelProposer(model.reference, 256, miss=0.3, seed=3)
-    with PipelineExecutor.from_pretrained(model.path, options, pipeline_parallel_size=2) as pipe:
+    with PipelineExecutor.from_pretrained(
+        model.path, options, pipeline_parallel_size=pp, tensor_parallel_size=tp
+    ) as pipe:
         pipe.logits_hook = lambda rid, row: logits.setdefault(rid, []).append(row.clone())
         config = EngineConfig.for_executor(pipe, max_model_len=64, speculative_config=SPEC)
         outputs, stats = await _serve(pipe, config, prompts, proposer, logits)  # type: ignore[arg-type]
-        assert pipe.peak_steps_in_flight == 2
+        assert pipe.peak_steps_in_flight == pp
     for i, prompt in enumerate(prompts):
         got = outputs[f"r{i}"]
         expected = model.reference_logits(prompt + got[:-1])[len(prompt) - 1 :]
