@@ -344,7 +344,7 @@ class KVCacheManager:
         if len(state.hashes) < num_full:
             self._hasher.extend(state.hashes, state.root, request.all_token_ids, state.num_tokens)
         state.num_uncached += self.pool.cache_blocks(
-            state.tables, state.hashes, state.num_cached_blocks, num_full
+            state.tables, state.hashes, state.num_cached_blocks, num_full, request.all_token_ids
         )
         state.num_cached_blocks = num_full
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NewType
 
+from hybridkv.memory.cache_events import DEVICE, CacheEventLog
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.eviction_order import EvictionOrder
 from hybridkv.memory.free_queue import FreeQueue, KeptPrefix
@@ -65,6 +66,8 @@ class BlockPool:
         self.num_used_per_group = [0] * num_groups
         #: Pages that lost their hash through :meth:`uncache` so far (a change counter).
         self.num_uncached = 0
+        #: Where hashes entering and leaving the cache map are reported, if anywhere.
+        self.events: CacheEventLog | None = None
 
     @property
     def num_free(self) -> int:
@@ -190,6 +193,8 @@ class BlockPool:
             if old is not None:
                 del cached[owner[page]][old]
                 hashes[page] = None
+                if self.events is not None:
+                    self.events.removed(owner[page], old)
             ref[page] = 1
             owner[page] = group
         used = self.num_used_per_group
@@ -284,6 +289,8 @@ class BlockPool:
         table[block_hash] = page
         self._hash[page] = block_hash
         self._group[page] = group
+        if self.events is not None:  # no tokens here: reported as a tier's store is
+            self.events.stored_keys(DEVICE, [(group, block_hash)])
         return True
 
     def cache_blocks(
@@ -292,13 +299,16 @@ class BlockPool:
         hashes: Sequence[BlockHash],
         start: int,
         stop: int,
+        token_ids: Sequence[int] = (),
     ) -> int:
-        """Cache blocks ``start .. stop-1`` of every group's table (as :meth:`cache`).
+        """Cache blocks ``start .. stop-1`` of every group's table (as :meth:`cache`);
+        ``token_ids``, the request's tokens, go into the events reported.
 
         Returns how many of those pages stayed uncached (their block was cached before).
         """
         page_hash, owner, maps = self._hash, self._group, self._cached
         num_uncached = 0
+        new: list[tuple[int, int]] | None = None if self.events is None else []
         for i in range(start, stop):
             block_hash = hashes[i]
             for group, table in enumerate(tables):
@@ -312,7 +322,24 @@ class BlockPool:
                 cached[block_hash] = page
                 page_hash[page] = block_hash
                 owner[page] = group
+                if new is not None:
+                    new.append((group, i))
+        if new:
+            self._report_stored(new, hashes, token_ids)
         return num_uncached
+
+    def _report_stored(
+        self, new: list[tuple[int, int]], hashes: Sequence[BlockHash], token_ids: Sequence[int]
+    ) -> None:
+        """Report the (group, block) pairs just cached as runs of consecutive blocks."""
+        assert self.events is not None
+        new.sort()
+        first = 0
+        for k in range(1, len(new) + 1):
+            if k == len(new) or new[k] != (new[k - 1][0], new[k - 1][1] + 1):
+                group, start = new[first]
+                self.events.stored(group, hashes, start, new[k - 1][1] + 1, token_ids)
+                first = k
 
     def uncache(self, page: int) -> None:
         """Forget the hash of ``page`` (its contents were never written).
@@ -326,6 +353,8 @@ class BlockPool:
         del self._cached[self._group[page]][block_hash]
         self._hash[page] = None
         self.num_uncached += 1
+        if self.events is not None:
+            self.events.removed(self._group[page], block_hash)
         if page in self._free:
             self._free.remove_all((page,))
             self._free_unhashed(page)

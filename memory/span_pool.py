@@ -132,6 +132,8 @@ class SpanPool(BlockPool):
         assert old is not None, page
         del self._cached[self._group[page]][old]
         self._hash[page] = None
+        if self.events is not None:
+            self.events.removed(self._group[page], old)
         return page
 
     def _is_state_page(self, page: int) -> bool:

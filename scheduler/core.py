@@ -7,7 +7,8 @@ The async :class:`~hybridkv.scheduler.engine.Engine` drives it from one event-lo
                                  again while earlier plans are in flight (in_flight.py)
     apply(plan, result)          the executor returned: append tokens, stop requests
     fail(plan, error)            the executor raised: fail the step's requests
-    flush()                      deliver the outputs gathered by apply/fail to the sinks
+    flush()                      deliver the outputs gathered by apply/fail to the sinks,
+                                 publish the KV events (outbox.py)
     shutdown(error)              end every live request, free every block
 
 Steps in flight form a queue: ``apply`` and ``fail`` take the oldest, in order. A request
@@ -25,11 +26,11 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
-import anyio
 import attrs
 
 from hybridkv.errors import HybridKVError
 from hybridkv.errors.events import get_logger
+from hybridkv.memory.cache_events import CacheEventSink
 from hybridkv.memory.hashing import TOKEN_ID_LIMIT
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.memory.offload.config import OffloadConfig
@@ -40,7 +41,8 @@ from hybridkv.scheduler.connector import EngineOffload, NoOffload
 from hybridkv.scheduler.errors import RequestFailedError
 from hybridkv.scheduler.in_flight import StepsInFlight
 from hybridkv.scheduler.meter import PrefixCounter, ThroughputMeter
-from hybridkv.scheduler.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprobs
+from hybridkv.scheduler.outbox import Outbox
+from hybridkv.scheduler.outputs import EngineStats, FinishReason, TokenLogprobs
 from hybridkv.scheduler.params import InvalidRequestError, SamplingParams
 from hybridkv.scheduler.queue import WaitingQueue
 from hybridkv.scheduler.request import OutputSink, Request, RequestStatus
@@ -64,6 +66,7 @@ class EngineCore:
         max_steps_in_flight: int = 1,
         offload: tuple[OffloadConfig, KeySpace] | None = None,
         proposer: Proposer | None = None,
+        kv_events: CacheEventSink | None = None,
     ):
         self.config = config
         self.max_steps_in_flight = max_steps_in_flight
@@ -81,8 +84,9 @@ class EngineCore:
         self._clock = clock
         self._has_finished_running = False
         self._in_flight = StepsInFlight()
-        # (request, item, is_last) deliveries gathered since the last flush.
-        self._outbox: list[tuple[Request, RequestOutput | HybridKVError, bool]] = []
+        # Deliveries and KV events gathered since the last flush.
+        tiers = offload[0].tiers if offload else ()
+        self._outbox = Outbox(self.kv, kv_events, tiers)
         self._plan_us = 0.0
         self._meter = ThroughputMeter()
         self._prefix = PrefixCounter()
@@ -315,17 +319,9 @@ class EngineCore:
         self.flush()
 
     def flush(self) -> None:
-        """Deliver the gathered outputs, in order; a sink's last item closes it."""
-        outbox, self._outbox = self._outbox, []
-        for request, item, is_last in outbox:
-            sink = request.sink
-            try:
-                sink.send_nowait(item)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                # The consumer left without closing its iterator on this thread: abort.
-                self._finish(request, FinishReason.ABORT)
-            if is_last:
-                sink.close()
+        """Deliver the gathered outputs, in order (a sink's last item closes it), and
+        publish the KV events gathered since the last flush."""
+        self._outbox.flush(lambda request: self._finish(request, FinishReason.ABORT))
 
     # -- finishing ---------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ import anyio.abc
 
 from hybridkv.errors import HybridKVError
 from hybridkv.errors.events import get_logger
+from hybridkv.memory.cache_events import CacheEventSink
 from hybridkv.memory.offload.config import OffloadConfig
 from hybridkv.scheduler.batch import (
     Executor,
@@ -44,10 +45,11 @@ from hybridkv.scheduler.batch import (
     StepBatch,
     StepResult,
 )
-from hybridkv.scheduler.config import ConfigError, EngineConfig
+from hybridkv.scheduler.config import EngineConfig
 from hybridkv.scheduler.connector import attach_offload
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.errors import EngineStoppedError
+from hybridkv.scheduler.in_flight import steps_in_flight
 from hybridkv.scheduler.loop_host import AsyncioHost, on_asyncio
 from hybridkv.scheduler.outputs import EngineStats, FinishReason
 from hybridkv.scheduler.params import SamplingParams
@@ -71,6 +73,8 @@ class Engine:
             must move pages (``attach_offload``, see ``scheduler/connector.py``).
         proposer: With ``config.speculative_config``, what proposes tokens (the
             config's n-gram lookup when None; ``scheduler/speculation.py``).
+        kv_events: Takes each step's prefix-cache events (``memory/cache_events.py``;
+            vLLM's wire format: ``hybridkv.parallel.kv_events.KVEventPublisher``).
 
     Raises:
         ConfigError: the config describes another pool than the executor's, or an
@@ -87,14 +91,19 @@ class Engine:
         *,
         offload: OffloadConfig | None = None,
         proposer: Proposer | None = None,
+        kv_events: CacheEventSink | None = None,
     ) -> None:
         config.check_executor(executor, proposer)
         self.config = config
         self.executor = executor
-        depth = _steps_in_flight(executor)
+        depth = steps_in_flight(executor)
         attached = attach_offload(executor, offload, depth)
         self.core = EngineCore(
-            config, max_steps_in_flight=depth, offload=attached, proposer=proposer
+            config,
+            max_steps_in_flight=depth,
+            offload=attached,
+            proposer=proposer,
+            kv_events=kv_events,
         )
         self._wakeup: anyio.Event | None = None  # set while the loop idles
         self._has_served = False
@@ -385,14 +394,6 @@ class Engine:
             while self._foreign_aborts:
                 self.core.end(self._foreign_aborts.popleft(), FinishReason.ABORT)
             self._notify()
-
-
-def _steps_in_flight(executor: Executor) -> int:
-    """How many steps the executor takes at once (1 unless it is a PipelinedExecutor)."""
-    depth = getattr(executor, "max_steps_in_flight", 1)
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise ConfigError(f"executor.max_steps_in_flight must be an int >= 1, got {depth!r}")
-    return depth
 
 
 __all__ = ["Engine", "RequestStream"]

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
+from hybridkv.scheduler.batch import Executor
+from hybridkv.scheduler.config import ConfigError
 from hybridkv.scheduler.request import Request
 from hybridkv.scheduler.step_planner import StepPlan
 
@@ -62,3 +64,11 @@ class StepsInFlight:
         self._stale.clear()
         while self._plans:
             yield self._plans.popleft()
+
+
+def steps_in_flight(executor: Executor) -> int:
+    """How many steps the executor takes at once (1 unless it is a PipelinedExecutor)."""
+    depth = getattr(executor, "max_steps_in_flight", 1)
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ConfigError(f"executor.max_steps_in_flight must be an int >= 1, got {depth!r}")
+    return depth

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from hybridkv.memory.offload.errors import OffloadConfigError
-from hybridkv.memory.offload.tier import BufferFactory
+from hybridkv.memory.offload.tier import BufferFactory, TierObserver
 
 
 class HostTier:
@@ -34,9 +34,15 @@ class HostTier:
         self._lock = threading.Lock()
         self.num_bytes = 0
         self.num_evicted = 0
+        self.observer: TierObserver | None = None
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def held_keys(self) -> list[bytes]:
+        """The keys held now, the least recently used first."""
+        with self._lock:
+            return list(self._values)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         values = self._values
@@ -65,21 +71,33 @@ class HostTier:
                 old = self._values.pop(key, None)
                 if old is not None:
                     self.num_bytes -= len(old)
+                dropped = []
                 while self.num_bytes + size > self.capacity_bytes:
-                    _, evicted = self._values.popitem(last=False)
+                    dropped_key, evicted = self._values.popitem(last=False)
+                    dropped.append(dropped_key)
                     self.num_bytes -= len(evicted)
                     self.num_evicted += 1
                 self._values[key] = buffer
                 self.num_bytes += size
+                # Under the lock: the observer hears of one key's changes in their order.
+                if self.observer is not None:
+                    self.observer.removed(self.name, dropped)
+                    self.observer.stored(self.name, [key])
 
     def delete(self, keys: Sequence[bytes]) -> None:
         with self._lock:
+            dropped = []
             for key in keys:
                 value = self._values.pop(key, None)
                 if value is not None:
                     self.num_bytes -= len(value)
+                    dropped.append(key)
+            if self.observer is not None:
+                self.observer.removed(self.name, dropped)
 
     def close(self) -> None:
         with self._lock:
+            if self.observer is not None:
+                self.observer.removed(self.name, list(self._values))
             self._values.clear()
             self.num_bytes = 0

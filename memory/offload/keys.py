@@ -48,6 +48,12 @@ class KeySpace:
         return f"hkv:{self.fingerprint}:{group}.{kind}:{salt}:{block_hash.hex()}".encode()
 
 
+def parse_key(key: bytes) -> tuple[int, BlockHash]:
+    """The (group, chained block hash) a key of :meth:`KeySpace.key` names."""
+    fields = key.split(b":")
+    return int(fields[2].split(b".", 1)[0]), BlockHash(bytes.fromhex(fields[-1].decode()))
+
+
 def salt_of(extra_keys: tuple[object, ...]) -> str:
     """The key's salt field for a request's extra keys: ``-`` without any, else a hash."""
     if not extra_keys:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from hybridkv.errors.events import get_logger
 from hybridkv.memory.offload.errors import OffloadConfigError, TierUnavailableError
+from hybridkv.memory.offload.tier import TierObserver
 
 log = get_logger(__name__)
 
@@ -58,6 +59,7 @@ class RedisTier:
         self.retry_after_s = retry_after_s
         self._down_until: float | None = None
         self._lock = threading.Lock()
+        self.observer: TierObserver | None = None
 
     def _call(self, what: str, fn: Callable[[], _T]) -> _T:
         down = self._down_until
@@ -107,10 +109,14 @@ class RedisTier:
             pipe.execute()
 
         self._call("put", store)
+        if self.observer is not None:
+            self.observer.stored(self.name, [key for key, _ in items])
 
     def delete(self, keys: Sequence[bytes]) -> None:
         if keys:
             self._call("delete", lambda: self._client.delete(*keys))
+            if self.observer is not None:
+                self.observer.removed(self.name, keys)
 
     def close(self) -> None:
         self._client.close()

@@ -15,8 +15,27 @@ from typing import Protocol
 BufferFactory = Callable[[int], bytearray | memoryview]
 
 
+class TierObserver(Protocol):
+    """Told which keys a tier took and dropped (``tier_events.py``: as KV events)."""
+
+    def stored(self, tier: str, keys: Sequence[bytes]) -> None:
+        """``tier`` holds ``keys`` now."""
+        ...
+
+    def removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        """``tier`` dropped ``keys`` (deleted, or evicted to stay within its budget)."""
+        ...
+
+
 class Tier(Protocol):
-    """A store of encoded blocks (see ``blob.py``), keyed as in ``keys.py``."""
+    """A store of encoded blocks (see ``blob.py``), keyed as in ``keys.py``.
+
+    ``observer``, where set, hears of every key stored and dropped by this process's
+    calls, the tier's own evictions included where the tier sees them (a Redis server's
+    expiry and eviction it does not see).
+    """
+
+    observer: TierObserver | None
 
     @property
     def name(self) -> str:
