@@ -16,19 +16,42 @@ samples alone; hidden states of other rows travel only for prompt logprobs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 
 from hybridkv.executor.model_executor import LogitsHook, ModelExecutor, StageInputs
-from hybridkv.memory.layout import AttentionSpec, LayoutPlan, PoolSpec
+from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan, PoolSpec
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.parallel.context_attention import ContextLayer, ContextStep
 from hybridkv.parallel.context_group import ContextRanks
 from hybridkv.parallel.context_shards import KVInterleave
 from hybridkv.scheduler.batch import StepBatch, StepResult
+
+
+def check_context_split(specs: Sequence[LayerSpec]) -> None:
+    """Refuse layers context parallelism cannot shard, naming the first and why.
+
+    Raises:
+        ParallelConfigError: a state layer (its recurrence runs token after token, so a
+            request's tokens cannot be split among ranks), or an attention layer whose
+            keys are not one window (a multi-span policy, chunked-local: the ring
+            attends each shard to one window of keys).
+    """
+    for spec in specs:
+        if not isinstance(spec, AttentionSpec):
+            raise ParallelConfigError(
+                f"context parallelism splits a request's tokens among ranks; layer "
+                f"{spec.name!r} is a state layer, whose recurrence runs them in order"
+            )
+        if spec.policy.attention_window() is None:
+            raise ParallelConfigError(
+                f"context parallelism needs attention layers whose keys are one window "
+                f"(full or sliding); layer {spec.name!r} keeps {spec.policy!r}"
+            )
 
 
 @attrs.frozen(eq=False)
@@ -50,17 +73,12 @@ class ContextParallelExecutor:
         kv_interleave: Tokens dealt to a rank at a time (1, or the block size).
 
     Raises:
-        ParallelConfigError: a layer whose keys are not one window (a generic policy,
-            a state layer), or an interleave that does not divide the block size.
+        ParallelConfigError: a layer it cannot shard (``check_context_split``), or an
+            interleave that does not divide the block size.
     """
 
     def __init__(self, inner: ModelExecutor, ranks: ContextRanks, kv_interleave: int = 1) -> None:
-        for spec in inner.specs:
-            if not isinstance(spec, AttentionSpec) or spec.policy.attention_window() is None:
-                raise ParallelConfigError(
-                    f"context parallelism needs attention layers whose keys are one window "
-                    f"(full or sliding); layer {spec.name!r} keeps {spec.policy!r}"
-                )
+        check_context_split(inner.specs)
         self.inner = inner
         self.ranks = ranks
         self.place = KVInterleave(ranks.size, inner.plan.block_size, kv_interleave)

@@ -55,7 +55,7 @@ from hybridkv.memory.layout import PoolSpec
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.stages import split_layers
-from hybridkv.parallel.context_executor import ContextParallelExecutor
+from hybridkv.parallel.context_executor import ContextParallelExecutor, check_context_split
 from hybridkv.parallel.context_group import ContextRanks, open_context_group
 from hybridkv.parallel.pipeline_stage import StageExecutor, StageRunner, StageStats, serve_stage
 from hybridkv.parallel.pipeline_wire import PipelineChannels
@@ -104,7 +104,8 @@ class StageSettings:
         Raises:
             ParallelConfigError: more stages than layers, or fewer than one; weights in
                 a quantised format (stages load the model dtype); a model the tensor
-                ranks cannot share (``check_tensor_split``).
+                ranks cannot share (``check_tensor_split``) or layers the context ranks
+                cannot (``check_context_split``).
             CheckpointError, ModelConfigError, PolicyError: a config we cannot run.
         """
         if options.weights not in ("dtype", "auto"):
@@ -115,6 +116,8 @@ class StageSettings:
         checkpoint = Checkpoint.open(path, policies=options.policy_choices)
         split_layers(checkpoint.config.num_layers, pipeline_parallel_size)
         check_tensor_split(checkpoint.config, tensor_parallel_size)
+        if context_parallel_size > 1:
+            check_context_split(checkpoint.config.layers)
         layout = ParallelConfig(
             pipeline=pipeline_parallel_size,
             context=context_parallel_size,

@@ -107,3 +107,23 @@ def test_a_policy_without_one_window_is_refused(tiny_models) -> None:
     ranks = ContextRanks(group=None, rank=0, size=2)  # type: ignore[arg-type]
     with pytest.raises(ParallelConfigError, match="keys are one window"):
         ContextParallelExecutor(executor, ranks)
+
+
+@pytest.mark.parametrize(
+    ("name", "policies", "message"),
+    [
+        ("bamba", None, "'model.layers.0.mamba' is a state layer"),
+        ("llama", {"full_attention": ChunkedLocal(16)}, "keys are one window"),
+    ],
+)
+def test_layers_the_ranks_cannot_share_are_refused_before_any_process(
+    tiny_models, name, policies, message
+) -> None:
+    """A Mamba2 hybrid, or a layer whose keys are not one window: refused at start,
+    naming the layer, and no worker process started."""
+    options = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4, policies=policies or {})
+    with pytest.raises(ParallelConfigError, match=message):
+        PipelineExecutor.from_pretrained(
+            tiny_models[name].path, options, pipeline_parallel_size=1, context_parallel_size=2
+        )
+    assert not multiprocessing.active_children()
