@@ -16,6 +16,11 @@ from hybridkv.serving.cli.engine_flags import (
     engine_args,
     scheduling_options,
 )
+from hybridkv.serving.cli.kv_events_flags import (
+    add_kv_events_arguments,
+    kv_event_publisher,
+    kv_events_config,
+)
 from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
 from hybridkv.serving.cli.serve_flags import add_access_and_limit_arguments, http_settings
 
@@ -96,6 +101,7 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     add_engine_arguments(parser)
     add_scheduling_arguments(parser)
     add_offload_arguments(parser)
+    add_kv_events_arguments(parser)
     parser.set_defaults(handler=run_serve)
 
 
@@ -121,6 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
             f"--max-response-size must be at least 1 byte, got {args.max_response_size!r}"
         )
     scheduling = scheduling_options(args)
+    kv_events_config(args)  # a bad one fails before the model loads
     try:
         settings = http_settings(
             args, max_body_bytes=max_body_bytes, default_max_tokens=args.default_max_tokens
@@ -197,32 +204,34 @@ async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace
     executor = loaded.executor
     if settings.step_timeout_s is not None:
         executor = StepWatchdog(executor, settings.step_timeout_s)
-    async with Engine(
-        loaded.engine_config,
-        executor,
-        offload=offload_config(args, loaded.executor),
-        proposer=loaded.proposer,
-    ) as engine:
-        app = build_app(
-            engine,
-            loaded.tokenizer,
-            model_name=name,
-            max_model_len=loaded.max_model_len,
-            chat_template=loaded.chat_template,
-            options=settings.options,
-        )
-        host, port = sock.getsockname()[:2]
-        print(
-            f"serving {name!r} at http://{host}:{port}/v1 "
-            f"({loaded.engine_config.num_blocks} KV pages); Ctrl-C stops",
-            file=sys.stderr,
-            flush=True,
-        )
-        async with anyio.create_task_group() as tg:
-            if args.log_stats_interval > 0 and not args.disable_log_stats:
-                tg.start_soon(log_stats, engine, args.log_stats_interval)
-            await serve_http(app, sock, log_level=args.log_level, limits=settings.limits)
-            tg.cancel_scope.cancel()
+    with kv_event_publisher(kv_events_config(args)) as kv_events:
+        async with Engine(
+            loaded.engine_config,
+            executor,
+            offload=offload_config(args, loaded.executor),
+            proposer=loaded.proposer,
+            kv_events=kv_events,
+        ) as engine:
+            app = build_app(
+                engine,
+                loaded.tokenizer,
+                model_name=name,
+                max_model_len=loaded.max_model_len,
+                chat_template=loaded.chat_template,
+                options=settings.options,
+            )
+            host, port = sock.getsockname()[:2]
+            print(
+                f"serving {name!r} at http://{host}:{port}/v1 "
+                f"({loaded.engine_config.num_blocks} KV pages); Ctrl-C stops",
+                file=sys.stderr,
+                flush=True,
+            )
+            async with anyio.create_task_group() as tg:
+                if args.log_stats_interval > 0 and not args.disable_log_stats:
+                    tg.start_soon(log_stats, engine, args.log_stats_interval)
+                await serve_http(app, sock, log_level=args.log_level, limits=settings.limits)
+                tg.cancel_scope.cancel()
 
 
 def register_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

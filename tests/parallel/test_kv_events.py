@@ -298,3 +298,42 @@ def test_vllms_example_config_is_accepted() -> None:
     )
     assert config.is_publishing and config.topic == "kv-events"
     assert not KVEventsConfig.from_json('{"enable_kv_cache_events": false}').is_publishing
+
+
+@pytest.mark.asyncio
+async def test_the_async_engine_publishes_through_its_kv_events_option() -> None:
+    """``Engine(..., kv_events=publisher)``: a finished request's blocks reach a consumer
+    that asks the replay socket, and match the engine's pool."""
+    import anyio
+
+    from hybridkv.scheduler import Engine
+
+    config = EngineConfig(
+        policies=[FullAttention(), SlidingWindow(window=6)],
+        num_blocks=32,
+        block_size=BS,
+        max_model_len=128,
+        vocab_size=50,
+    )
+    settings = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+    )
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    with KVEventPublisher(settings) as pub:
+        async with Engine(config, FakeExecutor.for_config(config), kv_events=pub) as engine:
+            with anyio.fail_after(10):
+                stream = engine.generate(list(range(1, 14)), SamplingParams(max_tokens=4))
+                async with stream:
+                    async for _ in stream:
+                        pass
+                await engine.wait_until(lambda s: s.num_running + s.num_waiting == 0)
+            engine.core.flush()
+            pub.drain()
+            consumer = WireConsumer()
+            for seq, payload in replay(pub, context, 0):
+                consumer.apply(seq, payload)
+            pool = engine.core.kv.pool
+            held = {("GPU", g, wire_hash(h)) for g in range(2) for h in pool.cached_blocks(g)}
+            assert held and consumer.blocks == held
