@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import pickle
+import secrets
 import signal
 import sys
 import threading
@@ -126,6 +127,10 @@ class StageSettings:
         if options.num_threads is None and torch.device(options.device).type == "cpu":
             threads = max(1, (os.cpu_count() or 1) // layout.world_size)
             options = attrs.evolve(options, num_threads=threads)
+        if options.seed is None:
+            # Every tensor rank of the last stage samples (and advances its grammars)
+            # from the same gathered logits: with one seed they all draw the same tokens.
+            options = attrs.evolve(options, seed=secrets.randbits(63))
         return cls(
             path=str(path),
             num_stages=pipeline_parallel_size,

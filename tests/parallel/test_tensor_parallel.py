@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import multiprocessing
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 
 from hybridkv.executor.load_options import LoadOptions
+from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.parallel.pipeline_executor import PipelineExecutor
+from hybridkv.parallel.pipeline_launch import StageSettings
 from hybridkv.parallel.tensor_shards import check_tensor_split
+from hybridkv.scheduler import SamplingParams
+from hybridkv.scheduler.batch import StepBatch, StepRequest
 
 KV_BYTES = 1 << 20
 
@@ -42,8 +48,6 @@ def test_two_ranks_match_one_process_llama(
 def test_pages_hold_one_rank_s_heads(tiny_models) -> None:
     """At the same KV bytes per process, a rank holding half the KV heads has twice the
     pages of one process."""
-    from hybridkv.executor.model_executor import ModelExecutor
-
     path = tiny_models["llama"].path
     load = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4, num_threads=1)
     alone = ModelExecutor.from_pretrained(path, load)
@@ -108,3 +112,42 @@ def test_a_model_the_ranks_cannot_share_is_refused_before_any_process(tiny_model
     bamba = Checkpoint.open(tiny_models["bamba"].path).config
     with pytest.raises(ParallelConfigError, match="mamba_n_heads=4"):
         check_tensor_split(bamba, 8)
+
+
+def _sample_tokens(executor: Any, prompt: list[int], num: int) -> list[int]:
+    """``num`` tokens sampled at temperature 1 after ``prompt``, one step each."""
+    tokens = list(prompt)
+    params = SamplingParams(temperature=1.0)
+    table = list(range(1, (len(prompt) + num) // 4 + 2))
+    start = 0
+    for index in range(num):
+        step = StepRequest(
+            request_id="r", token_ids=tokens[start:], start_position=start,
+            block_tables=[table], sample=True, params=params, output_index=index,
+        )  # fmt: skip
+        token = executor.execute(StepBatch((step,))).token_ids[0]
+        start = len(tokens)
+        tokens.append(token)
+    return tokens[len(prompt) :]
+
+
+def test_unseeded_sampling_draws_one_process_s_tokens(tiny_models, prompt_of) -> None:
+    """With one engine seed, rank 0 draws what one process draws from the gathered
+    logits; every tensor rank is given that seed, so all draw the same tokens (and
+    advance their grammars alike)."""
+    path = tiny_models["llama"].path
+    load = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4, num_threads=1, seed=7)
+    alone = ModelExecutor.from_pretrained(path, load)
+    try:
+        expected = _sample_tokens(alone, prompt_of(9, 1), 12)
+    finally:
+        alone.close()
+    with PipelineExecutor.from_pretrained(
+        path, load, pipeline_parallel_size=1, tensor_parallel_size=2, step_timeout_s=60.0
+    ) as executor:
+        assert _sample_tokens(executor, prompt_of(9, 1), 12) == expected
+    # Without one, the settings every rank receives carry one drawn at start.
+    unseeded = StageSettings.create(
+        path, attrs.evolve(load, seed=None), pipeline_parallel_size=1, tensor_parallel_size=2
+    )
+    assert unseeded.options.seed is not None
