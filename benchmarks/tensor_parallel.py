@@ -24,8 +24,8 @@ it gathered of the logits (its half of the vocabulary per sampled row), and the 
 each process lays out in the same ``KV_BYTES``: a rank holds one of the two KV heads, so
 twice the pages.
 
-    python benchmarks/tensor_parallel.py             # the full run
-    python benchmarks/tensor_parallel.py --quick     # a smoke run
+    python benchmarks/tensor_parallel.py [--json FILE]   # the full run (about 2 minutes)
+    python benchmarks/tensor_parallel.py --quick         # a smoke run
 
 The last line printed is one JSON object. Results: docs/benchmarks.md, section "Tensor
 parallelism on two cores".
@@ -45,6 +45,7 @@ from typing import Any
 
 import structlog
 import torch
+from _results import add_json_argument, write_json
 from context_parallel import MODEL, make_checkpoint, timed
 
 from hybridkv.executor.load_options import LoadOptions
@@ -162,6 +163,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1024, help="prefill tokens (1024)")
     parser.add_argument("--batch", type=int, default=8, help="decoding requests (8)")
     parser.add_argument("--context", type=int, default=512, help="their cached tokens (512)")
+    add_json_argument(parser)
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     torch.manual_seed(0)
@@ -189,7 +191,9 @@ def main() -> None:
             f"{r['reduced_bytes_rank0'] / kib:>11.1f} {r['formula_reduced_bytes'] / kib:>11.1f} "
             f"{r['gathered_bytes_rank0'] / kib:>12.1f} {1000 * r['collective_s_rank0']:>17.1f}"
         )
-    print(json.dumps({"model": MODEL, "repeats": repeats, "block_size": BLOCK_SIZE, **results}))
+    summary = {"model": MODEL, "repeats": repeats, "block_size": BLOCK_SIZE, **results}
+    print(json.dumps(summary))
+    write_json(args.json, summary)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from hybridkv.scheduler.request import OutputSink, Request, RequestStatus
 from hybridkv.scheduler.results import check_result, gather_prompt_logprobs, request_failure
 from hybridkv.scheduler.speculation import Proposer
 from hybridkv.scheduler.speculator import Speculator
+from hybridkv.scheduler.step_costs import StepCosts
 from hybridkv.scheduler.step_planner import StepPlan, plan_step, share_of_ready
 from hybridkv.scheduler.validation import check_request, never_fits
 
@@ -67,6 +68,7 @@ class EngineCore:
         offload: tuple[OffloadConfig, KeySpace] | None = None,
         proposer: Proposer | None = None,
         kv_events: CacheEventSink | None = None,
+        step_costs: StepCosts | None = None,
     ):
         self.config = config
         self.max_steps_in_flight = max_steps_in_flight
@@ -76,7 +78,7 @@ class EngineCore:
         # the core calls the seam alike either way.
         self.offload = EngineOffload(*offload, self.kv) if offload else None
         self._transfers: EngineOffload | NoOffload = self.offload or NoOffload()
-        self.speculator = Speculator.for_engine(config, proposer)
+        self.speculator = Speculator.for_engine(config, proposer, step_costs)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self._requests: dict[str, Request] = {}

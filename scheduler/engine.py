@@ -55,6 +55,7 @@ from hybridkv.scheduler.outputs import EngineStats, FinishReason
 from hybridkv.scheduler.params import SamplingParams
 from hybridkv.scheduler.request import Request
 from hybridkv.scheduler.speculation import Proposer
+from hybridkv.scheduler.step_costs import StepCosts
 from hybridkv.scheduler.step_planner import StepPlan
 from hybridkv.scheduler.stream import OutputChannel, RequestStream
 
@@ -73,8 +74,7 @@ class Engine:
             must move pages (``attach_offload``, see ``scheduler/connector.py``).
         proposer: With ``config.speculative_config``, what proposes tokens (the
             config's n-gram lookup when None; ``scheduler/speculation.py``).
-        kv_events: Takes each step's prefix-cache events (``memory/cache_events.py``;
-            vLLM's wire format: ``hybridkv.parallel.kv_events.KVEventPublisher``).
+        kv_events: Takes each step's prefix-cache events (``parallel/kv_events.py``).
 
     Raises:
         ConfigError: the config describes another pool than the executor's, or an
@@ -104,6 +104,7 @@ class Engine:
             offload=attached,
             proposer=proposer,
             kv_events=kv_events,
+            step_costs=StepCosts.of(executor),
         )
         self._wakeup: anyio.Event | None = None  # set while the loop idles
         self._has_served = False

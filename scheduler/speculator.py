@@ -50,12 +50,6 @@ from hybridkv.scheduler.verified import Verified, take_verified
 
 #: Most decode steps a request sits out after proposals that were all rejected.
 _MAX_BACKOFF = 64
-#: Choices before the first that the costs do not favour (made to measure them); the
-#: wait doubles after each, up to ``_EXPLORE_MOST``, since each costs a slower step.
-_EXPLORE = 16
-_EXPLORE_MOST = 256
-#: What an exploring choice adds to the best number of tokens (0: none at all).
-_EXPLORE_MORE = (0, 1, 2, 4)
 
 
 def _gains(acceptance: float, num_tokens: int) -> list[float]:
@@ -78,27 +72,32 @@ class Speculator:
         engine: The engine's config: its ``max_model_len`` (a proposal stops before it)
             and end-of-sequence tokens.
         proposer: What proposes (the config's n-gram lookup when None).
+        costs: The executor's step costs (``StepCosts.of``); new ones when None.
     """
 
     def __init__(
-        self, config: SpeculativeConfig, engine: EngineConfig, proposer: Proposer | None = None
+        self,
+        config: SpeculativeConfig,
+        engine: EngineConfig,
+        proposer: Proposer | None = None,
+        costs: StepCosts | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = engine.max_model_len
         self._limits = (engine.eos_token_ids, engine.max_model_len)
         self.proposer = proposer or NgramProposer.for_config(config)
-        self._costs = StepCosts()
-        self._until_explore = _EXPLORE  # choices until one the costs do not favour
-        self._num_explored = 0
+        self._costs = costs or StepCosts()
         self._num_drafts = 0
         self._num_draft_tokens = 0
         self._accepted = [0] * config.num_speculative_tokens
 
     @classmethod
-    def for_engine(cls, engine: EngineConfig, proposer: Proposer | None) -> Speculator | None:
+    def for_engine(
+        cls, engine: EngineConfig, proposer: Proposer | None, costs: StepCosts | None = None
+    ) -> Speculator | None:
         """The engine's speculator, or None where its config does not speculate."""
         spec = engine.speculative_config
-        return None if spec is None else cls(spec, engine, proposer)
+        return None if spec is None else cls(spec, engine, proposer, costs)
 
     def allows(self, num_running: int) -> bool:
         """Whether a step with ``num_running`` running requests proposes at all
@@ -151,12 +150,9 @@ class Speculator:
             value = total - num_waiting * math.log(seconds / plain)
             if value > best_value:
                 best, best_value = m, value
-        self._until_explore -= 1
-        if self._until_explore:
+        more = self._costs.exploration()
+        if more is None:
             return best
-        self._num_explored += 1
-        self._until_explore = min(_EXPLORE_MOST, _EXPLORE << self._num_explored)
-        more = _EXPLORE_MORE[self._num_explored % len(_EXPLORE_MORE)]
         return min(len(gains), best + more) if more else 0
 
     def step_done(self, items: Sequence[StepRequest], seconds: float) -> None:

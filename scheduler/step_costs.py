@@ -20,17 +20,40 @@ below the first, not at all (the caller measures it).
 from __future__ import annotations
 
 import bisect
+import weakref
 
 #: Weight of a new step's seconds in a row count's moving average.
 _SMOOTHING = 0.25
+#: Choices before the first one the costs do not favour (made to measure them again); the
+#: wait doubles after each, up to ``_EXPLORE_MOST``, since each costs a slower step.
+_EXPLORE = 16
+_EXPLORE_MOST = 256
+#: What an exploring choice adds to the best number of tokens (0: none at all).
+_EXPLORE_MORE = (0, 1, 2, 4)
 
 
 class StepCosts:
-    """Seconds of a step by its number of rows (query tokens). Not thread-safe."""
+    """Seconds of a step by its number of rows (query tokens). Not thread-safe.
+
+    A step's cost is the executor's and the machine's, not an engine's: ``of(executor)``
+    gives every engine that runs one executor (one after another, as a benchmark or a
+    restarted server does) the costs measured so far, instead of measuring them again.
+    """
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
         self._rows: list[int] = []  # measured row counts, sorted
+        self._until_explore = _EXPLORE
+        self._num_explored = 0
+
+    @classmethod
+    def of(cls, executor: object) -> StepCosts:
+        """The costs measured on ``executor`` so far (new ones for an executor that
+        cannot be weakly referenced)."""
+        try:
+            return _BY_EXECUTOR.setdefault(executor, cls())
+        except TypeError:
+            return cls()
 
     def __len__(self) -> int:
         """How many row counts were measured."""
@@ -63,6 +86,17 @@ class StepCosts:
             return self._seconds[low] + share * (self._seconds[high] - self._seconds[low])
         return self._seconds[low] + (rows - low) * self._slope()
 
+    def exploration(self) -> int | None:
+        """Count a choice; now and then (after 16 choices, then 32 more, 64, ... every
+        256) what it should verify beyond the best count so that one the costs do not
+        favour is measured again: 0 (no proposal at all), 1, 2 or 4 in turn; None else."""
+        self._until_explore -= 1
+        if self._until_explore:
+            return None
+        self._num_explored += 1
+        self._until_explore = min(_EXPLORE_MOST, _EXPLORE << self._num_explored)
+        return _EXPLORE_MORE[self._num_explored % len(_EXPLORE_MORE)]
+
     def _slope(self) -> float:
         """Seconds per row of a least-squares line through the measured counts (0 with
         one, never negative)."""
@@ -74,5 +108,7 @@ class StepCosts:
         spread = sum((x - mean_x) ** 2 for x, _ in points)
         return max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / spread)
 
+
+_BY_EXECUTOR: weakref.WeakKeyDictionary[object, StepCosts] = weakref.WeakKeyDictionary()
 
 __all__ = ["StepCosts"]

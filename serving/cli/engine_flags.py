@@ -307,42 +307,6 @@ def _check_one_process_flags(args: argparse.Namespace) -> None:
         )
 
 
-def speculative_config(
-    text: str | None, context_parallel_size: int = 1, num_ranks: int = 1
-) -> SpeculativeConfig | None:
-    """``--speculative-config`` as vLLM reads it (a JSON object), or None.
-
-    Raises:
-        UsageError: not a JSON object, a key or value it refuses (named), context
-            parallelism beside it, or a draft model beside several processes.
-    """
-    import json
-
-    from hybridkv.scheduler.speculation import SpeculativeConfig, SpeculativeConfigError
-    from hybridkv.serving.cli.values import UsageError
-
-    if text is None:
-        return None
-    try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--speculative-config is not JSON: {exc}") from None
-    if not isinstance(fields, dict):
-        raise UsageError("--speculative-config must be a JSON object")
-    try:
-        config = SpeculativeConfig.from_mapping(fields)
-    except SpeculativeConfigError as exc:
-        raise UsageError(f"--speculative-config: {exc}") from None
-    if num_ranks > 1 and config.method == "draft_model":
-        raise UsageError(
-            "--speculative-config: a draft model beside pipeline, context- or "
-            "tensor-parallel processes is not built; use ngram (prompt lookup)"
-        )
-    if context_parallel_size > 1:
-        raise UsageError("--speculative-config with --context-parallel-size: not built")
-    return config
-
-
 #: The flags that run the model in several processes.
 _RANK_FLAGS = ("pipeline_parallel_size", "context_parallel_size", "tensor_parallel_size")
 
@@ -392,6 +356,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
             raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
         if args.kv_memory is not None:
             raise UsageError("--gpu-memory-utilization and --kv-memory both size the pool")
+    from hybridkv.serving.cli.speculative_flags import speculative_config
+
     return EngineArgs(
         speculative_config=speculative_config(
             getattr(args, "speculative_config", None),

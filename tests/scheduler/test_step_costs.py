@@ -67,3 +67,24 @@ def test_repeated_counts_follow_a_moving_average() -> None:
     assert estimate is not None
     assert 0.1 < estimate < 0.2
     assert len(costs) == 1
+
+
+def test_engines_of_one_executor_share_its_costs() -> None:
+    """The costs are the executor's: a second engine on it starts from what the first
+    measured; another executor starts from nothing."""
+
+    class Executor:
+        pass
+
+    one, other = Executor(), Executor()
+    StepCosts.of(one).record(8, 0.1)
+    assert StepCosts.of(one).estimate(8) == pytest.approx(0.1)
+    assert StepCosts.of(other).estimate(8) is None
+
+
+def test_exploration_comes_less_often_and_tries_each_offset() -> None:
+    """After 16 choices, then 32 more, 64, 128, then every 256: none, 1, 2, 4 in turn."""
+    costs = StepCosts()
+    explored = [(i, e) for i in range(1, 1200) if (e := costs.exploration()) is not None]
+    assert [i for i, _ in explored] == [16, 48, 112, 240, 496, 752, 1008]
+    assert [e for _, e in explored] == [1, 2, 4, 0, 1, 2, 4]
