@@ -159,7 +159,16 @@ def _weight_format(settings: EngineArgs, *, builtin: bool) -> str:
     if settings.weights == "auto":
         return machine_default() if builtin and not multi else "dtype"
     if multi and settings.weights != "dtype":
-        raise UsageError(f"--weights {settings.weights} runs in one process only")
+        sizes = {
+            "--pipeline-parallel-size": settings.pipeline_parallel_size,
+            "--context-parallel-size": settings.context_parallel_size,
+            "--tensor-parallel-size": settings.tensor_parallel_size,
+        }
+        ranks = next(f"{flag} {n}" for flag, n in sizes.items() if n > 1)
+        raise UsageError(
+            f"--weights {settings.weights} with {ranks}: quantised weights run in one "
+            "process only (several processes load the model dtype); drop one of the two"
+        )
     return settings.weights
 
 

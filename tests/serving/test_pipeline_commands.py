@@ -94,6 +94,20 @@ def test_tensor_ranks_a_model_cannot_share_are_a_one_line_error(
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.parametrize("flag", ["-tp", "-pp"])
+def test_quantised_weights_beside_several_processes_are_a_one_line_error(
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """`--weights int8 -tp 2`: exit 2 naming both flags, before any process starts."""
+    code = main(
+        ["generate", str(three_layer_checkpoint), *GENERATE, "--weights", "int8", flag, "2"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--weights int8 with --" in err and "-parallel-size 2" in err
+    assert not multiprocessing.active_children()
+
+
 def test_more_stages_than_layers_is_a_one_line_error(
     three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
