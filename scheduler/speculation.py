@@ -64,9 +64,10 @@ class SpeculativeConfig:
         disable_by_batch_size: No proposals in a step while more requests than this run
             (vLLM's key: a large batch is bound by compute, where verifying costs more
             than it saves); None: any batch.
-        adaptive: hybridkv's key: measure, per number of decoding requests in a step, the
-            tokens emitted per second with proposals and without, and propose only where
-            it pays (``scheduler/speculator.py``); False: always propose.
+        adaptive: hybridkv's key: measure what a step costs per number of rows and
+            verify only the proposed tokens whose requests gain more than the longer step
+            costs every request in it (``scheduler/speculator.py``); False: verify every
+            proposal.
     """
 
     method: Method
