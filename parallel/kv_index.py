@@ -1,0 +1,110 @@
+"""A router's index of what each replica can resume, rebuilt from its KV events alone.
+
+A replica's events (``kv_events.py``, vLLM's wire format with hybridkv's group fields)
+say, per KV group, which block hashes it holds and where. The index keeps them per
+replica and answers, for a token sequence, the longest prefix the replica resumes from
+in *every* group: what its own prefix lookup (``memory/prefix_lookup.py``) would find::
+
+    blocks held    full     [x x x x x . x]       a run from block 0: 5
+                   window   [. . x x x x x]       the window's blocks before 5: ok
+                   mamba    [. . . . x . x]       a checkpoint at the end of block 5: ok
+    resumable      5 blocks, in every group
+
+A router that counted only the full-attention run (what Dynamo's and SGLang's routers
+read) would credit a replica with prefixes its window or state groups cannot resume.
+Each group's rule is the engine's own (``MemoryPolicy.longest_hit``), with the policy
+rebuilt from the group's kind and window: exact for full attention, sliding windows and
+mamba-like states; a group of another kind is taken as full attention, which needs every
+block and so never overstates a hit. Hashes are recomputed as the engine computes them
+(``memory/hashing.py``; the guide ``docs/guides/kv-events.md`` gives the seed) and
+compared on the wire's 64 bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import msgpack
+
+from hybridkv.memory.hashing import BlockHash, BlockHasher
+from hybridkv.parallel.kv_event_wire import MEDIUM, wire_hash
+from hybridkv.policies import FullAttention, MambaLike, MemoryPolicy, SlidingWindow
+
+#: The pool's medium on the wire (tiers are ``CPU`` and ``REDIS``).
+DEVICE_MEDIUM = MEDIUM["device"]
+
+
+def policy_of(kind: str, sliding_window: int | None) -> MemoryPolicy:
+    """The policy whose ``longest_hit`` a group of ``kind`` follows (see the module)."""
+    if kind == "sliding_window" and sliding_window is not None:
+        return SlidingWindow(window=sliding_window)
+    if kind == "mamba":
+        return MambaLike()
+    return FullAttention()
+
+
+class ReplicaIndex:
+    """One replica's held blocks, per medium and group, from its event batches.
+
+    Args:
+        block_size: The replica's tokens per block (every group's).
+        hash_algorithm: Its prefix-cache hash (``sha256`` or ``xxh3``; the engine's).
+    """
+
+    def __init__(self, block_size: int, hash_algorithm: str = "sha256") -> None:
+        self._hasher = BlockHasher(block_size, hash_algorithm)
+        self._held: dict[tuple[str, int], set[int]] = {}
+        self._policies: dict[int, MemoryPolicy] = {}
+        self.last_seq = -1
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        """Follow one published batch (``seq``: its sequence number; older ones, a
+        replay overlapping what arrived, are skipped)."""
+        if seq <= self.last_seq:
+            return
+        _, events, _ = msgpack.unpackb(payload)
+        for event in events:
+            tag = event[0]
+            if tag == "AllBlocksCleared":
+                self._held.clear()
+            elif tag == "BlockRemoved":
+                _, hashes, medium, group = event[:4]
+                self._held.get((medium, group), set()).difference_update(hashes)
+            else:
+                hashes, medium, group, kind, window = (
+                    event[1], event[6], event[9], event[10], event[11]
+                )  # fmt: skip
+                self._policies.setdefault(group, policy_of(kind, window))
+                self._held.setdefault((medium, group), set()).update(hashes)
+        self.last_seq = seq
+
+    def resumable(
+        self,
+        token_ids: Sequence[int],
+        extra_keys: tuple[Hashable, ...] = (),
+        medium: str = DEVICE_MEDIUM,
+    ) -> int:
+        """Tokens of ``token_ids`` the replica resumes from ``medium`` in every group,
+        short of the last token (which a step always runs), as its engine would."""
+        bs = self._hasher.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        if max_blocks <= 0 or not self._policies:
+            return 0
+        hashes: list[BlockHash] = []
+        self._hasher.extend(hashes, self._hasher.root(extra_keys), token_ids, max_blocks * bs)
+        wire = [wire_hash(h) for h in hashes]
+        num = max_blocks
+        while True:  # the engine's fixed point: no group lowers it any more
+            start = num
+            for group, policy in self._policies.items():
+                held = self._held.get((medium, group), set())
+
+                def is_held(i: int, held: set[int] = held) -> bool:
+                    return wire[i] in held
+
+                num = policy.longest_hit(num, bs, is_held)
+            if num in (start, 0):
+                return num * bs
+
+
+__all__ = ["DEVICE_MEDIUM", "ReplicaIndex", "policy_of"]
