@@ -57,6 +57,11 @@ class ReplicaIndex:
         self._policies: dict[int, MemoryPolicy] = {}
         self.last_seq = -1
 
+    @property
+    def hasher(self) -> BlockHasher:
+        """How it hashes a prompt's blocks (the replica's block size and algorithm)."""
+        return self._hasher
+
     def apply(self, seq: int, payload: bytes) -> None:
         """Follow one published batch (``seq``: its sequence number; older ones, a
         replay overlapping what arrived, are skipped)."""

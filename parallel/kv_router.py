@@ -1,0 +1,132 @@
+"""Choosing a replica for a request: the prefill it saves against the load it joins.
+
+Each replica's :class:`~hybridkv.parallel.kv_index.ReplicaIndex` (fed by its KV events)
+says how many of a prompt's tokens it resumes in every group, from its pool or from a
+tier. A replica's score is what the request would not recompute there, less what waits
+there already, both in tokens::
+
+    score = max(pool hit, tier_discount x tier hit, provisional hit)
+            - tokens_per_request x (waiting + running)
+
+and the best score wins (ties: the less loaded, then the name). A tier's hit counts less:
+its blocks must be loaded before the step runs. Events lag the routing decision by a
+step or more, so the router also remembers, per replica, the block hashes of the prompts
+it sent there recently (``provisional``): a second sighting of a shared prefix goes where
+the first was sent, before that replica has published it. A session's next turn shares
+its previous turn, so it sticks to its replica while the hit outweighs the load there.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+
+import attrs
+
+from hybridkv.memory.hashing import BlockHash
+from hybridkv.parallel.kv_event_wire import wire_hash
+from hybridkv.parallel.kv_index import ReplicaIndex
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaLoad:
+    """What a replica reports of its load (its engine's stats, its ``/metrics``)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class RouterWeights:
+    """How the router trades a hit against load.
+
+    Attributes:
+        tier_discount: Share of a tier hit's tokens counted as saved (it must be loaded).
+        tokens_per_request: The prefill, in tokens, one request already there is taken
+            to cost the new one.
+        provisional_blocks: Block hashes remembered per replica for prompts sent there
+            and not yet seen in its events.
+    """
+
+    tier_discount: float = 0.5
+    tokens_per_request: float = 256.0
+    provisional_blocks: int = 65_536
+
+
+class PrefixRouter:
+    """Routes requests over replicas by their indexes (see the module docstring).
+
+    Args:
+        indexes: Per replica name, its index (the same block size and hash on all).
+        weights: The trade-off.
+    """
+
+    def __init__(
+        self, indexes: Mapping[str, ReplicaIndex], weights: RouterWeights | None = None
+    ) -> None:
+        if not indexes:
+            raise ValueError("a router needs at least one replica")
+        sizes = {index.hasher.block_size for index in indexes.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"replicas differ in block size: {sorted(sizes)}")
+        self.indexes = dict(indexes)
+        self.weights = weights or RouterWeights()
+        self._hasher = next(iter(self.indexes.values())).hasher
+        self._sent: dict[str, OrderedDict[int, None]] = {name: OrderedDict() for name in indexes}
+
+    def choose(
+        self,
+        token_ids: Sequence[int],
+        loads: Mapping[str, ReplicaLoad],
+        extra_keys: tuple[Hashable, ...] = (),
+    ) -> str:
+        """The replica for a prompt of ``token_ids``; it is remembered there."""
+        hashes = self._hashes(token_ids, extra_keys)
+        best = min(self.indexes, key=lambda name: self._rank(name, token_ids, hashes, loads))
+        sent = self._sent[best]
+        for block in hashes:
+            sent[block] = None
+            sent.move_to_end(block)
+        while len(sent) > self.weights.provisional_blocks:
+            sent.popitem(last=False)
+        return best
+
+    def saved_tokens(
+        self, name: str, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
+    ) -> float:
+        """The prefill tokens replica ``name`` would not recompute for this prompt."""
+        return self._saved(name, token_ids, self._hashes(token_ids, extra_keys))
+
+    def _rank(
+        self,
+        name: str,
+        token_ids: Sequence[int],
+        hashes: list[int],
+        loads: Mapping[str, ReplicaLoad],
+    ) -> tuple[float, int, str]:
+        load = loads.get(name, ReplicaLoad())
+        queued = load.num_waiting + load.num_running
+        score = self._saved(name, token_ids, hashes) - self.weights.tokens_per_request * queued
+        return (-score, queued, name)
+
+    def _saved(self, name: str, token_ids: Sequence[int], hashes: list[int]) -> float:
+        index = self.indexes[name]
+        pool = index.resumable(token_ids)
+        tier = max((index.resumable(token_ids, medium=m) for m in ("CPU", "REDIS")), default=0)
+        sent = self._sent[name]
+        run = 0
+        while run < len(hashes) and hashes[run] in sent:
+            run += 1
+        provisional = run * self._hasher.block_size
+        return max(pool, self.weights.tier_discount * tier, provisional)
+
+    def _hashes(self, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...]) -> list[int]:
+        """The wire hashes of the prompt's full blocks short of its last token."""
+        bs = self._hasher.block_size
+        num = max(0, (len(token_ids) - 1) // bs)
+        hashes: list[BlockHash] = []
+        self._hasher.extend(hashes, self._hasher.root(extra_keys), token_ids, num * bs)
+        return [wire_hash(h) for h in hashes]
+
+
+__all__ = ["PrefixRouter", "ReplicaLoad", "RouterWeights"]
