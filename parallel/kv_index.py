@@ -91,15 +91,26 @@ class ReplicaIndex:
     ) -> int:
         """Tokens of ``token_ids`` the replica resumes from ``medium`` in every group,
         short of the last token (which a step always runs), as its engine would."""
+        return self.resumable_blocks(self.wire_hashes(token_ids, extra_keys), medium) * (
+            self._hasher.block_size
+        )
+
+    def wire_hashes(
+        self, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
+    ) -> list[int]:
+        """The wire hashes of the blocks of ``token_ids`` a hit may cover: the full
+        blocks short of the last token."""
         bs = self._hasher.block_size
-        max_blocks = (len(token_ids) - 1) // bs
-        if max_blocks <= 0 or not self._policies:
-            return 0
+        max_blocks = max(0, (len(token_ids) - 1) // bs)
         hashes: list[BlockHash] = []
         self._hasher.extend(hashes, self._hasher.root(extra_keys), token_ids, max_blocks * bs)
-        wire = [wire_hash(h) for h in hashes]
-        num = max_blocks
-        while True:  # the engine's fixed point: no group lowers it any more
+        return [wire_hash(h) for h in hashes]
+
+    def resumable_blocks(self, wire: Sequence[int], medium: str = DEVICE_MEDIUM) -> int:
+        """Blocks of a prompt (its ``wire_hashes``) the replica resumes from ``medium`` in
+        every group: the engine's fixed point, until no group lowers it."""
+        num = len(wire) if self._policies else 0
+        while num:
             start = num
             for group, policy in self._policies.items():
                 held = self._held.get((medium, group), set())
@@ -107,9 +118,10 @@ class ReplicaIndex:
                 def is_held(i: int, held: set[int] = held) -> bool:
                     return wire[i] in held
 
-                num = policy.longest_hit(num, bs, is_held)
-            if num in (start, 0):
-                return num * bs
+                num = policy.longest_hit(num, self._hasher.block_size, is_held)
+            if num == start:
+                break
+        return num
 
 
 __all__ = ["DEVICE_MEDIUM", "ReplicaIndex", "policy_of"]

@@ -23,8 +23,6 @@ from collections.abc import Hashable, Mapping, Sequence
 
 import attrs
 
-from hybridkv.memory.hashing import BlockHash
-from hybridkv.parallel.kv_event_wire import wire_hash
 from hybridkv.parallel.kv_index import ReplicaIndex
 
 
@@ -71,7 +69,7 @@ class PrefixRouter:
             raise ValueError(f"replicas differ in block size: {sorted(sizes)}")
         self.indexes = dict(indexes)
         self.weights = weights or RouterWeights()
-        self._hasher = next(iter(self.indexes.values())).hasher
+        self._block_size = sizes.pop()
         self._sent: dict[str, OrderedDict[int, None]] = {name: OrderedDict() for name in indexes}
 
     def choose(
@@ -82,7 +80,7 @@ class PrefixRouter:
     ) -> str:
         """The replica for a prompt of ``token_ids``; it is remembered there."""
         hashes = self._hashes(token_ids, extra_keys)
-        best = min(self.indexes, key=lambda name: self._rank(name, token_ids, hashes, loads))
+        best = min(self.indexes, key=lambda name: self._rank(name, hashes, loads))
         sent = self._sent[best]
         for block in hashes:
             sent[block] = None
@@ -95,38 +93,34 @@ class PrefixRouter:
         self, name: str, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
     ) -> float:
         """The prefill tokens replica ``name`` would not recompute for this prompt."""
-        return self._saved(name, token_ids, self._hashes(token_ids, extra_keys))
+        return self._saved(name, self._hashes(token_ids, extra_keys))
 
     def _rank(
         self,
         name: str,
-        token_ids: Sequence[int],
         hashes: list[int],
         loads: Mapping[str, ReplicaLoad],
     ) -> tuple[float, int, str]:
         load = loads.get(name, ReplicaLoad())
         queued = load.num_waiting + load.num_running
-        score = self._saved(name, token_ids, hashes) - self.weights.tokens_per_request * queued
+        score = self._saved(name, hashes) - self.weights.tokens_per_request * queued
         return (-score, queued, name)
 
-    def _saved(self, name: str, token_ids: Sequence[int], hashes: list[int]) -> float:
+    def _saved(self, name: str, hashes: list[int]) -> float:
         index = self.indexes[name]
-        pool = index.resumable(token_ids)
-        tier = max((index.resumable(token_ids, medium=m) for m in ("CPU", "REDIS")), default=0)
+        pool = index.resumable_blocks(hashes)
+        tier = max(index.resumable_blocks(hashes, medium) for medium in ("CPU", "REDIS"))
         sent = self._sent[name]
         run = 0
         while run < len(hashes) and hashes[run] in sent:
             run += 1
-        provisional = run * self._hasher.block_size
-        return max(pool, self.weights.tier_discount * tier, provisional)
+        best = max(float(pool), self.weights.tier_discount * tier, float(run))
+        return best * self._block_size
 
     def _hashes(self, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...]) -> list[int]:
-        """The wire hashes of the prompt's full blocks short of its last token."""
-        bs = self._hasher.block_size
-        num = max(0, (len(token_ids) - 1) // bs)
-        hashes: list[BlockHash] = []
-        self._hasher.extend(hashes, self._hasher.root(extra_keys), token_ids, num * bs)
-        return [wire_hash(h) for h in hashes]
+        """The prompt's wire hashes, computed once for every replica (they share a block
+        size and hash)."""
+        return next(iter(self.indexes.values())).wire_hashes(token_ids, extra_keys)
 
 
 __all__ = ["PrefixRouter", "ReplicaLoad", "RouterWeights"]
