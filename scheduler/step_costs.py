@@ -43,6 +43,7 @@ class StepCosts:
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
         self._rows: list[int] = []  # measured row counts, sorted
+        self._slope_kept: float | None = None  # of the current points; None: recompute
         self._until_explore = _EXPLORE
         self._num_explored = 0
 
@@ -62,6 +63,7 @@ class StepCosts:
     def record(self, rows: int, seconds: float) -> None:
         """A step of ``rows`` rows took ``seconds``."""
         old = self._seconds.get(rows)
+        self._slope_kept = None
         if old is None:
             bisect.insort(self._rows, rows)
             self._seconds[rows] = seconds
@@ -99,7 +101,13 @@ class StepCosts:
 
     def _slope(self) -> float:
         """Seconds per row of a least-squares line through the measured counts (0 with
-        one, never negative)."""
+        one, never negative), kept until the next measurement: a choice estimates many
+        counts past the last."""
+        if self._slope_kept is None:
+            self._slope_kept = self._fit()
+        return self._slope_kept
+
+    def _fit(self) -> float:
         points = [(rows, self._seconds[rows]) for rows in self._rows]
         if len(points) < 2:
             return 0.0
