@@ -16,24 +16,42 @@ the same tensor, so the residual stream is the same on every rank of a group.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.parallel.tensor_group import TensorRanks
+from hybridkv.parallel.tensor_group import TensorCounters, TensorRanks
+
+
+@contextlib.contextmanager
+def _timed(ranks: TensorRanks) -> Iterator[TensorCounters]:
+    """The group's counters, with the time spent in the block added to them."""
+    started = time.perf_counter()
+    yield ranks.counters
+    ranks.counters.collective_s += time.perf_counter() - started
 
 
 def all_reduce(tensor: torch.Tensor, ranks: TensorRanks) -> None:
     """Sum ``tensor`` over the group in place, and count it."""
-    started = time.perf_counter()
-    dist.all_reduce(tensor, group=ranks.group)
-    counters = ranks.counters
-    counters.collective_s += time.perf_counter() - started
+    with _timed(ranks) as counters:
+        dist.all_reduce(tensor, group=ranks.group)
     counters.reduced_bytes += tensor.nbytes
     counters.num_reduces += 1
+
+
+def all_gather(tensor: torch.Tensor, ranks: TensorRanks) -> torch.Tensor:
+    """Every rank's ``tensor``, joined along the last dimension in rank order, and count
+    this rank's part."""
+    parts = [torch.empty_like(tensor) for _ in range(ranks.size)]
+    with _timed(ranks) as counters:
+        dist.all_gather(parts, tensor, group=ranks.group)
+    counters.gathered_bytes += tensor.nbytes
+    return torch.cat(parts, dim=-1)
 
 
 class SummedOverRanks(nn.Module):
@@ -104,14 +122,13 @@ class VocabParallelHead(nn.Module):
         self.ranks = ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight)
-        parts = [torch.empty_like(local) for _ in range(self.ranks.size)]
-        started = time.perf_counter()
-        dist.all_gather(parts, local, group=self.ranks.group)
-        counters = self.ranks.counters
-        counters.collective_s += time.perf_counter() - started
-        counters.gathered_bytes += local.nbytes
-        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
+        return all_gather(F.linear(x, self.weight), self.ranks)[..., : self.vocab_size]
 
 
-__all__ = ["SummedOverRanks", "VocabParallelEmbedding", "VocabParallelHead", "all_reduce"]
+__all__ = [
+    "SummedOverRanks",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
+    "all_gather",
+    "all_reduce",
+]
