@@ -79,6 +79,8 @@ class KVCacheManager:
         self._order = self.pool.eviction_order
         self._order.horizon = max(1, num_blocks * block_size // len(self.policies))
         self._hasher = BlockHasher(block_size, hash_name)
+        #: The prefix-cache hash (``memory/hashing.py``), as KV events' consumers need it.
+        self.hash_name = hash_name
         # Groups with equal policies share the block arithmetic: a "kind" per policy.
         kinds: dict[MemoryPolicy, list[int]] = {}
         for group, policy in enumerate(self.policies):

@@ -91,6 +91,20 @@ class KVEventsConfig:
         """Whether events go out over ZMQ."""
         return self.enable_kv_cache_events and self.publisher != "null"
 
+    def for_data_parallel_rank(self, rank: int) -> KVEventsConfig:
+        """The config of data-parallel replica ``rank``, as vLLM derives it: a TCP port
+        moved up by the rank (a wildcard port stays), an ``ipc``/``inproc`` name given
+        ``_dp<rank>``; rank 0 keeps the endpoints as written."""
+        if rank == 0:
+            return self
+        return attrs.evolve(
+            self,
+            endpoint=_offset(self.endpoint, rank),
+            replay_endpoint=None
+            if self.replay_endpoint is None
+            else _offset(self.replay_endpoint, rank),
+        )
+
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parse ``--kv-events-config``'s JSON object; unknown keys are refused by name."""
@@ -108,3 +122,12 @@ class KVEventsConfig:
                 f"known: {', '.join(sorted(known))}"
             )
         return cls(**data)
+
+
+def _offset(endpoint: str, rank: int) -> str:
+    if not endpoint.startswith("tcp://"):
+        return f"{endpoint}_dp{rank}"
+    address, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        return endpoint
+    return f"{address}:{int(port) + rank}"

@@ -106,13 +106,24 @@ class ReplicaIndex:
         self._hasher.extend(hashes, self._hasher.root(extra_keys), token_ids, max_blocks * bs)
         return [wire_hash(h) for h in hashes]
 
-    def resumable_blocks(self, wire: Sequence[int], medium: str = DEVICE_MEDIUM) -> int:
+    def resumable_blocks(
+        self,
+        wire: Sequence[int],
+        medium: str = DEVICE_MEDIUM,
+        *,
+        full_attention_only: bool = False,
+    ) -> int:
         """Blocks of a prompt (its ``wire_hashes``) the replica resumes from ``medium`` in
-        every group: the engine's fixed point, until no group lowers it."""
-        num = len(wire) if self._policies else 0
+        every group: the engine's fixed point, until no group lowers it. With
+        ``full_attention_only``, only the full-attention groups are asked (what a router
+        that reads their events alone believes)."""
+        policies = self._policies
+        if full_attention_only:
+            policies = {g: p for g, p in policies.items() if isinstance(p, FullAttention)}
+        num = len(wire) if policies else 0
         while num:
             start = num
-            for group, policy in self._policies.items():
+            for group, policy in policies.items():
                 held = self._held.get((medium, group), set())
 
                 def is_held(i: int, held: set[int] = held) -> bool:

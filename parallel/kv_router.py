@@ -18,8 +18,10 @@ its previous turn, so it sticks to its replica while the hit outweighs the load 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from typing import Protocol
 
 import attrs
 
@@ -51,16 +53,41 @@ class RouterWeights:
     provisional_blocks: int = 65_536
 
 
+class Router(Protocol):
+    """What a front end asks of a routing policy: replicas in the order to try them."""
+
+    def rank(
+        self,
+        token_ids: Sequence[int],
+        loads: Mapping[str, ReplicaLoad],
+        candidates: Collection[str],
+        extra_keys: tuple[Hashable, ...] = (),
+    ) -> list[str]:
+        """``candidates``, best first, for a prompt of ``token_ids``."""
+        ...
+
+    def sent(self, name: str) -> None:
+        """The request just ranked went to ``name`` (the first that took it)."""
+        ...
+
+
 class PrefixRouter:
     """Routes requests over replicas by their indexes (see the module docstring).
 
     Args:
         indexes: Per replica name, its index (the same block size and hash on all).
         weights: The trade-off.
+        full_attention_only: Credit a replica with its full-attention run alone, as
+            routers that read only full-attention events do (a baseline to compare with:
+            it overstates hits its window and state groups cannot resume).
     """
 
     def __init__(
-        self, indexes: Mapping[str, ReplicaIndex], weights: RouterWeights | None = None
+        self,
+        indexes: Mapping[str, ReplicaIndex],
+        weights: RouterWeights | None = None,
+        *,
+        full_attention_only: bool = False,
     ) -> None:
         if not indexes:
             raise ValueError("a router needs at least one replica")
@@ -70,7 +97,20 @@ class PrefixRouter:
         self.indexes = dict(indexes)
         self.weights = weights or RouterWeights()
         self._block_size = sizes.pop()
+        self.full_attention_only = full_attention_only
         self._sent: dict[str, OrderedDict[int, None]] = {name: OrderedDict() for name in indexes}
+        self._last: list[int] = []
+
+    def set_index(self, name: str, index: ReplicaIndex) -> None:
+        """Follow replica ``name`` (new, or restarted) with ``index``, forgetting what was
+        sent to it before."""
+        if index.hasher.block_size != self._block_size:
+            raise ValueError(
+                f"replica {name!r} has block size {index.hasher.block_size}, "
+                f"the others {self._block_size}"
+            )
+        self.indexes[name] = index
+        self._sent[name] = OrderedDict()
 
     def choose(
         self,
@@ -79,15 +119,34 @@ class PrefixRouter:
         extra_keys: tuple[Hashable, ...] = (),
     ) -> str:
         """The replica for a prompt of ``token_ids``; it is remembered there."""
+        best = self.rank(token_ids, loads, self.indexes, extra_keys)[0]
+        self.sent(best)
+        return best
+
+    def rank(
+        self,
+        token_ids: Sequence[int],
+        loads: Mapping[str, ReplicaLoad],
+        candidates: Collection[str],
+        extra_keys: tuple[Hashable, ...] = (),
+    ) -> list[str]:
+        """``candidates`` best first; :meth:`sent` then remembers the prompt where it
+        went (a front end tries the next one when the first fails)."""
+        unknown = set(candidates) - self.indexes.keys()
+        if unknown:
+            raise ValueError(f"no index for replicas {sorted(unknown)}")
         hashes = self._hashes(token_ids, extra_keys)
-        best = min(self.indexes, key=lambda name: self._rank(name, hashes, loads))
-        sent = self._sent[best]
-        for block in hashes:
+        self._last = hashes
+        return sorted(candidates, key=lambda name: self._rank(name, hashes, loads))
+
+    def sent(self, name: str) -> None:
+        """Remember the prompt last ranked at ``name`` (its provisional blocks)."""
+        sent = self._sent[name]
+        for block in self._last:
             sent[block] = None
             sent.move_to_end(block)
         while len(sent) > self.weights.provisional_blocks:
             sent.popitem(last=False)
-        return best
 
     def saved_tokens(
         self, name: str, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
@@ -108,8 +167,12 @@ class PrefixRouter:
 
     def _saved(self, name: str, hashes: list[int]) -> float:
         index = self.indexes[name]
-        pool = index.resumable_blocks(hashes)
-        tier = max(index.resumable_blocks(hashes, medium) for medium in ("CPU", "REDIS"))
+        full_only = self.full_attention_only
+        pool = index.resumable_blocks(hashes, full_attention_only=full_only)
+        tier = max(
+            index.resumable_blocks(hashes, medium, full_attention_only=full_only)
+            for medium in ("CPU", "REDIS")
+        )
         sent = self._sent[name]
         run = 0
         while run < len(hashes) and hashes[run] in sent:
@@ -123,4 +186,48 @@ class PrefixRouter:
         return next(iter(self.indexes.values())).wire_hashes(token_ids, extra_keys)
 
 
-__all__ = ["PrefixRouter", "ReplicaLoad", "RouterWeights"]
+class RoundRobin:
+    """Each request to the next replica in turn (a baseline; vLLM's external balancers)."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def rank(
+        self,
+        token_ids: Sequence[int],
+        loads: Mapping[str, ReplicaLoad],
+        candidates: Collection[str],
+        extra_keys: tuple[Hashable, ...] = (),
+    ) -> list[str]:
+        order = sorted(candidates)
+        if not order:
+            return order
+        start = next(self._turn) % len(order)
+        return order[start:] + order[:start]
+
+    def sent(self, name: str) -> None:
+        pass
+
+
+class LeastLoaded:
+    """The replica with the fewest requests waiting and running (ties: the name), as
+    vLLM's data-parallel balancer ranks engines by queue lengths (a baseline)."""
+
+    def rank(
+        self,
+        token_ids: Sequence[int],
+        loads: Mapping[str, ReplicaLoad],
+        candidates: Collection[str],
+        extra_keys: tuple[Hashable, ...] = (),
+    ) -> list[str]:
+        def queued(name: str) -> tuple[int, int, str]:
+            load = loads.get(name, ReplicaLoad())
+            return (load.num_waiting, load.num_running, name)
+
+        return sorted(candidates, key=queued)
+
+    def sent(self, name: str) -> None:
+        pass
+
+
+__all__ = ["LeastLoaded", "PrefixRouter", "ReplicaLoad", "RoundRobin", "Router", "RouterWeights"]

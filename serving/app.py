@@ -9,8 +9,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as
 server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET
 /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's), ``GET
-/version``, ``GET /health`` (503 once the engine stopped), ``GET /metrics``
-(Prometheus). Layers, outermost first::
+/version``, ``GET /kv_events`` (where its KV events go, for a router), ``GET /health``
+(503 once the engine stopped), ``GET /metrics`` (Prometheus). Layers, outermost first::
 
     RequestCounter   every response counted by endpoint and status
     AccessGuard      Host allow-list, API key (guard.py)
@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
@@ -60,6 +60,9 @@ from hybridkv.serving.service import GenerationService
 from hybridkv.serving.streaming import EventStreamResponse, cancel_on_disconnect
 from hybridkv.serving.tools import PARSERS
 from hybridkv.serving.utility_routes import UtilityRoutes
+
+if TYPE_CHECKING:
+    from hybridkv.parallel.kv_events import KVEventPublisher
 
 log = get_logger(__name__)
 
@@ -135,8 +138,10 @@ def build_app(
     max_model_len: int,
     chat_template: ChatTemplate | None = None,
     options: ServerOptions | None = None,
+    kv_events: KVEventPublisher | None = None,
 ) -> Starlette:
-    """The ASGI app serving ``engine`` under the name ``model_name``."""
+    """The ASGI app serving ``engine`` under the name ``model_name`` (``kv_events``: the
+    engine's publisher, described at ``GET /kv_events``)."""
     options = options or ServerOptions()
     policies = [p.name for p in engine.config.policies]
     metrics = ServerMetrics(engine.stats, policies, model_name)
@@ -165,7 +170,7 @@ def build_app(
         max_response_bytes=options.max_response_bytes,
     )
     routes = _Routes(service, metrics, options)
-    utility = UtilityRoutes(service, routes.read_json)
+    utility = UtilityRoutes(service, routes.read_json, kv_events)
     app = Starlette(
         routes=[
             Route("/v1/completions", routes.generation(parse_completion), methods=["POST"]),
@@ -186,6 +191,7 @@ def build_app(
             Route("/tokenize", routes.guarded(utility.tokenize), methods=["POST"]),
             Route("/detokenize", routes.guarded(utility.detokenize), methods=["POST"]),
             Route("/version", utility.version, methods=["GET"]),
+            Route("/kv_events", utility.kv_events_info, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
         ],
@@ -202,6 +208,28 @@ def build_app(
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+def guarded(handler: Handler) -> Handler:
+    """``handler`` with every failure turned into a response: an APIError's body, a
+    disconnect logged once at info, anything else a 500 logged with its traceback."""
+
+    async def handle(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            # A body not read to its end leaves the connection unusable: close it.
+            headers = {"Connection": "close"} if exc.status in (408, 413) else None
+            return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        except ClientGoneError:
+            log.info("client_disconnected", path=request.url.path, phase="request")
+            return Response(status_code=499)  # nobody reads it: the client has gone
+        except Exception:
+            log.exception("request_failed", path=request.url.path)
+            body = error_body("internal server error", "server_error")
+            return JSONResponse(body, status_code=500)
+
+    return handle
 
 
 def _json_defaults(parsed: Any, options: ServerOptions) -> Any:
@@ -252,25 +280,8 @@ class _Routes:
         return await decode_json(raw, self.service.prompter.limiter)
 
     def guarded(self, handler: Handler) -> Handler:
-        """``handler`` with every failure turned into a response: an APIError's body, a
-        disconnect logged once at info, anything else a 500 logged with its traceback."""
-
-        async def handle(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except APIError as exc:
-                # A body not read to its end leaves the connection unusable: close it.
-                headers = {"Connection": "close"} if exc.status in (408, 413) else None
-                return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-            except ClientGoneError:
-                log.info("client_disconnected", path=request.url.path, phase="request")
-                return Response(status_code=499)  # nobody reads it: the client has gone
-            except Exception:
-                log.exception("request_failed", path=request.url.path)
-                body = error_body("internal server error", "server_error")
-                return JSONResponse(body, status_code=500)
-
-        return handle
+        """``handler`` with every failure turned into a response (:func:`guarded`)."""
+        return guarded(handler)
 
     def generation(self, parse: Callable[..., Any]) -> Handler:
         """The handler of a generation endpoint whose body ``parse`` reads."""

@@ -8,6 +8,9 @@
                                 {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize            {"tokens": [...]} -> {"prompt": text}
     GET  /version               {"version": "0.1.0"}
+    GET  /kv_events             where this engine publishes its KV events and how its
+                                blocks hash: {"endpoint", "replay_endpoint", "topic",
+                                "block_size", "hash_algorithm"}; 404 when it does not
 
 Tokenizing and rendering go through the same prompter as generation (worker threads,
 the template's limits); ``/tokenize`` counts a text longer than the context rather than
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
@@ -30,6 +33,9 @@ from hybridkv.serving.messages import parse_messages
 from hybridkv.serving.protocol import GenerationRequest, parse_template_kwargs
 from hybridkv.serving.service import GenerationService
 
+if TYPE_CHECKING:
+    from hybridkv.parallel.kv_events import KVEventPublisher
+
 #: Detokenizing this many ids or fewer runs on the loop.
 _INLINE_IDS = 4096
 
@@ -40,15 +46,18 @@ class UtilityRoutes:
     Args:
         service: The generation service (model name, prompter, tokenizer).
         read_json: Reads a request's JSON body through the server's body checks.
+        kv_events: The engine's KV event publisher, if it has one.
     """
 
     def __init__(
         self,
         service: GenerationService,
         read_json: Callable[[Request], Awaitable[dict[str, Any]]],
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         self.service = service
         self.read_json = read_json
+        self.kv_events = kv_events
 
     def card(self) -> dict[str, Any]:
         """The served model, as OpenAI's model object (with vLLM's max_model_len)."""
@@ -74,6 +83,30 @@ class UtilityRoutes:
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": metadata.version("hybridkv")})
+
+    async def kv_events_info(self, request: Request) -> Response:
+        """What a router needs to follow this engine's KV events (``hybridkv route``)."""
+        publisher = self.kv_events
+        if publisher is None:
+            body = {
+                "error": {
+                    "message": "this server publishes no KV events "
+                    "(serve it with --kv-events-config)",
+                    "type": "NotFoundError",
+                }
+            }
+            return JSONResponse(body, status_code=404)
+        kv = self.service.engine.core.kv
+        return JSONResponse(
+            {
+                "endpoint": publisher.endpoint,
+                "replay_endpoint": publisher.replay_endpoint,
+                "topic": publisher.config.topic,
+                "block_size": kv.block_size,
+                "hash_algorithm": kv.hash_name,
+                "data_parallel_rank": publisher.data_parallel_rank,
+            }
+        )
 
     async def tokenize(self, request: Request) -> Response:
         fields = Fields(await self.read_json(request))

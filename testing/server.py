@@ -89,6 +89,7 @@ class _Setup:
     send_buffer: int | None
     wrap_app: Callable[[Any], Any] | None
     proposer: Any = None
+    kv_events: Any = None
 
 
 async def _run(
@@ -98,7 +99,9 @@ async def _run(
     if setup.send_buffer is not None:  # accepted sockets inherit it (Linux)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, setup.send_buffer)
     port = bound_port(sock)
-    async with Engine(setup.config, setup.executor, proposer=setup.proposer) as engine:
+    async with Engine(
+        setup.config, setup.executor, proposer=setup.proposer, kv_events=setup.kv_events
+    ) as engine:
         app = build_app(
             engine,
             setup.tokenizer,
@@ -106,6 +109,7 @@ async def _run(
             max_model_len=setup.config.max_model_len,
             chat_template=setup.chat_template,
             options=setup.options,
+            kv_events=setup.kv_events,
         )
         served = app if setup.wrap_app is None else setup.wrap_app(app)
         async with anyio.create_task_group() as tg:
@@ -132,6 +136,7 @@ def live_server(
     send_buffer: int | None = None,
     wrap_app: Callable[[Any], Any] | None = None,
     proposer: Any = None,
+    kv_events: Any = None,
 ) -> Iterator[LiveServer]:
     """Serve ``executor`` under ``config`` on a loopback port until the block ends.
 
@@ -151,6 +156,8 @@ def live_server(
             can watch a request's body being read, or its handler returning.
         proposer: With ``config.speculative_config``, what proposes tokens
             (:class:`~hybridkv.testing.ReferenceProposer` for the fakes).
+        kv_events: The engine's KV event publisher (``KVEventPublisher``), described at
+            ``GET /kv_events``.
 
     Raises:
         ValueError: ``limits`` with the trio backend, which cannot apply them.
@@ -168,6 +175,7 @@ def live_server(
         send_buffer=send_buffer,
         wrap_app=wrap_app,
         proposer=proposer,
+        kv_events=kv_events,
     )
     with contextlib.ExitStack() as stack:
         if portal is None:

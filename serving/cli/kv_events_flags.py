@@ -59,8 +59,11 @@ def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
 
 
 @contextlib.contextmanager
-def kv_event_publisher(config: KVEventsConfig | None) -> Iterator[KVEventPublisher | None]:
-    """The publisher of ``config`` while the engine runs (None: no events)."""
+def kv_event_publisher(
+    config: KVEventsConfig | None, *, data_parallel_rank: int = 0
+) -> Iterator[KVEventPublisher | None]:
+    """The publisher of ``config`` while the engine runs (None: no events), writing
+    ``data_parallel_rank`` into its batches."""
     if config is None:
         yield None
         return
@@ -69,7 +72,7 @@ def kv_event_publisher(config: KVEventsConfig | None) -> Iterator[KVEventPublish
     from hybridkv.serving.cli.values import UsageError
 
     try:
-        publisher = KVEventPublisher(config)
+        publisher = KVEventPublisher(config, data_parallel_rank=data_parallel_rank)
     except KVEventsConfigError as exc:
         raise UsageError(f"--kv-events-config: {exc}") from exc
     with publisher:

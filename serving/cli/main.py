@@ -24,6 +24,7 @@ from hybridkv.serving.cli.config_file import expand_config
 SUBCOMMANDS: dict[str, str] = {
     "demo": "hybridkv.serving.cli.demo:register_demo",
     "serve": "hybridkv.serving.cli.serve:register_serve",
+    "route": "hybridkv.serving.cli.route:register_route",
     "generate": "hybridkv.serving.cli.serve:register_generate",
     "plan": "hybridkv.serving.cli.plan:register_plan",
     "bench": "hybridkv.serving.cli.demo:register_bench",
@@ -41,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hybridkv: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    args.command_line = argv  # as parsed, --config expanded (serve -dp starts replicas of it)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         import_modules(getattr(args, "imports", []))

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
+from hybridkv.serving.cli.data_parallel import add_data_parallel_arguments
 from hybridkv.serving.cli.engine_flags import (
     add_engine_arguments,
     add_model_argument,
@@ -22,7 +23,11 @@ from hybridkv.serving.cli.kv_events_flags import (
     kv_events_config,
 )
 from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
-from hybridkv.serving.cli.serve_flags import add_access_and_limit_arguments, http_settings
+from hybridkv.serving.cli.serve_flags import (
+    add_access_and_limit_arguments,
+    http_settings,
+    read_chat_template,
+)
 
 _SERVE_EPILOG = """\
 examples:
@@ -102,6 +107,7 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     add_scheduling_arguments(parser)
     add_offload_arguments(parser)
     add_kv_events_arguments(parser)
+    add_data_parallel_arguments(parser)
     parser.set_defaults(handler=run_serve)
 
 
@@ -115,6 +121,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from hybridkv.serving.cli.values import UsageError
     from hybridkv.serving.server import open_socket
 
+    if args.data_parallel_size != 1:
+        if args.data_parallel_size < 1:
+            raise UsageError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        from hybridkv.serving.cli.data_parallel import run_data_parallel
+
+        kv_events_config(args)  # a bad one fails before any replica starts
+        return run_data_parallel(args)
     configure_logging(args.log_level, args.log_format)
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
@@ -155,28 +168,6 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_chat_template(value: str | None) -> Any:
-    """``--chat-template``: a file's text, or (as vLLM) the template itself.
-
-    Raises:
-        UsageError: neither a file nor a template.
-        ChatTemplateError: the template does not parse.
-    """
-    from pathlib import Path
-
-    from hybridkv.serving.chat import ChatTemplate
-    from hybridkv.serving.cli.values import UsageError
-
-    if value is None:
-        return None
-    path = Path(value)
-    if path.is_file():
-        return ChatTemplate(path.read_text(encoding="utf-8"), is_builtin=False)
-    if "{{" not in value and "{%" not in value:
-        raise UsageError(f"--chat-template {value!r} is neither a file nor a Jinja template")
-    return ChatTemplate(value, is_builtin=False)
-
-
 def _prepare_structured_output(loaded: Any) -> None:
     """Read the vocabulary for grammar masks now (seconds for a large one), not in the
     first step of the first request that asks for structured output."""
@@ -204,7 +195,8 @@ async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace
     executor = loaded.executor
     if settings.step_timeout_s is not None:
         executor = StepWatchdog(executor, settings.step_timeout_s)
-    with kv_event_publisher(kv_events_config(args)) as kv_events:
+    rank = args.data_parallel_rank
+    with kv_event_publisher(kv_events_config(args), data_parallel_rank=rank) as kv_events:
         async with Engine(
             loaded.engine_config,
             executor,
@@ -219,6 +211,7 @@ async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace
                 max_model_len=loaded.max_model_len,
                 chat_template=loaded.chat_template,
                 options=settings.options,
+                kv_events=kv_events,
             )
             host, port = sock.getsockname()[:2]
             print(

@@ -229,3 +229,25 @@ def _json_output(text: str | None) -> dict[str, Any]:
             f"{' and '.join(keys)} set to true or false"
         )
     return {keys[k]: not v for k, v in value.items()}
+
+
+def read_chat_template(value: str | None) -> Any:
+    """``--chat-template``: a file's text, or (as vLLM) the template itself.
+
+    Raises:
+        UsageError: neither a file nor a template.
+        ChatTemplateError: the template does not parse.
+    """
+    from pathlib import Path
+
+    from hybridkv.serving.chat import ChatTemplate
+    from hybridkv.serving.cli.values import UsageError
+
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return ChatTemplate(path.read_text(encoding="utf-8"), is_builtin=False)
+    if "{{" not in value and "{%" not in value:
+        raise UsageError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return ChatTemplate(value, is_builtin=False)

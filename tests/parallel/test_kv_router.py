@@ -9,7 +9,13 @@ from hybridkv.memory.cache_events import BlockStored, GroupInfo
 from hybridkv.memory.hashing import BlockHasher
 from hybridkv.parallel.kv_event_wire import encode_batch
 from hybridkv.parallel.kv_index import ReplicaIndex
-from hybridkv.parallel.kv_router import PrefixRouter, ReplicaLoad, RouterWeights
+from hybridkv.parallel.kv_router import (
+    LeastLoaded,
+    PrefixRouter,
+    ReplicaLoad,
+    RoundRobin,
+    RouterWeights,
+)
 from hybridkv.policies import FullAttention, MambaLike
 
 BS = 4
@@ -77,3 +83,68 @@ def test_a_shared_prefix_follows_the_first_sighting_before_any_event() -> None:
 def test_replicas_of_different_block_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="block size"):
         PrefixRouter({"a": ReplicaIndex(4), "b": ReplicaIndex(8)})
+
+
+def test_rank_orders_the_candidates_and_sent_remembers_the_one_taken() -> None:
+    """A front end tries replicas in rank order and tells the router which took the
+    request: only that one is credited with the prompt's blocks."""
+    router = PrefixRouter({"a": holding(3), "b": holding(8), "c": holding(0)})
+    assert router.rank(PROMPT, {}, ["a", "b", "c"]) == ["b", "a", "c"]
+    assert router.rank(PROMPT, {}, ["a", "c"]) == ["a", "c"]  # b out of rotation
+    router.sent("a")
+    assert router.saved_tokens("a", PROMPT) == 10 * BS
+    assert router.saved_tokens("c", PROMPT) == 0
+    with pytest.raises(ValueError, match="no index"):
+        router.rank(PROMPT, {}, ["d"])
+
+
+def test_a_restarted_replica_starts_from_a_fresh_index() -> None:
+    router = PrefixRouter({"a": holding(8), "b": holding(0)})
+    router.choose(PROMPT, {})
+    router.set_index("a", ReplicaIndex(BS))
+    assert router.saved_tokens("a", PROMPT) == 0
+    with pytest.raises(ValueError, match="block size 8"):
+        router.set_index("a", ReplicaIndex(8))
+
+
+def test_the_full_attention_only_router_credits_what_the_state_group_cannot_resume() -> None:
+    """Replica a holds ten full-attention blocks of the prompt but its Mamba group only
+    checkpoints up to block two; b holds six in both. Read from full attention alone, a looks
+    better; in every group, b is."""
+    hasher = BlockHasher(BS)
+    hashes: list[bytes] = []
+    hasher.extend(hashes, hasher.root(()), PROMPT, 10 * BS)
+
+    def replica(full: int, state: int) -> ReplicaIndex:
+        index = ReplicaIndex(BS)
+        stored = [
+            BlockStored(
+                group=GROUPS[0],
+                block_hashes=tuple(hashes[:full]),
+                parent_hash=None,
+                token_ids=(),
+                medium="device",
+            ),
+            BlockStored(
+                group=GROUPS[1],
+                block_hashes=tuple(hashes[:state]),
+                parent_hash=None,
+                token_ids=(),
+                medium="device",
+                checkpoint_positions=tuple((i + 1) * BS for i in range(state)),
+            ),
+        ]
+        index.apply(0, encode_batch(0.0, stored))
+        return index
+
+    indexes = {"a": replica(full=10, state=2), "b": replica(full=6, state=6)}
+    assert PrefixRouter(indexes, full_attention_only=True).choose(PROMPT, {}) == "a"
+    assert PrefixRouter(indexes).choose(PROMPT, {}) == "b"
+
+
+def test_the_load_only_baselines() -> None:
+    loads = {"a": ReplicaLoad(num_waiting=2), "b": ReplicaLoad(num_running=1)}
+    assert LeastLoaded().rank(PROMPT, loads, ["a", "b", "c"]) == ["c", "b", "a"]
+    turns = RoundRobin()
+    assert [turns.rank(PROMPT, {}, ["b", "a"])[0] for _ in range(3)] == ["a", "b", "a"]
+    assert turns.rank(PROMPT, {}, []) == []

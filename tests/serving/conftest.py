@@ -54,7 +54,15 @@ def make_server() -> Iterator[Callable[..., LiveServer]]:
             tokenizer: Tokenizer | None = None,
             **kwargs: Any,
         ) -> LiveServer:
-            live = {"options", "limits", "chat_template", "send_buffer", "wrap_app", "proposer"}
+            live = {
+                "options",
+                "limits",
+                "chat_template",
+                "send_buffer",
+                "wrap_app",
+                "proposer",
+                "kv_events",
+            }
             server_kw = {k: kwargs.pop(k) for k in live & kwargs.keys()}
             kwargs.setdefault("policies", [FullAttention(), SlidingWindow(window=32)])
             if executor_class is SamplingFakeExecutor:

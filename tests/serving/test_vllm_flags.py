@@ -17,8 +17,7 @@ import pytest
 from hybridkv.serving.cli.engine_flags import engine_args
 from hybridkv.serving.cli.loading import checkpoint_dtype, kv_bytes
 from hybridkv.serving.cli.main import build_parser
-from hybridkv.serving.cli.serve import read_chat_template
-from hybridkv.serving.cli.serve_flags import http_settings
+from hybridkv.serving.cli.serve_flags import http_settings, read_chat_template
 from hybridkv.serving.cli.values import UsageError
 
 RUN_CLI = "import sys; from hybridkv.serving.cli.main import main; sys.exit(main(sys.argv[1:]))"

@@ -1,0 +1,234 @@
+"""``hybridkv serve --data-parallel-size N``: N engine processes behind one front end.
+
+::
+
+    hybridkv serve MODEL -dp 2 --port 8000
+      ├─ replica 0: hybridkv serve MODEL --port P0 --kv-events-config {tcp://127.0.0.1:E0}
+      ├─ replica 1: hybridkv serve MODEL --port P1 --kv-events-config {tcp://127.0.0.1:E1}
+      └─ this process: the front end on :8000 (serving/cli/route.py), routing by prefix
+
+Each replica is the same ``serve`` command with every other flag as given (``-tp``,
+``-pp``, ``--kv-offload redis://...`` shared by all, ...), listening on loopback. Its KV
+events go to free loopback ports, unless ``--kv-events-config`` is given: then replica
+``r`` publishes where that config says, with its TCP ports moved up by ``r``, as vLLM
+numbers its data-parallel ranks. The front end waits until every replica serves (a
+replica that exits first fails the command with its exit code; its own log says why),
+takes a replica whose process exits out of rotation, and stops them all when it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from hybridkv.errors import HybridKVError
+from hybridkv.serving.cli.route import add_routing_arguments
+
+#: Flags of the command line that the front end keeps to itself (with their values).
+_FRONT_END_FLAGS = (
+    "--data-parallel-size",
+    "-dp",
+    "--data-parallel-rank",
+    "--host",
+    "--port",
+    "--api-key",
+    "--kv-events-config",
+    "--routing",
+    "--health-interval",
+)
+_START = "import sys; from hybridkv.serving.cli.main import main; sys.exit(main())"
+#: Seconds a replica is given to stop on SIGINT before it is killed.
+STOP_GRACE_S = 20.0
+
+
+class ReplicaStartError(HybridKVError):
+    """A replica exited before it served."""
+
+
+def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``-dp`` / ``--data-parallel-size`` and the front end's flags, on ``serve``."""
+    group = parser.add_argument_group("data parallelism")
+    group.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N engine processes behind this server, routed by prefix (1)",
+    )
+    group.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this engine's rank among data-parallel replicas, written into its KV events (0)",
+    )
+    add_routing_arguments(group)
+
+
+def replica_command_line(argv: Sequence[str], *, port: int, kv_events: str, rank: int) -> list[str]:
+    """``argv`` (a ``serve`` command line) for replica ``rank``: the front end's flags
+    dropped, its own port, KV events and rank added."""
+    kept: list[str] = []
+    skip = False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        name = item.split("=", 1)[0]
+        if name in _FRONT_END_FLAGS:
+            skip = "=" not in item
+            continue
+        kept.append(item)
+    return [
+        *kept,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-events-config",
+        kv_events,
+        "--data-parallel-rank",
+        str(rank),
+    ]
+
+
+def kv_events_of(args: argparse.Namespace, rank: int) -> str:
+    """Replica ``rank``'s ``--kv-events-config``: the user's moved to its rank, or free
+    loopback ports."""
+    from hybridkv.parallel.kv_events_config import KVEventsConfig
+
+    if args.kv_events_config is not None:
+        config = KVEventsConfig.from_json(args.kv_events_config).for_data_parallel_rank(rank)
+        return json.dumps({k: v for k, v in _fields(config).items() if v is not None})
+    endpoint, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
+    return json.dumps(
+        {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay}
+    )
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    import attrs
+
+    return attrs.asdict(config)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free now on loopback (all held open together, so they differ)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def run_data_parallel(args: argparse.Namespace) -> int:
+    """Start the replicas, serve the front end until interrupted, stop the replicas."""
+    import contextlib
+
+    import anyio
+
+    from hybridkv.serving.cli.console import configure_logging
+    from hybridkv.serving.cli.route import load_prompter, serve_front_end
+    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.replicas import Replica
+    from hybridkv.serving.server import open_socket
+
+    configure_logging(args.log_level, args.log_format)
+    size = args.data_parallel_size
+    if args.data_parallel_rank != 0:
+        raise UsageError("--data-parallel-rank is for the replicas -dp starts; drop it")
+    if not args.enable_prefix_caching and args.routing.startswith("prefix"):
+        args.routing = "least-loaded"  # no cache, no events: load is all there is
+    sock = open_socket(args.host, args.port)  # fail fast, before any replica starts
+    with sock:
+        prompter = load_prompter(args.model_flag or args.model, args.chat_template)
+        ports = free_ports(size)
+        processes: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank, port in enumerate(ports):
+                line = replica_command_line(
+                    args.command_line, port=port, kv_events=kv_events_of(args, rank), rank=rank
+                )
+                processes.append(subprocess.Popen([sys.executable, "-c", _START, *line]))
+            replicas = [
+                Replica(str(rank), f"http://127.0.0.1:{port}", pid=process.pid)
+                for rank, (port, process) in enumerate(zip(ports, processes, strict=True))
+            ]
+            pairs = zip(replicas, processes, strict=True)
+            watchers = [_watcher(replica, process) for replica, process in pairs]
+
+            async def ready(routed: Any) -> None:
+                await _until_serving(routed, processes)
+
+            with contextlib.suppress(KeyboardInterrupt):
+                anyio.run(
+                    lambda: serve_front_end(args, replicas, prompter, sock, watchers, ready=ready)
+                )
+        finally:
+            stop_all(processes)
+    return 0
+
+
+def _watcher(replica: Any, process: subprocess.Popen[bytes]) -> Any:
+    """A companion task that takes ``replica`` out of rotation when its process exits."""
+
+    async def watch(routed: Any) -> None:
+        import anyio
+
+        code = await anyio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+        routed.mark_down(replica, f"its process exited with code {code}")
+
+    return watch
+
+
+async def _until_serving(routed: Any, processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Probe until every replica serves; a replica whose process exits first fails it."""
+    import anyio
+
+    delay = 0.05
+    while True:
+        for replica, process in zip(routed.replicas.values(), processes, strict=True):
+            code = process.poll()
+            if code is not None:
+                raise ReplicaStartError(
+                    f"replica {replica.name} (pid {process.pid}) exited with code {code} "
+                    "before it served; its log above says why"
+                )
+            if not replica.healthy:
+                await routed.probe(replica)
+        if all(r.healthy for r in routed.replicas.values()):
+            return
+        await anyio.sleep(delay)  # a poll of starting processes, not a test's wait
+        delay = min(1.0, delay * 2)
+
+
+def stop_all(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGINT every replica (its Ctrl-C: it stops its workers), then kill what is left
+    after :data:`STOP_GRACE_S`."""
+    for process in processes:
+        if process.poll() is None:
+            with _gone():
+                os.kill(process.pid, signal.SIGINT)
+    for process in processes:
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _gone() -> Any:
+    import contextlib
+
+    return contextlib.suppress(ProcessLookupError)

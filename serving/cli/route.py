@@ -1,0 +1,183 @@
+"""``hybridkv route``: one OpenAI-compatible front end over running ``hybridkv serve``
+replicas, and the front end ``serve --data-parallel-size`` runs over the ones it starts.
+
+::
+
+    hybridkv serve MODEL --port 8001 --kv-events-config '{"enable_kv_cache_events": true,
+        "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'     (each replica)
+    hybridkv route MODEL --replica http://a:8001 --replica http://b:8001 --port 8000
+
+The front end reads MODEL's tokenizer and chat template (not its weights) to see each
+prompt's tokens as the replicas will, asks every replica's ``/kv_events`` where it
+publishes, and routes as ``--routing`` says (``hybridkv.serving.replicas``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
+from hybridkv.serving.cli.engine_flags import add_model_argument
+
+#: A task the front end runs beside serving, given the replica set (a process watcher).
+Companion = Callable[[Any], Coroutine[Any, Any, None]]
+
+
+def add_routing_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """``--routing`` and ``--health-interval`` (route, and serve's data parallelism)."""
+    from hybridkv.serving.replicas import POLICIES
+
+    parser.add_argument(
+        "--routing",
+        choices=POLICIES,
+        default="prefix",
+        help="how requests are spread over replicas: prefix (what every layer group of a "
+        "replica can resume, against its load; the default), prefix-full-attention (the "
+        "full-attention groups' prefix alone), least-loaded, round-robin",
+    )
+    parser.add_argument(
+        "--health-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between probes of every replica's /health (5)",
+    )
+
+
+def register_route(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``hybridkv route [MODEL] --replica URL ...``."""
+    parser = subparsers.add_parser(
+        "route",
+        help="serve one OpenAI-compatible address over several hybridkv serve replicas",
+        description="Route requests over running `hybridkv serve` replicas by the prefix\n"
+        "every layer group of each can resume (from their KV events) against their load.\n"
+        "MODEL gives the tokenizer and chat template only.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_argument(parser)
+    parser.add_argument(
+        "--replica",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a replica's base URL (http://host:port); repeat for each",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    parser.add_argument(
+        "--api-key", default=None, help="clients must send this key (the replicas' is theirs)"
+    )
+    parser.add_argument(
+        "--chat-template", metavar="FILE", help="the replicas' --chat-template, if they have one"
+    )
+    add_routing_arguments(parser)
+    add_log_level_argument(parser, "info")
+    parser.set_defaults(handler=run_route)
+
+
+def run_route(args: argparse.Namespace) -> int:
+    """Serve the front end over ``--replica`` URLs until interrupted."""
+    import anyio
+
+    from hybridkv.serving.replicas import Replica
+    from hybridkv.serving.server import open_socket
+
+    configure_logging(args.log_level, args.log_format)
+    replicas = [Replica(str(i), _base_url(url)) for i, url in enumerate(args.replica)]
+    sock = open_socket(args.host, args.port)
+    with sock:
+        prompter = load_prompter(args.model_flag or args.model, args.chat_template)
+        with contextlib.suppress(KeyboardInterrupt):
+            anyio.run(serve_front_end, args, replicas, prompter, sock, ())
+    return 0
+
+
+def _base_url(url: str) -> str:
+    from hybridkv.serving.cli.values import UsageError
+
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--replica {url!r} is not an http:// or https:// URL")
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def load_prompter(model: str | None, chat_template: str | None) -> Any:
+    """A prompter over MODEL's tokenizer and chat template (its weights stay unread)."""
+    import anyio
+    from tokenizers import Tokenizer
+
+    from hybridkv.serving.chat import ChatTemplate
+    from hybridkv.serving.cli.builtin_models import resolve_model
+    from hybridkv.serving.cli.serve_flags import read_chat_template
+    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.prompts import Prompter
+
+    _, folder = resolve_model(model)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise UsageError(f"the checkpoint {str(folder)!r} has no tokenizer.json")
+    template = ChatTemplate.from_checkpoint(folder)
+    written = read_chat_template(chat_template)
+    if written is not None:
+        template = ChatTemplate(
+            written.source, special_tokens=template.special_tokens, is_builtin=False
+        )
+    # The replicas hold the context limit; a prompt longer than this one is theirs to
+    # refuse, so the front end's bound is only the cheap size check's.
+    return Prompter(
+        Tokenizer.from_file(str(path)),
+        template,
+        max_model_len=2**24,
+        limiter=anyio.CapacityLimiter(4),
+    )
+
+
+async def serve_front_end(
+    args: argparse.Namespace,
+    replicas: Sequence[Any],
+    prompter: Any,
+    sock: Any,
+    companions: Sequence[Companion],
+    *,
+    ready: Callable[[Any], Awaitable[None]] | None = None,
+) -> None:
+    """Probe the replicas, then serve the front end on ``sock`` (``ready``: awaited once
+    the set exists, before serving: a wait for replicas that are starting)."""
+    import anyio
+    import httpx
+
+    from hybridkv.serving.replicas import ReplicaSet
+    from hybridkv.serving.route_app import Forwarder, build_route_app
+    from hybridkv.serving.server import serve_http
+
+    timeout = httpx.Timeout(None, connect=10.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        routed = ReplicaSet(replicas, client, args.routing)
+        try:
+            if ready is not None:
+                await ready(routed)
+            else:
+                async with anyio.create_task_group() as tg:
+                    for replica in replicas:
+                        tg.start_soon(routed.probe, replica)
+            app = build_route_app(Forwarder(routed, prompter), api_key=args.api_key)
+            host, port = sock.getsockname()[:2]
+            serving = ", ".join(f"{r.name}={r.url}" for r in routed.healthy) or "none yet"
+            print(
+                f"routing at http://{host}:{port}/v1 over {len(replicas)} replicas "
+                f"({args.routing}; serving: {serving}); Ctrl-C stops",
+                file=sys.stderr,
+                flush=True,
+            )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(routed.watch, args.health_interval)
+                for companion in companions:
+                    tg.start_soon(companion, routed)
+                await serve_http(app, sock, log_level=args.log_level)
+                tg.cancel_scope.cancel()
+        finally:
+            routed.close()

@@ -1,0 +1,235 @@
+"""The data-parallel front end over live replicas in this process: forwarding, routing by
+what each replica's KV events say it holds, and replicas that fail."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import anyio.abc
+import httpx
+import pytest
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from hybridkv.parallel.kv_events import KVEventPublisher
+from hybridkv.parallel.kv_events_config import KVEventsConfig
+from hybridkv.policies import FullAttention, SlidingWindow
+from hybridkv.scheduler import FakeExecutor
+from hybridkv.serving.chat import ChatTemplate
+from hybridkv.serving.prompts import Prompter
+from hybridkv.serving.replicas import Replica, ReplicaSet
+from hybridkv.serving.route_app import REPLICA_HEADER, Forwarder, build_route_app
+from hybridkv.serving.server import bound_port, open_socket, serve_http
+from hybridkv.testing import LiveServer, default_config, live_server, word_tokenizer
+
+MODEL = "fake-model"
+WAIT_S = 60.0  # a bound on waits for events on a busy machine, never a pause
+
+
+def words(start: int, count: int) -> str:
+    return " ".join(f"w{3 + (start + i) % 58}" for i in range(count))
+
+
+class Cluster:
+    """Replicas (live servers publishing KV events) and front ends over them, all in one
+    portal's loop."""
+
+    def __init__(self, portal: BlockingPortal, stack: contextlib.ExitStack) -> None:
+        self.portal = portal
+        self.stack = stack
+        self.servers: list[LiveServer] = []
+        self.publishers: list[KVEventPublisher] = []
+        self._stops: dict[int, contextlib.ExitStack] = {}
+
+    def replica(self, wrap_app: Callable[[Any], Any] | None = None) -> LiveServer:
+        stops = self.stack.enter_context(contextlib.ExitStack())
+        config = KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint="tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
+        )
+        publisher = stops.enter_context(KVEventPublisher(config))
+        engine_config = default_config(policies=[FullAttention(), SlidingWindow(window=16)])
+        server = stops.enter_context(
+            live_server(
+                engine_config,
+                FakeExecutor.for_config(engine_config),
+                tokenizer=word_tokenizer(),
+                model=MODEL,
+                portal=self.portal,
+                kv_events=publisher,
+                wrap_app=wrap_app,
+            )
+        )
+        self._stops[len(self.servers)] = stops
+        self.servers.append(server)
+        self.publishers.append(publisher)
+        return server
+
+    def stop(self, index: int) -> None:
+        """Stop replica ``index``'s server (its port then refuses connections)."""
+        self._stops[index].close()
+
+    def front_end(self, policy: str = "prefix") -> tuple[str, ReplicaSet]:
+        replicas = [Replica(str(i), s.url) for i, s in enumerate(self.servers)]
+        future, (url, routed, server) = self.portal.start_task(_front_end, replicas, policy)
+
+        def stop() -> None:
+            self.portal.call(setattr, server, "should_exit", True)
+            future.result(timeout=WAIT_S)
+
+        self.stack.callback(stop)
+        return url, routed
+
+    def published(self, index: int) -> int:
+        """The last batch replica ``index`` published, every queued one sent."""
+        publisher = self.publishers[index]
+        publisher.drain()
+        return publisher.num_published - 1
+
+
+async def _front_end(
+    replicas: list[Replica],
+    policy: str,
+    *,
+    task_status: anyio.abc.TaskStatus[tuple[str, ReplicaSet, Any]],
+) -> None:
+    prompter = Prompter(
+        word_tokenizer(),
+        ChatTemplate.plain(),
+        max_model_len=256,
+        limiter=anyio.CapacityLimiter(2),
+    )
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0)) as client:
+        routed = ReplicaSet(replicas, client, policy)
+        try:
+            for replica in replicas:
+                await routed.probe(replica)
+            app = build_route_app(Forwarder(routed, prompter))
+            sock = open_socket("127.0.0.1", 0)
+            port = bound_port(sock)
+            async with anyio.create_task_group() as tg:
+                server = await tg.start(serve_http, app, sock)
+                task_status.started((f"http://127.0.0.1:{port}", routed, server))
+        finally:
+            routed.close()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with start_blocking_portal() as portal, contextlib.ExitStack() as stack:
+        yield Cluster(portal, stack)
+
+
+def complete(url: str, prompt: str, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0} | extra
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=WAIT_S)
+
+
+def test_answers_are_the_replicas_and_say_which_one(cluster: Cluster) -> None:
+    one = cluster.replica()
+    cluster.replica()
+    url, _ = cluster.front_end()
+    direct = complete(one.url, words(0, 9)).json()
+    routed = complete(url, words(0, 9))
+    assert routed.status_code == 200
+    assert routed.headers[REPLICA_HEADER] in {"0", "1"}
+    assert routed.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+    # The official client streams through the front end as from a replica.
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(
+        model=MODEL, prompt=words(0, 9), max_tokens=4, temperature=0.0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == direct["choices"][0]["text"]
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_a_prompt_goes_where_the_events_say_its_prefix_is(cluster: Cluster) -> None:
+    """Each replica served one long prompt before the front end started; a new front
+    end learns it from their events (a replayed snapshot) and sends each prompt's
+    follow-up there, though a load-only policy would send both to replica 0."""
+    cluster.replica()
+    cluster.replica()
+    prompts = [words(0, 40), words(20, 40)]
+    for server, prompt in zip(cluster.servers, prompts, strict=True):
+        assert complete(server.url, prompt).status_code == 200
+    url, routed = cluster.front_end()
+    for i, replica in enumerate(routed.replicas.values()):
+        assert replica.feed is not None
+        assert replica.feed.wait_until_received(cluster.published(i), WAIT_S)
+    for i, prompt in enumerate(prompts):
+        answer = complete(url, f"{prompt} w60 w61")
+        assert answer.headers[REPLICA_HEADER] == str(i)
+    # The chat endpoint is tokenized through the template too.
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompts[1]}]}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat | {"max_tokens": 2})
+    assert answer.status_code == 200
+
+
+def test_a_stopped_replica_leaves_the_rotation_and_its_requests_retry(
+    cluster: Cluster,
+) -> None:
+    cluster.replica()
+    cluster.replica()
+    url, _ = cluster.front_end(policy="round-robin")
+    cluster.stop(0)
+    for start in range(4):  # round-robin would send two of these to replica 0
+        answer = complete(url, words(start, 6))
+        assert answer.status_code == 200
+        assert answer.headers[REPLICA_HEADER] == "1"
+    health = httpx.get(f"{url}/health").json()["replicas"]
+    assert health["0"]["healthy"] is False
+    assert "ConnectError" in health["0"]["reason"]
+    assert health["1"]["healthy"] is True
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'hybridkv_router_replica_healthy{replica="0"} 0.0' in metrics
+    assert 'hybridkv_router_failed_tries_total{replica="0"} 1.0' in metrics
+    # Replica 1's own metrics, labelled with its name.
+    assert 'hybridkv_requests_running{replica="1"}' in metrics
+    cluster.stop(1)
+    answer = complete(url, words(0, 6))
+    assert answer.status_code == 503
+    assert "no replica" in answer.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 503
+
+
+def test_a_replica_that_fails_mid_stream_ends_the_stream_with_an_error_event(
+    cluster: Cluster,
+) -> None:
+    cluster.replica(wrap_app=_breaks_after_first_chunk)
+    url, routed = cluster.front_end()
+    body = {"model": MODEL, "prompt": words(0, 6), "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=WAIT_S) as answer:
+        assert answer.status_code == 200
+        events = [line for line in answer.iter_lines() if line.startswith("data: ")]
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert "replica 0 failed while streaming" in error["message"]
+    assert events[-1] == "data: [DONE]"
+    assert not routed.replicas["0"].healthy
+    assert routed.replicas["0"].in_flight == 0
+
+
+def _breaks_after_first_chunk(app: Any) -> Any:
+    """The replica's app, whose streams break after their first chunk (the connection
+    drops, as when the replica dies)."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        sent = 0
+
+        async def counting(message: Any) -> None:
+            nonlocal sent
+            if message["type"] == "http.response.body" and message.get("more_body"):
+                sent += 1
+                if sent > 1:
+                    raise ConnectionResetError("the replica died")
+            await send(message)
+
+        await app(scope, receive, counting)
+
+    return wrapped
