@@ -142,10 +142,15 @@ class ReplicaFeed:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.replay_endpoint)
             dealer.send_multipart((b"", self._next_seq.to_bytes(8, "big")))
+            waited = 0
             while not self._stop.is_set():
-                if not dealer.poll(REPLAY_TIMEOUT_MS):
-                    log.warning("kv_feed_replay_timeout", endpoint=self.replay_endpoint)
-                    return
+                if not dealer.poll(_POLL_MS):  # short polls: close() never waits long
+                    waited += _POLL_MS
+                    if waited >= REPLAY_TIMEOUT_MS:
+                        log.warning("kv_feed_replay_timeout", endpoint=self.replay_endpoint)
+                        return
+                    continue
+                waited = 0
                 frames = dealer.recv_multipart()
                 if len(frames) != 3 or not frames[2]:  # the end marker
                     return

@@ -66,8 +66,10 @@ class Router(Protocol):
         """``candidates``, best first, for a prompt of ``token_ids``."""
         ...
 
-    def sent(self, name: str) -> None:
-        """The request just ranked went to ``name`` (the first that took it)."""
+    def sent(
+        self, name: str, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
+    ) -> None:
+        """A request of prompt ``token_ids`` went to ``name`` (the first that took it)."""
         ...
 
 
@@ -99,7 +101,6 @@ class PrefixRouter:
         self._block_size = sizes.pop()
         self.full_attention_only = full_attention_only
         self._sent: dict[str, OrderedDict[int, None]] = {name: OrderedDict() for name in indexes}
-        self._last: list[int] = []
 
     def set_index(self, name: str, index: ReplicaIndex) -> None:
         """Follow replica ``name`` (new, or restarted) with ``index``, forgetting what was
@@ -120,7 +121,7 @@ class PrefixRouter:
     ) -> str:
         """The replica for a prompt of ``token_ids``; it is remembered there."""
         best = self.rank(token_ids, loads, self.indexes, extra_keys)[0]
-        self.sent(best)
+        self.sent(best, token_ids, extra_keys)
         return best
 
     def rank(
@@ -136,13 +137,16 @@ class PrefixRouter:
         if unknown:
             raise ValueError(f"no index for replicas {sorted(unknown)}")
         hashes = self._hashes(token_ids, extra_keys)
-        self._last = hashes
         return sorted(candidates, key=lambda name: self._rank(name, hashes, loads))
 
-    def sent(self, name: str) -> None:
-        """Remember the prompt last ranked at ``name`` (its provisional blocks)."""
+    def sent(
+        self, name: str, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
+    ) -> None:
+        """Remember prompt ``token_ids`` at ``name`` (its provisional blocks). It takes
+        the prompt, not the last one ranked: requests ranked meanwhile may have gone
+        elsewhere."""
         sent = self._sent[name]
-        for block in self._last:
+        for block in self._hashes(token_ids, extra_keys):
             sent[block] = None
             sent.move_to_end(block)
         while len(sent) > self.weights.provisional_blocks:
@@ -205,7 +209,9 @@ class RoundRobin:
         start = next(self._turn) % len(order)
         return order[start:] + order[:start]
 
-    def sent(self, name: str) -> None:
+    def sent(
+        self, name: str, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
+    ) -> None:
         pass
 
 
@@ -226,7 +232,9 @@ class LeastLoaded:
 
         return sorted(candidates, key=queued)
 
-    def sent(self, name: str) -> None:
+    def sent(
+        self, name: str, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
+    ) -> None:
         pass
 
 

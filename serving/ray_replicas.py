@@ -212,10 +212,7 @@ class ReplicaTable:
                 return
             self._in_flight[name].add(request_id)
             if token_ids and self._router is not None:
-                # sent() remembers the prompt last ranked: rank it at `name` alone (other
-                # requests may have been ranked since this one).
-                self._router.rank(token_ids, {}, [name], extra_keys)
-                self._router.sent(name)
+                self._router.sent(name, token_ids, extra_keys)
 
     def completed(self, name: str, request_id: str) -> None:
         """Request ``request_id`` at ``name`` ended (any way)."""

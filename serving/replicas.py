@@ -38,8 +38,9 @@ from hybridkv.parallel.kv_router import (
 
 log = get_logger(__name__)
 
-#: ``--routing`` values: ours, the full-attention-only prefix router that event readers
-#: like Dynamo's or SGLang's amount to on a hybrid model, and two load-only baselines.
+#: ``--routing`` values: ours; a prefix router that credits the full-attention groups'
+#: hits alone (as a router does that reads full-attention events only, SGLang's Mamba
+#: radix cache emitting no others); two load-only baselines.
 POLICIES = ("prefix", "prefix-full-attention", "least-loaded", "round-robin")
 
 
@@ -128,10 +129,15 @@ class ReplicaSet:
         ranked = router.rank(token_ids or (), loads, candidates, extra_keys)
         return [self.replicas[name] for name in ranked]
 
-    def sent(self, replica: Replica) -> None:
-        """The request last ordered went to ``replica``."""
+    def sent(
+        self,
+        replica: Replica,
+        token_ids: Sequence[int] | None,
+        extra_keys: tuple[Hashable, ...] = (),
+    ) -> None:
+        """A request of prompt ``token_ids`` (None: unread) went to ``replica``."""
         router = self._prefix or self._load_only
-        router.sent(replica.name)
+        router.sent(replica.name, token_ids or (), extra_keys)
 
     # -- rotation ---------------------------------------------------------------------
 

@@ -87,7 +87,10 @@ class Forwarder:
         raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
         token_ids, extra_keys, stream = await self._prompt(request.url.path, raw)
         order = self.replicas.order(token_ids, extra_keys)
-        return await self._until_gone(request, self._forward(request, raw, order, stream=stream))
+        forward = self._forward(
+            request, raw, order, stream=stream, token_ids=token_ids, extra_keys=extra_keys
+        )
+        return await self._until_gone(request, forward)
 
     async def responses(self, request: Request) -> Response:
         raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
@@ -176,7 +179,14 @@ class Forwarder:
         return body if isinstance(body, dict) else {}
 
     async def _forward(
-        self, request: Request, raw: bytes, order: Sequence[Replica], *, stream: bool
+        self,
+        request: Request,
+        raw: bytes,
+        order: Sequence[Replica],
+        *,
+        stream: bool,
+        token_ids: list[int] | None = None,
+        extra_keys: tuple[Hashable, ...] = (),
     ) -> Response:
         headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k))}
         failures: list[str] = []
@@ -198,7 +208,7 @@ class Forwarder:
                         failures.append(f"{replica.name}: {reason}")
                         self.counters.failed_tries.labels(replica.name).inc()
                         continue
-                    self.replicas.sent(replica)
+                    self.replicas.sent(replica, token_ids, extra_keys)
                     if stream and answer.status_code == 200:
                         chunks = answer.aiter_raw()
                         first = await anext(chunks, b"")

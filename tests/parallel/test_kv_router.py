@@ -91,7 +91,7 @@ def test_rank_orders_the_candidates_and_sent_remembers_the_one_taken() -> None:
     router = PrefixRouter({"a": holding(3), "b": holding(8), "c": holding(0)})
     assert router.rank(PROMPT, {}, ["a", "b", "c"]) == ["b", "a", "c"]
     assert router.rank(PROMPT, {}, ["a", "c"]) == ["a", "c"]  # b out of rotation
-    router.sent("a")
+    router.sent("a", PROMPT)
     assert router.saved_tokens("a", PROMPT) == 10 * BS
     assert router.saved_tokens("c", PROMPT) == 0
     with pytest.raises(ValueError, match="no index"):
