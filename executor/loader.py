@@ -4,8 +4,8 @@
 
     Checkpoint.open(path)          config.json parsed once into per-layer specs
     split_layers                   the layers this pipeline stage holds (all, without stages)
-    load on the torch thread       weights of those layers, cut to a tensor-parallel rank's
-                                   share (``shard``), quantised, projections joined
+    load on the torch thread       weights of those layers, quantised, cut to a tensor-
+                                   parallel rank's share (``shard``), projections joined
     plan_layout                    the pool for every stage's layers in kv_cache_bytes
 
 The executor (``model_executor``) takes the result and allocates the KV tensors.
@@ -50,9 +50,9 @@ class ModelShard(Protocol):
     ``hybridkv.parallel.tensor_shards.TensorShard``)."""
 
     def apply(self, model: CausalLM) -> None:
-        """Keep the share of ``model``'s weights, in place, before any quantisation, and
-        set ``model.config`` to the share's shapes (its heads, KV heads, widths): the
-        planner lays out pages of those."""
+        """Keep the share of ``model``'s weights (float or quantised), in place, and set
+        ``model.config`` to the share's shapes (its heads, KV heads, widths): the planner
+        lays out pages of those."""
         ...
 
 
@@ -105,9 +105,11 @@ def load_checkpoint(
         model = CausalLM.from_weights(
             config, checkpoint.architecture, tensors, target, layers=layers
         )
+        # Quantised whole, then cut in the stored form: each share keeps the whole
+        # layer's scales, so the ranks compute what one process computes.
+        quantize_linears(model, options.weights, device=target)
         if shard is not None:
             shard.apply(model)
-        quantize_linears(model, options.weights, device=target)
         model.fuse_projections()
         model.rescore_head()
         return model

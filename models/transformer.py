@@ -178,13 +178,21 @@ class CausalLM(nn.Module):
         exactly (``models/weights/rescored_head.py``); whether it did. The exact rows are the
         embedding's where the head is tied to it."""
         head, embedding = self.lm_head, self.model.embed_tokens
+        # A tensor-parallel rank's head holds a run of the vocabulary (``vocab_share``),
+        # and its embedding the same run: that run is rescored, from those rows.
+        share = getattr(head, "vocab_share", None)
+        stored = head if share is None else share
         exact = None
         if self.config.tie_word_embeddings and embedding is not None:
             exact = embedding.weight
-        if head is None or not RescoredHead.fits(head, has_exact_rows=exact is not None):
+        if stored is None or not RescoredHead.fits(stored, has_exact_rows=exact is not None):
             return False
-        assert isinstance(head, QuantizedLinear)
-        self.lm_head = RescoredHead(head, exact)
+        assert isinstance(stored, QuantizedLinear)
+        if share is None:
+            self.lm_head = RescoredHead(stored, exact)
+        else:
+            assert head is not None
+            head.vocab_share = RescoredHead(stored, exact)
         return True
 
     def forward(

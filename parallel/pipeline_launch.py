@@ -103,20 +103,16 @@ class StageSettings:
         ranks. The workers log at this process's structlog level, to stderr.
 
         Raises:
-            ParallelConfigError: more stages than layers, or fewer than one; weights in
-                a quantised format (stages load the model dtype); a model the tensor
-                ranks cannot share (``check_tensor_split``) or layers the context ranks
-                cannot (``check_context_split``).
+            ParallelConfigError: more stages than layers, or fewer than one; a model
+                the tensor ranks cannot share (``check_tensor_split``) or layers the
+                context ranks cannot (``check_context_split``).
             CheckpointError, ModelConfigError, PolicyError: a config we cannot run.
         """
-        if options.weights not in ("dtype", "auto"):
-            raise ParallelConfigError(
-                f"weights={options.weights!r} runs in one process; pipeline and context "
-                "ranks load the model dtype"
-            )
+        if options.weights == "auto":
+            options = attrs.evolve(options, weights="dtype")
         checkpoint = Checkpoint.open(path, policies=options.policy_choices)
         split_layers(checkpoint.config.num_layers, pipeline_parallel_size)
-        check_tensor_split(checkpoint.config, tensor_parallel_size)
+        check_tensor_split(checkpoint.config, tensor_parallel_size, options.weights)
         if context_parallel_size > 1:
             check_context_split(checkpoint.config.layers)
         layout = ParallelConfig(
@@ -135,7 +131,7 @@ class StageSettings:
             path=str(path),
             num_stages=pipeline_parallel_size,
             hidden_size=checkpoint.config.hidden_size,
-            options=attrs.evolve(options, weights="dtype"),
+            options=options,
             step_timeout_s=step_timeout_s,
             log_level=structlog.get_logger().bind().get_effective_level(),
             context_parallel_size=context_parallel_size,

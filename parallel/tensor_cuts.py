@@ -1,13 +1,17 @@
 """Cutting one rank's share out of a loaded weight: runs of heads, rows and columns.
 
-``tensor_shards`` and ``tensor_mamba`` build every rank's layers from these; the weights
-are the loaded model's (the model dtype), cut before any quantisation.
+``tensor_shards`` and ``tensor_mamba`` build every rank's layers from these. A float
+weight is cut as loaded; a quantised one (``--weights int8``/``int4``: the whole model is
+quantised first) is cut in its stored form, rows with their scales and columns under the
+whole row's, so that the ranks' shares sum to what one process's layer computes.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hybridkv.models.weights.quantized_linear import QuantizedLinear
 
 
 def held_run(count: int, size: int, rank: int) -> tuple[int, int]:
@@ -29,9 +33,11 @@ def param(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor.contiguous(), requires_grad=False)
 
 
-def rows_of(linear: nn.Module, rows: torch.Tensor | slice) -> nn.Linear:
+def rows_of(linear: nn.Module, rows: torch.Tensor | slice) -> nn.Module:
     """``linear``'s output rows ``rows`` (and its bias's)."""
-    assert isinstance(linear, nn.Linear), "tensor parallelism splits float weights"
+    if isinstance(linear, QuantizedLinear):
+        return linear.take_rows(rows)
+    assert isinstance(linear, nn.Linear), "tensor parallelism splits linear layers"
     weight = linear.weight.detach()[rows]
     with torch.device("meta"):
         cut = nn.Linear(linear.in_features, weight.shape[0], bias=linear.bias is not None)
@@ -41,9 +47,11 @@ def rows_of(linear: nn.Module, rows: torch.Tensor | slice) -> nn.Linear:
     return cut
 
 
-def columns_of(linear: nn.Module, columns: torch.Tensor | slice) -> nn.Linear:
+def columns_of(linear: nn.Module, columns: torch.Tensor | slice) -> nn.Module:
     """``linear``'s input columns ``columns``, without its bias (added after the sum)."""
-    assert isinstance(linear, nn.Linear), "tensor parallelism splits float weights"
+    if isinstance(linear, QuantizedLinear):
+        return linear.take_columns(_as_slice(columns))
+    assert isinstance(linear, nn.Linear), "tensor parallelism splits linear layers"
     weight = linear.weight.detach()[:, columns]
     with torch.device("meta"):
         cut = nn.Linear(weight.shape[1], linear.out_features, bias=False)
@@ -53,8 +61,18 @@ def columns_of(linear: nn.Module, columns: torch.Tensor | slice) -> nn.Linear:
 
 def bias_of(linear: nn.Module) -> torch.Tensor | None:
     """``linear``'s whole bias, detached, or None."""
-    assert isinstance(linear, nn.Linear), "tensor parallelism splits float weights"
+    assert isinstance(linear, (nn.Linear, QuantizedLinear)), "tensor parallelism splits linears"
     return None if linear.bias is None else linear.bias.detach()
+
+
+def _as_slice(columns: torch.Tensor | slice) -> slice:
+    """A run of consecutive column indices as a slice (stored forms cut runs only)."""
+    if isinstance(columns, slice):
+        return columns
+    first, count = int(columns[0]), len(columns)
+    if not torch.equal(columns, torch.arange(first, first + count, device=columns.device)):
+        raise ValueError("quantised layers are cut on runs of consecutive columns")
+    return slice(first, first + count)
 
 
 __all__ = ["bias_of", "columns_of", "held_run", "param", "rows_of"]

@@ -109,20 +109,28 @@ class VocabParallelHead(nn.Module):
     every rank gathers the whole row (the sampler, logprobs and grammars read it).
 
     Args:
-        weight: This rank's rows, ``[chunk, hidden]``, zero-padded to the same ``chunk``
-            on every rank (a gather takes equal parts).
+        vocab_share: This rank's rows of the head (a float or quantised linear; the
+            model may later give it a rescoring 4-bit pass, ``CausalLM.rescore_head``).
+        chunk: Rows every rank's run is padded to (a gather takes equal parts; only the
+            last run is short).
         vocab_size: Tokens in all; the padding past it is cut off.
         ranks: The tensor-parallel group.
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, ranks: TensorRanks) -> None:
+    def __init__(
+        self, vocab_share: nn.Module, chunk: int, vocab_size: int, ranks: TensorRanks
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.vocab_share = vocab_share
+        self.chunk = chunk
         self.vocab_size = vocab_size
         self.ranks = ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather(F.linear(x, self.weight), self.ranks)[..., : self.vocab_size]
+        scores: torch.Tensor = self.vocab_share(x)
+        if scores.shape[-1] < self.chunk:
+            scores = F.pad(scores, (0, self.chunk - scores.shape[-1]))
+        return all_gather(scores, self.ranks)[..., : self.vocab_size]
 
 
 __all__ = [

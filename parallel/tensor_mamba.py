@@ -77,7 +77,7 @@ def shard_mamba(mixer: Mamba2Mixer, ranks: TensorRanks) -> None:
     heads = torch.arange(rank * share.num_heads, (rank + 1) * share.num_heads)
     channels = torch.cat((mine, inner + groups, inner + num_state + groups))  # of x, B, C
     rows = torch.cat((mine, inner + channels, inner + shape.conv_dim + heads))
-    mixer.in_proj = rows_of(mixer.in_proj, rows)
+    mixer.set_submodule("in_proj", rows_of(mixer.in_proj, rows))
     conv = mixer.conv1d
     with torch.device("meta"):
         cut = nn.Conv1d(

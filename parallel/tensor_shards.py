@@ -36,6 +36,7 @@ from hybridkv.models.mamba2 import Mamba2Mixer
 from hybridkv.models.moe import MixtureOfExperts, SharedMLP
 from hybridkv.models.specs import tensor_rank_spec
 from hybridkv.models.transformer import CausalLM
+from hybridkv.models.weights.quantized_linear import INT4_GROUP, QuantizedLinear
 from hybridkv.parallel.tensor_cuts import bias_of, columns_of, held_run, param, rows_of
 from hybridkv.parallel.tensor_group import TensorRanks
 from hybridkv.parallel.tensor_layers import (
@@ -46,16 +47,20 @@ from hybridkv.parallel.tensor_layers import (
 from hybridkv.parallel.tensor_mamba import shard_mamba
 
 
-def check_tensor_split(config: ModelConfig, size: int) -> None:
+def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -> None:
     """Refuse a model ``size`` ranks cannot share evenly, naming the values.
 
     Raises:
         ParallelConfigError: query heads, the MLP or expert width, Mamba2 heads or width
             that ``size`` does not divide, or KV heads or B/C groups that neither divide
-            ``size`` nor are divided by it.
+            ``size`` nor are divided by it; with ``weights`` int4, a row-split layer's
+            inputs cut inside a group of 32 (each group has one scale, as vLLM refuses
+            a quantised input width not aligned to its groups).
     """
     if size == 1:
         return
+    if weights == "int4":
+        _check_int4_groups(config, size)
     values = [
         ("num_attention_heads", config.num_heads, False),
         ("num_key_value_heads", config.num_kv_heads, True),
@@ -79,10 +84,30 @@ def check_tensor_split(config: ModelConfig, size: int) -> None:
         )
 
 
+def _check_int4_groups(config: ModelConfig, size: int) -> None:
+    widths = [
+        ("attention heads x head_dim", config.num_heads * config.head_dim),
+        ("intermediate_size", config.intermediate_size),
+    ]
+    if config.mamba is not None:
+        widths.append(("mamba intermediate size", config.mamba.intermediate_size))
+    cut = [
+        f"{name}={width} into {width // size}"
+        for name, width in widths
+        if width % INT4_GROUP == 0 and (width // size) % INT4_GROUP
+    ]
+    if cut:
+        raise ParallelConfigError(
+            f"--weights int4 groups {INT4_GROUP} inputs under one scale; "
+            f"tensor_parallel_size={size} cuts {', '.join(cut)} inputs per rank: use int8, "
+            "or fewer ranks"
+        )
+
+
 @attrs.frozen
 class TensorShard:
-    """Cuts a loaded model to one rank's share (``executor/loader.py`` calls it between
-    loading and quantising)."""
+    """Cuts a loaded model to one rank's share (``executor/loader.py`` calls it after
+    quantising the whole model, before projections are joined)."""
 
     ranks: TensorRanks
 
@@ -111,14 +136,16 @@ class TensorShard:
             elif isinstance(module, GatedMLP):
                 width = module.gate_proj.out_features // size
                 mine = slice(rank * width, (rank + 1) * width)
-                module.gate_proj = rows_of(module.gate_proj, mine)
-                module.up_proj = rows_of(module.up_proj, mine)
+                module.set_submodule("gate_proj", rows_of(module.gate_proj, mine))
+                module.set_submodule("up_proj", rows_of(module.up_proj, mine))
                 module.set_submodule("down_proj", self._summed(module.down_proj, mine))
             elif isinstance(module, SharedMLP):
                 stacked = module.input_linear
                 width = stacked.out_features // 2 // size
                 held = torch.arange(rank * width, (rank + 1) * width)
-                module.input_linear = rows_of(stacked, torch.cat((held, held + width * size)))
+                module.set_submodule(
+                    "input_linear", rows_of(stacked, torch.cat((held, held + width * size)))
+                )
                 module.set_submodule("output_linear", self._summed(module.output_linear, held))
             elif isinstance(module, MixtureOfExperts):
                 self._experts(module)
@@ -134,9 +161,9 @@ class TensorShard:
         first_kv, num_kv = held_run(attn.num_kv_heads, size, rank)
         q = slice(rank * num_heads * dim, (rank + 1) * num_heads * dim)
         kv = slice(first_kv * dim, (first_kv + num_kv) * dim)
-        attn.q_proj = rows_of(attn.q_proj, q)
-        attn.k_proj = rows_of(attn.k_proj, kv)
-        attn.v_proj = rows_of(attn.v_proj, kv)
+        attn.set_submodule("q_proj", rows_of(attn.q_proj, q))
+        attn.set_submodule("k_proj", rows_of(attn.k_proj, kv))
+        attn.set_submodule("v_proj", rows_of(attn.v_proj, kv))
         attn.set_submodule("o_proj", self._summed(attn.o_proj, q))
         attn.num_heads, attn.num_kv_heads = num_heads, num_kv
         attn._qk_v_widths = ((num_heads + num_kv) * dim, num_kv * dim)
@@ -165,11 +192,9 @@ class TensorShard:
             weight = backbone.embed_tokens.weight.detach()
             cut = VocabParallelEmbedding(weight[start:stop], start, self.ranks)
             backbone.set_submodule("embed_tokens", cut)
-        if isinstance(model.lm_head, nn.Linear):
-            weight = model.lm_head.weight.detach()
-            rows = weight.new_zeros(chunk, weight.shape[1])
-            rows[: stop - start] = weight[start:stop]
-            model.lm_head = VocabParallelHead(rows, vocab_size, self.ranks)
+        if isinstance(model.lm_head, (nn.Linear, QuantizedLinear)):
+            share = rows_of(model.lm_head, slice(start, stop))
+            model.lm_head = VocabParallelHead(share, chunk, vocab_size, self.ranks)
 
 
 __all__ = ["TensorShard", "check_tensor_split"]

@@ -83,6 +83,17 @@ class QuantizedLinear(nn.Module):
         """One layer whose output rows are those of ``parts`` in order (one input
         width), from their stored form: no weight is quantised again."""
 
+    @abc.abstractmethod
+    def take_rows(self, rows: torch.Tensor | slice) -> Self:
+        """Output rows ``rows`` (and their bias), from the stored form: a tensor-parallel
+        rank's share of a column-split layer, quantised as the whole layer was."""
+
+    @abc.abstractmethod
+    def take_columns(self, columns: slice) -> Self:
+        """Input columns ``columns``, without the bias (a row-split layer's share, summed
+        over ranks), from the stored form: each row keeps the whole row's scales, so the
+        shares sum to what the whole layer computes."""
+
     def weight_bytes(self) -> int:
         """Bytes of weights (and their scales) one decode pass reads."""
         return sum(t.numel() * t.element_size() for t in self.kernel_buffers())
@@ -127,21 +138,40 @@ class Int8Linear(QuantizedLinear):
     def kernel_buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.qweight, self.scales)
 
+    def take_rows(self, rows: torch.Tensor | slice) -> Int8Linear:
+        qweight = self.qweight[rows]
+        bias = None if self.bias is None else self.bias[rows]
+        return self._of(self.in_features, qweight, self.scales[rows], bias)
+
+    def take_columns(self, columns: slice) -> Int8Linear:
+        qweight = self.qweight[:, columns]
+        return self._of(qweight.shape[1], qweight, self.scales, None)
+
+    @classmethod
+    def _of(
+        cls,
+        in_features: int,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> Int8Linear:
+        out = cls.__new__(cls)
+        QuantizedLinear.__init__(out, in_features, qweight.shape[0], bias)
+        out.register_buffer("qweight", qweight.contiguous())
+        out.register_buffer("scales", scales.contiguous())
+        return out
+
     @classmethod
     def cat_rows(cls, parts: list[Int8Linear], bias: torch.Tensor | None) -> Int8Linear:
-        out = cls.__new__(cls)
-        QuantizedLinear.__init__(
-            out, parts[0].in_features, sum(p.out_features for p in parts), bias
-        )
-        out.register_buffer("qweight", torch.cat([p.qweight for p in parts]))
-        out.register_buffer("scales", torch.cat([p.scales for p in parts]))
-        return out
+        qweight = torch.cat([p.qweight for p in parts])
+        scales = torch.cat([p.scales for p in parts])
+        return cls._of(parts[0].in_features, qweight, scales, bias)
 
 
 class Int4Linear(QuantizedLinear):
     """Asymmetric 4-bit weights, a bfloat16 (scale, zero) per row and group of inputs."""
 
-    packed: torch.Tensor
+    packed: torch.Tensor | None
     levels: torch.Tensor
     scales_zeros: torch.Tensor
 
@@ -171,35 +201,61 @@ class Int4Linear(QuantizedLinear):
         self._store(q.reshape(out_features, in_features), pairs.to(torch.bfloat16))
 
     def _store(self, q: torch.Tensor, scales_zeros: torch.Tensor) -> None:
-        """Keep levels ``q`` ``[N, K]`` (0..15) in both layouts, and their scales."""
+        """Keep levels ``q`` ``[N, K]`` (0..15) in both layouts, and their scales; a
+        share of rows the kernel cannot pack (a tensor-parallel cut) keeps the row-order
+        levels alone and always expands them."""
         q = q.to(torch.uint8)
         self.register_buffer("levels", q[:, 0::2] | (q[:, 1::2] << 4))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        packed = None
+        if fits_int4(*q.shape):
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         self.register_buffer("packed", packed)
-        self.register_buffer("scales_zeros", scales_zeros)
+        self.register_buffer("scales_zeros", scales_zeros.contiguous())
 
     def matmul_bf16(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return rows @ self.expand(0, self.out_features, torch.bfloat16).T
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.packed, INT4_GROUP, self.scales_zeros
         )
+        return out
+
+    def take_rows(self, rows: torch.Tensor | slice) -> Int4Linear:
+        bias = None if self.bias is None else self.bias[rows]
+        return self._of(self.levels[rows], self.scales_zeros[:, rows], bias)
+
+    def take_columns(self, columns: slice) -> Int4Linear:
+        start, stop, step = columns.indices(self.in_features)
+        if step != 1 or start % INT4_GROUP or stop % INT4_GROUP:
+            raise ValueError(
+                f"int4 columns are cut on groups of {INT4_GROUP} inputs, not {start}..{stop}"
+            )
+        levels = self.levels[:, start // 2 : stop // 2]
+        groups = self.scales_zeros[start // INT4_GROUP : stop // INT4_GROUP]
+        return self._of(levels, groups, None)
+
+    @classmethod
+    def _of(
+        cls, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None
+    ) -> Int4Linear:
+        out = cls.__new__(cls)
+        QuantizedLinear.__init__(out, levels.shape[1] * 2, levels.shape[0], bias)
+        q = torch.stack([levels & 15, levels >> 4], dim=-1).flatten(-2)
+        out._store(q, scales_zeros)
         return out
 
     def expand(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         return unpack_int4(self.levels[start:stop], self.scales_zeros[:, start:stop]).to(dtype)
 
     def kernel_buffers(self) -> tuple[torch.Tensor, ...]:
+        if self.packed is None:
+            return (self.levels, self.scales_zeros)
         return (self.packed, self.scales_zeros)
 
     @classmethod
     def cat_rows(cls, parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
-        out = cls.__new__(cls)
-        QuantizedLinear.__init__(
-            out, parts[0].in_features, sum(p.out_features for p in parts), bias
-        )
         levels = torch.cat([p.levels for p in parts])
-        q = torch.stack([levels & 15, levels >> 4], dim=-1).flatten(-2)
-        out._store(q, torch.cat([p.scales_zeros for p in parts], dim=1))
-        return out
+        return cls._of(levels, torch.cat([p.scales_zeros for p in parts], dim=1), bias)
 
 
 def fits_int4(out_features: int, in_features: int) -> bool:

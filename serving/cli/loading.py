@@ -150,25 +150,13 @@ def _draft_proposer(
 
 def _weight_format(settings: EngineArgs, *, builtin: bool) -> str:
     """``--weights`` with ``auto`` resolved: the machine's default for a built-in model
-    (whose quality under it is measured), the model dtype for other checkpoints and for
-    pipelines (whose stages load in full precision)."""
+    (whose quality under it is measured), the model dtype for other checkpoints and
+    across processes (int8 and int4 run there when asked for)."""
     from hybridkv.models.weights.precision import machine_default
-    from hybridkv.serving.cli.values import UsageError
 
     multi = settings.num_ranks > 1
     if settings.weights == "auto":
         return machine_default() if builtin and not multi else "dtype"
-    if multi and settings.weights != "dtype":
-        sizes = {
-            "--pipeline-parallel-size": settings.pipeline_parallel_size,
-            "--context-parallel-size": settings.context_parallel_size,
-            "--tensor-parallel-size": settings.tensor_parallel_size,
-        }
-        ranks = next(f"{flag} {n}" for flag, n in sizes.items() if n > 1)
-        raise UsageError(
-            f"--weights {settings.weights} with {ranks}: quantised weights run in one "
-            "process only (several processes load the model dtype); drop one of the two"
-        )
     return settings.weights
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 import pytest
+import torch
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
@@ -21,11 +22,15 @@ from hybridkv.scheduler import SamplingParams
 from hybridkv.scheduler.batch import StepBatch, StepRequest
 
 KV_BYTES = 1 << 20
+#: Logits of tp = 2 against one process with int8/int4 weights: the weight-only kernels
+#: round their outputs to bfloat16 (2**-8 relative), here a partial sum per rank, there
+#: the whole one; over the tiny models' layers the largest difference seen was 0.075.
+QUANTISED_ATOL = 0.15
 
 
-def _tensor(path: Path, tp: int, **options) -> PipelineExecutor:
+def _tensor(path: Path, tp: int, weights: str = "dtype", **options) -> PipelineExecutor:
     options.setdefault("pipeline_parallel_size", 1)
-    load = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4, num_threads=1)
+    load = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4, num_threads=1, weights=weights)
     return PipelineExecutor.from_pretrained(
         path, load, tensor_parallel_size=tp, step_timeout_s=60.0, **options
     )
@@ -101,6 +106,74 @@ def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
         assert executor.world_size == tp * pp * cp
         got = run_scenario(drive(executor))
     check_same_outputs(got, expected)
+
+
+@pytest.fixture(scope="module")
+def int4_llama(tmp_path_factory) -> Path:
+    """A random Llama whose row-split layers cut on groups of 32 inputs at tp = 2 (two
+    heads of 32 a rank; an MLP of 128), with the byte tokenizer's 257 ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("int4-llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "weights"),
+    [
+        ("llama", "int8"),
+        ("bamba", "int8"),
+        ("int4_llama", "int4"),
+        pytest.param("granite_moe", "int8", marks=pytest.mark.slow),
+    ],
+)
+def test_quantised_layers_are_cut_as_one_process_quantised_them(
+    name, weights, tiny_models, int4_llama, drive, run_scenario
+) -> None:
+    """int8 and int4 on tp = 2 against one int8 or int4 process: every layer is quantised
+    whole and cut in its stored form, so the ranks hold one process's levels and scales
+    (a row-split layer's columns keep the whole row's scale; int4 groups of 32 inputs
+    stay whole), the tied head is rescored from the rank's run of the embedding. Logits
+    differ only by where the weight-only kernels round their bfloat16 outputs (a partial
+    sum per rank instead of the whole one): within ``QUANTISED_ATOL``. So the tokens are
+    the same, but where one process's two best logits are closer than that."""
+    path = int4_llama if name == "int4_llama" else tiny_models[name].path
+    load = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4, num_threads=1, weights=weights)
+    alone = ModelExecutor.from_pretrained(path, load)
+    try:
+        expected = run_scenario(drive(alone))
+    finally:
+        alone.close()
+    with _tensor(path, 2, weights=weights) as executor:
+        got = run_scenario(drive(executor))
+    assert got[0].keys() == expected[0].keys()
+    for rid, logits in expected[1].items():
+        for step, (mine, theirs) in enumerate(zip(got[0][rid], expected[0][rid], strict=True)):
+            row = logits[step]
+            assert (got[1][rid][step] - row).abs().max() < QUANTISED_ATOL, (rid, step)
+            if mine != theirs:  # a near tie the rounding may flip; then the texts part
+                best, second = row.topk(2).values
+                assert best - second < 2 * QUANTISED_ATOL, (rid, step)
+                break
+
+
+def test_int4_groups_cut_by_the_ranks_are_refused_before_any_process(tiny_models) -> None:
+    """Llama's MLP of 96 is 48 inputs a rank at tp = 2: one int4 group would span two
+    ranks. Refused at start, naming the width; int8 (a scale per row) takes it."""
+    with pytest.raises(ParallelConfigError, match="intermediate_size=96 into 48"):
+        _tensor(tiny_models["llama"].path, 2, weights="int4")
+    assert not multiprocessing.active_children()
 
 
 def test_a_model_the_ranks_cannot_share_is_refused_before_any_process(tiny_models) -> None:

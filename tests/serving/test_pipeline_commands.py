@@ -94,17 +94,17 @@ def test_tensor_ranks_a_model_cannot_share_are_a_one_line_error(
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize("flag", ["-tp", "-pp"])
-def test_quantised_weights_beside_several_processes_are_a_one_line_error(
+@pytest.mark.parametrize("flag", ["-tp", "-pp", "-cp"])
+def test_quantised_weights_over_several_processes_print_what_one_process_prints(
     three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str], flag: str
 ) -> None:
-    """`--weights int8 -tp 2`: exit 2 naming both flags, before any process starts."""
-    code = main(
-        ["generate", str(three_layer_checkpoint), *GENERATE, "--weights", "int8", flag, "2"]
-    )
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "--weights int8 with --" in err and "-parallel-size 2" in err
+    """`--weights int8` with `-tp 2`, `-pp 2` or `-cp 2`: one int8 process's text (the
+    tensor ranks cut the quantised layers, each row keeping its whole row's scale)."""
+    model = str(three_layer_checkpoint)
+    int8 = [*GENERATE, "--weights", "int8"]
+    expected = _generate(capsys, model, *int8)
+    assert _generate(capsys, model, *int8, flag, "2") == expected
+    close_pipelines()
     assert not multiprocessing.active_children()
 
 

@@ -10,7 +10,6 @@ from hybridkv.models.weights.precision import machine_default
 from hybridkv.serving.cli.engine_flags import EngineArgs
 from hybridkv.serving.cli.loading import _weight_format
 from hybridkv.serving.cli.main import main
-from hybridkv.serving.cli.values import UsageError
 
 pytestmark = pytest.mark.usefixtures("command_isolation")
 
@@ -39,10 +38,10 @@ def test_demo_summary_names_the_weights(
 
 def test_auto_is_the_machine_default_for_built_in_models_only() -> None:
     """auto: the machine's format for a built-in model, dtype for a checkpoint folder and
-    for a pipeline; an explicit int8 with a pipeline is a usage error."""
+    for several processes; an explicit int8 holds for a pipeline too."""
     auto = EngineArgs()
     assert _weight_format(auto, builtin=True) == machine_default()
     assert _weight_format(auto, builtin=False) == "dtype"
     assert _weight_format(EngineArgs(pipeline_parallel_size=2), builtin=True) == "dtype"
-    with pytest.raises(UsageError, match="--weights int8"):
-        _weight_format(EngineArgs(weights="int8", pipeline_parallel_size=2), builtin=True)
+    explicit = EngineArgs(weights="int8", pipeline_parallel_size=2)
+    assert _weight_format(explicit, builtin=True) == "int8"
