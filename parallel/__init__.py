@@ -1,9 +1,12 @@
-"""Execution over several processes on torch.distributed: pipeline and context parallelism.
+"""Execution over several processes on torch.distributed (pipeline, context and tensor
+parallelism), and the KV events routers read across replicas.
 
 ``rank_layout`` places every rank on the data, pipeline, context and tensor axes;
 ``pipeline_*`` runs a model's layers as stages in worker processes (``PipelineExecutor``
 is the engine's side); ``context_*`` shards each request's tokens and KV pages over the
-ranks of a stage. ``PipelineExecutor`` is imported lazily, so that reading this package's
+ranks of a stage; ``tensor_*`` cuts each rank's share of every layer; ``kv_events*``
+publish the prefix cache, and ``kv_index``, ``kv_feed`` and ``kv_router`` are a router's
+side of them. ``PipelineExecutor`` is imported lazily, so that reading this package's
 names does not load torch.
 """
 

@@ -6,7 +6,10 @@ with uvicorn in your own event loop, with connection limits), ``service`` and
 ``sampling_fields`` and ``structured`` (request bodies to checked requests),
 ``prompts``, ``chat`` and ``template_sandbox`` (prompts to token ids), ``text`` and
 ``logprobs`` (outputs to text), ``streaming``, ``responses``, ``guard``, ``watchdog``,
-``metrics`` (Prometheus), ``utility_routes``; and ``cli/``, the ``hybridkv`` command line.
+``metrics`` (Prometheus), ``utility_routes``; ``replicas``, ``route_app`` and
+``route_metrics`` (the data-parallel front end), ``ray_replicas``, ``ray_router`` and
+``ray_engine`` (the same routing in Ray Serve); and ``cli/``, the ``hybridkv`` command
+line.
 
 Kept free of imports so that ``hybridkv --help`` stays fast.
 """
