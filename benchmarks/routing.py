@@ -1,0 +1,323 @@
+"""Routing data-parallel replicas: prefix hits, TTFT and load balance per routing policy.
+
+The multisession workload (``_routing_workload.py``: chats whose turns resend the whole
+conversation, groups of chats sharing a system prompt, chats starting over time and
+coming back after a think time) served by several replicas, each request sent to one by
+a routing policy:
+
+- ``round-robin``: each request to the next replica (``RoundRobin``);
+- ``least-loaded``: the fewest requests waiting and running (``LeastLoaded``);
+- ``full-attention-only``: ``PrefixRouter(full_attention_only=True)``, the hit a replica's
+  full-attention blocks alone promise, as Dynamo's and SGLang's routers see a replica;
+- ``ours``: ``PrefixRouter``, the hit a replica resumes in every group, against its load;
+- both prefix routers again with the weights this benchmark recommends (``TUNED``);
+- ``one engine``: the reference, one engine with the pool, batch and compute of all the
+  replicas (the hit rate a router should come close to).
+
+The replicas are simulated (``_routing_sim.py``): KV cache managers without a model,
+stepped in modelled time (a step costs ``--step-ms`` plus ``--token-ms`` per token), their
+KV events encoded in vLLM's wire format and read by the router's indexes a step late.
+Scales ``--scales RxS``: R replicas, S sessions; from ``--big-from`` replicas on, sessions
+have ``--big-turns`` turns and only the first ``--big-seeds`` seeds run (minutes each).
+Layouts: full attention (the control), Gemma-3-like (1 full : 5 sliding-window groups,
+``--window``) and Bamba-like (the planner's Mamba2 state groups and one full-attention
+group). Sessions start at the rate that keeps about ``--alive`` per replica alive, and a
+replica's pool holds that many at their mean length over ``--occupancy``.
+
+Printed per scale, layout and policy, the mean over seeds and [min, max]: the prefix hit
+rate (cached prompt tokens over prompt tokens at each turn's first admission), TTFT in
+modelled ms (mean, p50, p90), load imbalance (the most tokens a replica computed over the
+mean), preemptions; then the issue's goals for each ``ours``: a hit rate within 0.05 of
+one engine's, at least 1.5x round-robin's, above the full-attention-only router's (same
+weights) on the hybrid layouts, and an imbalance under 1.25.
+
+    python benchmarks/routing.py [--quick] [--scales RxS ...] [--seeds N ...] [--jobs N]
+                                 [--json FILE]
+
+:func:`simulated` measures simulated replicas; a measurement of real ones (``hybridkv
+route`` over served engines) gives the same shape of results to :func:`print_table` and
+:func:`goals`. Results: docs/benchmarks.md, section "Routing data-parallel replicas".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import add_json_argument, write_json
+from _routing_replica import ReplicaSpec, SimReplica
+from _routing_sim import BoundedIndex, Simulation
+from _routing_workload import BLOCK_SIZE, HASH, Layout, Workload, layouts, make_chats
+
+from hybridkv.parallel.kv_router import (
+    LeastLoaded,
+    PrefixRouter,
+    RoundRobin,
+    Router,
+    RouterWeights,
+)
+from hybridkv.scheduler.config import EngineConfig
+
+#: The weights this benchmark recommends (docs/benchmarks.md says why).
+TUNED = RouterWeights(tokens_per_request=512.0, provisional_blocks=256)
+WEIGHTS = {"": RouterWeights(), ", tuned": TUNED}
+POLICIES = (
+    "round-robin",
+    "least-loaded",
+    *(f"{router}{suffix}" for suffix in WEIGHTS for router in ("full-attention-only", "ours")),
+)
+REFERENCE = "one engine"
+
+
+@attrs.frozen
+class Scale:
+    """Replicas and the sessions they serve."""
+
+    num_replicas: int
+    workload: Workload
+    seeds: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_replicas} replicas, {self.workload.num_sessions} sessions"
+
+
+def scales(args: argparse.Namespace) -> list[Scale]:
+    """Each ``--scales`` entry with its workload and seeds."""
+    out = []
+    for entry in args.scales:
+        num_replicas, num_sessions = map(int, entry.split("x"))
+        is_big = num_replicas >= args.big_from
+        turns = args.big_turns if is_big else args.turns
+        # A session lasts its turns' think times and replies (a decode step a token, at
+        # about a full batch): this rate keeps about --alive a replica alive.
+        reply_ms = sum(args.reply_tokens) / 2 * (args.step_ms + args.token_ms * args.max_running)
+        rate = num_replicas * args.alive / (turns * (args.think_ms + reply_ms))
+        workload = Workload(
+            num_sessions=num_sessions,
+            num_turns=turns,
+            sessions_per_prompt=args.sessions_per_prompt,
+            system_tokens=args.system_tokens,
+            user_tokens=tuple(args.user_tokens),
+            reply_tokens=tuple(args.reply_tokens),
+            think_ms=args.think_ms,
+            sessions_per_ms=rate,
+        )
+        seeds = tuple(args.seeds[: args.big_seeds] if is_big else args.seeds)
+        out.append(Scale(num_replicas, workload, seeds))
+    return out
+
+
+def replica_spec(layout: Layout, workload: Workload, args: argparse.Namespace) -> ReplicaSpec:
+    """A replica whose pool holds ``--alive`` sessions at their mean length over
+    ``--occupancy`` (and twice the longest turn at least)."""
+    mean_pages = layout.pages_needed(round(workload.mean_length()))
+    longest = workload.system_tokens + workload.num_turns * (
+        workload.user_tokens[1] + workload.reply_tokens[1]
+    )
+    num_blocks = max(
+        math.ceil(args.alive * mean_pages / args.occupancy), 2 * layout.pages_needed(longest)
+    )
+    return ReplicaSpec(
+        num_blocks=num_blocks + 1,
+        budget=args.budget,
+        max_running=args.max_running,
+        min_chunk=args.min_chunk,
+        step_ms=args.step_ms,
+        token_ms=args.token_ms,
+    )
+
+
+def make_router(policy: str, indexes: dict[str, BoundedIndex]) -> Router:
+    if policy == "round-robin":
+        return RoundRobin()
+    if policy == "least-loaded":
+        return LeastLoaded()
+    router, _, tuned = policy.partition(", ")
+    weights = WEIGHTS[f", {tuned}" if tuned else ""]
+    return PrefixRouter(indexes, weights, full_attention_only=router == "full-attention-only")
+
+
+def simulate(
+    layout: Layout, scale: Scale, policy: str, seed: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One run of ``policy`` (or the one-engine reference) on simulated replicas."""
+    t0 = time.perf_counter()
+    chats = make_chats(scale.workload, seed)
+    spec = replica_spec(layout, scale.workload, args)
+    if policy == REFERENCE:
+        one = SimReplica(layout, spec.pooled(scale.num_replicas), None)
+        run = Simulation(chats, {"one": one}, None).run()
+    else:
+        indexes = {f"r{i:02d}": BoundedIndex(BLOCK_SIZE, HASH) for i in range(scale.num_replicas)}
+        uses_events = policy not in ("round-robin", "least-loaded")
+        replicas = {
+            name: SimReplica(layout, spec, index if uses_events else None)
+            for name, index in indexes.items()
+        }
+        run = Simulation(chats, replicas, make_router(policy, indexes)).run()
+    return run | {"wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def simulated(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
+    """Scale label -> layout -> policy -> its runs (one per seed, each run's measures:
+    ``Simulation.summary``) and their spread; and the goals per scale and layout."""
+    cells = [
+        (scale, name, layout, policy, seed)
+        for scale in scales(args)
+        for name, layout in layouts(args.window).items()
+        if not args.layouts or name in args.layouts
+        for policy in (*POLICIES, REFERENCE)
+        for seed in scale.seeds
+    ]
+    jobs = [(layout, scale, policy, seed, args) for scale, _, layout, policy, seed in cells]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            runs = list(pool.map(simulate, *zip(*jobs, strict=True)))
+    else:
+        runs = [simulate(*job) for job in jobs]
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (scale, name, layout, policy, _), run in zip(cells, runs, strict=True):
+        cell = out.setdefault(scale.label, {}).setdefault(name, {})
+        cell.setdefault(policy, {"runs": []})["runs"].append(run)
+        if policy == REFERENCE and len(cell[policy]["runs"]) == len(scale.seeds):
+            for entry in cell.values():
+                entry |= spread(entry["runs"])
+            cell["goals"] = goals(cell, layout.is_hybrid)
+    return out
+
+
+def spread(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean, min and max over seeds of each measure."""
+    return {
+        "mean": {k: round(statistics.fmean(r[k] for r in runs), 4) for k in runs[0]},
+        "min": {k: min(r[k] for r in runs) for k in runs[0]},
+        "max": {k: max(r[k] for r in runs) for k in runs[0]},
+    }
+
+
+def goals(cell: dict[str, Any], is_hybrid: bool) -> dict[str, dict[str, Any]]:
+    """The issue's goals for each ``ours`` in one scale and layout: met on the means over
+    seeds, and in how many seeds."""
+
+    def checks(ours: str, run: int | None) -> dict[str, bool]:
+        def m(policy: str, key: str = "hit_rate") -> float:
+            entry = cell[policy]
+            return float(entry["mean"][key] if run is None else entry["runs"][run][key])
+
+        baseline = ours.replace("ours", "full-attention-only")
+        out = {
+            "within 0.05 of one engine": m(ours) >= m(REFERENCE) - 0.05,
+            ">= 1.5x round-robin": m(ours) >= 1.5 * m("round-robin"),
+            "imbalance < 1.25": m(ours, "imbalance") < 1.25,
+        }
+        if is_hybrid:
+            out["> full-attention-only"] = m(ours) > m(baseline)
+        return out
+
+    out = {}
+    for ours in (p for p in POLICIES if p.startswith("ours")):
+        per_seed = [checks(ours, i) for i in range(len(cell[ours]["runs"]))]
+        out[ours] = {
+            name: {"met": met, "seeds_met": sum(s[name] for s in per_seed)}
+            for name, met in checks(ours, None).items()
+        }
+    return out
+
+
+def print_table(results: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """One block per scale and layout: a row per policy, then the goals."""
+    head = (
+        f"{'policy':<27}{'hit rate':>21}{'TTFT mean':>11}{'p50':>6}{'p90':>6}"
+        f"{'imbalance':>19}{'preempt':>9}"
+    )
+    for scale, by_layout in results.items():
+        for layout, cell in by_layout.items():
+            num_seeds = len(cell[REFERENCE]["runs"])
+            print(f"\n== {scale}, {layout} ({num_seeds} seeds: mean [min, max])\n{head}")
+            for policy in (*POLICIES, REFERENCE):
+                m, lo, hi = (cell[policy][k] for k in ("mean", "min", "max"))
+                print(
+                    f"{policy:<27}"
+                    f"{m['hit_rate']:>7.3f} [{lo['hit_rate']:.3f}, {hi['hit_rate']:.3f}]"
+                    f"{m['ttft_ms_mean']:>11.0f}{m['ttft_ms_p50']:>6.0f}{m['ttft_ms_p90']:>6.0f}"
+                    f"{m['imbalance']:>7.2f} [{lo['imbalance']:.2f}, {hi['imbalance']:.2f}]"
+                    f"{m['preemptions']:>9.0f}"
+                )
+            for ours, checks in cell["goals"].items():
+                met = [
+                    f"{name} {'yes' if g['met'] else 'NO'} ({g['seeds_met']}/{num_seeds})"
+                    for name, g in checks.items()
+                ]
+                print(f"goals, {ours}: " + "; ".join(met))
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.perf_counter()
+    results = simulated(args)
+    print_table(results)
+    wall = round(time.perf_counter() - t0)
+    print(f"\n{wall} s")
+    settings = {
+        key: getattr(args, key)
+        for key in ("scales", "seeds", "big_from", "big_turns", "big_seeds", "turns",
+                    "sessions_per_prompt", "system_tokens", "user_tokens", "reply_tokens",
+                    "think_ms", "alive", "occupancy", "max_running", "budget", "min_chunk",
+                    "step_ms", "token_ms", "window")
+    }  # fmt: skip
+    settings |= {
+        "block_size": BLOCK_SIZE,
+        "weights": {f"ours{k}": attrs.asdict(w) for k, w in WEIGHTS.items()},
+    }
+    write_json(args.json, {"settings": settings, "wall_s": wall, "results": results})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, or ``sys.argv``); ``--quick``: a small smoke run."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small scales and prompts, one seed")
+    p.add_argument("--scales", nargs="+", default=["2x16", "4x32", "64x10000"], metavar="RxS")
+    p.add_argument("--layouts", nargs="+", choices=("full", "gemma-3-like", "bamba-like"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--big-from", type=int, default=16, help="replicas of a big scale")
+    p.add_argument("--big-turns", type=int, default=4, help="turns at a big scale")
+    p.add_argument("--big-seeds", type=int, default=1, help="seeds at a big scale")
+    p.add_argument("--sessions-per-prompt", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=2000)
+    p.add_argument("--user-tokens", type=int, nargs=2, default=(50, 150), metavar=("MIN", "MAX"))
+    p.add_argument("--reply-tokens", type=int, nargs=2, default=(100, 300), metavar=("MIN", "MAX"))
+    p.add_argument("--think-ms", type=float, default=2000.0, help="mean think time")
+    p.add_argument("--alive", type=float, default=8.0, help="sessions alive per replica")
+    p.add_argument("--occupancy", type=float, default=0.6, help="alive sessions over the pool")
+    p.add_argument("--max-running", type=int, default=16)
+    p.add_argument("--budget", type=int, default=2048, help="tokens a step")
+    p.add_argument(
+        "--min-chunk", type=int, default=attrs.fields(EngineConfig).min_prefill_chunk.default
+    )
+    p.add_argument("--step-ms", type=float, default=10.0, help="modelled cost of a step")
+    p.add_argument("--token-ms", type=float, default=0.05, help="modelled cost of a token")
+    p.add_argument("--window", type=int, default=1024, help="Gemma-3-like sliding window")
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    add_json_argument(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.scales, args.seeds, args.turns = ["2x8", "4x12"], args.seeds[:1], 3
+        args.system_tokens, args.user_tokens, args.reply_tokens = 256, (16, 48), (16, 48)
+        args.window, args.think_ms = 128, 200.0
+    return args
+
+
+if __name__ == "__main__":
+    main()

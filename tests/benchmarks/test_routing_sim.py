@@ -1,0 +1,112 @@
+"""benchmarks/routing.py's simulated part: its quick run keeps the invariants of its
+measures, and its faster index answers as the router's own."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from hybridkv.parallel.kv_index import ReplicaIndex
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def routing() -> ModuleType:
+    """benchmarks/routing.py, imported from its folder (sys.path as it was after)."""
+    path = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location("routing", BENCHMARKS / "routing.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick(routing: ModuleType) -> dict[str, Any]:
+    return routing.simulated(routing.parse_args(["--quick"]))
+
+
+def test_every_turn_is_answered_and_measured_within_range(
+    routing: ModuleType, quick: dict[str, Any]
+) -> None:
+    """Every policy answers every turn of the same sessions; hit rates lie in [0, 1],
+    imbalances at 1 or above (exactly 1 for the one engine), TTFTs above 0."""
+    for by_layout in quick.values():
+        for cell in by_layout.values():
+            turns = {cell[p]["mean"]["num_turns"] for p in (*routing.POLICIES, routing.REFERENCE)}
+            assert len(turns) == 1
+            for policy in (*routing.POLICIES, routing.REFERENCE):
+                for run in cell[policy]["runs"]:
+                    assert 0.0 <= run["hit_rate"] <= 1.0
+                    assert run["imbalance"] >= 1.0
+                    assert 0.0 < run["ttft_ms_p50"] <= run["ttft_ms_p90"]
+            assert cell[routing.REFERENCE]["mean"]["imbalance"] == 1.0
+
+
+def test_on_full_attention_both_prefix_routers_decide_alike(
+    routing: ModuleType, quick: dict[str, Any]
+) -> None:
+    """With full attention alone, reading only the full-attention groups is reading them
+    all: the two prefix routers (same weights) make the same run."""
+    for by_layout in quick.values():
+        cell = by_layout["full"]
+        for suffix in routing.WEIGHTS:
+            ours, theirs = (
+                {
+                    k: v
+                    for k, v in cell[f"{p}{suffix}"]["mean"].items()
+                    if k not in ("route_us", "wall_s")
+                }
+                for p in ("ours", "full-attention-only")
+            )
+            assert ours == theirs
+
+
+def test_goals_are_checked_for_each_of_ours(routing: ModuleType, quick: dict[str, Any]) -> None:
+    """Each ``ours`` row has the four goals on a hybrid layout, three on full attention."""
+    for by_layout in quick.values():
+        for layout, cell in by_layout.items():
+            assert set(cell["goals"]) == {p for p in routing.POLICIES if p.startswith("ours")}
+            for checks in cell["goals"].values():
+                assert len(checks) == (3 if layout == "full" else 4)
+
+
+@pytest.mark.parametrize("layout", ["gemma-3-like", "bamba-like"])
+def test_the_bounded_index_answers_as_the_replica_index(routing: ModuleType, layout: str) -> None:
+    """After a quick run, each replica's bounded index gives, for every turn's prompt, the
+    resumable blocks ``ReplicaIndex`` gives (all groups, and full attention only)."""
+    sim, replica, workload = (
+        sys.modules[name] for name in ("_routing_sim", "_routing_replica", "_routing_workload")
+    )  # imported by routing.py
+    args = routing.parse_args(["--quick"])
+    scale = routing.scales(args)[1]
+    chats = workload.make_chats(scale.workload, 0)
+    spec = routing.replica_spec(routing.layouts(args.window)[layout], scale.workload, args)
+    indexes = {f"r{i}": sim.BoundedIndex(16, workload.HASH) for i in range(scale.num_replicas)}
+    replicas = {
+        name: replica.SimReplica(routing.layouts(args.window)[layout], spec, index)
+        for name, index in indexes.items()
+    }
+    sim.Simulation(chats, replicas, routing.make_router("ours, tuned", indexes)).run()
+    num_checked = 0
+    for chat in chats:
+        for turn in range(chat.num_turns):
+            for index in indexes.values():
+                wire = index.wire_hashes(chat.prompt(turn) + chat.replies[turn])
+                for full_only in (False, True):
+                    expected = ReplicaIndex.resumable_blocks(
+                        index, wire, full_attention_only=full_only
+                    )
+                    got = index.resumable_blocks(wire, full_attention_only=full_only)
+                    assert got == expected
+                    num_checked += expected > 0
+    assert num_checked  # some prompts do resume
