@@ -274,12 +274,14 @@ def attach_offload(
     """
     if config is None:
         return None
-    attach = getattr(executor, "attach_offload", None)
-    if attach is None:
-        raise ConfigError(f"{type(executor).__name__} cannot move KV pages to offload tiers")
+    # Steps in flight first: offload refuses them whatever the executor, so the error
+    # names both parts rather than a pipelined executor's missing page mover.
     if max_steps_in_flight > 1:
         raise ConfigError(
             f"KV offload runs with one step in flight; the executor keeps {max_steps_in_flight}"
         )
+    attach = getattr(executor, "attach_offload", None)
+    if attach is None:
+        raise ConfigError(f"{type(executor).__name__} cannot move KV pages to offload tiers")
     keys: KeySpace = attach(config)
     return config, keys
