@@ -149,9 +149,10 @@ class PipelineExecutor:
         process, so a page holds the KV heads of one rank.
 
         Raises:
-            ParallelConfigError: fewer than 2 stages, more stages than layers, fewer GPUs
-                than stages, weights in a quantised format, or ``torch.distributed``
-                already initialised here.
+            ParallelConfigError: fewer than one stage, more stages than layers, fewer
+                GPUs than ranks, a model the tensor ranks cannot share (int4 groups they
+                would cut included), layers the context ranks cannot take, or
+                ``torch.distributed`` already initialised here.
             PipelineError: a worker could not start or load (its error is named).
             CheckpointError, ModelConfigError, PolicyError: as ModelExecutor.
         """

@@ -287,11 +287,11 @@ def parse_layer_policies(texts: list[str]) -> tuple[tuple[str, MemoryPolicy], ..
 
 
 def _check_one_process_flags(args: argparse.Namespace) -> None:
-    """Refuse what runs in one process beside pipeline or context ranks, naming both
-    flags, before anything is loaded or any worker starts.
+    """Refuse what runs in one process beside tensor, pipeline or context ranks, naming
+    both flags, before anything is loaded or any worker starts.
 
     Raises:
-        UsageError: ``--kv-offload`` with ``-pp`` or ``-cp``.
+        UsageError: ``--kv-offload`` with ``-tp``, ``-pp`` or ``-cp``.
     """
     from hybridkv.serving.cli.values import UsageError
 

@@ -149,10 +149,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     options = attrs.evolve(settings.options, max_response_bytes=max_response_bytes)
     settings = attrs.evolve(settings, options=options)
+    engine = engine_args(args)  # a refused combination of flags, before the port's error
     sock = open_socket(args.host, args.port)  # fail fast, before the model loads
     template = read_chat_template(args.chat_template)  # a bad one fails before loading
     with sock:  # closed too when the model fails to load
-        loaded = load_model(engine_args(args))
+        loaded = load_model(engine)
         loaded = attrs.evolve(
             loaded, engine_config=attrs.evolve(loaded.engine_config, **scheduling)
         )
