@@ -287,7 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (``argv``, or ``sys.argv``); ``--quick``: a small smoke run."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small scales and prompts, one seed")
-    p.add_argument("--scales", nargs="+", default=["2x16", "4x32", "64x10000"], metavar="RxS")
+    p.add_argument("--scales", nargs="+", default=["2x16", "4x32", "64x2000"], metavar="RxS")
     p.add_argument("--layouts", nargs="+", choices=("full", "gemma-3-like", "bamba-like"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--turns", type=int, default=8)
