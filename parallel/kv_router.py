@@ -11,8 +11,9 @@ there already, both in tokens::
 and the best score wins (ties: the less loaded, then the name). A tier's hit counts less:
 its blocks must be loaded before the step runs. Events lag the routing decision by a
 step or more, so the router also remembers, per replica, the block hashes of the prompts
-it sent there recently (``provisional``): a second sighting of a shared prefix goes where
-the first was sent, before that replica has published it. A session's next turn shares
+it sent there last (``provisional``, a few prompts' worth): a second sighting of a shared
+prefix goes where the first was sent, before that replica has published it, and once
+the memory has moved on the events decide. A session's next turn shares
 its previous turn, so it sticks to its replica while the hit outweighs the load there.
 """
 
@@ -40,17 +41,23 @@ class ReplicaLoad:
 class RouterWeights:
     """How the router trades a hit against load.
 
+    The defaults are ``benchmarks/routing.py``'s measurement (docs/benchmarks.md,
+    "Routing data-parallel replicas"): a longer memory of what was sent made the router
+    rank by that memory instead of the events (a full-attention-only router then chose
+    alike), and a cheaper request let shared prompts pile onto one replica.
+
     Attributes:
         tier_discount: Share of a tier hit's tokens counted as saved (it must be loaded).
         tokens_per_request: The prefill, in tokens, one request already there is taken
             to cost the new one.
-        provisional_blocks: Block hashes remembered per replica for prompts sent there
-            and not yet seen in its events.
+        provisional_blocks: Block hashes remembered per replica for the prompts last
+            sent there: enough to bridge the events' lag of a step or a few, short
+            enough that the events decide after that.
     """
 
     tier_discount: float = 0.5
-    tokens_per_request: float = 256.0
-    provisional_blocks: int = 65_536
+    tokens_per_request: float = 512.0
+    provisional_blocks: int = 256
 
 
 class Router(Protocol):
