@@ -21,13 +21,11 @@ import heapq
 import itertools
 import statistics
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from _routing_replica import SimReplica
 from _routing_workload import Chat, Turn
 
-from hybridkv.parallel.kv_index import DEVICE_MEDIUM, ReplicaIndex
 from hybridkv.parallel.kv_router import Router
 
 _ARRIVE, _STEP_END, _EVENTS = range(3)
@@ -132,25 +130,3 @@ class Simulation:
             "route_us": round(self.route_ns / max(1, self.num_routed) / 1000, 1),
             "end_s": round(self.end_ms / 1000, 1),
         }
-
-
-class BoundedIndex(ReplicaIndex):
-    """A ``ReplicaIndex`` that answers the same, faster, for the simulated replicas
-    (which have a full-attention group and no offload tier): a hit needs every block of
-    the full-attention groups, so their run (a scan to the first miss) bounds it, and the
-    other groups are searched below it only; a tier holds nothing. The test holds it
-    against ``ReplicaIndex``."""
-
-    def resumable_blocks(
-        self,
-        wire: Sequence[int],
-        medium: str = DEVICE_MEDIUM,
-        *,
-        full_attention_only: bool = False,
-    ) -> int:
-        if medium != DEVICE_MEDIUM:
-            return 0
-        bound = super().resumable_blocks(wire, medium, full_attention_only=True)
-        if full_attention_only or not bound:
-            return bound
-        return super().resumable_blocks(wire[:bound], medium)

@@ -10,7 +10,8 @@ a routing policy:
 - ``full-attention-only``: ``PrefixRouter(full_attention_only=True)``, the hit a replica's
   full-attention blocks alone promise, as Dynamo's and SGLang's routers see a replica;
 - ``ours``: ``PrefixRouter``, the hit a replica resumes in every group, against its load;
-- both prefix routers again with the weights this benchmark recommends (``TUNED``);
+- both prefix routers again with the weights the router had before this benchmark
+  measured them (``BEFORE``: a memory of 65,536 blocks sent, 256 tokens a request);
 - ``one engine``: the reference, one engine with the pool, batch and compute of all the
   replicas (the hit rate a router should come close to).
 
@@ -34,8 +35,10 @@ weights) on the hybrid layouts, and an imbalance under 1.25.
     python benchmarks/routing.py [--quick] [--scales RxS ...] [--seeds N ...] [--jobs N]
                                  [--json FILE]
 
-:func:`simulated` measures simulated replicas; a measurement of real ones (``hybridkv
-route`` over served engines) gives the same shape of results to :func:`print_table` and
+:func:`simulated` measures simulated replicas; with ``--real``, :func:`real` measures the
+same policies on real ones (``_routing_real.py``: ``hybridkv serve`` processes of a tiny
+model of each layout behind ``hybridkv route``, and behind SGLang's model gateway
+``smg`` with its cache-aware policy), in the same shape for :func:`print_table` and
 :func:`goals`. Results: docs/benchmarks.md, section "Routing data-parallel replicas".
 """
 
@@ -55,10 +58,12 @@ import attrs
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import add_json_argument, write_json
+from _routing_real import run_real, save_model, sessions
 from _routing_replica import ReplicaSpec, SimReplica
-from _routing_sim import BoundedIndex, Simulation
+from _routing_sim import Simulation
 from _routing_workload import BLOCK_SIZE, HASH, Layout, Workload, layouts, make_chats
 
+from hybridkv.parallel.kv_index import ReplicaIndex
 from hybridkv.parallel.kv_router import (
     LeastLoaded,
     PrefixRouter,
@@ -68,9 +73,10 @@ from hybridkv.parallel.kv_router import (
 )
 from hybridkv.scheduler.config import EngineConfig
 
-#: The weights this benchmark recommends (docs/benchmarks.md says why).
-TUNED = RouterWeights(tokens_per_request=512.0, provisional_blocks=256)
-WEIGHTS = {"": RouterWeights(), ", tuned": TUNED}
+#: The router's defaults, and the weights it had before this benchmark measured them
+#: (docs/benchmarks.md says why they changed).
+BEFORE = RouterWeights(tokens_per_request=256.0, provisional_blocks=65_536)
+WEIGHTS = {"": RouterWeights(), ", before": BEFORE}
 POLICIES = (
     "round-robin",
     "least-loaded",
@@ -138,7 +144,7 @@ def replica_spec(layout: Layout, workload: Workload, args: argparse.Namespace) -
     )
 
 
-def make_router(policy: str, indexes: dict[str, BoundedIndex]) -> Router:
+def make_router(policy: str, indexes: dict[str, ReplicaIndex]) -> Router:
     if policy == "round-robin":
         return RoundRobin()
     if policy == "least-loaded":
@@ -159,7 +165,7 @@ def simulate(
         one = SimReplica(layout, spec.pooled(scale.num_replicas), None)
         run = Simulation(chats, {"one": one}, None).run()
     else:
-        indexes = {f"r{i:02d}": BoundedIndex(BLOCK_SIZE, HASH) for i in range(scale.num_replicas)}
+        indexes = {f"r{i:02d}": ReplicaIndex(BLOCK_SIZE, HASH) for i in range(scale.num_replicas)}
         uses_events = policy not in ("round-robin", "least-loaded")
         replicas = {
             name: SimReplica(layout, spec, index if uses_events else None)
@@ -206,7 +212,9 @@ def spread(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     }
 
 
-def goals(cell: dict[str, Any], is_hybrid: bool) -> dict[str, dict[str, Any]]:
+def goals(
+    cell: dict[str, Any], is_hybrid: bool, policies: tuple[str, ...] = POLICIES
+) -> dict[str, dict[str, Any]]:
     """The issue's goals for each ``ours`` in one scale and layout: met on the means over
     seeds, and in how many seeds."""
 
@@ -226,7 +234,7 @@ def goals(cell: dict[str, Any], is_hybrid: bool) -> dict[str, dict[str, Any]]:
         return out
 
     out = {}
-    for ours in (p for p in POLICIES if p.startswith("ours")):
+    for ours in (p for p in policies if p.startswith("ours")):
         per_seed = [checks(ours, i) for i in range(len(cell[ours]["runs"]))]
         out[ours] = {
             name: {"met": met, "seeds_met": sum(s[name] for s in per_seed)}
@@ -235,7 +243,9 @@ def goals(cell: dict[str, Any], is_hybrid: bool) -> dict[str, dict[str, Any]]:
     return out
 
 
-def print_table(results: dict[str, dict[str, dict[str, Any]]]) -> None:
+def print_table(
+    results: dict[str, dict[str, dict[str, Any]]], policies: tuple[str, ...] = POLICIES
+) -> None:
     """One block per scale and layout: a row per policy, then the goals."""
     head = (
         f"{'policy':<27}{'hit rate':>21}{'TTFT mean':>11}{'p50':>6}{'p90':>6}"
@@ -245,7 +255,7 @@ def print_table(results: dict[str, dict[str, dict[str, Any]]]) -> None:
         for layout, cell in by_layout.items():
             num_seeds = len(cell[REFERENCE]["runs"])
             print(f"\n== {scale}, {layout} ({num_seeds} seeds: mean [min, max])\n{head}")
-            for policy in (*POLICIES, REFERENCE):
+            for policy in (*policies, REFERENCE):
                 m, lo, hi = (cell[policy][k] for k in ("mean", "min", "max"))
                 print(
                     f"{policy:<27}"
@@ -262,11 +272,58 @@ def print_table(results: dict[str, dict[str, dict[str, Any]]]) -> None:
                 print(f"goals, {ours}: " + "; ".join(met))
 
 
+#: Real runs: each policy's name here, and the front end that runs it.
+REAL_POLICIES = {
+    "round-robin": "round-robin",
+    "least-loaded": "least-loaded",
+    "full-attention-only": "prefix-full-attention",
+    "ours": "prefix",
+    "smg cache-aware": "smg",
+}
+
+
+def real(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
+    """The same measures on real replicas (``_routing_real.py``): ``hybridkv serve``
+    processes of a tiny model of each layout behind ``hybridkv route`` (or smg)."""
+    import tempfile
+
+    sizes = {"system": args.real_system, "user": args.real_user, "reply": args.real_reply}
+    policies = {k: v for k, v in REAL_POLICIES.items() if args.smg or v != "smg"}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for entry in args.real_scales:
+            num_replicas, num_sessions = map(int, entry.split("x"))
+            label = f"{num_replicas} real replicas, {num_sessions} sessions"
+            for name in args.real_layouts:
+                folder = save_model(name, Path(tmp) / name)
+                cell: dict[str, Any] = {}
+                for policy, front in (*policies.items(), (REFERENCE, None)):
+                    runs = []
+                    for seed in args.seeds[: args.real_seeds]:
+                        chats = sessions(
+                            seed, num_sessions, args.real_turns, args.sessions_per_prompt, sizes
+                        )
+                        runs.append(
+                            run_real(
+                                folder, num_replicas, front, chats,
+                                kv_memory=args.real_kv_memory, reply_tokens=args.real_reply,
+                                max_num_seqs=args.max_running,
+                            )
+                        )  # fmt: skip
+                        print(f"{label}, {name}, {policy}: {runs[-1]}", file=sys.stderr)
+                    cell[policy] = {"runs": runs} | spread(runs)
+                cell["goals"] = goals(cell, name != "full", tuple(policies))
+                out.setdefault(label, {})[name] = cell
+    return out
+
+
 def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()
-    results = simulated(args)
+    results = {} if args.no_simulated else simulated(args)
     print_table(results)
+    real_results = real(args) if args.real else {}
+    print_table(real_results, tuple(REAL_POLICIES if args.smg else list(REAL_POLICIES)[:-1]))
     wall = round(time.perf_counter() - t0)
     print(f"\n{wall} s")
     settings = {
@@ -280,7 +337,15 @@ def main() -> None:
         "block_size": BLOCK_SIZE,
         "weights": {f"ours{k}": attrs.asdict(w) for k, w in WEIGHTS.items()},
     }
-    write_json(args.json, {"settings": settings, "wall_s": wall, "results": results})
+    settings |= {
+        key: getattr(args, key)
+        for key in ("real_scales", "real_layouts", "real_turns", "real_system", "real_user",
+                    "real_reply", "real_kv_memory", "real_seeds", "smg")
+    }  # fmt: skip
+    write_json(
+        args.json,
+        {"settings": settings, "wall_s": wall, "results": results, "real": real_results},
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -310,6 +375,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-ms", type=float, default=0.05, help="modelled cost of a token")
     p.add_argument("--window", type=int, default=1024, help="Gemma-3-like sliding window")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel processes")
+    p.add_argument("--no-simulated", action="store_true", help="only the real replicas")
+    p.add_argument("--real", action="store_true", help="also real replicas (minutes)")
+    p.add_argument("--real-scales", nargs="+", default=["2x16", "4x32"], metavar="RxS")
+    p.add_argument(
+        "--real-layouts", nargs="+", default=["full", "gemma-3-like", "bamba-like"],
+        choices=("full", "gemma-3-like", "bamba-like"),
+    )  # fmt: skip
+    p.add_argument("--real-turns", type=int, default=4)
+    p.add_argument("--real-system", type=int, default=512, help="system prompt tokens")
+    p.add_argument("--real-user", type=int, default=48, help="user message tokens")
+    p.add_argument("--real-reply", type=int, default=16, help="reply tokens")
+    p.add_argument("--real-kv-memory", default="2MiB", help="KV memory of a real replica")
+    p.add_argument("--real-seeds", type=int, default=1, help="seeds of the real runs")
+    p.add_argument(
+        "--smg", action=argparse.BooleanOptionalAction, default=True,
+        help="SGLang's model gateway too (installed under ~/.cache/hybridkv-peers)",
+    )  # fmt: skip
     add_json_argument(p)
     args = p.parse_args(argv)
     if args.quick:

@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 
-from hybridkv.parallel.kv_index import ReplicaIndex
-
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -78,35 +76,3 @@ def test_goals_are_checked_for_each_of_ours(routing: ModuleType, quick: dict[str
             assert set(cell["goals"]) == {p for p in routing.POLICIES if p.startswith("ours")}
             for checks in cell["goals"].values():
                 assert len(checks) == (3 if layout == "full" else 4)
-
-
-@pytest.mark.parametrize("layout", ["gemma-3-like", "bamba-like"])
-def test_the_bounded_index_answers_as_the_replica_index(routing: ModuleType, layout: str) -> None:
-    """After a quick run, each replica's bounded index gives, for every turn's prompt, the
-    resumable blocks ``ReplicaIndex`` gives (all groups, and full attention only)."""
-    sim, replica, workload = (
-        sys.modules[name] for name in ("_routing_sim", "_routing_replica", "_routing_workload")
-    )  # imported by routing.py
-    args = routing.parse_args(["--quick"])
-    scale = routing.scales(args)[1]
-    chats = workload.make_chats(scale.workload, 0)
-    spec = routing.replica_spec(routing.layouts(args.window)[layout], scale.workload, args)
-    indexes = {f"r{i}": sim.BoundedIndex(16, workload.HASH) for i in range(scale.num_replicas)}
-    replicas = {
-        name: replica.SimReplica(routing.layouts(args.window)[layout], spec, index)
-        for name, index in indexes.items()
-    }
-    sim.Simulation(chats, replicas, routing.make_router("ours, tuned", indexes)).run()
-    num_checked = 0
-    for chat in chats:
-        for turn in range(chat.num_turns):
-            for index in indexes.values():
-                wire = index.wire_hashes(chat.prompt(turn) + chat.replies[turn])
-                for full_only in (False, True):
-                    expected = ReplicaIndex.resumable_blocks(
-                        index, wire, full_attention_only=full_only
-                    )
-                    got = index.resumable_blocks(wire, full_attention_only=full_only)
-                    assert got == expected
-                    num_checked += expected > 0
-    assert num_checked  # some prompts do resume
