@@ -65,7 +65,10 @@ def open_socket(host: str, port: int) -> socket.socket:
         raise ListenError(f"cannot listen on {host}:{port}: port {port} is not in [0, 65535]")
     try:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not 0: asyncio turns Nagle off (TCP_NODELAY) only on
+        # accepted sockets whose proto says TCP; left on, an answer written as headers
+        # then body waited for the client's delayed ACK, 40 ms a response.
+        sock = socket.socket(info[0], socket.SOCK_STREAM, socket.IPPROTO_TCP)
     except OSError as exc:
         raise ListenError(f"cannot resolve host {host!r}: {exc}") from None
     try:
