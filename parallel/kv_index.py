@@ -124,7 +124,9 @@ class ReplicaIndex:
         (``benchmarks/routing.py``)."""
         if not any(key[0] == medium for key in self._held):
             return 0
-        full = {g: p for g, p in self._policies.items() if isinstance(p, FullAttention)}
+        full: dict[int, MemoryPolicy] = {
+            g: p for g, p in self._policies.items() if isinstance(p, FullAttention)
+        }
         if full:
             wire = wire[: self._fixed_point(wire, medium, full)]
         if full_attention_only or len(full) == len(self._policies):
