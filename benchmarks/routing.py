@@ -282,13 +282,18 @@ REAL_POLICIES = {
 }
 
 
+def real_policies(args: argparse.Namespace) -> dict[str, str]:
+    """The real runs' policies and their front ends (smg only with ``--smg``)."""
+    return {k: v for k, v in REAL_POLICIES.items() if args.smg or v != "smg"}
+
+
 def real(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
     """The same measures on real replicas (``_routing_real.py``): ``hybridkv serve``
     processes of a tiny model of each layout behind ``hybridkv route`` (or smg)."""
     import tempfile
 
     sizes = {"system": args.real_system, "user": args.real_user, "reply": args.real_reply}
-    policies = {k: v for k, v in REAL_POLICIES.items() if args.smg or v != "smg"}
+    policies = real_policies(args)
     out: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for entry in args.real_scales:
@@ -323,7 +328,7 @@ def main() -> None:
     results = {} if args.no_simulated else simulated(args)
     print_table(results)
     real_results = real(args) if args.real else {}
-    print_table(real_results, tuple(REAL_POLICIES if args.smg else list(REAL_POLICIES)[:-1]))
+    print_table(real_results, tuple(real_policies(args)))
     wall = round(time.perf_counter() - t0)
     print(f"\n{wall} s")
     settings = {

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -103,21 +102,17 @@ def replica_command_line(argv: Sequence[str], *, port: int, kv_events: str, rank
 def kv_events_of(args: argparse.Namespace, rank: int) -> str:
     """Replica ``rank``'s ``--kv-events-config``: the user's moved to its rank, or free
     loopback ports."""
+    import attrs
+
     from hybridkv.parallel.kv_events_config import KVEventsConfig
 
     if args.kv_events_config is not None:
         config = KVEventsConfig.from_json(args.kv_events_config).for_data_parallel_rank(rank)
-        return json.dumps({k: v for k, v in _fields(config).items() if v is not None})
+        return json.dumps({k: v for k, v in attrs.asdict(config).items() if v is not None})
     endpoint, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
     return json.dumps(
         {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay}
     )
-
-
-def _fields(config: Any) -> dict[str, Any]:
-    import attrs
-
-    return attrs.asdict(config)
 
 
 def free_ports(count: int) -> list[int]:
@@ -217,18 +212,10 @@ def stop_all(processes: Sequence[subprocess.Popen[bytes]]) -> None:
     """SIGINT every replica (its Ctrl-C: it stops its workers), then kill what is left
     after :data:`STOP_GRACE_S`."""
     for process in processes:
-        if process.poll() is None:
-            with _gone():
-                os.kill(process.pid, signal.SIGINT)
+        process.send_signal(signal.SIGINT)  # nothing for one that has exited
     for process in processes:
         try:
             process.wait(STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _gone() -> Any:
-    import contextlib
-
-    return contextlib.suppress(ProcessLookupError)

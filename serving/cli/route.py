@@ -111,7 +111,7 @@ def load_prompter(model: str | None, chat_template: str | None) -> Any:
 
     from hybridkv.serving.chat import ChatTemplate
     from hybridkv.serving.cli.builtin_models import resolve_model
-    from hybridkv.serving.cli.serve_flags import read_chat_template
+    from hybridkv.serving.cli.serve_flags import read_chat_template, written_over
     from hybridkv.serving.cli.values import UsageError
     from hybridkv.serving.prompts import Prompter
 
@@ -122,9 +122,7 @@ def load_prompter(model: str | None, chat_template: str | None) -> Any:
     template = ChatTemplate.from_checkpoint(folder)
     written = read_chat_template(chat_template)
     if written is not None:
-        template = ChatTemplate(
-            written.source, special_tokens=template.special_tokens, is_builtin=False
-        )
+        template = written_over(written, template)
     # The replicas hold the context limit; a prompt longer than this one is theirs to
     # refuse, so the front end's bound is only the cheap size check's.
     return Prompter(

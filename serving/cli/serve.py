@@ -27,6 +27,7 @@ from hybridkv.serving.cli.serve_flags import (
     add_access_and_limit_arguments,
     http_settings,
     read_chat_template,
+    written_over,
 )
 
 _SERVE_EPILOG = """\
@@ -157,11 +158,8 @@ def run_serve(args: argparse.Namespace) -> int:
         loaded = attrs.evolve(
             loaded, engine_config=attrs.evolve(loaded.engine_config, **scheduling)
         )
-        if template is not None:  # the checkpoint's bos/eos strings stay available to it
-            from hybridkv.serving.chat import ChatTemplate
-
-            special = loaded.chat_template.special_tokens
-            template = ChatTemplate(template.source, special_tokens=special, is_builtin=False)
+        if template is not None:
+            template = written_over(template, loaded.chat_template)
             loaded = attrs.evolve(loaded, chat_template=template)
         _prepare_structured_output(loaded)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way to stop

@@ -251,3 +251,11 @@ def read_chat_template(value: str | None) -> Any:
     if "{{" not in value and "{%" not in value:
         raise UsageError(f"--chat-template {value!r} is neither a file nor a Jinja template")
     return ChatTemplate(value, is_builtin=False)
+
+
+def written_over(written: Any, checkpoint: Any) -> Any:
+    """A ``--chat-template`` (``read_chat_template``'s) in place of the checkpoint's
+    template, keeping the checkpoint's bos/eos strings available to it."""
+    from hybridkv.serving.chat import ChatTemplate
+
+    return ChatTemplate(written.source, special_tokens=checkpoint.special_tokens, is_builtin=False)
