@@ -75,7 +75,9 @@ from hybridkv.scheduler.config import EngineConfig
 
 #: The router's defaults, and the weights it had before this benchmark measured them
 #: (docs/benchmarks.md says why they changed).
-BEFORE = RouterWeights(tokens_per_request=256.0, provisional_blocks=65_536)
+BEFORE = RouterWeights(
+    tokens_per_request=256.0, provisional_blocks=65_536, slack_requests=0, slack_ratio=0.0
+)
 WEIGHTS = {"": RouterWeights(), ", before": BEFORE}
 POLICIES = (
     "round-robin",

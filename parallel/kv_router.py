@@ -2,19 +2,25 @@
 
 Each replica's :class:`~hybridkv.parallel.kv_index.ReplicaIndex` (fed by its KV events)
 says how many of a prompt's tokens it resumes in every group, from its pool or from a
-tier. A replica's score is what the request would not recompute there, less what waits
-there already, both in tokens::
+tier. A replica's score is what the request would not recompute there, less the load it
+has beyond the least loaded candidate's and a slack, both in tokens::
 
-    score = max(pool hit, tier_discount x tier hit, provisional hit)
-            - tokens_per_request x (waiting + running)
+    allowed = least + max(slack_requests, slack_ratio x least)
+    score   = max(pool hit, tier_discount x tier hit, provisional hit)
+              - tokens_per_request x max(0, waiting + running - allowed)
 
-and the best score wins (ties: the less loaded, then the name). A tier's hit counts less:
-its blocks must be loaded before the step runs. Events lag the routing decision by a
-step or more, so the router also remembers, per replica, the block hashes of the prompts
-it sent there last (``provisional``, a few prompts' worth): a second sighting of a shared
-prefix goes where the first was sent, before that replica has published it, and once
-the memory has moved on the events decide. A session's next turn shares
-its previous turn, so it sticks to its replica while the hit outweighs the load there.
+and the best score wins; among equals, the replica the router has sent the fewest
+prompt tokens to compute (the tokens of each prompt it sent there that were not
+credited as saved), then the less loaded, then the name. Within the slack, load does not
+count: a session's next turn and a second sighting of a shared system prompt go where
+their prefix is even while every replica is busy (``benchmarks/routing.py`` measured
+that with one request costing a whole prompt, shared prompts spread over all replicas
+and no replica could keep any of them). A tier's hit counts less: its blocks must be
+loaded before the step runs. Events lag the routing decision by a step or more, so the
+router also remembers, per replica, the block hashes of the prompts it sent there last
+(``provisional``, a few prompts' worth): a second sighting of a shared prefix goes where
+the first was sent before that replica has published it, and once the memory has moved
+on the events decide.
 """
 
 from __future__ import annotations
@@ -48,16 +54,22 @@ class RouterWeights:
 
     Attributes:
         tier_discount: Share of a tier hit's tokens counted as saved (it must be loaded).
-        tokens_per_request: The prefill, in tokens, one request already there is taken
-            to cost the new one.
+        tokens_per_request: The prefill, in tokens, one request beyond the slack is
+            taken to cost the new one.
         provisional_blocks: Block hashes remembered per replica for the prompts last
             sent there: enough to bridge the events' lag of a step or a few, short
             enough that the events decide after that.
+        slack_requests: Requests waiting and running a replica may have beyond the
+            least loaded candidate before its load counts against its hit.
+        slack_ratio: The same slack as a share of the least loaded candidate's
+            requests (the larger of the two applies).
     """
 
     tier_discount: float = 0.5
     tokens_per_request: float = 512.0
     provisional_blocks: int = 256
+    slack_requests: int = 4
+    slack_ratio: float = 0.5
 
 
 class Router(Protocol):
@@ -108,6 +120,8 @@ class PrefixRouter:
         self._block_size = sizes.pop()
         self.full_attention_only = full_attention_only
         self._sent: dict[str, OrderedDict[int, None]] = {name: OrderedDict() for name in indexes}
+        # Prompt tokens sent to each replica and not credited as saved there.
+        self._computed: dict[str, float] = dict.fromkeys(indexes, 0.0)
 
     def set_index(self, name: str, index: ReplicaIndex) -> None:
         """Follow replica ``name`` (new, or restarted) with ``index``, forgetting what was
@@ -119,6 +133,7 @@ class PrefixRouter:
             )
         self.indexes[name] = index
         self._sent[name] = OrderedDict()
+        self._computed[name] = 0.0
 
     def choose(
         self,
@@ -144,7 +159,10 @@ class PrefixRouter:
         if unknown:
             raise ValueError(f"no index for replicas {sorted(unknown)}")
         hashes = self._hashes(token_ids, extra_keys)
-        return sorted(candidates, key=lambda name: self._rank(name, hashes, loads))
+        least = min((_queued(loads, name) for name in candidates), default=0)
+        weights = self.weights
+        allowed = least + max(weights.slack_requests, weights.slack_ratio * least)
+        return sorted(candidates, key=lambda name: self._rank(name, hashes, loads, allowed))
 
     def sent(
         self, name: str, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
@@ -152,8 +170,10 @@ class PrefixRouter:
         """Remember prompt ``token_ids`` at ``name`` (its provisional blocks). It takes
         the prompt, not the last one ranked: requests ranked meanwhile may have gone
         elsewhere."""
+        hashes = self._hashes(token_ids, extra_keys)
+        self._computed[name] += max(0.0, len(token_ids) - self._saved(name, hashes))
         sent = self._sent[name]
-        for block in self._hashes(token_ids, extra_keys):
+        for block in hashes:
             sent[block] = None
             sent.move_to_end(block)
         while len(sent) > self.weights.provisional_blocks:
@@ -170,11 +190,12 @@ class PrefixRouter:
         name: str,
         hashes: list[int],
         loads: Mapping[str, ReplicaLoad],
-    ) -> tuple[float, int, str]:
-        load = loads.get(name, ReplicaLoad())
-        queued = load.num_waiting + load.num_running
-        score = self._saved(name, hashes) - self.weights.tokens_per_request * queued
-        return (-score, queued, name)
+        allowed: float,
+    ) -> tuple[float, float, int, str]:
+        queued = _queued(loads, name)
+        excess = max(0.0, queued - allowed)
+        score = self._saved(name, hashes) - self.weights.tokens_per_request * excess
+        return (-score, self._computed[name], queued, name)
 
     def _saved(self, name: str, hashes: list[int]) -> float:
         index = self.indexes[name]
@@ -195,6 +216,11 @@ class PrefixRouter:
         """The prompt's wire hashes, computed once for every replica (they share a block
         size and hash)."""
         return next(iter(self.indexes.values())).wire_hashes(token_ids, extra_keys)
+
+
+def _queued(loads: Mapping[str, ReplicaLoad], name: str) -> int:
+    load = loads.get(name, ReplicaLoad())
+    return load.num_waiting + load.num_running
 
 
 class RoundRobin:

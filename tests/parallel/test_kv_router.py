@@ -55,12 +55,44 @@ def test_the_longer_resumable_prefix_wins_at_equal_load() -> None:
     assert router.saved_tokens("b", PROMPT) == 10 * BS
 
 
-def test_load_outweighs_a_short_hit() -> None:
-    """Two blocks saved are worth less than four requests queued ahead."""
-    router = PrefixRouter({"a": holding(2), "b": holding(0)}, RouterWeights(tokens_per_request=8))
-    busy = {"a": ReplicaLoad(num_waiting=3, num_running=1)}
-    assert router.choose(PROMPT, busy) == "b"
-    assert router.choose([90, 91, 92], {}) in {"a", "b"}  # no hit: the less loaded
+def test_load_beyond_the_slack_outweighs_a_short_hit() -> None:
+    """Two blocks saved (8 tokens) are worth less than two requests beyond the slack (16
+    tokens), and more than one (8 tokens: a tie, which the less loaded wins)."""
+    weights = RouterWeights(tokens_per_request=8, slack_requests=2, slack_ratio=0.0)
+    router = PrefixRouter({"a": holding(2), "b": holding(0)}, weights)
+
+    def first(load: ReplicaLoad) -> str:
+        return router.rank(PROMPT, {"a": load}, ["a", "b"])[0]
+
+    assert first(ReplicaLoad(num_waiting=3, num_running=1)) == "b"
+    assert first(ReplicaLoad(num_running=3)) == "b"
+    assert first(ReplicaLoad(num_running=2)) == "a"
+
+
+def test_within_the_slack_the_hit_decides_however_busy_every_replica_is() -> None:
+    """Load counts from the least loaded candidate up: with every replica busy, a hit
+    still wins over a replica as busy as the least loaded plus the slack (here half of
+    its ten requests)."""
+    weights = RouterWeights(tokens_per_request=1000, slack_requests=1, slack_ratio=0.5)
+    router = PrefixRouter({"a": holding(2), "b": holding(0)}, weights)
+    assert (
+        router.choose(PROMPT, {"a": ReplicaLoad(num_running=15), "b": ReplicaLoad(num_running=10)})
+        == "a"
+    )
+    assert (
+        router.choose(PROMPT, {"a": ReplicaLoad(num_running=16), "b": ReplicaLoad(num_running=10)})
+        == "b"
+    )
+
+
+def test_prompts_without_a_hit_go_where_the_least_was_computed() -> None:
+    """Prompts no replica holds alternate by the prefill the router sent each replica, not
+    by name: a long one counts for as much as it costs."""
+    router = PrefixRouter({"a": holding(0), "b": holding(0)})
+    long, short = list(range(100, 200)), list(range(300, 310))
+    assert router.choose(long, {}) == "a"
+    assert router.choose(short, {}) == "b"
+    assert router.choose([*range(400, 410)], {}) == "b"  # b computed 10, a 100
 
 
 def test_a_tier_hit_counts_less_than_one_in_the_pool() -> None:
