@@ -173,12 +173,19 @@ class ModelExecutor:
     def attach_offload(self, config: OffloadConfig) -> KeySpace:
         """Move pages to and from ``config``'s tiers at the start of each step (see
         ``hybridkv.scheduler.connector``); returns the model's key space."""
-        span = self.plan.state_span
-        spans = {g.group_id: span for g in self.plan.groups if g.policy.keeps_state}
-        pages = KVPages(self.kv_caches, self._layer_groups, self.device, state_spans=spans)
-        self.transfers = TransferWorker(pages, config)
+        self.transfers = TransferWorker(self.kv_pages(), config)
+        return self.key_space()
+
+    def key_space(self) -> KeySpace:
+        """The key space of its model and layout (``executor/offload_pages.py``)."""
         dtype = next(self.model.parameters()).dtype
         return self.torch_thread.run(key_space, self.model, self.config, self.plan, dtype)
+
+    def kv_pages(self) -> KVPages:
+        """Page access to the groups of the layers held, for a transfer worker."""
+        span = self.plan.state_span
+        spans = {g.group_id: span for g in self.plan.groups if g.policy.keeps_state}
+        return KVPages(self.kv_caches, self._layer_groups, self.device, state_spans=spans)
 
     def compile_grammar(self, spec: StructuredOutput) -> None:
         """Read the vocabulary (once) and compile ``spec`` for the steps to come, on the

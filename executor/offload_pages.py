@@ -50,6 +50,11 @@ class KVPages:
         self.device = device
         self._pin = device.type == "cuda"
 
+    @property
+    def groups(self) -> frozenset[int]:
+        """The groups of the layers held (a pipeline stage holds some)."""
+        return frozenset(self._layers)
+
     def _index(self, group: int, pages: Sequence[int]) -> torch.Tensor:
         span = self._spans.get(group, 1)
         rows = [page // span for page in pages] if span > 1 else list(pages)

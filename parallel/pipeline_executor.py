@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -41,11 +42,19 @@ from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import LogitsHook
 from hybridkv.executor.speculative import kept_tokens
 from hybridkv.memory.layout import LayerSpec, LayoutPlan, PoolSpec
+from hybridkv.memory.offload import KeySpace, OffloadConfig
 from hybridkv.models.config import ModelConfig
 from hybridkv.parallel.pipeline_launch import StageSettings, read_stats
-from hybridkv.parallel.pipeline_stage import StageExecutor, StageRunner, StageStats
+from hybridkv.parallel.pipeline_stage import FromStage0, StageExecutor, StageRunner, StageStats
 from hybridkv.parallel.pipeline_wire import PipelineChannels, StepMessage
 from hybridkv.parallel.pipeline_workers import WorkerSet, launch
+from hybridkv.parallel.rank_offload import (
+    LoadGather,
+    OffloadSetup,
+    RankTransfers,
+    model_of,
+    plan_offload,
+)
 from hybridkv.scheduler.batch import ExecutorBrokenError, StepBatch, StepResult
 
 log = get_logger(__name__)
@@ -96,11 +105,14 @@ class PipelineExecutor:
         self._error: ExecutorBrokenError | None = None
         self._is_closed = False
         # Steps sent, oldest first, with the batch where its stages await a verdict.
-        self._results: queue.SimpleQueue[tuple[Future[StepResult], StepBatch | None] | None] = (
-            queue.SimpleQueue()
-        )
+        self._results: queue.SimpleQueue[
+            tuple[Future[StepResult], StepBatch, StepBatch | None] | None
+        ] = queue.SimpleQueue()
         self._verdicts: list[tuple[int, tuple[int, ...]]] = []  # for the next message
         self._holds_states = any(g.policy.keeps_state for g in stage0.plan.groups)
+        # With KV offload: the tiers for the next message, and the loads in progress.
+        self._offload: OffloadSetup | None = None
+        self._loads = LoadGather(workers.world_size)
         self._stopping = threading.Event()
         self._collector = threading.Thread(
             target=self._collect, name="hybridkv-pipeline-results", daemon=True
@@ -176,47 +188,37 @@ class PipelineExecutor:
             logits_hook=logits_hook,
         )
 
-    # -- what the engine reads ------------------------------------------------------------
+    def attach_offload(self, config: OffloadConfig) -> KeySpace:
+        """Move pages to and from offload tiers: every rank its share, under keys naming
+        it (``parallel/rank_offload.py``); rank 0's key space, for the engine's connector.
 
-    @property
-    def pool(self) -> PoolSpec:
-        """The block pool every stage laid out (the same page count per group)."""
-        return self.stage0.pool
+        Raises:
+            OffloadConfigError: tiers not built from specs, or only host tiers while a KV
+                group has no layer on stage 0.
+        """
+        keys, setup = plan_offload(config, self.stage0, self._channels.layout)
+        self._runner.transfers = RankTransfers(model_of(self.stage0), config, setup.fingerprints[0])
+        self._offload = setup
+        return keys
 
-    @property
-    def plan(self) -> LayoutPlan:
-        """The layout planned for all stages."""
-        return self.stage0.plan
+    # -- what the engine reads: stage 0's -------------------------------------------------
 
-    @property
-    def specs(self) -> tuple[LayerSpec, ...]:
-        """Every layer's spec, as its group keeps it."""
-        return self.stage0.specs
-
-    @property
-    def config(self) -> ModelConfig:
-        """The model's config."""
-        return self.stage0.config
-
-    @property
-    def tokenizer(self) -> Any:
-        """The checkpoint's tokenizer, or None."""
-        return self.stage0.tokenizer
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """End-of-sequence tokens."""
-        return self.stage0.eos_token_ids
-
-    @property
-    def max_model_len(self) -> int:
-        """Longest sequence a request may reach."""
-        return self.stage0.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the LM head."""
-        return self.stage0.vocab_size
+    #: The block pool every stage laid out (the same page count per group).
+    pool = FromStage0[PoolSpec]()
+    #: The layout planned for all stages.
+    plan = FromStage0[LayoutPlan]()
+    #: Every layer's spec, as its group keeps it.
+    specs = FromStage0[tuple[LayerSpec, ...]]()
+    #: The model's config.
+    config = FromStage0[ModelConfig]()
+    #: The checkpoint's tokenizer, or None.
+    tokenizer = FromStage0[Any]()
+    #: End-of-sequence tokens.
+    eos_token_ids = FromStage0[tuple[int, ...]]()
+    #: Longest sequence a request may reach.
+    max_model_len = FromStage0[int]()
+    #: Rows of the LM head.
+    vocab_size = FromStage0[int]()
 
     @property
     def worker_pids(self) -> tuple[int, ...]:
@@ -236,18 +238,21 @@ class PipelineExecutor:
         except BatchError as exc:  # this step fails alone; nothing was sent
             future.set_exception(exc)
             return future
-        if not batch.requests:
+        if not batch.requests and batch.transfers is None:
             future.set_result(StepResult(token_ids=()))
             return future
+        if batch.transfers is not None:
+            self._loads.expect(batch.transfers)
         with self._lock:
             verdicts, self._verdicts = tuple(self._verdicts), []
-            message = StepMessage(batch, self.logits_hook is not None, verdicts)
+            message = StepMessage(batch, self.logits_hook is not None, verdicts, self._offload)
+            self._offload = None  # every rank starts its tiers with this message
             if not self._in_flight:
                 self._last_progress = time.monotonic()
             self._in_flight.append(future)
             self.peak_steps_in_flight = max(self.peak_steps_in_flight, len(self._in_flight))
         drafted = self._holds_states and any(r.num_draft_tokens for r in batch.requests)
-        self._results.put((future, batch if drafted else None))
+        self._results.put((future, batch, batch if drafted else None))
         self.stage0.torch_thread.submit(self._first_stage, message).add_done_callback(
             self._check_first_stage
         )
@@ -268,7 +273,7 @@ class PipelineExecutor:
         if error is not None:
             # A worker that died breaks rank 0's own collectives first (tensor ranks
             # all-reduce every layer): name the worker, not the lost connection.
-            self._break(self._exited_worker() or f"pipeline stage 0 failed: {error!r}")
+            self._break(self._workers.exits_within(1.0) or f"pipeline stage 0 failed: {error!r}")
 
     def _collect(self) -> None:
         """Receive results in order and complete the futures, until told to stop. A
@@ -277,14 +282,15 @@ class PipelineExecutor:
         states is sent after the stages have learnt which to write."""
         number = -1
         while (item := self._results.get()) is not None:
-            future, drafted = item
+            future, batch, drafted = item
             number += 1
             try:
-                received = self._channels.recv_result()
+                result, logits = self._receive(batch)
             except Exception as exc:
-                self._break(self._explain_lost_stage(exc))
+                # A worker that exited closes our connections first: name it.
+                lost = f"lost the connection to a stage: {exc}"
+                self._break(self._workers.exits_within(1.0) or lost)
                 return
-            result, logits = cast(tuple[StepResult, Sequence[tuple[str, torch.Tensor]]], received)
             if logits and self.logits_hook is not None:
                 for request_id, row in logits:
                     self.logits_hook(request_id, row)
@@ -297,6 +303,20 @@ class PipelineExecutor:
                 if drafted is not None:
                     self._verdicts.append((number, kept_tokens(drafted, result)))
             future.set_result(result)
+
+    def _receive(
+        self, batch: StepBatch
+    ) -> tuple[StepResult, Sequence[tuple[str, torch.Tensor]] | None]:
+        """A step's result and logits from the last stage (a step of transfers alone has
+        none), with the loads every rank has reported by then."""
+        received = (
+            self._channels.recv_result() if batch.requests else (StepResult(token_ids=()), None)
+        )
+        result, logits = cast(tuple[StepResult, Sequence[tuple[str, torch.Tensor]]], received)
+        if batch.transfers is not None:
+            loads = self._loads.combine(self._channels.recv_reports())
+            result = attrs.evolve(result, kv_loads=loads) if loads else result
+        return result, logits
 
     def _watch(self) -> None:
         """Break the pipeline when a worker is gone or no step finishes in time."""
@@ -314,21 +334,6 @@ class PipelineExecutor:
                     f"{self.step_timeout_s}) with {num} in flight: a stage hangs"
                 )
                 return
-
-    def _explain_lost_stage(self, exc: Exception) -> str:
-        """Name the worker that exited if there is one (it closes our connections first)."""
-        return self._exited_worker() or f"lost the connection to a stage: {exc}"
-
-    def _exited_worker(self) -> str | None:
-        """The workers that exited, described, waiting up to a second for one to be
-        reaped; None if none did."""
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            exited = self._workers.exits()
-            if exited is not None:
-                return exited
-            time.sleep(0.02)
-        return None
 
     def _break(self, reason: str) -> None:
         """Fail every step in flight, refuse later ones, kill the workers (once)."""
@@ -365,7 +370,7 @@ class PipelineExecutor:
             self.stage_stats = (self._runner.stats(), *(s for s in workers if s is not None))
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.stage0.close()
+        self._runner.close()
         log.info("pipeline_closed", is_broken=self._error is not None)
 
     def _wait_stopped(self, stop: Future[None]) -> None:

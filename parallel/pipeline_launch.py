@@ -306,7 +306,7 @@ def run_worker(
         return 1
     _set_bytes(store, f"{KEY}/stats/{rank}", pickle.dumps(runner.stats()))
     dist.destroy_process_group()
-    executor.close()
+    runner.close()
     return 0
 
 

@@ -11,11 +11,14 @@
 ``prepare`` (paged metadata from the block tables) runs before the hidden states are
 awaited, so it overlaps the previous stage's work. A stage runs its steps one at a time
 in the order rank 0 broadcast them, so every layer sees the steps in submission order.
+With KV offload, every rank first moves its share of the step's pages and sends rank 0
+its load reports (``rank_offload.py``); a step of transfers alone stops there.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any, Generic, TypeVar, cast
 
 import attrs
 import torch
@@ -25,9 +28,23 @@ from hybridkv.executor.speculative import write_kept_states
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.parallel.context_executor import ContextParallelExecutor
 from hybridkv.parallel.pipeline_wire import PipelineChannels, StepMessage
+from hybridkv.parallel.rank_offload import RankTransfers, model_of
+from hybridkv.scheduler.batch import StepBatch
 
 #: What runs a stage's share of a step: the stage's layers, or one context rank of them.
 StageExecutor = ModelExecutor | ContextParallelExecutor
+
+T = TypeVar("T")
+
+
+class FromStage0(Generic[T]):
+    """A read-only attribute of a pipeline's stage 0 executor (what the engine reads)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, pipeline: Any, owner: type | None = None) -> T:
+        return cast(T, getattr(pipeline.stage0, self.name))
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +86,8 @@ class StageRunner:
         self._logits: list[tuple[str, torch.Tensor]] = []
         # Verification steps whose Mamba2 states wait for their verdict, by step number.
         self._verifying: dict[int, StageInputs] = {}
+        # With KV offload: this rank's transfer worker (rank 0 sets its own).
+        self.transfers: RankTransfers | None = None
 
     def run_step(self, message: StepMessage) -> None:
         """Write the kept states of earlier verification steps, then prepare, receive
@@ -79,6 +98,14 @@ class StageRunner:
         for number, kept in message.verdicts:
             write_kept_states(self._verifying.pop(number).caches, kept)
         executor, channels, batch = self.executor, self.channels, message.batch
+        if message.offload is not None and self.transfers is None:
+            inner = model_of(executor)
+            fingerprint = message.offload.fingerprints[channels.rank]
+            self.transfers = RankTransfers(inner, message.offload.config(inner), fingerprint)
+        if batch.transfers is not None:
+            self._move_pages(batch)
+            if not batch.requests:
+                return
         inputs = executor.prepare(batch)
         if any(r.num_draft_tokens for r in batch.requests) and has_states(inputs):
             # Its Mamba2 states wait for the verdict, which only the last stage knows.
@@ -102,6 +129,19 @@ class StageRunner:
         self._num_steps += 1
         self._busy_s += self._last_end - started - waited
         self._wait_s += waited
+
+    def _move_pages(self, batch: StepBatch) -> None:
+        """This rank's share of the step's saves and loads; its reports to rank 0."""
+        assert self.transfers is not None, "a step of transfers before the tiers"
+        assert batch.transfers is not None
+        reports = self.transfers.run(batch.transfers, is_idle=not batch.requests)
+        self.channels.send_reports(reports)
+
+    def close(self) -> None:
+        """Write the saves queued, stop the transfer worker (if any), then the executor."""
+        if self.transfers is not None:
+            self.transfers.close()
+        self.executor.close()
 
     def stats(self) -> StageStats:
         """The counters so far."""

@@ -1,4 +1,4 @@
-"""The wire between pipeline stages: three process groups, and what travels on each.
+"""The wire between pipeline stages: four process groups, and what travels on each.
 
 ::
 
@@ -6,6 +6,7 @@
     control      step k's batch ──broadcast──▶ every stage, once per step
     activations  hidden of step k ──send──▶ hidden ──send──▶ ...
     results      ◀──────────────────────────────────────────── step k's StepResult
+    reports      ◀── every rank's offload load reports of step k (with KV offload only)
 
 With context parallelism (``cp`` ranks per stage) or tensor parallelism (``tp``) control
 spans every rank; each context or tensor rank c has its own activations chain (stage s,
@@ -35,13 +36,15 @@ import pickle
 import queue
 from collections import deque
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from hybridkv.memory.offload.transfers import LoadReport
 from hybridkv.parallel.rank_layout import ParallelConfig, new_groups
+from hybridkv.parallel.rank_offload import OffloadSetup
 from hybridkv.scheduler.batch import StepBatch
 
 #: Timeout of the control group: effectively none, a stage waits for the next step.
@@ -52,14 +55,16 @@ _STOP = -1
 
 @attrs.frozen
 class StepMessage:
-    """What rank 0 broadcasts for one step: the batch, whether to return logits, and the
+    """What rank 0 broadcasts for one step: the batch, whether to return logits, the
     verdicts of earlier verification steps that arrived since the last message (step
     number in submission order, tokens each request kept), for the stages to write the
-    states of the kept tokens before this step runs (``pipeline_stage.py``)."""
+    states of the kept tokens before this step runs (``pipeline_stage.py``), and, once,
+    the offload tiers every rank starts before the step (``rank_offload.py``)."""
 
     batch: StepBatch
     want_logits: bool = False
     verdicts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    offload: OffloadSetup | None = None
 
 
 @attrs.define
@@ -132,6 +137,11 @@ class PipelineChannels:
             layout, rank, "pipeline", backend=data_backend, timeout=timeout
         )
         self.results = _groups_of(layout, rank, "pipeline", backend="gloo", timeout=timeout)
+        self.reports = _groups_of(
+            layout, rank, "pipeline", "context", "tensor", backend="gloo", timeout=timeout
+        )
+        self.rank, self.layout = rank, layout
+        self._local_reports: queue.SimpleQueue[tuple[LoadReport, ...]] = queue.SimpleQueue()
         ranks = layout.group_of(rank, "pipeline")
         self.stage = ranks.index(rank)
         self.num_stages = len(ranks)
@@ -196,22 +206,47 @@ class PipelineChannels:
         if self.last == self.first:  # one stage: rank 0 itself
             self._local_results.put(result)
             return
-        payload = _encode(result)
-        header = torch.tensor([payload.numel()])
-        for tensor in (header, payload):
-            self.outbox.add(dist.isend(tensor, dst=self.first, group=self.results), tensor)
-        self.counters.result_bytes += header.nbytes + payload.nbytes
-        self.outbox.reap()
+        self.counters.result_bytes += self._send_object(result, self.results)
 
     def recv_result(self) -> object:
         """The next step's result from the last stage (rank 0)."""
         if self.last == self.first:
             return self._local_results.get()
-        header = torch.empty(1, dtype=torch.long)
-        dist.recv(header, src=self.last, group=self.results)
-        payload = torch.empty(int(header), dtype=torch.uint8)
-        dist.recv(payload, src=self.last, group=self.results)
-        return _decode(payload)
+        return _recv_object(self.last, self.results)
+
+    # -- reports: every rank to rank 0 ----------------------------------------------------
+
+    def send_reports(self, reports: tuple[LoadReport, ...]) -> None:
+        """Send this rank's load reports of a step to rank 0, without waiting."""
+        if self.rank == self.first:
+            self._local_reports.put(reports)
+            return
+        self._send_object(reports, self.reports)
+
+    def recv_reports(self) -> list[LoadReport]:
+        """Every rank's load reports of the next step that carried transfers (rank 0)."""
+        out = list(self._local_reports.get())
+        for rank in range(1, self.layout.world_size):
+            out.extend(cast(tuple[LoadReport, ...], _recv_object(rank, self.reports)))
+        return out
+
+    def _send_object(self, value: object, group: dist.ProcessGroup) -> int:
+        """Send ``value`` to rank 0 over ``group``, without waiting; the bytes sent."""
+        payload = _encode(value)
+        header = torch.tensor([payload.numel()])
+        for tensor in (header, payload):
+            self.outbox.add(dist.isend(tensor, dst=self.first, group=group), tensor)
+        self.outbox.reap()
+        return header.nbytes + payload.nbytes
+
+
+def _recv_object(src: int, group: dist.ProcessGroup) -> object:
+    """The next object ``src`` sent over ``group``."""
+    header = torch.empty(1, dtype=torch.long)
+    dist.recv(header, src=src, group=group)
+    payload = torch.empty(int(header), dtype=torch.uint8)
+    dist.recv(payload, src=src, group=group)
+    return _decode(payload)
 
 
 def _encode(value: object) -> torch.Tensor:

@@ -137,6 +137,16 @@ class WorkerSet:
         ]
         return "; ".join(exited) or None
 
+    def exits_within(self, seconds: float) -> str | None:
+        """:meth:`exits`, waiting up to ``seconds`` for an exited worker to be reaped."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            exited = self.exits()
+            if exited is not None:
+                return exited
+            time.sleep(0.02)
+        return None
+
     def describe_exit(self, rank: int, process: BaseProcess) -> str:
         """``pipeline stage 1 (pid 42) exited with code 1: <its error>`` (``rank 1 (tensor
         rank 1) ...`` beside context or tensor ranks)."""

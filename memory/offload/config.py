@@ -85,6 +85,10 @@ def _tier_tuple(tiers: Iterable[Tier]) -> tuple[Tier, ...]:
     return tuple(tiers)
 
 
+def _spec_tuple(specs: Iterable[TierSpec]) -> tuple[TierSpec, ...]:
+    return tuple(specs)
+
+
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise OffloadConfigError(f"{attribute.name} must be >= 1, got {value}")
@@ -101,12 +105,15 @@ class OffloadConfig:
             multiple of the block size; see ``connector.py``).
         max_pending_saves: Blocks waiting to be written; beyond it saves are dropped.
         stats: The counters (metrics read them).
+        specs: What the tiers were built from (``from_specs``), so that the other ranks
+            of a parallel engine can build their own; empty for tiers built by hand.
     """
 
     tiers: tuple[Tier, ...] = attrs.field(converter=_tier_tuple)
     save_interval: int = attrs.field(default=1024, validator=_positive)
     max_pending_saves: int = attrs.field(default=4096, validator=_positive)
     stats: OffloadStats = attrs.field(factory=OffloadStats)
+    specs: tuple[TierSpec, ...] = attrs.field(default=(), converter=_spec_tuple)
 
     @classmethod
     def from_specs(
@@ -120,7 +127,7 @@ class OffloadConfig:
         if not specs:
             raise OffloadConfigError("an offload config needs at least one tier")
         tiers = [build_tier(spec, allocate=allocate) for spec in specs]
-        return cls(tiers=tiers, save_interval=save_interval)
+        return cls(tiers=tiers, save_interval=save_interval, specs=tuple(specs))
 
     def close(self) -> None:
         """Close every tier."""

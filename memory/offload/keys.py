@@ -8,7 +8,10 @@
 
 The fingerprint covers the model and the layout (which layers each group holds, their
 dtype, the block size), so engines of one model and layout share blocks and no other
-engine ever reads them. The chained block hash already covers the tokens and the cache
+engine ever reads them. Over tensor, pipeline or context ranks it also names the rank's
+share of the pages (``<model>.tp0of2-pp0of1-cp0of1``, ``parallel/rank_offload.py``):
+each rank stores its own share, and only the same rank of the same layout reads it.
+The chained block hash already covers the tokens and the cache
 salt; the salt is in the key too (hashed), so a tenant's entries can be found and
 dropped by pattern.
 """
@@ -36,16 +39,30 @@ class KeySpace:
         fingerprint: Identifies the model's weights and the layout (hex, no colon).
         group_kinds: Per KV group, the config's layer kind of its layers
             (``full_attention``, ``sliding_attention``, ...).
+        group_fingerprints: Per KV group, the fingerprint its keys carry, where they
+            differ (a pipeline whose stage 0 holds no layer of a group looks up the
+            first stage that does); empty: ``fingerprint`` for all.
     """
 
     fingerprint: str
     group_kinds: tuple[str, ...] = attrs.field(converter=_str_tuple)
+    group_fingerprints: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
 
     def key(self, group: int, block_hash: BlockHash, salt: str) -> bytes:
         """The key of ``group``'s page of the block ``block_hash`` (``salt``: see
         :func:`salt_of`)."""
         kind = self.group_kinds[group]
-        return f"hkv:{self.fingerprint}:{group}.{kind}:{salt}:{block_hash.hex()}".encode()
+        fingerprint = (
+            self.group_fingerprints[group] if self.group_fingerprints else self.fingerprint
+        )
+        return f"hkv:{fingerprint}:{group}.{kind}:{salt}:{block_hash.hex()}".encode()
+
+
+def with_fingerprint(key: bytes, fingerprint: str) -> bytes:
+    """``key`` with another fingerprint: the same page of the same block, as another rank
+    of the layout stores its share of it."""
+    prefix, _, rest = key.split(b":", 2)
+    return b":".join((prefix, fingerprint.encode(), rest))
 
 
 def parse_key(key: bytes) -> tuple[int, BlockHash]:

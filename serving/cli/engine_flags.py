@@ -58,6 +58,8 @@ class EngineArgs:
     seed: int | None = None
     speculative_config: SpeculativeConfig | None = None
     tensor_parallel_size: int = 1
+    #: Steps a pipeline keeps in flight (None: one per stage); KV offload runs one.
+    max_steps_in_flight: int | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -286,27 +288,6 @@ def parse_layer_policies(texts: list[str]) -> tuple[tuple[str, MemoryPolicy], ..
     return tuple(out.items())
 
 
-def _check_one_process_flags(args: argparse.Namespace) -> None:
-    """Refuse what runs in one process beside tensor, pipeline or context ranks, naming
-    both flags, before anything is loaded or any worker starts.
-
-    Raises:
-        UsageError: ``--kv-offload`` with ``-tp``, ``-pp`` or ``-cp``.
-    """
-    from hybridkv.serving.cli.values import UsageError
-
-    ranks = [
-        f"--{flag.replace('_', '-')} {getattr(args, flag, 1)}"
-        for flag in _RANK_FLAGS
-        if getattr(args, flag, 1) > 1
-    ]
-    if ranks and getattr(args, "kv_offload", None):
-        raise UsageError(
-            f"--kv-offload with {ranks[0]}: offload tiers run in one process (each rank "
-            "saving its own share of a block is not built); drop one of the two"
-        )
-
-
 #: The flags that run the model in several processes.
 _RANK_FLAGS = ("pipeline_parallel_size", "context_parallel_size", "tensor_parallel_size")
 
@@ -349,7 +330,6 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
             f"--kv-cache-dtype {kv_dtype}: the KV pages are in the model dtype here "
             f"(--dtype {args.dtype}); fp8 KV caches are not built"
         )
-    _check_one_process_flags(args)
     utilization = getattr(args, "gpu_memory_utilization", None)
     if utilization is not None:
         if not 0 < utilization <= 1:
@@ -382,4 +362,5 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         context_parallel_size=getattr(args, "context_parallel_size", 1),
         kv_interleave=getattr(args, "kv_interleave", "token"),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        max_steps_in_flight=1 if getattr(args, "kv_offload", None) else None,
     )

@@ -247,6 +247,7 @@ def _start_pipeline(folder: Path, settings: EngineArgs, options: LoadOptions) ->
         context_parallel_size=settings.context_parallel_size,
         kv_interleave=_kv_interleave(settings),
         tensor_parallel_size=settings.tensor_parallel_size,
+        max_steps_in_flight=settings.max_steps_in_flight,
     )
     _pipelines.append(pipeline)
     return pipeline

@@ -14,7 +14,7 @@ recomputing it; see ``hybridkv.memory.offload``.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridkv.memory.offload import OffloadConfig
@@ -45,31 +45,33 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
 def offload_config(args: argparse.Namespace, executor: object) -> OffloadConfig | None:
     """The tiers the flags name, for ``executor`` (None without ``--kv-offload``).
 
+    Over tensor, pipeline or context ranks every rank builds the same tiers for its own
+    share of the pages (a host tier's size is per rank; ``parallel/rank_offload.py``).
+
     Raises:
-        UsageError: a bad tier value, an interval that is not a block multiple, prefix
-            caching off, or an executor in several processes.
+        UsageError: a bad tier value, an interval that is not a block multiple, or prefix
+            caching off.
     """
     texts = getattr(args, "kv_offload", None) or []
     if not texts:
         return None
-    from hybridkv.executor.model_executor import ModelExecutor
     from hybridkv.executor.offload_pages import pinned_buffers
     from hybridkv.memory.offload import OffloadConfig, OffloadConfigError, parse_tier
     from hybridkv.serving.cli.values import UsageError
 
     if not getattr(args, "enable_prefix_caching", True):
         raise UsageError("--kv-offload needs prefix caching (drop --no-prefix-caching)")
-    if not isinstance(executor, ModelExecutor):
-        raise UsageError("--kv-offload runs in one process (no pipeline or context ranks)")
+    stage0: Any = getattr(executor, "stage0", executor)  # a pipeline's rank 0
+    block_size = stage0.plan.block_size
     interval = args.kv_offload_interval
-    if interval < 1 or interval % executor.plan.block_size:
+    if interval < 1 or interval % block_size:
         raise UsageError(
             f"--kv-offload-interval {interval} is not a positive multiple of the block size "
-            f"{executor.plan.block_size}"
+            f"{block_size}"
         )
     try:
         specs = [parse_tier(text) for text in texts]
     except OffloadConfigError as exc:
         raise UsageError(str(exc)) from exc
-    allocate = pinned_buffers(executor.device)
+    allocate = pinned_buffers(getattr(stage0, "inner", stage0).device)
     return OffloadConfig.from_specs(specs, allocate=allocate, save_interval=interval)

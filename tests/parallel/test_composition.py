@@ -4,7 +4,7 @@ policy either runs on tiny models with one process's tokens (and logits within 1
 is refused at start, before any worker process starts, by an error naming both parts.
 
 The table is two lists: the refused pairs (a combination holding one is refused; why,
-where and what the error says) and the runs (``OFFLOAD_RUN``, ``RANK_RUNS``), each one
+where and what the error says) and the runs (``OFFLOAD_RUNS``, ``RANK_RUNS``), each one
 covering every pair and triple of its features, all on at once. The first test holds
 them against every pair and triple, so a new feature must be classified; the last starts
 each refused pair and triple where it is refused. The runs of four and eight processes
@@ -27,14 +27,13 @@ from policy_samples import SinkWindow
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
-from hybridkv.memory.offload import HostTier, OffloadConfig, RedisTier
+from hybridkv.memory.offload import HostTier, OffloadConfig, RedisTier, TierSpec
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.parallel.pipeline_executor import PipelineExecutor
 from hybridkv.policies import FullAttention, MambaLike
 from hybridkv.scheduler import ConfigError, Engine, EngineConfig, SamplingParams
 from hybridkv.scheduler.fake import FakeExecutor
 from hybridkv.scheduler.fake_pipelined import PipelinedFakeExecutor
-from hybridkv.serving.cli.main import main
 
 
 class Feature(enum.StrEnum):
@@ -60,8 +59,7 @@ TIERS = frozenset({F.HOST, F.REDIS})
 class Refusal:
     """Why a pair cannot run, where it is refused, and what the error says of each part.
 
-    ``where``: ``command`` (``hybridkv generate`` exits 2 before loading anything),
-    ``load`` (``PipelineExecutor.from_pretrained``, before it spawns) or ``engine``
+    ``where``: ``load`` (``PipelineExecutor.from_pretrained``, before it spawns) or ``engine``
     (``Engine(...)``: only it sees both the executor's steps in flight and the tiers).
     """
 
@@ -70,22 +68,7 @@ class Refusal:
     names: tuple[str, str]
 
 
-_RANK_FLAGS = {
-    F.TP: "--tensor-parallel-size",
-    F.PP: "--pipeline-parallel-size",
-    F.CP: "--context-parallel-size",
-}
-
 REFUSED: dict[frozenset[Feature], Refusal] = {
-    **{
-        frozenset({rank, tier}): Refusal(
-            "offload tiers run in one process: each rank saving its share of a block is not built",
-            "command",
-            ("--kv-offload", flag),
-        )
-        for rank, flag in _RANK_FLAGS.items()
-        for tier in TIERS
-    },
     frozenset({F.CP, F.MAMBA}): Refusal(
         "a state layer's recurrence runs a request's tokens in order; context ranks split them",
         "load",
@@ -118,8 +101,31 @@ class Run:
     cp: int = 1
 
 
-#: Offload runs in one process; the rank runs go through the Engine, two steps in flight.
-OFFLOAD_RUN = Run(features=frozenset({F.HOST, F.REDIS, F.PREFIX, F.MAMBA, F.POLICY}), model="bamba")
+#: Offload runs one step at a time, in one process or over ranks (each moving its share).
+OFFLOAD_RUNS = {
+    "one process": Run(
+        features=frozenset({F.HOST, F.REDIS, F.PREFIX, F.MAMBA, F.POLICY}), model="bamba"
+    ),
+    "tp-hybrid": Run(
+        features=frozenset({F.TP, F.HOST, F.REDIS, F.PREFIX, F.MAMBA, F.POLICY}),
+        model="bamba",
+        tp=2,
+    ),
+    "tp-pp-hybrid": Run(
+        features=frozenset({F.TP, F.PP, F.HOST, F.REDIS, F.PREFIX, F.MAMBA, F.POLICY}),
+        model="bamba",
+        tp=2,
+        pp=2,
+    ),
+    "tp-pp-cp": Run(
+        features=frozenset({F.TP, F.PP, F.CP, F.HOST, F.REDIS, F.PREFIX}),
+        model="gemma3",
+        tp=2,
+        pp=2,
+        cp=2,
+    ),
+}
+#: The rank runs go through the Engine, two steps in flight.
 RANK_RUNS = {
     "tp": Run(features=frozenset({F.TP, F.IN_FLIGHT, F.PREFIX, F.POLICY}), model="llama", tp=2),
     "tp-pp-hybrid": Run(
@@ -136,7 +142,7 @@ RANK_RUNS = {
         cp=2,
     ),
 }
-RUNS = (OFFLOAD_RUN, *RANK_RUNS.values())
+RUNS = (*OFFLOAD_RUNS.values(), *RANK_RUNS.values())
 #: The runs of more than two processes.
 SLOW_RUNS = frozenset({"tp-pp-hybrid", "tp-pp-cp"})
 
@@ -150,11 +156,9 @@ def classify(parts: frozenset[Feature]) -> Refusal | Run | None:
 
 
 def where_refused(parts: frozenset[Feature]) -> str:
-    """Where a refused combination is stopped: tiers beside ranks by the command, tiers
-    beside steps in flight by the engine, layers context ranks cannot split at load."""
-    if parts & TIERS:
-        return "command" if parts & RANKS else "engine"
-    return "load"
+    """Where a refused combination is stopped: tiers beside steps in flight by the engine,
+    layers context ranks cannot split at load."""
+    return "engine" if parts & TIERS and F.IN_FLIGHT in parts else "load"
 
 
 COMBINATIONS = [frozenset(c) for size in (2, 3) for c in itertools.combinations(Feature, size)]
@@ -276,7 +280,7 @@ def _count_reads(tier: Any) -> list[int]:
 
 
 async def _serve_in_turn(
-    executor: ModelExecutor,
+    executor: ModelExecutor | PipelineExecutor,
     prompts: Sequence[Sequence[int]],
     offload: OffloadConfig | None,
     after_first: Callable[[], None],
@@ -292,39 +296,68 @@ async def _serve_in_turn(
                 async with engine.generate(prompt, GREEDY, request_id=str(i)) as stream:
                     async for output in stream:
                         tokens[str(i)] = list(output.token_ids)
-                if executor.transfers is not None:
-                    assert executor.transfers.wait_saved()
+                _wait_saved(executor)
                 if i == 0:
                     after_first()
     return tokens, {rid: torch.stack(r) for rid, r in rows.items()}
 
 
+def _wait_saved(executor: ModelExecutor | PipelineExecutor) -> None:
+    """Wait until the saves this process queued are written (a pipeline's: rank 0's; the
+    other ranks write theirs meanwhile, and a block one of them lacks is recomputed)."""
+    if isinstance(executor, PipelineExecutor):
+        ranks = executor._runner.transfers
+        worker = None if ranks is None else ranks.worker
+    else:
+        worker = executor.transfers
+    if worker is not None:
+        assert worker.wait_saved()
+
+
 @pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS else n for n in OFFLOAD_RUNS]
+)
 async def test_host_and_redis_tiers_serve_a_hybrid_with_a_user_policy(
-    tiny_models, prompt_of, redis_server, check_same_outputs
+    name, tiny_models, prompt_of, redis_server, check_same_outputs
 ) -> None:
-    """Bamba, the sink + window policy on its attention layer, both tiers: a document
-    flushed from the pool loads for its repeat, the blocks the host tier lost (its oldest
+    """Both tiers, in one process or with every rank moving its share: a document flushed
+    from the pool loads for its repeat, the blocks rank 0's host tier lost (its oldest
     half, as under LRU pressure) from Redis, the rest from host memory; the tokens and
-    logits are those of recomputing it without tiers."""
-    path = tiny_models[OFFLOAD_RUN.model].path
-    options = _load_options(OFFLOAD_RUN.features, OFFLOAD_POOL)
+    logits are one process's recomputing it without tiers. On Bamba the sink + window
+    policy keeps its attention layer."""
+    run = OFFLOAD_RUNS[name]
+    path = tiny_models[run.model].path
+    ranks = run.tp * run.pp * run.cp
     document = prompt_of(72, 5)
     prompts = [[*document, 7, 8], *(prompt_of(60, 100 + k) for k in range(3)), [*document, 9]]
 
     async def serve(offload: OffloadConfig | None, after_first: Callable[[], None]) -> Outputs:
-        executor = ModelExecutor.from_pretrained(path, options)
+        executor: ModelExecutor | PipelineExecutor
+        if offload is None or ranks == 1:
+            options = _load_options(run.features, OFFLOAD_POOL)
+            executor = ModelExecutor.from_pretrained(path, options)
+        else:
+            # As many tokens as one process: a tensor rank's page holds its heads, a context
+            # rank's its tokens (a stage plans the pages of every layer: bytes per stage).
+            options = _load_options(run.features, OFFLOAD_POOL // (run.tp * run.cp))
+            executor = PipelineExecutor.from_pretrained(
+                path, options, pipeline_parallel_size=run.pp, tensor_parallel_size=run.tp,
+                context_parallel_size=run.cp, max_steps_in_flight=1, step_timeout_s=60.0,
+            )  # fmt: skip
         try:
             return await _serve_in_turn(executor, prompts, offload, after_first)
         finally:
             executor.close()
 
     expected = await serve(None, lambda: None)
-    host, redis = HostTier(64 << 20), RedisTier(redis_server.url)
+    specs = [TierSpec("host", capacity_bytes=64 << 20), TierSpec("redis", url=redis_server.url)]
+    offload = OffloadConfig.from_specs(specs, save_interval=16)
+    host, redis = offload.tiers
     host_reads, redis_reads = _count_reads(host), _count_reads(redis)
-    offload = OffloadConfig(tiers=[host, redis], save_interval=16)
 
     def forget_oldest_half() -> None:
+        assert isinstance(host, HostTier)
         keys = host.held_keys()
         host.delete(keys[: len(keys) // 2])
 
@@ -332,34 +365,17 @@ async def test_host_and_redis_tiers_serve_a_hybrid_with_a_user_policy(
     check_same_outputs(got, expected)
     assert sum(offload.stats.hit_tokens.values()) >= 64
     assert host_reads[0] and redis_reads[0]
+    assert not multiprocessing.active_children()
 
 
 # -- refused: at start, before any worker process, naming both parts ---------------------
 
 #: ``--kv-offload`` values; the Redis tier connects lazily, so none is reached.
 _TIER_FLAGS = {F.HOST: "host:1MiB", F.REDIS: "redis://127.0.0.1:6379/0"}
-_POLICY_FLAGS = ["--import", "policy_samples", "--layer-policy",
-                 f"full_attention={SinkWindow.name}:sinks=4,window=8"]  # fmt: skip
 
 
 def _model(parts: frozenset[Feature]) -> str:
     return "bamba" if F.MAMBA in parts else "llama"
-
-
-def _start_command(parts: frozenset[Feature], models: Any, capsys: Any) -> str:
-    """``hybridkv generate`` with every part's flags (steps in flight come with ``-pp``):
-    it must exit 2 before loading. Its stderr."""
-    argv = ["generate", str(models[_model(parts)].path), "w2 w3", "--kv-memory", "1MiB"]
-    for tier in sorted(parts & TIERS):
-        argv += ["--kv-offload", _TIER_FLAGS[tier]]
-    for rank in sorted(parts & RANKS | ({F.PP} if F.IN_FLIGHT in parts else set())):
-        argv += [_RANK_FLAGS[rank], "2"]
-    if F.POLICY in parts:
-        argv += _POLICY_FLAGS
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "loading" not in err
-    return str(err)
 
 
 def _start_load(parts: frozenset[Feature], models: Any, capsys: Any) -> str:
@@ -398,7 +414,7 @@ def _name(parts: frozenset[Feature]) -> str:
     return "-".join(p.name.lower() for p in Feature if p in parts)
 
 
-_STARTS = {"command": _start_command, "load": _start_load, "engine": _start_engine}
+_STARTS = {"load": _start_load, "engine": _start_engine}
 
 
 @pytest.mark.parametrize("parts", REFUSED_COMBINATIONS, ids=_name)
@@ -408,7 +424,6 @@ def test_every_refused_pair_and_triple_is_refused_at_start(parts, tiny_models, c
     among them (on the command line, ``-pp`` stands for steps in flight)."""
     where = where_refused(parts)
     error = _STARTS[where](parts, tiny_models, capsys)
-    started = parts | ({F.PP} if where == "command" and F.IN_FLIGHT in parts else set())
-    named = [r.names for pair, r in REFUSED.items() if pair <= started and r.where == where]
+    named = [r.names for pair, r in REFUSED.items() if pair <= parts and r.where == where]
     assert any(all(name in error for name in names) for names in named), error
     assert not multiprocessing.active_children()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -104,6 +105,38 @@ def test_quantised_weights_over_several_processes_print_what_one_process_prints(
     int8 = [*GENERATE, "--weights", "int8"]
     expected = _generate(capsys, model, *int8)
     assert _generate(capsys, model, *int8, flag, "2") == expected
+    close_pipelines()
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("flag", ["-tp", "-pp"])
+def test_offload_over_several_processes_prints_what_one_process_prints(
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str], flag: str, redis_server: Any
+) -> None:
+    """`--kv-offload` with `-tp 2` (a host tier) or `-pp 2` (Redis too: the full-attention
+    layer is on stage 1, which rank 0 can look up only there; the pipeline then keeps one
+    step in flight): every rank saves its share; the text is one process's."""
+    model = str(three_layer_checkpoint)
+    expected = _generate(capsys, model, *GENERATE)
+    tiers = ["--kv-offload", "host:4MiB"]
+    tiers += ["--kv-offload", redis_server.url] if flag == "-pp" else []
+    offload = [*GENERATE, *tiers, "--kv-offload-interval", "4"]
+    assert _generate(capsys, model, *offload, flag, "2") == expected
+    close_pipelines()
+    assert not multiprocessing.active_children()
+
+
+def test_a_host_tier_a_pipeline_cannot_look_up_is_a_one_line_error(
+    three_layer_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`-pp 2 --kv-offload host:...` where the full-attention group lies on stage 1 only:
+    exit 2 naming the group, the stage and the way out; the workers are stopped."""
+    argv = [*GENERATE, "--kv-offload", "host:4MiB", "-pp", "2"]
+    code = main(["generate", str(three_layer_checkpoint), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "KV group 2 (full_attention) has no layer on stage 0" in err
+    assert "add a redis:// tier" in err
     close_pipelines()
     assert not multiprocessing.active_children()
 
