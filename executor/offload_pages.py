@@ -116,9 +116,13 @@ def key_space(
     groups, and each group's layer kind.
 
     The weights enter by a sample: the first values of every parameter, so two checkpoints
-    of one architecture (a base model and its fine-tune) never share blocks.
+    of one architecture (a base model and its fine-tune) never share blocks. The model's
+    own name for the tiers' layout marker is the dtype and the first values of the token
+    embedding, which rank 0 holds whatever the rank layout.
     """
     digest = xxhash.xxh3_128()
+    model_id = xxhash.xxh3_64(str(dtype).encode())  # what every rank layout shares
+    embeds = False
     digest.update(repr(config).encode())
     digest.update(f"{dtype}|{plan.block_size}".encode())
     for group in plan.groups:
@@ -127,8 +131,13 @@ def key_space(
         for name, param in model.named_parameters():
             sample = param.detach().reshape(-1)[:64].to("cpu", torch.float32)
             digest.update(name.encode() + sample.numpy().tobytes())
+            if name.endswith("embed_tokens.weight"):  # rank 0 holds its first rows
+                model_id.update(sample.numpy().tobytes())
+                embeds = True
     kinds = {spec.name: spec.kind for spec in config.layers}
     group_kinds = [
         kinds.get(group.layer_names[0]) or type(group.policy).__name__ for group in plan.groups
     ]
-    return KeySpace(digest.hexdigest()[:24], group_kinds)
+    return KeySpace(
+        digest.hexdigest()[:24], group_kinds, model=model_id.hexdigest() if embeds else ""
+    )

@@ -127,7 +127,10 @@ def plan_offload(
             )
     holders = [fingerprints[int(grid[0, stage, 0, 0])] for stage in stages]
     setup = OffloadSetup(config.specs, config.save_interval, config.max_pending_saves, fingerprints)
-    return attrs.evolve(keys, fingerprint=fingerprints[0], group_fingerprints=holders), setup
+    cut = f"tp={layout.tensor} pp={layout.pipeline} cp={layout.context}"
+    cut += f" interleave={interleave}" if layout.context > 1 else ""
+    keys = attrs.evolve(keys, fingerprint=fingerprints[0], group_fingerprints=holders, layout=cut)
+    return keys, setup
 
 
 class RankTransfers:

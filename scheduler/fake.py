@@ -128,7 +128,8 @@ class FakeExecutor:
         """Move pages to and from ``config``'s tiers (see ``scheduler/connector.py``)."""
         self.transfers = TransferWorker(self, config)
         kinds = [type(policy).__name__ for policy in self.pool.policies]
-        return KeySpace(f"fake{self.vocab_size}x{self.block_size}", kinds)
+        name = f"fake{self.vocab_size}x{self.block_size}"
+        return KeySpace(name, kinds, model=name)
 
     def close(self) -> None:
         """Stop the transfer worker, if any."""

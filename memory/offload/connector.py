@@ -91,7 +91,35 @@ class KVConnector:
         self._spans: dict[tuple[MemoryPolicy, int], tuple[Span, ...]] = {}
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         remote = any(tier.is_remote for tier in config.tiers)
+        self._check_layout()
         self._lookups = TierLookups(config.tiers) if remote else None
+
+    def _check_layout(self) -> None:
+        """Record the rank layout in every shared tier, or refuse one that holds this
+        model's blocks cut for another (their ranks' shares could never be loaded here).
+
+        Raises:
+            OffloadConfigError: a shared tier's blocks of this model are of another layout.
+        """
+        keys = self.keys
+        if not keys.model:
+            return
+        marker, layout = keys.layout_key(), keys.layout.encode()
+        for tier in self.config.tiers:
+            if not tier.is_remote:
+                continue
+            try:
+                (held,) = tier.get([marker])
+                if held is None:
+                    tier.put([(marker, layout)])
+            except TierUnavailableError:
+                continue  # it logged why; its blocks count as missing until it is back
+            if held is not None and bytes(held) != layout:
+                raise OffloadConfigError(
+                    f"{tier.name} holds this model's KV blocks cut for {bytes(held).decode()}; "
+                    f"this engine is {keys.layout}, whose ranks could never load them: use "
+                    f"another tier, or delete the key {marker.decode()} and the model's blocks"
+                )
 
     # -- loads -------------------------------------------------------------------------
 

@@ -42,11 +42,22 @@ class KeySpace:
         group_fingerprints: Per KV group, the fingerprint its keys carry, where they
             differ (a pipeline whose stage 0 holds no layer of a group looks up the
             first stage that does); empty: ``fingerprint`` for all.
+        model: Names the model whatever the rank layout (empty: unknown), for
+            :meth:`layout_key`.
+        layout: The rank layout the pages are cut for (``tp=2 pp=1 cp=1``).
     """
 
     fingerprint: str
     group_kinds: tuple[str, ...] = attrs.field(converter=_str_tuple)
     group_fingerprints: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    model: str = ""
+    layout: str = "tp=1 pp=1 cp=1"
+
+    def layout_key(self) -> bytes:
+        """Where a shared tier records the rank layout this model's blocks are cut for:
+        an engine of another layout could never load them, and is refused
+        (``connector.py``). Not a block key: tier events skip it."""
+        return f"hkv-layout:{self.model}".encode()
 
     def key(self, group: int, block_hash: BlockHash, salt: str) -> bytes:
         """The key of ``group``'s page of the block ``block_hash`` (``salt``: see

@@ -31,10 +31,12 @@ class TierEvents:
 
     def stored(self, tier: str, keys: Sequence[bytes]) -> None:
         """``tier`` holds ``keys`` now."""
-        if keys:
-            self.log.stored_keys(tier, [parse_key(key) for key in keys])
+        blocks = [parse_key(key) for key in keys if key.startswith(b"hkv:")]
+        if blocks:
+            self.log.stored_keys(tier, blocks)
 
     def removed(self, tier: str, keys: Sequence[bytes]) -> None:
         """``tier`` dropped ``keys``."""
-        if keys:
-            self.log.removed_keys(tier, [parse_key(key) for key in keys])
+        blocks = [parse_key(key) for key in keys if key.startswith(b"hkv:")]
+        if blocks:
+            self.log.removed_keys(tier, blocks)

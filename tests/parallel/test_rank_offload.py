@@ -18,11 +18,15 @@ from hybridkv.memory.offload import (
     LoadTask,
     OffloadConfig,
     OffloadConfigError,
+    RedisTier,
     TierSpec,
 )
 from hybridkv.memory.offload.keys import parse_key, with_fingerprint
 from hybridkv.parallel.rank_layout import ParallelConfig
 from hybridkv.parallel.rank_offload import LoadGather, RankTransfers, plan_offload
+from hybridkv.policies import FullAttention
+from hybridkv.scheduler import Engine, EngineConfig
+from hybridkv.scheduler.fake import FakeExecutor
 
 OPTIONS = LoadOptions(kv_cache_bytes=1 << 20, block_size=4, num_threads=1)
 HOST = TierSpec("host", capacity_bytes=1 << 20)
@@ -45,6 +49,7 @@ def test_every_rank_s_keys_name_its_share(tiny_models) -> None:
         keys, setup = plan_offload(config, stage0, ParallelConfig(pipeline=2, tensor=2))
     finally:
         stage0.close()
+    assert keys.layout == "tp=2 pp=2 cp=1" and keys.model  # the tiers' layout marker
     model = keys.fingerprint.split(".")[0]
     assert setup.fingerprints == tuple(
         f"{model}.tp{t}of2-pp{p}of2-cp0of1" for p in range(2) for t in range(2)
@@ -101,6 +106,33 @@ def test_a_rank_moves_only_the_groups_it_holds_under_its_own_keys(tiny_models) -
     finally:
         ranks.close()
         stage1.close()
+
+
+def test_a_shared_tier_holding_another_layout_s_blocks_is_refused(redis_server) -> None:
+    """The first engine on a Redis tier records its rank layout there; an engine of the
+    same model cut another way is refused when it starts, naming both layouts and the
+    way out; one of the same layout starts."""
+    config = EngineConfig(
+        policies=[FullAttention()], num_blocks=32, block_size=4, max_model_len=32,
+        enable_prefix_caching=True,
+    )  # fmt: skip
+
+    def start() -> None:
+        executor = FakeExecutor.for_config(config)
+        try:
+            Engine(config, executor, offload=OffloadConfig(tiers=[RedisTier(redis_server.url)]))
+        finally:
+            executor.close()
+
+    start()
+    start()  # the same layout
+    tier = RedisTier(redis_server.url)
+    executor = FakeExecutor.for_config(config)
+    marker = executor.attach_offload(OffloadConfig(tiers=[tier])).layout_key()
+    executor.close()
+    tier.put([(marker, b"tp=2 pp=1 cp=1")])
+    with pytest.raises(OffloadConfigError, match="cut for tp=2 pp=1 cp=1; this engine is tp=1"):
+        start()
 
 
 def test_a_load_is_reported_once_every_rank_has_failed_wherever_one_did() -> None:
