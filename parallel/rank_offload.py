@@ -30,20 +30,25 @@ pipeline with only host tiers is refused when some group lies past stage 0.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import attrs
 
+from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.executor.offload_pages import pinned_buffers
 from hybridkv.memory.layout import LayerSpec, LayoutPlan
+from hybridkv.memory.layout_planner import plan_layout
 from hybridkv.memory.offload.config import OffloadConfig, TierSpec
 from hybridkv.memory.offload.errors import OffloadConfigError
 from hybridkv.memory.offload.keys import KeySpace, with_fingerprint
 from hybridkv.memory.offload.transfers import KVTransfers, LoadReport, LoadTask
 from hybridkv.memory.offload.worker import TransferWorker
+from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.stages import split_layers
 from hybridkv.parallel.context_executor import ContextParallelExecutor
 from hybridkv.parallel.rank_layout import ParallelConfig
+from hybridkv.policies import FullAttention
 
 
 @attrs.frozen
@@ -117,20 +122,51 @@ def plan_offload(
         for rank in range(layout.world_size)
     )
     stages = group_stages(stage0.plan, stage0.specs, layout.pipeline)
-    remote = any(spec.kind != "host" for spec in config.specs)
-    for group, stage in enumerate(stages):
-        if stage and not remote:
-            raise OffloadConfigError(
-                f"a host tier with pipeline_parallel_size={layout.pipeline}: KV group {group} "
-                f"({keys.group_kinds[group]}) has no layer on stage 0, whose process looks up "
-                f"every block, and stage {stage}'s host memory is its own; add a redis:// tier"
-            )
+    _check_lookups(stages, keys.group_kinds, config.specs, layout.pipeline)
     holders = [fingerprints[int(grid[0, stage, 0, 0])] for stage in stages]
     setup = OffloadSetup(config.specs, config.save_interval, config.max_pending_saves, fingerprints)
     cut = f"tp={layout.tensor} pp={layout.pipeline} cp={layout.context}"
     cut += f" interleave={interleave}" if layout.context > 1 else ""
     keys = attrs.evolve(keys, fingerprint=fingerprints[0], group_fingerprints=holders, layout=cut)
     return keys, setup
+
+
+def check_pipeline_tiers(
+    path: str | Path, options: LoadOptions, num_stages: int, specs: Sequence[TierSpec]
+) -> None:
+    """What :func:`plan_offload` refuses of a pipeline's tiers, from the checkpoint's
+    config alone: before any worker process starts.
+
+    Raises:
+        OffloadConfigError: only host tiers, and a KV group with no layer on stage 0.
+    """
+    if num_stages < 2 or any(spec.kind != "host" for spec in specs):
+        return
+    config = Checkpoint.open(path, policies=options.policy_choices).config
+    layers: Sequence[LayerSpec] = config.layers
+    if options.uniform_layout:
+        layers = [attrs.evolve(s, policy=FullAttention()) for s in layers]
+    names = [s.name for s in layers]
+    cuts = [names[s.start : s.stop] for s in split_layers(len(names), num_stages)]
+    plan = plan_layout(layers, options.kv_cache_bytes, options.block_size, stages=cuts)
+    kinds = {s.name: s.kind for s in layers}
+    group_kinds = [kinds[g.layer_names[0]] or type(g.policy).__name__ for g in plan.groups]
+    _check_lookups(group_stages(plan, layers, num_stages), group_kinds, specs, num_stages)
+
+
+def _check_lookups(
+    stages: Sequence[int], kinds: Sequence[str], specs: Sequence[TierSpec], num_stages: int
+) -> None:
+    """Rank 0 looks up every block: a group past stage 0 needs a tier it can reach."""
+    if any(spec.kind != "host" for spec in specs):
+        return
+    for group, stage in enumerate(stages):
+        if stage:
+            raise OffloadConfigError(
+                f"a host tier with pipeline_parallel_size={num_stages}: KV group {group} "
+                f"({kinds[group]}) has no layer on stage 0, whose process looks up every "
+                f"block, and stage {stage}'s host memory is its own; add a redis:// tier"
+            )
 
 
 class RankTransfers:

@@ -58,8 +58,8 @@ class EngineArgs:
     seed: int | None = None
     speculative_config: SpeculativeConfig | None = None
     tensor_parallel_size: int = 1
-    #: Steps a pipeline keeps in flight (None: one per stage); KV offload runs one.
-    max_steps_in_flight: int | None = None
+    #: ``--kv-offload`` values (a pipeline then keeps one step in flight).
+    kv_offload: tuple[str, ...] = ()
 
     @property
     def num_ranks(self) -> int:
@@ -362,5 +362,5 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         context_parallel_size=getattr(args, "context_parallel_size", 1),
         kv_interleave=getattr(args, "kv_interleave", "token"),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        max_steps_in_flight=1 if getattr(args, "kv_offload", None) else None,
+        kv_offload=tuple(getattr(args, "kv_offload", None) or ()),
     )

@@ -235,8 +235,16 @@ _pipelines: list[PipelineExecutor] = []
 
 
 def _start_pipeline(folder: Path, settings: EngineArgs, options: LoadOptions) -> PipelineExecutor:
+    from hybridkv.memory.offload import OffloadConfigError, parse_tier
     from hybridkv.parallel.pipeline_executor import PipelineExecutor
+    from hybridkv.parallel.rank_offload import check_pipeline_tiers
+    from hybridkv.serving.cli.values import UsageError
 
+    try:  # what the ranks' tiers cannot do is refused before any worker starts
+        tiers = [parse_tier(text) for text in settings.kv_offload]
+        check_pipeline_tiers(folder, options, settings.pipeline_parallel_size, tiers)
+    except OffloadConfigError as exc:
+        raise UsageError(str(exc)) from exc
     close_pipelines()
     atexit.unregister(close_pipelines)
     atexit.register(close_pipelines)  # stops the workers however the command ends
@@ -247,7 +255,7 @@ def _start_pipeline(folder: Path, settings: EngineArgs, options: LoadOptions) ->
         context_parallel_size=settings.context_parallel_size,
         kv_interleave=_kv_interleave(settings),
         tensor_parallel_size=settings.tensor_parallel_size,
-        max_steps_in_flight=settings.max_steps_in_flight,
+        max_steps_in_flight=1 if settings.kv_offload else None,
     )
     _pipelines.append(pipeline)
     return pipeline
