@@ -185,7 +185,7 @@ def simulated(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
         for scale in scales(args)
         for name, layout in layouts(args.window).items()
         if not args.layouts or name in args.layouts
-        for policy in (*POLICIES, REFERENCE)
+        for policy in (*args.policies, REFERENCE)
         for seed in scale.seeds
     ]
     jobs = [(layout, scale, policy, seed, args) for scale, _, layout, policy, seed in cells]
@@ -201,7 +201,7 @@ def simulated(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
         if policy == REFERENCE and len(cell[policy]["runs"]) == len(scale.seeds):
             for entry in cell.values():
                 entry |= spread(entry["runs"])
-            cell["goals"] = goals(cell, layout.is_hybrid)
+            cell["goals"] = goals(cell, layout.is_hybrid, tuple(args.policies))
     return out
 
 
@@ -328,14 +328,14 @@ def main() -> None:
     args = parse_args()
     t0 = time.perf_counter()
     results = {} if args.no_simulated else simulated(args)
-    print_table(results)
+    print_table(results, tuple(args.policies))
     real_results = real(args) if args.real else {}
     print_table(real_results, tuple(real_policies(args)))
     wall = round(time.perf_counter() - t0)
     print(f"\n{wall} s")
     settings = {
         key: getattr(args, key)
-        for key in ("scales", "seeds", "big_from", "big_turns", "big_seeds", "turns",
+        for key in ("scales", "policies", "seeds", "big_from", "big_turns", "big_seeds", "turns",
                     "sessions_per_prompt", "system_tokens", "user_tokens", "reply_tokens",
                     "think_ms", "alive", "occupancy", "max_running", "budget", "min_chunk",
                     "step_ms", "token_ms", "window")
@@ -361,6 +361,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small scales and prompts, one seed")
     p.add_argument("--scales", nargs="+", default=["2x16", "4x32", "64x2000"], metavar="RxS")
     p.add_argument("--layouts", nargs="+", choices=("full", "gemma-3-like", "bamba-like"))
+    p.add_argument(
+        "--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
+        help="the simulated runs' policies (round-robin and full-attention-only with ours)",
+    )  # fmt: skip
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--big-from", type=int, default=16, help="replicas of a big scale")

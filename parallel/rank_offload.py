@@ -140,7 +140,7 @@ def check_pipeline_tiers(
     Raises:
         OffloadConfigError: only host tiers, and a KV group with no layer on stage 0.
     """
-    if num_stages < 2 or any(spec.kind != "host" for spec in specs):
+    if num_stages < 2 or not specs or any(spec.kind != "host" for spec in specs):
         return
     config = Checkpoint.open(path, policies=options.policy_choices).config
     layers: Sequence[LayerSpec] = config.layers
@@ -158,7 +158,7 @@ def _check_lookups(
     stages: Sequence[int], kinds: Sequence[str], specs: Sequence[TierSpec], num_stages: int
 ) -> None:
     """Rank 0 looks up every block: a group past stage 0 needs a tier it can reach."""
-    if any(spec.kind != "host" for spec in specs):
+    if not specs or any(spec.kind != "host" for spec in specs):
         return
     for group, stage in enumerate(stages):
         if stage:
