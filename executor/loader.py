@@ -67,6 +67,27 @@ class LoadedCheckpoint:
     tokenizer: Tokenizer | None
 
 
+def plan_stages(
+    layers: Sequence[LayerSpec], options: LoadOptions, num_stages: int
+) -> tuple[Sequence[LayerSpec], LayoutPlan]:
+    """The layers' specs as their groups keep them, and the pool ``options`` lays out for
+    them cut into ``num_stages`` pipeline stages (every stage plans the same)."""
+    specs = layers
+    if options.uniform_layout:
+        # Only what is kept changes: each layer still attends by its own policy, a
+        # subset of every position.
+        specs = [attrs.evolve(s, policy=FullAttention()) for s in specs]
+    names = [s.name for s in specs]
+    stages = split_layers(len(names), num_stages)
+    plan = plan_layout(
+        specs,
+        options.kv_cache_bytes,
+        options.block_size,
+        stages=[names[s.start : s.stop] for s in stages],
+    )
+    return specs, plan
+
+
 def load_checkpoint(
     path: str | Path,
     options: LoadOptions,
@@ -115,18 +136,7 @@ def load_checkpoint(
         return model
 
     model = thread.run(load)
-    specs: Sequence[LayerSpec] = model.config.layers
-    if options.uniform_layout:
-        # Only what is kept changes: each layer still attends by its own policy, a
-        # subset of every position.
-        specs = [attrs.evolve(s, policy=FullAttention()) for s in specs]
-    names = [s.name for s in specs]
-    plan = plan_layout(
-        specs,
-        options.kv_cache_bytes,
-        options.block_size,
-        stages=[names[s.start : s.stop] for s in stages],
-    )
+    _, plan = plan_stages(model.config.layers, options, stage.num_stages)
     log.info(
         "model_loaded",
         model_type=config.model_type,

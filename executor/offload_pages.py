@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import xxhash
 
-from hybridkv.memory.layout import LayoutPlan
+from hybridkv.memory.layout import LayerSpec, LayoutPlan
 from hybridkv.memory.offload.blob import KVBlock
 from hybridkv.memory.offload.errors import CorruptBlockError
 from hybridkv.memory.offload.keys import KeySpace
@@ -134,10 +134,15 @@ def key_space(
             if name.endswith("embed_tokens.weight"):  # rank 0 holds its first rows
                 model_id.update(sample.numpy().tobytes())
                 embeds = True
-    kinds = {spec.name: spec.kind for spec in config.layers}
-    group_kinds = [
-        kinds.get(group.layer_names[0]) or type(group.policy).__name__ for group in plan.groups
-    ]
     return KeySpace(
-        digest.hexdigest()[:24], group_kinds, model=model_id.hexdigest() if embeds else ""
+        digest.hexdigest()[:24],
+        group_kinds(config.layers, plan),
+        model=model_id.hexdigest() if embeds else "",
     )
+
+
+def group_kinds(layers: Sequence[LayerSpec], plan: LayoutPlan) -> list[str]:
+    """Per KV group of ``plan``, the layer kind of its layers (the config's, else its
+    policy's class name)."""
+    kinds = {spec.name: spec.kind for spec in layers}
+    return [kinds.get(g.layer_names[0]) or type(g.policy).__name__ for g in plan.groups]

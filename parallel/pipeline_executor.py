@@ -104,10 +104,10 @@ class PipelineExecutor:
         self._last_progress = time.monotonic()
         self._error: ExecutorBrokenError | None = None
         self._is_closed = False
-        # Steps sent, oldest first, with the batch where its stages await a verdict.
-        self._results: queue.SimpleQueue[
-            tuple[Future[StepResult], StepBatch, StepBatch | None] | None
-        ] = queue.SimpleQueue()
+        # Steps sent, oldest first, with their batch and whether its stages await a verdict.
+        self._results: queue.SimpleQueue[tuple[Future[StepResult], StepBatch, bool] | None] = (
+            queue.SimpleQueue()
+        )
         self._verdicts: list[tuple[int, tuple[int, ...]]] = []  # for the next message
         self._holds_states = any(g.policy.keeps_state for g in stage0.plan.groups)
         # With KV offload: the tiers for the next message, and the loads in progress.
@@ -252,7 +252,7 @@ class PipelineExecutor:
             self._in_flight.append(future)
             self.peak_steps_in_flight = max(self.peak_steps_in_flight, len(self._in_flight))
         drafted = self._holds_states and any(r.num_draft_tokens for r in batch.requests)
-        self._results.put((future, batch, batch if drafted else None))
+        self._results.put((future, batch, drafted))
         self.stage0.torch_thread.submit(self._first_stage, message).add_done_callback(
             self._check_first_stage
         )
@@ -300,8 +300,8 @@ class PipelineExecutor:
                 assert self._in_flight[0] is future
                 self._in_flight.popleft()
                 self._last_progress = time.monotonic()
-                if drafted is not None:
-                    self._verdicts.append((number, kept_tokens(drafted, result)))
+                if drafted:
+                    self._verdicts.append((number, kept_tokens(batch, result)))
             future.set_result(result)
 
     def _receive(

@@ -35,10 +35,10 @@ from pathlib import Path
 import attrs
 
 from hybridkv.executor.load_options import LoadOptions
+from hybridkv.executor.loader import plan_stages
 from hybridkv.executor.model_executor import ModelExecutor
-from hybridkv.executor.offload_pages import pinned_buffers
+from hybridkv.executor.offload_pages import group_kinds, pinned_buffers
 from hybridkv.memory.layout import LayerSpec, LayoutPlan
-from hybridkv.memory.layout_planner import plan_layout
 from hybridkv.memory.offload.config import OffloadConfig, TierSpec
 from hybridkv.memory.offload.errors import OffloadConfigError
 from hybridkv.memory.offload.keys import KeySpace, with_fingerprint
@@ -48,7 +48,6 @@ from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.stages import split_layers
 from hybridkv.parallel.context_executor import ContextParallelExecutor
 from hybridkv.parallel.rank_layout import ParallelConfig
-from hybridkv.policies import FullAttention
 
 
 @attrs.frozen
@@ -140,25 +139,19 @@ def check_pipeline_tiers(
     Raises:
         OffloadConfigError: only host tiers, and a KV group with no layer on stage 0.
     """
-    if num_stages < 2 or not specs or any(spec.kind != "host" for spec in specs):
-        return
+    if num_stages < 2 or _reaches_every_stage(specs):
+        return  # the rest would read and plan the checkpoint for nothing
     config = Checkpoint.open(path, policies=options.policy_choices).config
-    layers: Sequence[LayerSpec] = config.layers
-    if options.uniform_layout:
-        layers = [attrs.evolve(s, policy=FullAttention()) for s in layers]
-    names = [s.name for s in layers]
-    cuts = [names[s.start : s.stop] for s in split_layers(len(names), num_stages)]
-    plan = plan_layout(layers, options.kv_cache_bytes, options.block_size, stages=cuts)
-    kinds = {s.name: s.kind for s in layers}
-    group_kinds = [kinds[g.layer_names[0]] or type(g.policy).__name__ for g in plan.groups]
-    _check_lookups(group_stages(plan, layers, num_stages), group_kinds, specs, num_stages)
+    layers, plan = plan_stages(config.layers, options, num_stages)
+    kinds = group_kinds(layers, plan)
+    _check_lookups(group_stages(plan, layers, num_stages), kinds, specs, num_stages)
 
 
 def _check_lookups(
     stages: Sequence[int], kinds: Sequence[str], specs: Sequence[TierSpec], num_stages: int
 ) -> None:
     """Rank 0 looks up every block: a group past stage 0 needs a tier it can reach."""
-    if not specs or any(spec.kind != "host" for spec in specs):
+    if _reaches_every_stage(specs):
         return
     for group, stage in enumerate(stages):
         if stage:
@@ -167,6 +160,11 @@ def _check_lookups(
                 f"({kinds[group]}) has no layer on stage 0, whose process looks up every "
                 f"block, and stage {stage}'s host memory is its own; add a redis:// tier"
             )
+
+
+def _reaches_every_stage(specs: Sequence[TierSpec]) -> bool:
+    """Whether rank 0 can look up what any stage saved: no tiers at all, or a remote one."""
+    return not specs or any(spec.kind != "host" for spec in specs)
 
 
 class RankTransfers:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridkv.memory.cache_events import CacheEventLog
+from hybridkv.memory.hashing import BlockHash
 from hybridkv.memory.offload.keys import parse_key
 from hybridkv.memory.offload.tier import Tier
 
@@ -31,12 +32,18 @@ class TierEvents:
 
     def stored(self, tier: str, keys: Sequence[bytes]) -> None:
         """``tier`` holds ``keys`` now."""
-        blocks = [parse_key(key) for key in keys if key.startswith(b"hkv:")]
+        blocks = _blocks(keys)
         if blocks:
             self.log.stored_keys(tier, blocks)
 
     def removed(self, tier: str, keys: Sequence[bytes]) -> None:
         """``tier`` dropped ``keys``."""
-        blocks = [parse_key(key) for key in keys if key.startswith(b"hkv:")]
+        blocks = _blocks(keys)
         if blocks:
             self.log.removed_keys(tier, blocks)
+
+
+def _blocks(keys: Sequence[bytes]) -> list[tuple[int, BlockHash]]:
+    """The (group, block hash) of the block keys among ``keys`` (a tier's layout marker,
+    ``KeySpace.layout_key``, is none)."""
+    return [parse_key(key) for key in keys if key.startswith(b"hkv:")]
