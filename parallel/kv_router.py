@@ -6,8 +6,10 @@ tier. A replica's score is what the request would not recompute there, less the 
 has beyond the least loaded candidate's and a slack, both in tokens::
 
     allowed = least + max(slack_requests, slack_ratio x least)
+    excess  = max(0, waiting + running - allowed) + (1 if the prompt's uncomputed
+              tokens exceed the replica's free pages' headroom, else 0)
     score   = max(pool hit, tier_discount x tier hit, provisional hit)
-              - tokens_per_request x max(0, waiting + running - allowed)
+              - tokens_per_request x excess
 
 and the best score wins; among equals, the replica the router has sent the fewest
 prompt tokens to compute (the tokens of each prompt it sent there that were not
@@ -15,7 +17,11 @@ credited as saved), then the less loaded, then the name. Within the slack, load 
 count: a session's next turn and a second sighting of a shared system prompt go where
 their prefix is even while every replica is busy (``benchmarks/routing.py`` measured
 that with one request costing a whole prompt, shared prompts spread over all replicas
-and no replica could keep any of them). A tier's hit counts less: its blocks must be
+and no replica could keep any of them). A replica whose free pages cannot hold what the
+prompt must compute (``memory/headroom.py``; its ``/load``) makes it wait for a running
+request to end, which costs as one request more. Replicas sharing a tier (one Redis
+server, :meth:`PrefixRouter.share`) are each credited with the blocks any of them stored
+there. A tier's hit counts less: its blocks must be
 loaded before the step runs. Events lag the routing decision by a step or more, so the
 router also remembers, per replica, the block hashes of the prompts it sent there last
 (``provisional``, a few prompts' worth): a second sighting of a shared prefix goes where
@@ -37,10 +43,22 @@ from hybridkv.parallel.kv_index import ReplicaIndex
 
 @attrs.frozen(kw_only=True)
 class ReplicaLoad:
-    """What a replica reports of its load (its engine's stats, its ``/metrics``)."""
+    """What a replica reports of its load (its engine's stats, its ``/load``).
+
+    Attributes:
+        num_waiting: Requests queued.
+        num_running: Requests running.
+        free_tokens: The longest prompt its free pages hold now
+            (:func:`~hybridkv.memory.headroom.token_headroom`); None: not reported.
+    """
 
     num_waiting: int = 0
     num_running: int = 0
+    free_tokens: int | None = None
+
+
+#: A replica that reported nothing.
+_IDLE = ReplicaLoad()
 
 
 @attrs.frozen(kw_only=True)
@@ -120,8 +138,13 @@ class PrefixRouter:
         self._block_size = sizes.pop()
         self.full_attention_only = full_attention_only
         self._sent: dict[str, OrderedDict[int, None]] = {name: OrderedDict() for name in indexes}
+        # Per replica, the store each shared tier of it is (``share``); per replica and
+        # medium, the other replicas of the same store.
+        self._stores: dict[str, dict[str, str]] = {name: {} for name in indexes}
+        self._peers: dict[tuple[str, str], list[str]] = {}
         # Prompt tokens sent to each replica and not credited as saved there.
         self._computed: dict[str, float] = dict.fromkeys(indexes, 0.0)
+        self._last: _Ranked | None = None  # the last prompt ranked, for ``sent``
 
     def set_index(self, name: str, index: ReplicaIndex) -> None:
         """Follow replica ``name`` (new, or restarted) with ``index``, forgetting what was
@@ -134,6 +157,26 @@ class PrefixRouter:
         self.indexes[name] = index
         self._sent[name] = OrderedDict()
         self._computed[name] = 0.0
+        self._stores[name] = {}
+        self._find_peers()
+
+    def share(self, name: str, medium: str, store: str) -> None:
+        """Replica ``name``'s ``medium`` tier (``REDIS``) is the store named ``store``
+        (``KVConnector.shared_stores``): what any replica of that store published in
+        that medium counts for each of them, less the tier discount."""
+        self._stores[name][medium] = store
+        self._find_peers()
+
+    def _find_peers(self) -> None:
+        self._peers = {
+            (name, medium): [
+                other
+                for other, theirs in self._stores.items()
+                if other != name and theirs.get(medium) == store
+            ]
+            for name, mine in self._stores.items()
+            for medium, store in mine.items()
+        }
 
     def choose(
         self,
@@ -158,11 +201,12 @@ class PrefixRouter:
         unknown = set(candidates) - self.indexes.keys()
         if unknown:
             raise ValueError(f"no index for replicas {sorted(unknown)}")
-        hashes = self._hashes(token_ids, extra_keys)
+        ranked = _Ranked(token_ids, extra_keys, self._hashes(token_ids, extra_keys))
+        self._last = ranked
         least = min((_queued(loads, name) for name in candidates), default=0)
         weights = self.weights
         allowed = least + max(weights.slack_requests, weights.slack_ratio * least)
-        return sorted(candidates, key=lambda name: self._rank(name, hashes, loads, allowed))
+        return sorted(candidates, key=lambda name: self._rank(name, ranked, loads, allowed))
 
     def sent(
         self, name: str, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...] = ()
@@ -170,8 +214,15 @@ class PrefixRouter:
         """Remember prompt ``token_ids`` at ``name`` (its provisional blocks). It takes
         the prompt, not the last one ranked: requests ranked meanwhile may have gone
         elsewhere."""
-        hashes = self._hashes(token_ids, extra_keys)
-        self._computed[name] += max(0.0, len(token_ids) - self._saved(name, hashes))
+        last, self._last = self._last, None
+        if last is not None and last.of(token_ids, extra_keys):  # what rank just found
+            hashes = last.hashes
+            saved = last.saved.get(name)
+        else:
+            hashes, saved = self._hashes(token_ids, extra_keys), None
+        if saved is None:
+            saved = self._saved(name, hashes)
+        self._computed[name] += max(0.0, len(token_ids) - saved)
         sent = self._sent[name]
         for block in hashes:
             sent[block] = None
@@ -188,13 +239,17 @@ class PrefixRouter:
     def _rank(
         self,
         name: str,
-        hashes: list[int],
+        ranked: _Ranked,
         loads: Mapping[str, ReplicaLoad],
         allowed: float,
     ) -> tuple[float, float, int, str]:
-        queued = _queued(loads, name)
+        load = loads.get(name, _IDLE)
+        queued = load.num_waiting + load.num_running
+        saved = ranked.saved[name] = self._saved(name, ranked.hashes)
         excess = max(0.0, queued - allowed)
-        score = self._saved(name, hashes) - self.weights.tokens_per_request * excess
+        if load.free_tokens is not None and ranked.num_tokens - saved > load.free_tokens:
+            excess += 1.0
+        score = saved - self.weights.tokens_per_request * excess
         return (-score, self._computed[name], queued, name)
 
     def _saved(self, name: str, hashes: list[int]) -> float:
@@ -202,7 +257,12 @@ class PrefixRouter:
         full_only = self.full_attention_only
         pool = index.resumable_blocks(hashes, full_attention_only=full_only)
         tier = max(
-            index.resumable_blocks(hashes, medium, full_attention_only=full_only)
+            index.resumable_blocks(
+                hashes,
+                medium,
+                full_attention_only=full_only,
+                peers=[self.indexes[peer] for peer in self._peers.get((name, medium), ())],
+            )
             for medium in ("CPU", "REDIS")
         )
         sent = self._sent[name]
@@ -218,8 +278,33 @@ class PrefixRouter:
         return next(iter(self.indexes.values())).wire_hashes(token_ids, extra_keys)
 
 
+class _Ranked:
+    """A prompt :meth:`PrefixRouter.rank` ranked: its hashes and what each replica
+    saves, which :meth:`PrefixRouter.sent` reuses when told of the same prompt next
+    (hashing a long prompt was half of a route's time, ``benchmarks/routing.py``)."""
+
+    __slots__ = ("extra_keys", "hashes", "num_tokens", "saved", "token_ids")
+
+    def __init__(
+        self, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...], hashes: list[int]
+    ) -> None:
+        self.token_ids = token_ids
+        self.num_tokens = len(token_ids)
+        self.extra_keys = extra_keys
+        self.hashes = hashes
+        self.saved: dict[str, float] = {}
+
+    def of(self, token_ids: Sequence[int], extra_keys: tuple[Hashable, ...]) -> bool:
+        """Whether this is the prompt ``token_ids`` (the same object, unchanged)."""
+        return (
+            token_ids is self.token_ids
+            and len(token_ids) == self.num_tokens
+            and extra_keys == self.extra_keys
+        )
+
+
 def _queued(loads: Mapping[str, ReplicaLoad], name: str) -> int:
-    load = loads.get(name, ReplicaLoad())
+    load = loads.get(name, _IDLE)
     return load.num_waiting + load.num_running
 
 
@@ -260,7 +345,7 @@ class LeastLoaded:
         extra_keys: tuple[Hashable, ...] = (),
     ) -> list[str]:
         def queued(name: str) -> tuple[int, int, str]:
-            load = loads.get(name, ReplicaLoad())
+            load = loads.get(name, _IDLE)
             return (load.num_waiting, load.num_running, name)
 
         return sorted(candidates, key=queued)

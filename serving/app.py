@@ -9,7 +9,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streamed as
 server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET
 /v1/models/{model}``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's), ``GET
-/version``, ``GET /kv_events`` (where its KV events go, for a router), ``GET /health``
+/version``, ``GET /kv_events`` (where its KV events go, for a router), ``GET /load``
+(its queues and free pages, for a router), ``GET /health``
 (503 once the engine stopped), ``GET /metrics`` (Prometheus). Layers, outermost first::
 
     RequestCounter   every response counted by endpoint and status
@@ -192,6 +193,7 @@ def build_app(
             Route("/detokenize", routes.guarded(utility.detokenize), methods=["POST"]),
             Route("/version", utility.version, methods=["GET"]),
             Route("/kv_events", utility.kv_events_info, methods=["GET"]),
+            Route("/load", utility.load, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
         ],

@@ -30,6 +30,7 @@ import attrs
 
 from hybridkv.errors import HybridKVError
 from hybridkv.errors.events import get_logger
+from hybridkv.memory.headroom import token_headroom
 from hybridkv.parallel.kv_events import KVEventPublisher
 from hybridkv.parallel.kv_events_config import KVEventsConfig
 from hybridkv.scheduler import Engine, EngineConfig, Executor, SamplingParams
@@ -151,6 +152,9 @@ class EngineReplica:
             topic=publisher.config.topic if publisher is not None else "",
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
+            free_tokens=token_headroom(
+                engine.core.kv, stats.num_free_blocks, engine.config.max_model_len
+            ),
         ).to_stats()
 
     async def check_health(self) -> None:

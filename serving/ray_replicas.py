@@ -9,8 +9,8 @@ and ranks replicas with a :class:`~hybridkv.parallel.kv_router.PrefixRouter` ove
     report                      table                                 ranking
     endpoint, replay, topic --> ReplicaFeed --> ReplicaIndex ----+
     block size, hash        --> one layout for every index       +--> PrefixRouter.rank
-    waiting, running        --> ReplicaLoad (or this router's    |
-                                requests in flight, if more) ----+
+    waiting, running,       --> ReplicaLoad (or this router's    |
+    free tokens                 requests in flight, if more) ----+
 
 A replica without a report yet, one that publishes no events, and one whose layout
 differs from the others' get an empty index: they are ranked by load alone (and by the
@@ -54,6 +54,8 @@ class ReplicaReport:
         topic: The topic it publishes under.
         num_waiting: Requests waiting in its engine.
         num_running: Requests running in its engine.
+        free_tokens: The longest prompt its free pages hold (``memory/headroom.py``;
+            None: not reported).
     """
 
     block_size: int = attrs.field(validator=attrs.validators.ge(1))
@@ -63,6 +65,7 @@ class ReplicaReport:
     topic: str = ""
     num_waiting: int = 0
     num_running: int = 0
+    free_tokens: int | None = None
 
     @property
     def layout(self) -> Layout:
@@ -310,7 +313,9 @@ class ReplicaTable:
             running = report.num_running if report is not None else 0
             in_flight = len(self._in_flight[name])
             loads[name] = ReplicaLoad(
-                num_waiting=waiting, num_running=max(running, in_flight - waiting)
+                num_waiting=waiting,
+                num_running=max(running, in_flight - waiting),
+                free_tokens=report.free_tokens if report is not None else None,
             )
         return loads
 

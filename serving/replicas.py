@@ -4,15 +4,20 @@ what it holds, and the order to try them in for one request.
 ::
 
     Replica(url)  --GET /health------> healthy, or out of rotation with the reason
-                  --GET /kv_events---> its ReplicaIndex, followed by a ReplicaFeed
+                  --GET /kv_events---> its ReplicaIndex, followed by a ReplicaFeed, and
+                                       the tiers it shares (one Redis: one another's hits)
+                  --GET /load--------> the prompt its free pages hold (polled)
     ReplicaSet.order(prompt ids)  ---> the healthy replicas, best first (the policy's)
 
 A replica leaves the rotation when a forward to it fails at the transport, when it
 answers 503 (its engine stopped), when its process exits (``serve
 --data-parallel-size``) or when a health probe fails; it comes back when a probe answers
 200, with a fresh index (a restarted engine numbers its events from 0 again). The load
-the policies weigh is the front end's own count of requests in flight per replica:
-exact for the one front end the replicas serve.
+the policies weigh is the front end's own count of requests in flight per replica
+(exact for the one front end the replicas serve) and, for the prefix policies, the
+longest prompt each replica's free pages hold, polled from its ``/load`` every
+``--load-interval`` (as vLLM's data-parallel coordinator gathers its engines' stats
+every 100 ms).
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class Replica:
         healthy: In rotation.
         reason: Why it is out of rotation (None while in).
         in_flight: Requests forwarded and not finished.
+        free_tokens: The longest prompt its free pages held at the last poll of its
+            ``/load`` (None: not polled, or it does not answer one).
         index: Its blocks, from its KV events (None: it publishes none, or not yet
             discovered).
     """
@@ -65,6 +72,7 @@ class Replica:
     healthy: bool = False
     reason: str | None = "not probed yet"
     in_flight: int = 0
+    free_tokens: int | None = None
     index: ReplicaIndex | None = None
     feed: ReplicaFeed | None = None
 
@@ -76,6 +84,7 @@ class Replica:
             "healthy": self.healthy,
             "reason": self.reason,
             "in_flight": self.in_flight,
+            "free_tokens": self.free_tokens,
             "kv_events": self.index is not None,
         }
 
@@ -107,6 +116,12 @@ class ReplicaSet:
         self._prefix: PrefixRouter | None = None
 
     @property
+    def prefix_router(self) -> PrefixRouter | None:
+        """The prefix policies' router, once a replica's events are followed (None
+        before, and for the load-only policies)."""
+        return self._prefix
+
+    @property
     def healthy(self) -> list[Replica]:
         """The replicas in rotation."""
         return [r for r in self.replicas.values() if r.healthy]
@@ -119,7 +134,10 @@ class ReplicaSet:
         """The healthy replicas, best first for a prompt of ``token_ids`` (None: a request
         the front end could not read, which goes by load)."""
         candidates = [r.name for r in self.healthy]
-        loads = {r.name: ReplicaLoad(num_running=r.in_flight) for r in self.replicas.values()}
+        loads = {
+            r.name: ReplicaLoad(num_running=r.in_flight, free_tokens=r.free_tokens)
+            for r in self.replicas.values()
+        }
         router: Router = self._load_only
         if self._prefix is not None and token_ids is not None:
             router = self._prefix
@@ -178,6 +196,27 @@ class ReplicaSet:
                     tg.start_soon(self.probe, replica)
             await anyio.sleep(interval_s)
 
+    async def poll_load(self, replica: Replica) -> None:
+        """Read ``replica``'s ``/load`` (a failure forgets it: the health probe decides
+        the rotation)."""
+        try:
+            answer = await self.client.get(f"{replica.url}/load", timeout=10.0)
+            answer.raise_for_status()
+            replica.free_tokens = int(answer.json()["free_tokens"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            replica.free_tokens = None
+
+    async def watch_load(self, interval_s: float) -> None:
+        """Poll every healthy replica's ``/load`` every ``interval_s`` seconds, forever
+        (the prefix policies' free pages; the others weigh requests alone)."""
+        if not self.policy.startswith("prefix"):
+            return
+        while True:
+            async with anyio.create_task_group() as tg:
+                for replica in self.healthy:
+                    tg.start_soon(self.poll_load, replica)
+            await anyio.sleep(interval_s)
+
     def close(self) -> None:
         """Stop following every replica's events."""
         for replica in self.replicas.values():
@@ -205,6 +244,8 @@ class ReplicaSet:
                     full_attention_only=self.policy == "prefix-full-attention",
                 )
             self._prefix.set_index(replica.name, index)  # a ValueError: another block size
+            for medium, store in dict(info.get("shared_tiers") or {}).items():
+                self._prefix.share(replica.name, str(medium), str(store))
         host = urlsplit(replica.url).hostname or "127.0.0.1"
         replay = info.get("replay_endpoint")
         replica.index = index

@@ -42,11 +42,19 @@ class _ReplicaStates(Collector):
             "Requests forwarded to a replica and not finished",
             labels=["replica"],
         )
+        free_tokens = GaugeMetricFamily(
+            "hybridkv_router_replica_free_tokens",
+            "The longest prompt a replica's free pages held at the last poll of its /load",
+            labels=["replica"],
+        )
         for replica in self._replicas.replicas.values():
             healthy.add_metric([replica.name], 1.0 if replica.healthy else 0.0)
             in_flight.add_metric([replica.name], replica.in_flight)
+            if replica.free_tokens is not None:
+                free_tokens.add_metric([replica.name], replica.free_tokens)
         yield healthy
         yield in_flight
+        yield free_tokens
 
 
 class RouterMetrics:

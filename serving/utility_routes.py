@@ -10,7 +10,11 @@
     GET  /version               {"version": "0.1.0"}
     GET  /kv_events             where this engine publishes its KV events and how its
                                 blocks hash: {"endpoint", "replay_endpoint", "topic",
-                                "block_size", "hash_algorithm"}; 404 when it does not
+                                "block_size", "hash_algorithm", "shared_tiers"}; 404
+                                when it does not
+    GET  /load                  the engine's queues and free pages, for a router:
+                                {"num_waiting", "num_running", "num_free_blocks",
+                                 "num_blocks", "kv_usage", "free_tokens"}
 
 Tokenizing and rendering go through the same prompter as generation (worker threads,
 the template's limits); ``/tokenize`` counts a text longer than the context rather than
@@ -27,6 +31,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from hybridkv.memory.headroom import token_headroom
+from hybridkv.parallel.kv_event_wire import MEDIUM
 from hybridkv.serving.errors import APIError
 from hybridkv.serving.fields import Fields
 from hybridkv.serving.messages import parse_messages
@@ -96,7 +102,15 @@ class UtilityRoutes:
                 }
             }
             return JSONResponse(body, status_code=404)
-        kv = self.service.engine.core.kv
+        core = self.service.engine.core
+        kv = core.kv
+        # The tiers other engines read, by medium: replicas naming one store load one
+        # another's blocks there (a round trip to Redis, once, off the loop).
+        stores = (
+            {} if core.offload is None else await anyio.to_thread.run_sync(
+                core.offload.connector.shared_stores
+            )
+        )  # fmt: skip
         return JSONResponse(
             {
                 "endpoint": publisher.endpoint,
@@ -105,6 +119,27 @@ class UtilityRoutes:
                 "block_size": kv.block_size,
                 "hash_algorithm": kv.hash_name,
                 "data_parallel_rank": publisher.data_parallel_rank,
+                "shared_tiers": {MEDIUM[name]: store for name, store in stores.items()},
+            }
+        )
+
+    async def load(self, request: Request) -> Response:
+        """The queues and free pages a router weighs (``serving/replicas.py`` polls it,
+        as SGLang's router polls ``/get_load``): ``free_tokens`` is the longest prompt the
+        free pages hold now (``memory/headroom.py``), up to the context length."""
+        service = self.service
+        stats = service.engine.stats()
+        free_tokens = token_headroom(
+            service.engine.core.kv, stats.num_free_blocks, service.max_model_len
+        )
+        return JSONResponse(
+            {
+                "num_waiting": stats.num_waiting,
+                "num_running": stats.num_running,
+                "num_free_blocks": stats.num_free_blocks,
+                "num_blocks": stats.num_blocks,
+                "kv_usage": round(stats.kv_usage, 4),
+                "free_tokens": free_tokens,
             }
         )
 

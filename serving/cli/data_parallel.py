@@ -41,6 +41,7 @@ _FRONT_END_FLAGS = (
     "--kv-events-config",
     "--routing",
     "--health-interval",
+    "--load-interval",
 )
 _START = "import sys; from hybridkv.serving.cli.main import main; sys.exit(main())"
 #: Seconds a replica is given to stop on SIGINT before it is killed.

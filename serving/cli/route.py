@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
@@ -27,8 +28,20 @@ from hybridkv.serving.cli.engine_flags import add_model_argument
 Companion = Callable[[Any], Coroutine[Any, Any, None]]
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds (an interval of 0 would poll without pause)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def add_routing_arguments(parser: argparse.ArgumentParser | Any) -> None:
-    """``--routing`` and ``--health-interval`` (route, and serve's data parallelism)."""
+    """``--routing``, ``--health-interval`` and ``--load-interval`` (route, and serve's
+    data parallelism)."""
     from hybridkv.serving.replicas import POLICIES
 
     parser.add_argument(
@@ -41,10 +54,18 @@ def add_routing_arguments(parser: argparse.ArgumentParser | Any) -> None:
     )
     parser.add_argument(
         "--health-interval",
-        type=float,
+        type=_seconds,
         default=5.0,
         metavar="S",
         help="seconds between probes of every replica's /health (5)",
+    )
+    parser.add_argument(
+        "--load-interval",
+        type=_seconds,
+        default=0.1,
+        metavar="S",
+        help="seconds between polls of every replica's /load, the free pages the prefix "
+        "policies weigh (0.1)",
     )
 
 
@@ -173,6 +194,7 @@ async def serve_front_end(
             )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(routed.watch, args.health_interval)
+                tg.start_soon(routed.watch_load, args.load_interval)
                 for companion in companions:
                     tg.start_soon(companion, routed)
                 await serve_http(app, sock, log_level=args.log_level)

@@ -85,6 +85,20 @@ def test_within_the_slack_the_hit_decides_however_busy_every_replica_is() -> Non
     )
 
 
+def test_a_replica_whose_free_pages_cannot_hold_the_prompt_counts_one_request_more() -> None:
+    """A replica short of pages for what the prompt must compute makes it wait: one
+    request's cost, which a hit longer than that still outweighs."""
+    weights = RouterWeights(tokens_per_request=16, slack_requests=4)
+    router = PrefixRouter({"a": holding(2), "b": holding(0)}, weights)
+    full = ReplicaLoad(free_tokens=8)  # a must compute 33 of the 41 tokens
+    assert router.rank(PROMPT, {"a": full}, ["a", "b"])[0] == "b"
+    assert router.rank(PROMPT, {"a": ReplicaLoad(free_tokens=33)}, ["a", "b"])[0] == "a"
+    assert router.rank(PROMPT, {"a": ReplicaLoad()}, ["a", "b"])[0] == "a"  # not reported
+    # Six blocks saved (24 tokens) outweigh the wait (16): the prompt still goes to a.
+    router.set_index("a", holding(6))
+    assert router.rank(PROMPT, {"a": full}, ["a", "b"])[0] == "a"
+
+
 def test_prompts_without_a_hit_go_where_the_least_was_computed() -> None:
     """Prompts no replica holds alternate by the prefill the router sent each replica, not
     by name: a long one counts for as much as it costs."""
@@ -100,6 +114,21 @@ def test_a_tier_hit_counts_less_than_one_in_the_pool() -> None:
     router = PrefixRouter({"tier": holding(8, "host"), "pool": holding(6)})
     assert router.saved_tokens("tier", PROMPT) == 0.5 * 8 * BS
     assert router.choose(PROMPT, {}) == "pool"
+
+
+def test_replicas_of_one_redis_store_are_credited_with_each_others_blocks() -> None:
+    """a stored eight blocks in a Redis store b shares: b may load them (a tier hit,
+    discounted); c's Redis is another store. A restarted b shares nothing until it says
+    so again."""
+    router = PrefixRouter({"a": holding(8, "redis"), "b": holding(0), "c": holding(0)})
+    assert router.saved_tokens("b", PROMPT) == 0
+    for name, store in (("a", "redis:run1/0/m"), ("b", "redis:run1/0/m"), ("c", "redis:run2/0/m")):
+        router.share(name, "REDIS", store)
+    assert router.saved_tokens("b", PROMPT) == 0.5 * 8 * BS
+    assert router.saved_tokens("c", PROMPT) == 0
+    assert router.rank(PROMPT, {}, ["c", "b"])[0] == "b"
+    router.set_index("b", holding(0))
+    assert router.saved_tokens("b", PROMPT) == 0
 
 
 def test_a_shared_prefix_follows_the_first_sighting_before_any_event() -> None:

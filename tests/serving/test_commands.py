@@ -208,3 +208,15 @@ def test_serve_refuses_bad_limits(capsys: pytest.CaptureFixture[str], flags: lis
     code = main(["serve", "no-such-model", "--port", "0", *flags])
     assert code == 2
     assert flags[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "soon"])
+def test_route_intervals_must_be_positive_seconds(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An interval of 0 would poll the replicas without pause: `route` refuses it."""
+    for flag in ("--load-interval", "--health-interval"):
+        with pytest.raises(SystemExit) as info:
+            main(["route", "m", "--replica", "http://127.0.0.1:1", flag, value])
+        assert info.value.code == 2
+        assert f"{value!r} is not a positive number of seconds" in capsys.readouterr().err

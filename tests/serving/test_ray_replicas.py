@@ -100,7 +100,9 @@ class Replicas:
 def test_a_report_travels_in_routing_stats() -> None:
     """A report comes back from the stats it writes; stats without one, or with one that
     does not parse, give None (the router then ranks that replica by load alone)."""
-    report = ReplicaReport(block_size=16, endpoint="tcp://10.0.0.2:5557", num_running=3)
+    report = ReplicaReport(
+        block_size=16, endpoint="tcp://10.0.0.2:5557", num_running=3, free_tokens=640
+    )
     assert ReplicaReport.from_stats(report.to_stats()) == report
     assert ReplicaReport.from_stats(None) is None
     assert ReplicaReport.from_stats({"hybridkv": {"block_size": 0}}) is None
@@ -133,6 +135,16 @@ def test_replicas_without_events_are_ranked_by_load() -> None:
     )
     assert table.followed == frozenset()
     assert table.rank(["a", "b", "c"], [*PREFIX, 60]) == ["c", "b", "a"]
+
+
+def test_a_replica_whose_free_pages_cannot_hold_the_prompt_ranks_after() -> None:
+    """A replica's reported free pages reach the router: one too full for the prompt
+    ranks after an idle one, though the names would put it first."""
+    replicas = Replicas("a", "b")
+    table = replicas.table
+    table.update({"a": replicas.report("a", free_tokens=4), "b": replicas.report("b")})
+    assert table.loads()["a"].free_tokens == 4
+    assert table.rank(["a", "b"], [*PREFIX, 60]) == ["b", "a"]
 
 
 def test_requests_in_flight_count_until_they_complete() -> None:

@@ -44,7 +44,9 @@ class Cluster:
         self.publishers: list[KVEventPublisher] = []
         self._stops: dict[int, contextlib.ExitStack] = {}
 
-    def replica(self, wrap_app: Callable[[Any], Any] | None = None) -> LiveServer:
+    def replica(
+        self, wrap_app: Callable[[Any], Any] | None = None, offload: Any = None
+    ) -> LiveServer:
         stops = self.stack.enter_context(contextlib.ExitStack())
         config = KVEventsConfig(
             enable_kv_cache_events=True,
@@ -62,6 +64,7 @@ class Cluster:
                 portal=self.portal,
                 kv_events=publisher,
                 wrap_app=wrap_app,
+                offload=offload,
             )
         )
         self._stops[len(self.servers)] = stops
@@ -170,6 +173,68 @@ def test_a_prompt_goes_where_the_events_say_its_prefix_is(cluster: Cluster) -> N
     chat = {"model": MODEL, "messages": [{"role": "user", "content": prompts[1]}]}
     answer = httpx.post(f"{url}/v1/chat/completions", json=chat | {"max_tokens": 2})
     assert answer.status_code == 200
+
+
+def test_the_front_end_weighs_each_replicas_free_pages_from_its_load(
+    cluster: Cluster,
+) -> None:
+    """A poll of every replica's /load gives the router the prompt its free pages hold;
+    /health and /metrics show it, and a replica that cannot be read is forgotten."""
+    for _ in range(2):
+        cluster.replica()
+    url, routed = cluster.front_end()
+    replicas = list(routed.replicas.values())
+    for replica in replicas:
+        cluster.portal.call(routed.poll_load, replica)
+    for server, replica in zip(cluster.servers, replicas, strict=True):
+        load = httpx.get(f"{server.url}/load", timeout=WAIT_S).json()
+        assert replica.free_tokens == load["free_tokens"] > 0
+    health = httpx.get(f"{url}/health").json()["replicas"]
+    assert health["1"]["free_tokens"] == replicas[1].free_tokens
+    metrics = httpx.get(f"{url}/metrics").text
+    assert f'hybridkv_router_replica_free_tokens{{replica="0"}} {replicas[0].free_tokens}' in (
+        metrics
+    )
+    # Replica 0 has no room for a prompt that replica 1 has room for: it goes to 1,
+    # though ties of load and hit would send it to 0.
+    replicas[0].free_tokens = 0
+    assert complete(url, words(0, 12)).headers[REPLICA_HEADER] == "1"
+    cluster.stop(0)
+    cluster.portal.call(routed.poll_load, replicas[0])
+    assert replicas[0].free_tokens is None
+
+
+def test_replicas_sharing_a_redis_server_are_credited_with_each_others_blocks(
+    cluster: Cluster, redis_server: Any
+) -> None:
+    """Two replicas save to one real redis-server, a third to its own host memory. Each
+    names its Redis store at /kv_events; once replica 0's saves are published, the
+    router credits replica 1, which never saw the prompt, with loading them."""
+    from hybridkv.memory.offload import HostTier, OffloadConfig, RedisTier
+
+    for tier in (RedisTier(redis_server.url), RedisTier(redis_server.url), HostTier(1 << 20)):
+        cluster.replica(offload=OffloadConfig(tiers=[tier], save_interval=4))
+    prompt = words(0, 40)
+    assert complete(cluster.servers[0].url, prompt).status_code == 200
+    transfers = cluster.servers[0].executor.transfers
+    assert transfers is not None and transfers.wait_saved(WAIT_S)
+    # The saver thread's stores go out with the next step's events.
+    assert complete(cluster.servers[0].url, "w5").status_code == 200
+    infos = [httpx.get(f"{s.url}/kv_events", timeout=WAIT_S).json() for s in cluster.servers]
+    stores = [info["shared_tiers"] for info in infos]
+    assert stores[0] == stores[1] and set(stores[0]) == {"REDIS"}
+    assert stores[2] == {}
+    url, routed = cluster.front_end()
+    feed = routed.replicas["0"].feed
+    assert feed is not None and feed.wait_until_received(cluster.published(0), WAIT_S)
+    ids = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+    ids = ids["tokens"]
+    routed.order(ids)  # applies what the feeds received
+    router = routed.prefix_router
+    assert router is not None
+    discount = router.weights.tier_discount
+    assert router.saved_tokens("1", ids) >= discount * 32
+    assert router.saved_tokens("2", ids) == 0
 
 
 def test_a_stopped_replica_leaves_the_rotation_and_its_requests_retry(

@@ -1,5 +1,5 @@
-"""The routes vLLM users expect beside generation: /tokenize, /detokenize, /version and
-/v1/models/{model}."""
+"""The routes vLLM users expect beside generation: /tokenize, /detokenize, /version,
+/v1/models/{model}, and /load for a router."""
 
 from __future__ import annotations
 
@@ -84,6 +84,26 @@ def test_version(server: Any) -> None:
 
     response = httpx.get(f"{server.url}/version", timeout=10)
     assert response.json() == {"version": metadata.version("hybridkv")}
+
+
+def test_load_reports_the_queues_and_the_prompt_the_free_pages_hold(server: Any) -> None:
+    """/load gives what a router weighs: the queues, the free pages, and the longest
+    prompt they hold now (the bisection of ``memory/headroom.py`` over this pool)."""
+    from hybridkv.memory.headroom import token_headroom
+
+    post(server, "/v1/completions", {"model": MODEL, "prompt": "w2 w3 w4", "max_tokens": 4})
+    load = httpx.get(f"{server.url}/load", timeout=10).json()
+    stats = server.stats()
+    kv = server.engine.core.kv
+    assert (load["num_waiting"], load["num_running"]) == (0, 0)
+    assert (load["num_free_blocks"], load["num_blocks"]) == (
+        stats.num_free_blocks,
+        stats.num_blocks,
+    )
+    assert load["kv_usage"] == 0.0  # the finished request's pages are cached and free
+    card = httpx.get(f"{server.url}/v1/models/{MODEL}", timeout=10).json()
+    headroom = token_headroom(kv, stats.num_free_blocks, card["max_model_len"])
+    assert load["free_tokens"] == headroom > 0
 
 
 def test_retrieve_the_model(client: Any) -> None:
