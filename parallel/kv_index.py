@@ -18,11 +18,14 @@ mamba-like states; a group of another kind is taken as full attention, which nee
 block and so never overstates a hit. Hashes are recomputed as the engine computes them
 (``memory/hashing.py``; the guide ``docs/guides/kv-events.md`` gives the seed) and
 compared on the wire's 64 bits.
+
+Replicas that share a tier (one Redis server) load one another's blocks from it: asked
+with ``peers``, an index counts their blocks in that medium as its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import msgpack
 
@@ -32,6 +35,7 @@ from hybridkv.policies import FullAttention, MambaLike, MemoryPolicy, SlidingWin
 
 #: The pool's medium on the wire (tiers are ``CPU`` and ``REDIS``).
 DEVICE_MEDIUM = MEDIUM["device"]
+_NONE: set[int] = set()
 
 
 def policy_of(kind: str, sliding_window: int | None) -> MemoryPolicy:
@@ -112,43 +116,57 @@ class ReplicaIndex:
         medium: str = DEVICE_MEDIUM,
         *,
         full_attention_only: bool = False,
+        peers: Sequence[ReplicaIndex] = (),
     ) -> int:
         """Blocks of a prompt (its ``wire_hashes``) the replica resumes from ``medium`` in
         every group: the engine's fixed point, until no group lowers it. With
         ``full_attention_only``, only the full-attention groups are asked (what a router
-        that reads their events alone believes).
+        that reads their events alone believes). ``peers``: replicas whose ``medium`` is
+        the same store as this one's (a shared Redis), whose blocks there count too.
 
         A hit needs every block of a full-attention group, so their run (a scan to the
         first miss) bounds it, and the other groups are searched below that bound only:
         on a Bamba-like layout of 10 state groups, a quarter of the time at 4 replicas
         (``benchmarks/routing.py``)."""
-        if not any(key[0] == medium for key in self._held):
+        indexes = (self, *peers)
+        if not any(key[0] == medium for index in indexes for key in index._held):
             return 0
+        policies = self._policies
+        for peer in peers:
+            policies = peer._policies | policies
         full: dict[int, MemoryPolicy] = {
-            g: p for g, p in self._policies.items() if isinstance(p, FullAttention)
+            g: p for g, p in policies.items() if isinstance(p, FullAttention)
         }
         if full:
-            wire = wire[: self._fixed_point(wire, medium, full)]
-        if full_attention_only or len(full) == len(self._policies):
+            wire = wire[: self._fixed_point(wire, medium, full, indexes)]
+        if full_attention_only or len(full) == len(policies):
             return len(wire) if full else 0
-        return self._fixed_point(wire, medium, self._policies)
+        return self._fixed_point(wire, medium, policies, indexes)
 
     def _fixed_point(
-        self, wire: Sequence[int], medium: str, policies: dict[int, MemoryPolicy]
+        self,
+        wire: Sequence[int],
+        medium: str,
+        policies: dict[int, MemoryPolicy],
+        indexes: Sequence[ReplicaIndex],
     ) -> int:
         num = len(wire) if policies else 0
         while num:
             start = num
             for group, policy in policies.items():
-                held = self._held.get((medium, group), set())
-
-                def is_held(i: int, held: set[int] = held) -> bool:
-                    return wire[i] in held
-
-                num = policy.longest_hit(num, self._hasher.block_size, is_held)
+                helds = [index._held.get((medium, group), _NONE) for index in indexes]
+                num = policy.longest_hit(num, self._hasher.block_size, _is_held(wire, helds))
             if num == start:
                 break
         return num
+
+
+def _is_held(wire: Sequence[int], helds: list[set[int]]) -> Callable[[int], bool]:
+    """Whether block ``i`` of ``wire`` is in any of ``helds``."""
+    if len(helds) == 1:
+        (held,) = helds
+        return lambda i: wire[i] in held
+    return lambda i: any(wire[i] in held for held in helds)
 
 
 __all__ = ["DEVICE_MEDIUM", "ReplicaIndex", "policy_of"]

@@ -90,6 +90,7 @@ class _Setup:
     wrap_app: Callable[[Any], Any] | None
     proposer: Any = None
     kv_events: Any = None
+    offload: Any = None
 
 
 async def _run(
@@ -100,7 +101,11 @@ async def _run(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, setup.send_buffer)
     port = bound_port(sock)
     async with Engine(
-        setup.config, setup.executor, proposer=setup.proposer, kv_events=setup.kv_events
+        setup.config,
+        setup.executor,
+        offload=setup.offload,
+        proposer=setup.proposer,
+        kv_events=setup.kv_events,
     ) as engine:
         app = build_app(
             engine,
@@ -137,6 +142,7 @@ def live_server(
     wrap_app: Callable[[Any], Any] | None = None,
     proposer: Any = None,
     kv_events: Any = None,
+    offload: Any = None,
 ) -> Iterator[LiveServer]:
     """Serve ``executor`` under ``config`` on a loopback port until the block ends.
 
@@ -158,6 +164,7 @@ def live_server(
             (:class:`~hybridkv.testing.ReferenceProposer` for the fakes).
         kv_events: The engine's KV event publisher (``KVEventPublisher``), described at
             ``GET /kv_events``.
+        offload: The engine's offload tiers (an ``OffloadConfig``).
 
     Raises:
         ValueError: ``limits`` with the trio backend, which cannot apply them.
@@ -176,6 +183,7 @@ def live_server(
         wrap_app=wrap_app,
         proposer=proposer,
         kv_events=kv_events,
+        offload=offload,
     )
     with contextlib.ExitStack() as stack:
         if portal is None:

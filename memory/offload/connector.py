@@ -121,6 +121,20 @@ class KVConnector:
                     f"another tier, or delete the key {marker.decode()} and the model's blocks"
                 )
 
+    def shared_stores(self) -> dict[str, str]:
+        """Per tier that other engines read (by its name), the store and key space its
+        blocks are in: engines of one model and layout on one store name it alike. A
+        network call for a remote tier; one that cannot answer is left out."""
+        stores = {}
+        for tier in self.config.tiers:
+            try:
+                store = tier.store_id()
+            except TierUnavailableError:
+                continue  # it logged why
+            if store is not None:
+                stores[tier.name] = f"{store}/{self.keys.fingerprint}"
+        return stores
+
     # -- loads -------------------------------------------------------------------------
 
     def plan_load(self, request: KVRequest, hit: PrefixHit) -> PlannedLoad | LookupPending | None:

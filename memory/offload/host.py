@@ -44,6 +44,10 @@ class HostTier:
         with self._lock:
             return list(self._values)
 
+    def store_id(self) -> None:
+        """This process's memory: no other engine reads it."""
+        return None
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         values = self._values
         return [key in values for key in keys]

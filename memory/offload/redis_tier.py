@@ -58,6 +58,7 @@ class RedisTier:
         self.ttl_s = ttl_s
         self.retry_after_s = retry_after_s
         self._down_until: float | None = None
+        self._store_id: str | None = None
         self._lock = threading.Lock()
         self.observer: TierObserver | None = None
 
@@ -79,6 +80,15 @@ class RedisTier:
                     log.info("kv_tier_recovered", tier=self.name)
                 self._down_until = None
         return result
+
+    def store_id(self) -> str:
+        """The server's run id and the database: the same from every engine, whatever
+        host name its URL gives (``INFO server``; asked once)."""
+        if self._store_id is None:
+            info = self._call("info", lambda: self._client.info("server"))
+            db = self._client.connection_pool.connection_kwargs.get("db", 0)
+            self._store_id = f"redis:{info['run_id']}/{db}"
+        return self._store_id
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:

@@ -48,6 +48,12 @@ class Tier(Protocol):
         worker thread, never from the engine's loop (``lookups.py``)."""
         ...
 
+    def store_id(self) -> str | None:
+        """Names the store where other engines read what this tier holds, the same from
+        every engine that reaches it (None: this process's alone). A router credits a
+        replica with the blocks any replica of the same store published there."""
+        ...
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether the tier holds it now."""
         ...
