@@ -21,6 +21,7 @@ import attrs
 from _routing_workload import Layout, Turn
 
 from hybridkv.memory.cache_events import CacheEventLog, GroupInfo
+from hybridkv.memory.headroom import token_headroom
 from hybridkv.parallel.kv_event_wire import encode_batch
 from hybridkv.parallel.kv_index import ReplicaIndex
 from hybridkv.parallel.kv_router import ReplicaLoad
@@ -83,18 +84,30 @@ class SimReplica:
         self.num_computed = self.num_hit = self.num_prompt = 0
         self.num_preemptions = self.num_steps = self.num_scheduled = 0
         self.busy_ms = 0.0
+        self._free_tokens: int | None = None  # the headroom, until the pool changes
 
     @property
     def is_busy(self) -> bool:
         return bool(self.scheduled)
 
     def load(self) -> ReplicaLoad:
-        return ReplicaLoad(num_waiting=len(self.waiting), num_running=len(self.running))
+        """Its queues and free pages, as its ``/load`` reports them (computed once per
+        change of the pool: a step's start and end)."""
+        if self._free_tokens is None:
+            kv = self.kv
+            limit = self.spec.num_blocks * kv.block_size
+            self._free_tokens = token_headroom(kv, kv.num_free_blocks, limit)
+        return ReplicaLoad(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            free_tokens=self._free_tokens,
+        )
 
     def plan(self) -> float:
         """Plan a step (allocating its pages); its modelled duration (0: nothing to do)."""
         kv, spec = self.kv, self.spec
         budget, floor = spec.budget, spec.min_chunk
+        self._free_tokens = None
         scheduled: list[tuple[Turn, int]] = []
         preempted = False
         i = 0
@@ -169,6 +182,7 @@ class SimReplica:
             self.kv.free(request.request_id)
             self.running.remove(request)
         self.scheduled = []
+        self._free_tokens = None
         return done
 
     def publish(self, now_ms: float) -> None:

@@ -12,6 +12,7 @@ a routing policy:
 - ``ours``: ``PrefixRouter``, the hit a replica resumes in every group, against its load;
 - both prefix routers again with the weights the router had before this benchmark
   measured them (``BEFORE``: a memory of 65,536 blocks sent, 256 tokens a request);
+- ``ours, no free pages``: ours never told a replica's free pages (what ``/load`` adds);
 - ``one engine``: the reference, one engine with the pool, batch and compute of all the
   replicas (the hit rate a router should come close to).
 
@@ -49,6 +50,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,7 @@ from hybridkv.parallel.kv_index import ReplicaIndex
 from hybridkv.parallel.kv_router import (
     LeastLoaded,
     PrefixRouter,
+    ReplicaLoad,
     RoundRobin,
     Router,
     RouterWeights,
@@ -79,10 +82,13 @@ BEFORE = RouterWeights(
     tokens_per_request=256.0, provisional_blocks=65_536, slack_requests=0, slack_ratio=0.0
 )
 WEIGHTS = {"": RouterWeights(), ", before": BEFORE}
+#: Ours blind to free pages: what the replicas' ``/load`` adds.
+BLIND = "ours, no free pages"
 POLICIES = (
     "round-robin",
     "least-loaded",
     *(f"{router}{suffix}" for suffix in WEIGHTS for router in ("full-attention-only", "ours")),
+    BLIND,
 )
 REFERENCE = "one engine"
 
@@ -146,7 +152,27 @@ def replica_spec(layout: Layout, workload: Workload, args: argparse.Namespace) -
     )
 
 
+class _WithoutFreePages:
+    """A router that is never told a replica's free pages."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self.sent = router.sent
+
+    def rank(
+        self,
+        token_ids: Sequence[int],
+        loads: Mapping[str, ReplicaLoad],
+        candidates: Collection[str],
+        extra_keys: tuple[Hashable, ...] = (),
+    ) -> list[str]:
+        blind = {name: attrs.evolve(load, free_tokens=None) for name, load in loads.items()}
+        return self._router.rank(token_ids, blind, candidates, extra_keys)
+
+
 def make_router(policy: str, indexes: dict[str, ReplicaIndex]) -> Router:
+    if policy == BLIND:
+        return _WithoutFreePages(PrefixRouter(indexes, WEIGHTS[""]))
     if policy == "round-robin":
         return RoundRobin()
     if policy == "least-loaded":
@@ -236,7 +262,7 @@ def goals(
         return out
 
     out = {}
-    for ours in (p for p in policies if p.startswith("ours")):
+    for ours in (p for p in policies if p.startswith("ours") and p != BLIND):
         per_seed = [checks(ours, i) for i in range(len(cell[ours]["runs"]))]
         out[ours] = {
             name: {"met": met, "seeds_met": sum(s[name] for s in per_seed)}
