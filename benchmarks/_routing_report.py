@@ -1,0 +1,75 @@
+"""routing.py's report: the spread over seeds, the issue's goals, the printed tables."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+#: The reference every router is held to: one engine with all the replicas' pool.
+REFERENCE = "one engine"
+
+
+def spread(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean, min and max over seeds of each measure."""
+    return {
+        "mean": {k: round(statistics.fmean(r[k] for r in runs), 4) for k in runs[0]},
+        "min": {k: min(r[k] for r in runs) for k in runs[0]},
+        "max": {k: max(r[k] for r in runs) for k in runs[0]},
+    }
+
+
+def goals(cell: dict[str, Any], is_hybrid: bool, policies: tuple[str, ...]) -> dict[str, Any]:
+    """The issue's goals for each ``ours`` in one scale and layout: met on the means over
+    seeds, and in how many seeds (a goal whose baseline did not run is left out)."""
+
+    def checks(ours: str, run: int | None) -> dict[str, bool]:
+        def m(policy: str, key: str = "hit_rate") -> float:
+            entry = cell[policy]
+            return float(entry["mean"][key] if run is None else entry["runs"][run][key])
+
+        baseline = ours.replace("ours", "full-attention-only")
+        out = {
+            "within 0.05 of one engine": m(ours) >= m(REFERENCE) - 0.05,
+            "imbalance < 1.25": m(ours, "imbalance") < 1.25,
+        }
+        if "round-robin" in cell:
+            out[">= 1.5x round-robin"] = m(ours) >= 1.5 * m("round-robin")
+        if is_hybrid and baseline in cell:
+            out["> full-attention-only"] = m(ours) > m(baseline)
+        return out
+
+    out = {}
+    for ours in (p for p in policies if p in ("ours", "ours, before")):
+        per_seed = [checks(ours, i) for i in range(len(cell[ours]["runs"]))]
+        out[ours] = {
+            name: {"met": met, "seeds_met": sum(s[name] for s in per_seed)}
+            for name, met in checks(ours, None).items()
+        }
+    return out
+
+
+def print_table(results: dict[str, dict[str, dict[str, Any]]], policies: tuple[str, ...]) -> None:
+    """One block per scale and layout: a row per policy, then the goals."""
+    head = (
+        f"{'policy':<27}{'hit rate':>21}{'TTFT mean':>11}{'p50':>6}{'p90':>6}"
+        f"{'imbalance':>19}{'preempt':>9}"
+    )
+    for scale, by_layout in results.items():
+        for layout, cell in by_layout.items():
+            num_seeds = len(cell[REFERENCE]["runs"])
+            print(f"\n== {scale}, {layout} ({num_seeds} seeds: mean [min, max])\n{head}")
+            for policy in (*policies, REFERENCE):
+                m, lo, hi = (cell[policy][k] for k in ("mean", "min", "max"))
+                print(
+                    f"{policy:<27}"
+                    f"{m['hit_rate']:>7.3f} [{lo['hit_rate']:.3f}, {hi['hit_rate']:.3f}]"
+                    f"{m['ttft_ms_mean']:>11.0f}{m['ttft_ms_p50']:>6.0f}{m['ttft_ms_p90']:>6.0f}"
+                    f"{m['imbalance']:>7.2f} [{lo['imbalance']:.2f}, {hi['imbalance']:.2f}]"
+                    f"{m['preemptions']:>9.0f}"
+                )
+            for ours, checks in cell["goals"].items():
+                met = [
+                    f"{name} {'yes' if g['met'] else 'NO'} ({g['seeds_met']}/{num_seeds})"
+                    for name, g in checks.items()
+                ]
+                print(f"goals, {ours}: " + "; ".join(met))
