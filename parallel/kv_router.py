@@ -164,6 +164,8 @@ class PrefixRouter:
         """Replica ``name``'s ``medium`` tier (``REDIS``) is the store named ``store``
         (``KVConnector.shared_stores``): what any replica of that store published in
         that medium counts for each of them, less the tier discount."""
+        if name not in self.indexes:
+            raise ValueError(f"no index for replica {name!r}")
         self._stores[name][medium] = store
         self._find_peers()
 

@@ -129,6 +129,8 @@ def test_replicas_of_one_redis_store_are_credited_with_each_others_blocks() -> N
     assert router.rank(PROMPT, {}, ["c", "b"])[0] == "b"
     router.set_index("b", holding(0))
     assert router.saved_tokens("b", PROMPT) == 0
+    with pytest.raises(ValueError, match="no index for replica 'd'"):
+        router.share("d", "REDIS", "redis:run1/0/m")
 
 
 def test_a_shared_prefix_follows_the_first_sighting_before_any_event() -> None:
