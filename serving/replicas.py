@@ -22,7 +22,7 @@ every 100 ms).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -190,11 +190,7 @@ class ReplicaSet:
 
     async def watch(self, interval_s: float) -> None:
         """Probe every replica every ``interval_s`` seconds, forever."""
-        while True:
-            async with anyio.create_task_group() as tg:
-                for replica in self.replicas.values():
-                    tg.start_soon(self.probe, replica)
-            await anyio.sleep(interval_s)
+        await self._every(interval_s, self.probe, lambda: list(self.replicas.values()))
 
     async def poll_load(self, replica: Replica) -> None:
         """Read ``replica``'s ``/load`` (a failure forgets it: the health probe decides
@@ -209,12 +205,20 @@ class ReplicaSet:
     async def watch_load(self, interval_s: float) -> None:
         """Poll every healthy replica's ``/load`` every ``interval_s`` seconds, forever
         (the prefix policies' free pages; the others weigh requests alone)."""
-        if not self.policy.startswith("prefix"):
-            return
+        if self.policy.startswith("prefix"):
+            await self._every(interval_s, self.poll_load, lambda: self.healthy)
+
+    @staticmethod
+    async def _every(
+        interval_s: float,
+        visit: Callable[[Replica], Coroutine[Any, Any, None]],
+        replicas: Callable[[], list[Replica]],
+    ) -> None:
+        """``visit`` each of ``replicas()`` at once, then wait ``interval_s``; forever."""
         while True:
             async with anyio.create_task_group() as tg:
-                for replica in self.healthy:
-                    tg.start_soon(self.poll_load, replica)
+                for replica in replicas():
+                    tg.start_soon(visit, replica)
             await anyio.sleep(interval_s)
 
     def close(self) -> None:
