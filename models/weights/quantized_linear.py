@@ -1,7 +1,8 @@
 """Linear layers whose weights are stored in 8 or 4 bits and multiplied by torch's own
 weight-only CPU kernels.
 
-    Int8Linear   w ~ q * scale            q int8 [N, K], one float scale per output row
+    Int8Linear   w ~ q * scale            q int8 [N, K] (stored zero-padded to a multiple
+                                          of 16 inputs), one float scale per output row
     Int4Linear   w ~ (q - 8) * s + z      q 4-bit [N, K], (s, z) per row and group of 32
                                           inputs, packed as ``_weight_int4pack_mm_for_cpu``
                                           reads it, and two levels a byte in row order
@@ -18,6 +19,9 @@ cast to bfloat16 and the output back. Many rows (a prefill chunk) are compute-bo
 weights are expanded a slice of output rows at a time and go through the ordinary matmul,
 never holding a whole float copy of a large matrix; in bfloat16 where the CPU has native
 bfloat16 products (``cpu_features.py``), in the activation dtype elsewhere.
+
+The int8 kernel reads K in whole vector widths with no tail, so its weight is stored
+zero-padded to a multiple of 16 inputs and a few-rows input padded alike (below).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import abc
 from typing import Self
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.models.weights.cpu_features import has_native_bfloat16
@@ -38,6 +43,11 @@ INT4_GROUP = 32
 _INT4_ROWS = 32
 #: Output rows expanded at a time on the many-rows path (bounds the float copy).
 _SLICE_ROWS = 8192
+#: ``aten._weight_int8pack_mm`` (torch 2.13 on CPU) reads K 16 inputs at a time with
+#: AVX-512 and 8 with AVX2, with no loop for a remainder: any other K reads past the
+#: rows, and one row returns inf or NaN while a few crash the process. Found on 2.13.0;
+#: ``tests/models/weights/test_kernel_shapes.py`` sweeps K mod 16 in a child process.
+_INT8_K_MULTIPLE = 16
 
 
 class QuantizedLinear(nn.Module):
@@ -107,7 +117,8 @@ class QuantizedLinear(nn.Module):
 
 
 class Int8Linear(QuantizedLinear):
-    """Symmetric int8 weights with one scale per output row."""
+    """Symmetric int8 weights with one scale per output row; ``qweight`` is ``[N, K']``,
+    ``K`` inputs and zero columns up to the kernel's multiple of 16."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -117,34 +128,47 @@ class Int8Linear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         w = weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-        self.register_buffer(
-            "qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        )
-        # bfloat16, as the kernel takes them; the many-rows path expands with the same.
-        self.register_buffer("scales", scales.to(torch.bfloat16))
+        qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        # bfloat16 scales, as the kernel takes them; the many-rows path expands with them.
+        self._store(qweight, scales.to(torch.bfloat16))
+
+    def _store(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        """Keep levels ``[N, K]`` (or already padded) zero-padded to ``[N, K']``, K' the
+        next multiple of 16 (the kernel's shape limit above): padded inputs add zero."""
+        width = -(-self.in_features // _INT8_K_MULTIPLE) * _INT8_K_MULTIPLE
+        if qweight.shape[1] != width:
+            qweight = F.pad(qweight, (0, width - qweight.shape[1]))
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
 
     def matmul_bf16(self, rows: torch.Tensor) -> torch.Tensor:
+        padding = self.qweight.shape[1] - self.in_features
+        rows = F.pad(rows, (0, padding)) if padding else rows.contiguous()
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
         return out
 
+    def levels(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """int8 levels of output rows ``rows``, ``[..., K]`` (without the padding)."""
+        return self.qweight[rows][..., : self.in_features]
+
     def expand(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         scales = self.scales[start:stop, None]
+        levels = self.levels(slice(start, stop))
         if dtype == scales.dtype:
             # Levels are exact in bfloat16 and the product rounds once, as through float32:
             # the same values at a third of the memory traffic (benchmarks/lm_head.py).
-            return self.qweight[start:stop].to(dtype) * scales
-        return (self.qweight[start:stop].to(torch.float32) * scales.float()).to(dtype)
+            return levels.to(dtype) * scales
+        return (levels.to(torch.float32) * scales.float()).to(dtype)
 
     def kernel_buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.qweight, self.scales)
 
     def take_rows(self, rows: torch.Tensor | slice) -> Int8Linear:
-        qweight = self.qweight[rows]
         bias = None if self.bias is None else self.bias[rows]
-        return self._of(self.in_features, qweight, self.scales[rows], bias)
+        return self._of(self.in_features, self.qweight[rows], self.scales[rows], bias)
 
     def take_columns(self, columns: slice) -> Int8Linear:
-        qweight = self.qweight[:, columns]
+        qweight = self.qweight[:, : self.in_features][:, columns]
         return self._of(qweight.shape[1], qweight, self.scales, None)
 
     @classmethod
@@ -157,8 +181,7 @@ class Int8Linear(QuantizedLinear):
     ) -> Int8Linear:
         out = cls.__new__(cls)
         QuantizedLinear.__init__(out, in_features, qweight.shape[0], bias)
-        out.register_buffer("qweight", qweight.contiguous())
-        out.register_buffer("scales", scales.contiguous())
+        out._store(qweight, scales)
         return out
 
     @classmethod
@@ -259,7 +282,12 @@ class Int4Linear(QuantizedLinear):
 
 
 def fits_int4(out_features: int, in_features: int) -> bool:
-    """Whether a weight ``[out_features, in_features]`` packs for the int4 kernel."""
+    """Whether a weight ``[out_features, in_features]`` packs for the int4 kernel.
+
+    The guard of the int4 kernel's shapes (torch 2.13): its packing refuses N not a
+    multiple of 16 and its groups need K a multiple of 32; both are asked of whole
+    blocks of 32 rows, the packing's unit on AVX2 (``test_kernel_shapes.py`` sweeps them).
+    """
     return out_features % _INT4_ROWS == 0 and in_features % INT4_GROUP == 0
 
 

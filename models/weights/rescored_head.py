@@ -112,7 +112,7 @@ class RescoredHead(nn.Module):
             return self.exact_rows[ids].float()
         head = self.head
         assert isinstance(head, Int8Linear), "checked at construction"
-        return head.qweight[ids].float() * head.scales[ids].float().unsqueeze(-1)
+        return head.levels(ids).float() * head.scales[ids].float().unsqueeze(-1)
 
     def weight_bytes(self) -> int:
         """Bytes one decode pass reads: the 4-bit head (the rescored rows are few)."""
