@@ -115,6 +115,11 @@ def _check_grammar_text(text: str, limits: GrammarLimits) -> None:
     bare = _LITERAL.sub('""', text)
     _at_most("the grammar", _nesting(bare, "(", ")"), limits.max_nesting, "nested groups")
     starts = [m.start() for m in _DEFINITION.finditer(bare)]
+    if not starts:
+        raise GrammarError(
+            "the grammar defines no rule: write at least one, as `start: ...` (Lark) "
+            "or `root ::= ...` (GBNF)"
+        )
     _at_most("the grammar", len(starts), limits.max_rules, "rule definitions")
     rules: dict[str, set[str]] = {}
     for begin, end in zip(starts, [*starts[1:], len(bare)], strict=True):

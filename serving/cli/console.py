@@ -35,11 +35,17 @@ def configure_logging(level: str = "warning", fmt: str = "text") -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso" if fmt == "json" else "%H:%M:%S"),
     ]
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    # Tracebacks without local variables in both formats: a failed request's locals
+    # hold its prompt and messages, which the default level must not write out.
+    renderer: Any
+    if fmt == "json":
+        transformer = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        shared.append(structlog.processors.ExceptionRenderer(transformer))
+        renderer = structlog.processors.JSONRenderer()
+    else:
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=False, exception_formatter=structlog.dev.plain_traceback
+        )
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

@@ -14,6 +14,7 @@ from hybridkv.executor.grammar_bounds import (
     check_bounds,
     json_depth,
 )
+from hybridkv.executor.grammars import GrammarError
 from hybridkv.scheduler.params import StructuredOutput
 
 JSON_GRAMMAR = r"""
@@ -80,6 +81,13 @@ def test_specs_over_a_bound_are_refused_naming_it(spec: StructuredOutput, match:
     """Rules, nesting, bytes and choices past their limits raise GrammarLimitError."""
     with pytest.raises(GrammarLimitError, match=match):
         check_bounds(spec)
+
+
+@pytest.mark.parametrize("text", ["garbage", "x ::", "  | 'a'"])
+def test_a_grammar_without_a_rule_is_refused(text: str) -> None:
+    """Text with no rule definition is a GrammarError saying so, not a crash."""
+    with pytest.raises(GrammarError, match="the grammar defines no rule"):
+        check_bounds(StructuredOutput("grammar", text))
 
 
 def test_the_reference_chain_is_bounded_apart_from_the_rule_count() -> None:

@@ -67,6 +67,30 @@ def test_text_lines_share_one_format(
     assert "[warning  ] listener failed" in err[1]
 
 
+def _fail_with_a_prompt_in_locals() -> None:
+    prompt = "the user's private prompt"
+    raise ValueError(f"a failure of {len(prompt)} characters")
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_tracebacks_carry_no_local_variables(
+    fmt: str, capsys: pytest.CaptureFixture[str], logging_as_found: None
+) -> None:
+    """A logged exception (ours, or a server's 500) shows its frames but not their local
+    variables, which would write a request's prompt into the log."""
+    from hybridkv.errors.events import get_logger
+
+    configure_logging("info", fmt)
+    for logger in (get_logger("hybridkv.test"), logging.getLogger("uvicorn.error")):
+        try:
+            _fail_with_a_prompt_in_locals()
+        except ValueError:
+            logger.exception("request_failed")
+    err = capsys.readouterr().err
+    assert err.count("a failure of 25 characters") == 2
+    assert "private prompt" not in err
+
+
 class HeldExecutor(FakeExecutor):
     """The fake, whose steps wait until the test lets them go (``release``)."""
 

@@ -62,6 +62,8 @@ def sampling(make_sampling_server: Any) -> Any:
             "structured_outputs.regex",
             "200 nested groups",
         ),
+        ({"guided_grammar": "garbage"}, "guided_grammar", "the grammar defines no rule"),
+        ({"guided_grammar": "x ::"}, "guided_grammar", "the grammar defines no rule"),
     ],
 )
 def test_grammars_over_a_bound_are_refused_before_llguidance(
