@@ -157,21 +157,41 @@ class TransferWorker:
             for i, load in enumerate(task.blocks):
                 by_tier.setdefault(load.tier, []).append(i)
             for tier_index, indices in by_tier.items():
-                tier = self.config.tiers[tier_index]
-                try:
-                    values = tier.get([task.blocks[i].key for i in indices])
-                except TierUnavailableError:
-                    continue  # these blocks fail; the request recomputes them
-                for i, value in zip(indices, values, strict=True):
-                    if value is None:
-                        continue
-                    try:
-                        blocks[i] = decode(value)
-                    except CorruptBlockError as exc:
-                        log.warning("kv_block_corrupt", tier=tier.name, error=str(exc))
+                self._fetch(task, tier_index, indices, blocks)
+            # Reported however the fetch went: a block still None is a failed load.
             with self._lock:
                 self._fetched.append((task, blocks))
                 self._lock.notify_all()
+
+    def _fetch(
+        self, task: LoadTask, tier_index: int, indices: list[int], blocks: list[KVBlock | None]
+    ) -> None:
+        """Fill ``blocks[i]`` for ``indices`` from one tier; a block it cannot deliver
+        (the tier down or failing mid-reply, a reply short or of the wrong kind, a value
+        missing or corrupt) stays None, so the request recomputes exactly those."""
+        tier = self.config.tiers[tier_index]
+        try:
+            values = tier.get([task.blocks[i].key for i in indices])
+        except TierUnavailableError:
+            return  # the tier logged it
+        except Exception as exc:  # a tier's own bug must fail its blocks, not this thread
+            log.warning("kv_tier_failed", tier=tier.name, call="get", error=repr(exc))
+            return
+        if not isinstance(values, list) or len(values) != len(indices):
+            log.warning(
+                "kv_tier_failed",
+                tier=tier.name,
+                call="get",
+                error=f"{type(values).__name__} reply for {len(indices)} keys",
+            )
+            return
+        for i, value in zip(indices, values, strict=True):
+            if value is None:
+                continue
+            try:
+                blocks[i] = decode(value)
+            except (CorruptBlockError, TypeError) as exc:  # TypeError: not bytes at all
+                log.warning("kv_block_corrupt", tier=tier.name, error=str(exc))
 
     def _write(self, task: LoadTask, blocks: list[KVBlock | None]) -> LoadReport:
         """Write a fetched load's blocks into their pages (the executor's thread)."""

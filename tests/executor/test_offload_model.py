@@ -8,12 +8,14 @@ from typing import Any
 
 import anyio
 import pytest
+from cut_proxy import CUTS, CutProxy
 from structlog.testing import capture_logs
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.offload import HostTier, OffloadConfig, RedisTier
 from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
+from hybridkv.serving.metrics import OffloadCollector
 
 POOL_BYTES = 40 * 2 * 1024  # about 40 pages of 4 tokens per group
 
@@ -111,3 +113,35 @@ async def test_a_hybrids_state_loads_from_a_tier_with_the_same_tokens(
     outputs, _ = await _scenario(model, prompt_of, offload)
     assert outputs == baseline
     assert offload.stats.hit_tokens[tier] >= 64
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cut", CUTS)
+async def test_a_load_cut_mid_reply_reports_every_block_it_did_not_deliver(
+    tiny_models: Any, prompt_of: Any, redis_server: Any, cut: str
+) -> None:
+    """Redis's connection cut inside the reply of a load (before it, inside a block,
+    between blocks): every block of that load is reported failed, to the scheduler (a
+    ``kv_load_failed`` event), the counters and the metric; the tokens are recomputed
+    and equal a run without offload."""
+    model = tiny_models["gemma3"]
+    baseline, _ = await _scenario(model, prompt_of, None)
+    # The first run fills Redis; the second reads it through a proxy that cuts once.
+    await _scenario(model, prompt_of, OffloadConfig(tiers=[RedisTier(redis_server.url)]))
+    proxy = CutProxy(redis_server.port, cut)
+    try:
+        offload = OffloadConfig(tiers=[RedisTier(proxy.url, timeout_s=5.0)], save_interval=16)
+        with capture_logs() as logs:
+            outputs, _ = await _scenario(model, prompt_of, offload)
+    finally:
+        proxy.close()
+    assert outputs == baseline
+    assert proxy.num_keys is not None, "no load was read through the proxy"
+    failed = [e for e in logs if e["event"] == "kv_load_failed"]
+    assert failed[0]["num_failed_blocks"] == proxy.num_keys
+    assert failed[0]["num_loaded_blocks"] == 0
+    assert offload.stats.num_failed_blocks >= proxy.num_keys
+    assert offload.stats.num_loaded_blocks == 0
+    metric = {m.name: m for m in OffloadCollector(offload.stats).collect()}
+    assert metric["hybridkv_kv_offload_failed_loads"].samples[0].value >= proxy.num_keys
+    assert "kv_tier_unavailable" in [e["event"] for e in logs]
