@@ -178,7 +178,6 @@ class PipelineExecutor:
             tensor_parallel_size=tensor_parallel_size,
         )
         stage0, channels, workers = launch(settings)
-        log.info("pipeline_started", num_stages=pipeline_parallel_size, pool=repr(stage0.pool))
         return cls(
             stage0,
             channels,
@@ -286,10 +285,10 @@ class PipelineExecutor:
             number += 1
             try:
                 result, logits = self._receive(batch)
-            except Exception as exc:
-                # A worker that exited closes our connections first: name it.
-                lost = f"lost the connection to a stage: {exc}"
-                self._break(self._workers.exits_within(1.0) or lost)
+            except Exception as exc:  # a stage lost, or broken already (receive abandoned)
+                if self._error is None:  # a worker that exited closes our connections first
+                    lost = f"lost the connection to a stage: {exc}"
+                    self._break(self._workers.exits_within(1.0) or lost)
                 return
             if logits and self.logits_hook is not None:
                 for request_id, row in logits:
@@ -345,6 +344,7 @@ class PipelineExecutor:
             self._in_flight.clear()
         log.error("pipeline_broken", reason=reason, num_steps_failed=len(failed))
         self._workers.kill()  # also ends our own receives from them
+        self._channels.abandon()  # and those from rank 0 itself
         for future in failed:
             future.set_exception(self._error)
 

@@ -34,8 +34,6 @@ import pickle
 import secrets
 import signal
 import sys
-import threading
-import time
 import traceback
 from collections.abc import Mapping
 from datetime import timedelta
@@ -58,6 +56,7 @@ from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.stages import split_layers
 from hybridkv.parallel.context_executor import ContextParallelExecutor, check_context_split
 from hybridkv.parallel.context_group import ContextRanks, open_context_group
+from hybridkv.parallel.parent_watch import watch_parent
 from hybridkv.parallel.pipeline_stage import StageExecutor, StageRunner, StageStats, serve_stage
 from hybridkv.parallel.pipeline_wire import PipelineChannels
 from hybridkv.parallel.rank_layout import ParallelConfig
@@ -325,7 +324,7 @@ def run_torchrun_worker(settings: StageSettings) -> int:
 def spawned_worker(rank: int, rendezvous: Rendezvous, settings: StageSettings) -> None:
     """Entry point of a worker spawned by rank 0: exits with :func:`run_worker`'s status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    watch_parent(os.getppid(), grace_s=None)  # a killed engine leaves no workers
     sys.exit(run_worker(rank, rendezvous, settings))
 
 
@@ -353,18 +352,6 @@ def read_failure(store: Store, rank: int) -> str | None:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _exit_with_parent() -> None:
-    """End this process once its parent is gone (a killed engine leaves no workers)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="hybridkv-parent-watch", daemon=True).start()
 
 
 def _set_bytes(store: Store, key: str, value: bytes) -> None:

@@ -141,7 +141,7 @@ class PipelineChannels:
             layout, rank, "pipeline", "context", "tensor", backend="gloo", timeout=timeout
         )
         self.rank, self.layout = rank, layout
-        self._local_reports: queue.SimpleQueue[tuple[LoadReport, ...]] = queue.SimpleQueue()
+        self._local_reports: queue.SimpleQueue[Any] = queue.SimpleQueue()
         ranks = layout.group_of(rank, "pipeline")
         self.stage = ranks.index(rank)
         self.num_stages = len(ranks)
@@ -209,10 +209,22 @@ class PipelineChannels:
         self.counters.result_bytes += self._send_object(result, self.results)
 
     def recv_result(self) -> object:
-        """The next step's result from the last stage (rank 0)."""
+        """The next step's result from the last stage (rank 0).
+
+        Raises:
+            ChannelsAbandonedError: :meth:`abandon` was called (one stage only: a remote
+                stage's receive fails when its worker is killed).
+        """
         if self.last == self.first:
-            return self._local_results.get()
+            return _local(self._local_results.get())
         return _recv_object(self.last, self.results)
+
+    def abandon(self) -> None:
+        """Wake every receive from rank 0 itself with an error: the pipeline broke, and
+        the step they wait for will never be sent (a tensor-only pipeline's rank 0 is
+        its own last stage, and nothing else would end that wait)."""
+        self._local_results.put(_ABANDONED)
+        self._local_reports.put(_ABANDONED)
 
     # -- reports: every rank to rank 0 ----------------------------------------------------
 
@@ -225,7 +237,7 @@ class PipelineChannels:
 
     def recv_reports(self) -> list[LoadReport]:
         """Every rank's load reports of the next step that carried transfers (rank 0)."""
-        out = list(self._local_reports.get())
+        out = list(_local(self._local_reports.get()))
         for rank in range(1, self.layout.world_size):
             out.extend(cast(tuple[LoadReport, ...], _recv_object(rank, self.reports)))
         return out
@@ -238,6 +250,21 @@ class PipelineChannels:
             self.outbox.add(dist.isend(tensor, dst=self.first, group=group), tensor)
         self.outbox.reap()
         return header.nbytes + payload.nbytes
+
+
+class ChannelsAbandonedError(RuntimeError):
+    """A receive on channels that were abandoned (the pipeline broke)."""
+
+
+#: What :meth:`PipelineChannels.abandon` puts in rank 0's own queues.
+_ABANDONED = object()
+
+
+def _local(item: Any) -> Any:
+    """An item of rank 0's own queue, or the error its abandonment means."""
+    if item is _ABANDONED:
+        raise ChannelsAbandonedError("the pipeline broke; no result will come")
+    return item
 
 
 def _recv_object(src: int, group: dist.ProcessGroup) -> object:

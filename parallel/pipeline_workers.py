@@ -246,6 +246,8 @@ def launch(settings: StageSettings) -> tuple[StageExecutor, PipelineChannels, Wo
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
+    pids = [p.pid for p in workers.processes]
+    log.info("pipeline_started", world_size=settings.world_size, pool=repr(stage0.pool), pids=pids)
     return stage0, channels, workers
 
 

@@ -9,6 +9,10 @@ This is what an application embedding hybridkv does::
 The socket is bound before serving so that a port in use is a clear error, not a
 uvicorn exit, and so tests can bind port 0 and learn the port chosen.
 
+A graceful shutdown (SIGTERM, SIGINT, ``should_exit``) first tells every open event
+stream, which ends with an error event and ``[DONE]`` (``streaming.py``); uvicorn then
+waits for the connections to finish, so none is cut while the server stops.
+
 While it serves, the loop's exception handler logs a failing ``accept()`` (EMFILE, out of
 descriptors, and its kin) at most once a second, with the count of those left out:
 asyncio logs each with a traceback, once per connection waiting in the backlog, which
@@ -30,11 +34,12 @@ from typing import Any
 import anyio
 import anyio.abc
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.loop_host import on_asyncio
 from hybridkv.serving.connection import ConnectionLimits, RateLimitedLog
+from hybridkv.serving.streaming import STOPPING_KEY
 
 #: The errors asyncio's accept loop reports and retries a second later.
 ACCEPT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -103,8 +108,14 @@ async def serve_http(
             "on trio serve the app with hybridkv.serving.hypercorn_server.serve_hypercorn"
         )
     limits = (limits or ConnectionLimits()).fit_descriptor_limit()
+    stopping = anyio.Event()
+
+    async def announcing(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[STOPPING_KEY] = stopping
+        await app(scope, receive, send)
+
     config = uvicorn.Config(
-        app,
+        announcing,
         http=limits.protocol(),
         ws="none",  # no websocket routes; an upgraded connection would leave the table
         log_level=log_level,
@@ -114,7 +125,7 @@ async def serve_http(
         timeout_graceful_shutdown=5,
         access_log=log_level in ("debug", "info"),
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, stopping)
     loop = asyncio.get_running_loop()
     previous = loop.get_exception_handler()
     handler = AcceptErrorLog(previous)
@@ -140,6 +151,18 @@ def _restore_handler(
 ) -> None:
     if loop.get_exception_handler() is handler:  # unless someone else replaced it since
         loop.set_exception_handler(previous)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which tells the open streams when it begins to shut down."""
+
+    def __init__(self, config: uvicorn.Config, stopping: anyio.Event) -> None:
+        super().__init__(config)
+        self.stopping = stopping
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.stopping.set()
+        await super().shutdown(sockets)
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:

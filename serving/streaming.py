@@ -11,10 +11,18 @@ When the client disconnects (or stops reading, which the connection layer turns 
 disconnect) the watcher logs ``client_disconnected`` once, at info level, and cancels
 the producers: their engine streams close, which aborts the requests. No traceback, no
 error line. The producer never yields inside the task group: it calls ``emit``.
+
+When the server begins a graceful shutdown (``serve_http`` puts an ``anyio.Event`` in
+each request's scope under :data:`STOPPING_KEY` and sets it then), every open stream is
+cancelled likewise and ends with an error event and ``[DONE]``, never a cut connection::
+
+    data: {"error": {"message": "the server is shutting down", "type": ...}}
+    data: [DONE]
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -22,11 +30,32 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from hybridkv.errors.events import get_logger
+from hybridkv.serving.errors import error_body
 
 log = get_logger(__name__)
 
 #: Sends one chunk of the body.
 Emit = Callable[[bytes], Awaitable[None]]
+
+#: The ASGI scope key of the event a server sets when it begins to shut down.
+STOPPING_KEY = "hybridkv.stopping"
+
+#: The last events of a stream the server's shutdown ended.
+SHUTDOWN_EVENTS = (
+    "data: "
+    + json.dumps(
+        {"error": error_body("the server is shutting down", "ServiceUnavailableError")["error"]}
+    )
+    + "\n\ndata: [DONE]\n\n"
+).encode()
+
+
+async def _end_on_stopping(
+    stopping: anyio.Event, scope: anyio.CancelScope, ended: list[bool]
+) -> None:
+    await stopping.wait()
+    ended.append(True)
+    scope.cancel()
 
 
 async def cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope, path: str) -> None:
@@ -61,6 +90,8 @@ class EventStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lock = anyio.Lock()
         finished = False
+        stopped: list[bool] = []  # the server's shutdown ended it
+        stopping: anyio.Event | None = scope.get(STOPPING_KEY)
 
         async def emit(data: bytes) -> None:
             async with lock:  # choices emit concurrently; chunks must not interleave
@@ -76,10 +107,16 @@ class EventStreamResponse(Response):
             )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope, scope["path"])
+                if stopping is not None:
+                    tg.start_soon(_end_on_stopping, stopping, tg.cancel_scope, stopped)
                 await self._produce(emit)
                 finished = True
                 tg.cancel_scope.cancel()
         finally:
             self._on_close()
+        if stopped and not finished:
+            log.info("stream_ended_by_shutdown", path=scope["path"])
+            await send({"type": "http.response.body", "body": SHUTDOWN_EVENTS, "more_body": True})
+            finished = True
         if finished:
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -49,6 +49,12 @@ class LiveServer:
     app: Any
     executor: Executor
     portal: BlockingPortal
+    http_server: Any = None
+
+    def begin_shutdown(self) -> None:
+        """Begin the HTTP server's graceful shutdown, as SIGTERM does: open streams end
+        with an error event, and it stops listening (asyncio's uvicorn only)."""
+        self.portal.call(setattr, self.http_server, "should_exit", True)
 
     def stats(self) -> EngineStats:
         """The engine's stats, read on the loop's thread."""
@@ -190,7 +196,8 @@ def live_server(
             portal = stack.enter_context(start_blocking_portal(backend))
         future, (engine, app, server, port) = portal.start_task(_run, setup)
         try:
-            yield LiveServer(f"http://127.0.0.1:{port}", model, engine, app, executor, portal)
+            url = f"http://127.0.0.1:{port}"
+            yield LiveServer(url, model, engine, app, executor, portal, server)
         finally:
             portal.call(setattr, server, "should_exit", True)
             future.result(timeout=30)

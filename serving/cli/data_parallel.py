@@ -13,21 +13,18 @@ events go to free loopback ports, unless ``--kv-events-config`` is given: then r
 ``r`` publishes where that config says, with its TCP ports moved up by ``r``, as vLLM
 numbers its data-parallel ranks. The front end waits until every replica serves (a
 replica that exits first fails the command with its exit code; its own log says why),
-takes a replica whose process exits out of rotation, and stops them all when it stops.
+takes a replica whose process exits out of rotation at once (and starts it again with
+``--restart-replicas``), and stops them all when it stops, on Ctrl-C or SIGTERM
+(``replica_processes.py``). Each replica ends with the front end, even a SIGKILLed one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Sequence
-from typing import Any
 
-from hybridkv.errors import HybridKVError
 from hybridkv.serving.cli.route import add_routing_arguments
 
 #: Flags of the command line that the front end keeps to itself (with their values).
@@ -43,13 +40,8 @@ _FRONT_END_FLAGS = (
     "--health-interval",
     "--load-interval",
 )
-_START = "import sys; from hybridkv.serving.cli.main import main; sys.exit(main())"
-#: Seconds a replica is given to stop on SIGINT before it is killed.
-STOP_GRACE_S = 20.0
-
-
-class ReplicaStartError(HybridKVError):
-    """A replica exited before it served."""
+#: Its flags that take no value.
+_FRONT_END_SWITCHES = ("--restart-replicas",)
 
 
 def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +62,11 @@ def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help="this engine's rank among data-parallel replicas, written into its KV events (0)",
     )
+    group.add_argument(
+        "--restart-replicas",
+        action="store_true",
+        help="start a replica again when its process exits (default: serve on the others)",
+    )
     add_routing_arguments(group)
 
 
@@ -83,6 +80,8 @@ def replica_command_line(argv: Sequence[str], *, port: int, kv_events: str, rank
             skip = False
             continue
         name = item.split("=", 1)[0]
+        if name in _FRONT_END_SWITCHES:
+            continue
         if name in _FRONT_END_FLAGS:
             skip = "=" not in item
             continue
@@ -129,12 +128,14 @@ def free_ports(count: int) -> list[int]:
 
 
 def run_data_parallel(args: argparse.Namespace) -> int:
-    """Start the replicas, serve the front end until interrupted, stop the replicas."""
+    """Start the replicas, serve the front end until interrupted (Ctrl-C or SIGTERM),
+    stop the replicas."""
     import contextlib
 
     import anyio
 
     from hybridkv.serving.cli.console import configure_logging
+    from hybridkv.serving.cli.replica_processes import ReplicaProcesses
     from hybridkv.serving.cli.route import load_prompter, serve_front_end
     from hybridkv.serving.cli.values import UsageError
     from hybridkv.serving.replicas import Replica
@@ -150,73 +151,26 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     with sock:
         prompter = load_prompter(args.model_flag or args.model, args.chat_template)
         ports = free_ports(size)
-        processes: list[subprocess.Popen[bytes]] = []
+        lines = [
+            replica_command_line(
+                args.command_line, port=port, kv_events=kv_events_of(args, rank), rank=rank
+            )
+            for rank, port in enumerate(ports)
+        ]
+        processes = ReplicaProcesses(lines, restart=args.restart_replicas)
         try:
-            for rank, port in enumerate(ports):
-                line = replica_command_line(
-                    args.command_line, port=port, kv_events=kv_events_of(args, rank), rank=rank
-                )
-                processes.append(subprocess.Popen([sys.executable, "-c", _START, *line]))
+            processes.start()
             replicas = [
                 Replica(str(rank), f"http://127.0.0.1:{port}", pid=process.pid)
-                for rank, (port, process) in enumerate(zip(ports, processes, strict=True))
+                for rank, (port, process) in enumerate(zip(ports, processes.processes, strict=True))
             ]
-            pairs = zip(replicas, processes, strict=True)
-            watchers = [_watcher(replica, process) for replica, process in pairs]
-
-            async def ready(routed: Any) -> None:
-                await _until_serving(routed, processes)
-
+            watchers = [processes.watcher(rank) for rank in range(size)]
             with contextlib.suppress(KeyboardInterrupt):
                 anyio.run(
-                    lambda: serve_front_end(args, replicas, prompter, sock, watchers, ready=ready)
+                    lambda: serve_front_end(
+                        args, replicas, prompter, sock, watchers, ready=processes.until_serving
+                    )
                 )
         finally:
-            stop_all(processes)
+            processes.stop()
     return 0
-
-
-def _watcher(replica: Any, process: subprocess.Popen[bytes]) -> Any:
-    """A companion task that takes ``replica`` out of rotation when its process exits."""
-
-    async def watch(routed: Any) -> None:
-        import anyio
-
-        code = await anyio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
-        routed.mark_down(replica, f"its process exited with code {code}")
-
-    return watch
-
-
-async def _until_serving(routed: Any, processes: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Probe until every replica serves; a replica whose process exits first fails it."""
-    import anyio
-
-    delay = 0.05
-    while True:
-        for replica, process in zip(routed.replicas.values(), processes, strict=True):
-            code = process.poll()
-            if code is not None:
-                raise ReplicaStartError(
-                    f"replica {replica.name} (pid {process.pid}) exited with code {code} "
-                    "before it served; its log above says why"
-                )
-            if not replica.healthy:
-                await routed.probe(replica)
-        if all(r.healthy for r in routed.replicas.values()):
-            return
-        await anyio.sleep(delay)  # a poll of starting processes, not a test's wait
-        delay = min(1.0, delay * 2)
-
-
-def stop_all(processes: Sequence[subprocess.Popen[bytes]]) -> None:
-    """SIGINT every replica (its Ctrl-C: it stops its workers), then kill what is left
-    after :data:`STOP_GRACE_S`."""
-    for process in processes:
-        process.send_signal(signal.SIGINT)  # nothing for one that has exited
-    for process in processes:
-        try:
-            process.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

@@ -8,14 +8,22 @@ keep heavy imports (torch, models, the HTTP stack) inside the handler so that
 
 Errors of the library (:class:`HybridKVError`, :class:`~hybridkv.serving.cli.values.UsageError`
 among them) print one line on stderr and exit with status 2, without a traceback.
+
+SIGTERM stops a command as Ctrl-C does (a ``KeyboardInterrupt``), so that the servers
+stop what they started (workers, replicas) either way. A ``hybridkv`` process started
+by another with :data:`~hybridkv.parallel.parent_watch.PARENT_PID_VARIABLE` set (a
+replica of ``serve -dp``) stops the same way when that parent is gone.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from hybridkv.errors import HybridKVError
 from hybridkv.serving.cli.config_file import expand_config
@@ -44,7 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command_line = argv  # as parsed, --config expanded (serve -dp starts replicas of it)
     handler: Callable[[argparse.Namespace], int] = args.handler
+    previous = _interrupt_on_sigterm()
     try:
+        from hybridkv.parallel.parent_watch import watch_parent_from_environment
+
+        watch_parent_from_environment(grace_s=STOP_GRACE_S)
         import_modules(getattr(args, "imports", []))
         from hybridkv.serving.cli.loading import pipeline_worker_status
 
@@ -64,6 +76,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         for message in dict.fromkeys(str(error) for error in _leaves(errors)):
             print(f"hybridkv {args.command}: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+#: Seconds a command has to stop after SIGTERM or its parent's end: then it is killed.
+STOP_GRACE_S = 8.0
+
+
+def _interrupt_on_sigterm() -> Any:
+    """Make SIGTERM raise KeyboardInterrupt (in the main thread only: elsewhere, as a
+    command run from a test's thread, it is left alone); the handler it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def import_modules(names: Sequence[str]) -> None:

@@ -27,7 +27,7 @@ WAIT_S = 120.0  # a bound on each answer on a busy machine, never a pause
 def test_a_replica_is_the_same_serve_command_on_its_own_port_and_events() -> None:
     argv = ["serve", "m", "-dp", "2", "--port", "8000", "--host=0.0.0.0", "-tp", "2",
             "--kv-events-config", "{}", "--routing", "round-robin", "--load-interval=0.5",
-            "--health-interval", "2", "--kv-memory", "1GiB"]  # fmt: skip
+            "--health-interval", "2", "--restart-replicas", "--kv-memory", "1GiB"]  # fmt: skip
     line = replica_command_line(argv, port=9001, kv_events='{"x": 1}', rank=1)
     assert line == ["serve", "m", "-tp", "2", "--kv-memory", "1GiB", "--host", "127.0.0.1",
                     "--port", "9001", "--kv-events-config", '{"x": 1}',

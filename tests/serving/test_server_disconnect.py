@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -55,3 +56,23 @@ def test_server_serves_after_a_disconnect(slow_server: Any) -> None:
     body = {"model": MODEL, "prompt": "w2", "max_tokens": 3, "ignore_eos": True}
     response = httpx.post(f"{slow_server.url}/v1/completions", json=body, timeout=30)
     assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_graceful_shutdown_ends_open_streams_with_an_error_event(slow_server: Any) -> None:
+    """When the server begins to stop (SIGTERM, Ctrl-C), a stream in flight ends with
+    an error event saying so and ``[DONE]``, not a cut connection; its pages are freed."""
+    body = {**LONG, "stream": True}
+    with (
+        httpx.Client(base_url=slow_server.url, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=body) as stream,
+    ):
+        lines = (line for line in stream.iter_lines() if line.startswith("data: "))
+        assert '"text"' in next(lines)
+        slow_server.begin_shutdown()
+        rest = list(lines)
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert error["message"] == "the server is shutting down"
+    assert error["type"] == "ServiceUnavailableError"
+    slow_server.wait_until_free()
+    assert slow_server.executor.num_steps < 150
