@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -68,6 +68,10 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+def _names(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class ServerOptions:
     """Limits and access rules of the HTTP layer.
@@ -104,6 +108,8 @@ class ServerOptions:
         strict_fields: Refuse a body with a field this server does not know (400), as
             OpenAI's API does; by default, as vLLM, such fields are ignored and listed in
             one ``request_fields_ignored`` warning per request.
+        responses_store_bytes: Bytes of JSON the Responses API keeps of its stored
+            conversations (besides its count of 1,024); the oldest are evicted first.
     """
 
     max_body_bytes: int = attrs.field(default=4 * 2**20, validator=attrs.validators.ge(1))
@@ -113,7 +119,7 @@ class ServerOptions:
     api_key: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.min_len(1))
     )
-    allowed_hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    allowed_hosts: tuple[str, ...] = attrs.field(default=(), converter=_names)
     body_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     template_timeout_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
     max_preprocess_threads: int = attrs.field(default=4, validator=attrs.validators.ge(1))
@@ -129,6 +135,7 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False
     any_whitespace: bool = True
     additional_properties: bool = False
+    responses_store_bytes: int = attrs.field(default=256 << 20, validator=attrs.validators.ge(1))
 
 
 def build_app(
@@ -198,7 +205,7 @@ def build_app(
             Route("/metrics", routes.metrics, methods=["GET"]),
         ],
         middleware=[
-            *_cors(options.allowed_origins),
+            *cors(options.allowed_origins),
             Middleware(RequestCounter, metrics=metrics),
             Middleware(AccessGuard, api_key=options.api_key, allowed_hosts=options.allowed_hosts),
         ],
@@ -251,7 +258,7 @@ def _first(value: bool | None, default: bool) -> bool:
     return default if value is None else value
 
 
-def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+def cors(origins: tuple[str, ...]) -> list[Middleware]:
     """Starlette's CORS middleware for ``origins`` (it answers preflights itself, before
     the access guard: a browser sends no key with one), or none."""
     if not origins:
@@ -270,7 +277,7 @@ class _Routes:
         self.service = service
         self.metrics_ = metrics
         self.options = options
-        self.store = ResponseStore()
+        self.store = ResponseStore(max_bytes=options.responses_store_bytes)
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The request's JSON object, through every check of body.py."""

@@ -44,6 +44,24 @@ def is_allowed_host(name: str, allowed: Sequence[str]) -> bool:
     return False
 
 
+class KeyCheck:
+    """Whether a request carries the API key (``Authorization: Bearer <key>``, compared
+    in constant time); every request passes where no key is set."""
+
+    def __init__(self, api_key: str | None) -> None:
+        self._key = None if api_key is None else api_key.encode()
+
+    @property
+    def is_set(self) -> bool:
+        return self._key is not None
+
+    def passes(self, headers: Headers) -> bool:
+        if self._key is None:
+            return True
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+
+
 class AccessGuard:
     """Refuses requests with a Host not allowed, or without the API key where needed.
 
@@ -55,7 +73,7 @@ class AccessGuard:
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, allowed_hosts: Sequence[str]) -> None:
         self.app = app
-        self._key = None if api_key is None else api_key.encode()
+        self._key = KeyCheck(api_key)
         self._hosts = tuple(allowed_hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,18 +87,13 @@ class AccessGuard:
                 message = f"the Host header {name!r} is not one this server answers to"
                 await _refuse(send, 400, message, "invalid_host", "invalid_request_error")
                 return
-        if self._key is not None and scope["method"] != "OPTIONS":
+        if self._key.is_set and scope["method"] != "OPTIONS":
             path: str = scope["path"]
-            if path.startswith(_KEYED_PREFIXES) and not self._has_key(headers):
+            if path.startswith(_KEYED_PREFIXES) and not self._key.passes(headers):
                 message = "a valid API key is required: send 'Authorization: Bearer <key>'"
                 await _refuse(send, 401, message, "invalid_api_key", "invalid_request_error")
                 return
         await self.app(scope, receive, send)
-
-    def _has_key(self, headers: Headers) -> bool:
-        assert self._key is not None
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
 
 
 async def _refuse(send: Send, status: int, message: str, code: str, error_type: str) -> None:

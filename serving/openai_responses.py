@@ -37,22 +37,31 @@ Emit = Callable[[bytes], Awaitable[None]]
 
 
 class ResponseStore:
-    """The conversations of the last ``max_stored`` responses, by response id."""
+    """The conversations of the last responses, by response id: at most ``max_stored`` of
+    them and ``max_bytes`` of their JSON, the least recently used evicted first. An
+    evicted id is remembered, so that a request naming it is told why it is gone."""
 
-    def __init__(self, max_stored: int = 1024) -> None:
+    def __init__(self, max_stored: int = 1024, max_bytes: int = 256 << 20) -> None:
         self._max = max_stored
+        self._max_bytes = max_bytes
         self._conversations: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self.num_bytes = 0
 
     def get(self, response_id: str) -> list[dict[str, Any]]:
         """The messages up to and including that response's answer.
 
         Raises:
-            APIError: no stored response has that id (404).
+            APIError: no stored response has that id (404; saying so if it was evicted).
         """
         found = self._conversations.get(response_id)
         if found is None:
+            bounds = f"the last {self._max} responses within {self._max_bytes} bytes"
+            why = "was evicted" if response_id in self._evicted else "is not stored"
             raise APIError(
-                f"no stored response {response_id!r} (the server keeps the last {self._max})",
+                f"the response {response_id!r} {why}: the server keeps {bounds} "
+                "(--responses-store-size), the oldest evicted first",
                 status=404,
                 param="previous_response_id",
                 code="response_not_found",
@@ -61,9 +70,31 @@ class ResponseStore:
         return list(found)
 
     def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
+        """Keep a response's conversation, evicting the oldest beyond the bounds (one
+        larger than the whole budget is not kept)."""
+        size = len(json.dumps(messages, separators=(",", ":"), default=str))
+        if size > self._max_bytes:
+            self._forget(response_id)
+            return
         self._conversations[response_id] = messages
-        while len(self._conversations) > self._max:
-            self._conversations.popitem(last=False)
+        self._sizes[response_id] = size
+        self.num_bytes += size
+        while self._conversations and (
+            len(self._conversations) > self._max or self.num_bytes > self._max_bytes
+        ):
+            evicted, _ = self._conversations.popitem(last=False)
+            self.num_bytes -= self._sizes.pop(evicted)
+            self._forget(evicted)
+
+    def _forget(self, response_id: str) -> None:
+        """Remember that ``response_id`` was evicted (for its 404), a bounded while."""
+        self._evicted[response_id] = None
+        while len(self._evicted) > _REMEMBERED_EVICTIONS:
+            self._evicted.popitem(last=False)
+
+
+#: Evicted ids remembered for their 404's message.
+_REMEMBERED_EVICTIONS = 65_536
 
 
 def chat_body(body: Mapping[str, Any], store: ResponseStore) -> tuple[dict[str, Any], list[str]]:

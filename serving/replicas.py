@@ -9,15 +9,15 @@ what it holds, and the order to try them in for one request.
                   --GET /load--------> the prompt its free pages hold (polled)
     ReplicaSet.order(prompt ids)  ---> the healthy replicas, best first (the policy's)
 
-A replica leaves the rotation when a forward to it fails at the transport, when it
+A replica leaves the rotation when a connection to it is refused or times out, when it
 answers 503 (its engine stopped), when its process exits (``serve
---data-parallel-size``) or when a health probe fails; it comes back when a probe answers
-200, with a fresh index (a restarted engine numbers its events from 0 again). The load
-the policies weigh is the front end's own count of requests in flight per replica
-(exact for the one front end the replicas serve) and, for the prefix policies, the
-longest prompt each replica's free pages hold, polled from its ``/load`` every
-``--load-interval`` (as vLLM's data-parallel coordinator gathers its engines' stats
-every 100 ms).
+--data-parallel-size``) or when a health probe fails, and the forwards to it in progress
+are cancelled then; it comes back when a probe answers 200, with a fresh index (a
+restarted engine numbers its events from 0 again). The load the policies weigh is the
+front end's own count of requests in flight per replica (exact for the one front end the
+replicas serve) and, for the prefix policies, the longest prompt each replica's free
+pages hold, polled from its ``/load`` every ``--load-interval`` (as vLLM's data-parallel
+coordinator gathers its engines' stats every 100 ms).
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ class Replica:
     free_tokens: int | None = None
     index: ReplicaIndex | None = None
     feed: ReplicaFeed | None = None
+    #: The forwards to it in progress, each cancelled when it leaves the rotation.
+    forwards: set[anyio.CancelScope] = attrs.field(factory=set, repr=False)
 
     def describe(self) -> dict[str, Any]:
         """Its entry in the front end's ``/health``."""
@@ -160,11 +162,14 @@ class ReplicaSet:
     # -- rotation ---------------------------------------------------------------------
 
     def mark_down(self, replica: Replica, reason: str) -> None:
-        """Take ``replica`` out of rotation (logged once per fall)."""
+        """Take ``replica`` out of rotation (logged once per fall) and cancel every
+        forward to it in progress: a hung replica holds no client."""
         if replica.healthy:
             log.warning("replica_down", replica=replica.name, url=replica.url, reason=reason)
         replica.healthy = False
         replica.reason = reason
+        for scope in replica.forwards:
+            scope.cancel()
 
     async def probe(self, replica: Replica) -> None:
         """Ask ``replica``'s ``/health``; on a way back into rotation, follow its events

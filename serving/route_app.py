@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequen
 from typing import Any
 
 import anyio
+import attrs
 import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -36,18 +37,35 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hybridkv.errors.events import get_logger
-from hybridkv.serving.app import guarded
-from hybridkv.serving.body import decode_json, read_body
-from hybridkv.serving.errors import APIError, error_body
-from hybridkv.serving.guard import AccessGuard
+from hybridkv.serving.app import cors, guarded
+from hybridkv.serving.body import read_body
+from hybridkv.serving.errors import error_body
+from hybridkv.serving.guard import AccessGuard, KeyCheck
 from hybridkv.serving.metrics import CONTENT_TYPE
 from hybridkv.serving.prompts import Prompter
-from hybridkv.serving.protocol import parse_chat, parse_completion
 from hybridkv.serving.replicas import Replica, ReplicaSet
 from hybridkv.serving.route_metrics import RouterMetrics
+from hybridkv.serving.route_prompt import lenient_json, routed_prompt
 from hybridkv.serving.streaming import EventStreamResponse, cancel_on_disconnect
 
 log = get_logger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class UpstreamTimeouts:
+    """How long a forward waits on its replica.
+
+    Attributes:
+        first_byte_s: For the first byte of a stream or of a short answer (models,
+            tokenize, ...): the replicas' step timeout by default (vLLM's 60 s). A try
+            that runs out goes to the next replica, as nothing reached the client yet.
+        stall_s: Between two bytes of a stream, once it started: then it ends with an
+            error event.
+    """
+
+    first_byte_s: float | None = 60.0
+    stall_s: float | None = 60.0
+
 
 #: The header naming the replica that answered.
 REPLICA_HEADER = "x-hybridkv-replica"
@@ -62,8 +80,11 @@ class Forwarder:
     Args:
         replicas: The replicas and their routing policy.
         prompter: Tokenizes prompts as the replicas do (None: route by load alone).
-        max_body_bytes: Largest request body (413 beyond).
+        max_body_bytes: Largest request body, on every route (413 beyond), as the
+            replicas' own limit: a body they would refuse never reaches them.
         body_timeout_s: Seconds a body may take to arrive (408 beyond).
+        timeouts: How long a forward may wait on its replica.
+        api_key: With a key, ``/health`` shows its replicas only to a request with it.
     """
 
     def __init__(
@@ -73,42 +94,63 @@ class Forwarder:
         *,
         max_body_bytes: int = 4 * 2**20,
         body_timeout_s: float = 30.0,
+        timeouts: UpstreamTimeouts | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.replicas = replicas
         self.prompter = prompter
         self.counters = RouterMetrics(replicas)
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.timeouts = timeouts or UpstreamTimeouts()
+        self._key_check = KeyCheck(api_key)
         self._responses: OrderedDict[str, str] = OrderedDict()
 
     # -- routes -----------------------------------------------------------------------
 
     async def generation(self, request: Request) -> Response:
-        raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
-        token_ids, extra_keys, stream = await self._prompt(request.url.path, raw)
+        raw = await self._body(request)
+        body = await lenient_json(raw, self.prompter)
+        stream = body.get("stream") is True
+        token_ids, extra_keys = await routed_prompt(self.prompter, request.url.path, body)
         order = self.replicas.order(token_ids, extra_keys)
         forward = self._forward(
-            request, raw, order, stream=stream, token_ids=token_ids, extra_keys=extra_keys
+            request,
+            raw,
+            order,
+            stream=stream,
+            first_byte_s=self._first_byte_s(stream),
+            token_ids=token_ids,
+            extra_keys=extra_keys,
         )
         return await self._until_gone(request, forward)
 
     async def responses(self, request: Request) -> Response:
-        raw = await read_body(request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
-        body = await self._json(raw)
+        raw = await self._body(request)
+        body = await lenient_json(raw, self.prompter)
         order = self.replicas.order(None)
         made_by = self._responses.get(str(body.get("previous_response_id")))
         order.sort(key=lambda r: r.name != made_by)  # where its store is, first
         stream = body.get("stream") is True
-        return await self._until_gone(request, self._forward(request, raw, order, stream=stream))
+        forward = self._forward(
+            request, raw, order, stream=stream, first_byte_s=self._first_byte_s(stream)
+        )
+        return await self._until_gone(request, forward)
 
     async def other(self, request: Request) -> Response:
-        raw = await request.body() if request.method == "POST" else b""
-        return await self._forward(request, raw, self.replicas.order(None), stream=False)
+        raw = await self._body(request) if request.method == "POST" else b""
+        order = self.replicas.order(None)
+        first_byte_s = self.timeouts.first_byte_s
+        return await self._forward(request, raw, order, stream=False, first_byte_s=first_byte_s)
 
     async def health(self, request: Request) -> Response:
+        """200 while a replica serves, else 503; each replica's state (its address and
+        process among it) only where no key is set or the request has it."""
         replicas = self.replicas.replicas.values()
-        body = {"replicas": {r.name: r.describe() for r in replicas}}
         status = 200 if any(r.healthy for r in replicas) else 503
+        body: dict[str, Any] = {"status": "ok" if status == 200 else "no replica is serving"}
+        if self._key_check.passes(request.headers):
+            body["replicas"] = {r.name: r.describe() for r in replicas}
         return JSONResponse(body, status_code=status)
 
     async def metrics(self, request: Request) -> Response:
@@ -130,6 +172,16 @@ class Forwarder:
 
     # -- forwarding -------------------------------------------------------------------
 
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(
+            request, max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s
+        )
+
+    def _first_byte_s(self, stream: bool) -> float | None:
+        """A stream's first event comes after one step; a whole generation sends nothing
+        until it ends, and is bounded by its replica staying in rotation instead."""
+        return self.timeouts.first_byte_s if stream else None
+
     async def _until_gone(self, request: Request, forward: Awaitable[Response]) -> Response:
         """``forward``'s response, or a 499 once the client left (which cancels it, and
         so the replica's request: its connection closes)."""
@@ -140,44 +192,6 @@ class Forwarder:
             tg.cancel_scope.cancel()
         return response
 
-    async def _prompt(
-        self, path: str, raw: bytes
-    ) -> tuple[list[int] | None, tuple[Hashable, ...], bool]:
-        """The prompt's tokens as a replica will see them, its cache salt, and whether it
-        streams; a body the front end cannot read goes by load (its replica answers
-        the error)."""
-        body = await self._json(raw)
-        stream = body.get("stream") is True
-        if self.prompter is None:
-            return None, (), stream
-        try:
-            if path.endswith("/chat/completions"):
-                parsed = parse_chat(body, auto_tools=True)
-            else:
-                parsed = parse_completion(body)
-            if (
-                isinstance(parsed.prompt, list)
-                and parsed.prompt
-                and (not isinstance(parsed.prompt[0], int))
-            ):
-                return None, (), stream  # a batch of prompts: no one prefix to follow
-            token_ids = await self.prompter.token_ids(parsed)
-        except (APIError, TypeError, ValueError):
-            return None, (), stream
-        salt = parsed.cache_salt
-        return token_ids, (() if salt is None else (salt,)), stream
-
-    async def _json(self, raw: bytes) -> dict[str, Any]:
-        try:
-            limiter = self.prompter.limiter if self.prompter is not None else None
-            if limiter is None:
-                body = json.loads(raw)
-            else:
-                body = await decode_json(raw, limiter)
-        except (APIError, ValueError):
-            return {}
-        return body if isinstance(body, dict) else {}
-
     async def _forward(
         self,
         request: Request,
@@ -185,9 +199,13 @@ class Forwarder:
         order: Sequence[Replica],
         *,
         stream: bool,
+        first_byte_s: float | None,
         token_ids: list[int] | None = None,
         extra_keys: tuple[Hashable, ...] = (),
     ) -> Response:
+        """Forward to the first of ``order`` that takes the request; the next one on a
+        failure before any byte reached the client (``first_byte_s``: the longest wait
+        for the answer's first byte; None: none)."""
         headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k))}
         failures: list[str] = []
         for replica in order:
@@ -195,37 +213,55 @@ class Forwarder:
             if request.url.query:
                 url = f"{url}?{request.url.query}"
             upstream = self.replicas.client.build_request(
-                request.method, url, content=raw, headers=headers
+                request.method, url, content=raw, headers=headers, timeout=self._timeout(stream)
             )
             replica.in_flight += 1
             handed_over = False
+            scope = anyio.CancelScope()
+            replica.forwards.add(scope)
             try:
-                answer = await self.replicas.client.send(upstream, stream=True)
-                try:
-                    if answer.status_code == 503:
-                        reason = f"answered 503: {(await answer.aread())[:200]!r}"
-                        self.replicas.mark_down(replica, reason)
-                        failures.append(f"{replica.name}: {reason}")
-                        self.counters.failed_tries.labels(replica.name).inc()
+                with scope:
+                    try:
+                        with anyio.fail_after(first_byte_s):
+                            answer = await self.replicas.client.send(upstream, stream=True)
+                    except httpx.TransportError as exc:
+                        # Only a connection that cannot be made takes a replica out: one
+                        # that fails while a body is sent (a replica refusing it) does not.
+                        reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                            self.replicas.mark_down(replica, reason)
+                        failures.append(self._failed(replica, reason))
                         continue
-                    self.replicas.sent(replica, token_ids, extra_keys)
-                    if stream and answer.status_code == 200:
-                        chunks = answer.aiter_raw()
-                        first = await anext(chunks, b"")
-                        response = self._stream(replica, answer, first, chunks)
-                        handed_over = True
-                        return response
-                    body = await answer.aread()
-                finally:
-                    if not handed_over:
-                        await answer.aclose()
-            except httpx.TransportError as exc:
-                reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
-                self.replicas.mark_down(replica, reason)
-                failures.append(f"{replica.name}: {reason}")
-                self.counters.failed_tries.labels(replica.name).inc()
-                continue
+                    except TimeoutError:
+                        reason = f"no answer within {first_byte_s:g} s"
+                        failures.append(self._failed(replica, reason))
+                        continue
+                    try:
+                        if answer.status_code == 503:
+                            reason = f"answered 503: {(await answer.aread())[:200]!r}"
+                            self.replicas.mark_down(replica, reason)
+                            failures.append(self._failed(replica, reason))
+                            continue
+                        self.replicas.sent(replica, token_ids, extra_keys)
+                        if stream and answer.status_code == 200:
+                            chunks = answer.aiter_raw()
+                            with anyio.fail_after(first_byte_s):
+                                first = await anext(chunks, b"")
+                            handed_over = True
+                            return self._stream(replica, answer, first, chunks)
+                        body = await answer.aread()
+                    except (httpx.TransportError, TimeoutError) as exc:
+                        failures.append(self._failed(replica, repr(exc)))
+                        continue
+                    finally:
+                        if not handed_over:
+                            with anyio.CancelScope(shield=True):
+                                await answer.aclose()
+                if scope.cancelled_caught:  # it left the rotation while we waited
+                    failures.append(self._failed(replica, f"left the rotation: {replica.reason}"))
+                    continue
             finally:
+                replica.forwards.discard(scope)
                 if not handed_over:
                     replica.in_flight -= 1
             self._remember_response(replica, body)
@@ -242,6 +278,17 @@ class Forwarder:
         log.warning("request_unrouted", path=request.url.path, reason=message)
         return JSONResponse(error_body(message, "ServiceUnavailableError"), status_code=503)
 
+    def _failed(self, replica: Replica, reason: str) -> str:
+        """Count a try that failed before any byte reached the client; its line."""
+        self.counters.failed_tries.labels(replica.name).inc()
+        return f"{replica.name}: {reason}"
+
+    def _timeout(self, stream: bool) -> httpx.Timeout:
+        """A forward's socket timeouts: a stream may stall ``stall_s`` between bytes; a
+        whole answer comes at once when it is done."""
+        read = self.timeouts.stall_s if stream else None
+        return httpx.Timeout(None, connect=10.0, read=read, write=self.body_timeout_s)
+
     def _stream(
         self,
         replica: Replica,
@@ -250,22 +297,29 @@ class Forwarder:
         chunks: AsyncIterator[bytes],
     ) -> Response:
         async def produce(emit: Callable[[bytes], Awaitable[None]]) -> None:
+            scope = anyio.CancelScope()
+            replica.forwards.add(scope)
+            reason: str | None = None
             try:
-                self._remember_response(replica, first)
-                await emit(first)
-                try:
-                    async for chunk in chunks:
-                        await emit(chunk)
-                except httpx.TransportError as exc:
-                    reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
-                    self.replicas.mark_down(replica, reason)
-                    message = f"replica {replica.name} failed while streaming: {reason}"
-                    log.warning("stream_broken", replica=replica.name, reason=reason)
-                    event = {"error": error_body(message, "ServiceUnavailableError")["error"]}
-                    await emit(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+                with scope:
+                    self._remember_response(replica, first)
+                    await emit(first)
+                    try:
+                        async for chunk in chunks:
+                            await emit(chunk)
+                    except httpx.TransportError as exc:
+                        reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                if scope.cancelled_caught:
+                    reason = f"it left the rotation ({replica.reason})"
+                if reason is None:
+                    self.counters.requests.labels(replica.name, "200").inc()
                     return
-                self.counters.requests.labels(replica.name, "200").inc()
+                message = f"replica {replica.name} failed while streaming: {reason}"
+                log.warning("stream_broken", replica=replica.name, reason=reason)
+                event = {"error": error_body(message, "ServiceUnavailableError")["error"]}
+                await emit(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
             finally:
+                replica.forwards.discard(scope)
                 replica.in_flight -= 1
                 with anyio.CancelScope(shield=True):
                     await answer.aclose()
@@ -284,8 +338,15 @@ class Forwarder:
             self._responses.popitem(last=False)
 
 
-def build_route_app(forwarder: Forwarder, *, api_key: str | None = None) -> Starlette:
-    """The front end's ASGI app around ``forwarder``."""
+def build_route_app(
+    forwarder: Forwarder,
+    *,
+    api_key: str | None = None,
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: tuple[str, ...] = (),
+) -> Starlette:
+    """The front end's ASGI app around ``forwarder``, behind the same access guard (key,
+    Host names) and CORS origins as a replica's."""
     generation = guarded(forwarder.generation)
     other = guarded(forwarder.other)
     return Starlette(
@@ -301,8 +362,11 @@ def build_route_app(forwarder: Forwarder, *, api_key: str | None = None) -> Star
             Route("/health", forwarder.health, methods=["GET"]),
             Route("/metrics", forwarder.metrics, methods=["GET"]),
         ],
-        middleware=[Middleware(AccessGuard, api_key=api_key, allowed_hosts=())],
+        middleware=[
+            *cors(allowed_origins),
+            Middleware(AccessGuard, api_key=api_key, allowed_hosts=allowed_hosts),
+        ],
     )
 
 
-__all__ = ["REPLICA_HEADER", "Forwarder", "build_route_app"]
+__all__ = ["REPLICA_HEADER", "Forwarder", "UpstreamTimeouts", "build_route_app"]

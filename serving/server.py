@@ -146,6 +146,21 @@ async def serve_http(
             _restore_handler(loop, handler, previous)
 
 
+async def serve_http_in(
+    tg: anyio.abc.TaskGroup, app: ASGIApp, sock: socket.socket, **options: Any
+) -> uvicorn.Server:
+    """Start :func:`serve_http` in ``tg``; return once it accepts connections (so that
+    a line saying where it serves comes after it listens). ``tg`` is cancelled when the
+    server stops, and the tasks that ran beside it with it."""
+
+    async def run(*, task_status: anyio.abc.TaskStatus[uvicorn.Server]) -> None:
+        await serve_http(app, sock, task_status=task_status, **options)
+        tg.cancel_scope.cancel()
+
+    server: uvicorn.Server = await tg.start(run)
+    return server
+
+
 def _restore_handler(
     loop: asyncio.AbstractEventLoop, handler: ExceptionHandler, previous: ExceptionHandler | None
 ) -> None:

@@ -34,7 +34,11 @@ _FRONT_END_FLAGS = (
     "--data-parallel-rank",
     "--host",
     "--port",
-    "--api-key",
+    "--api-key",  # the replicas get it in their environment
+    # The front end answers to the Host names and origins; its own requests to a
+    # replica name the replica's loopback address.
+    "--allowed-hosts",
+    "--allowed-origins",
     "--kv-events-config",
     "--routing",
     "--health-interval",
@@ -136,7 +140,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
 
     from hybridkv.serving.cli.console import configure_logging
     from hybridkv.serving.cli.replica_processes import ReplicaProcesses
-    from hybridkv.serving.cli.route import load_prompter, serve_front_end
+    from hybridkv.serving.cli.route import front_end_settings, load_prompter, serve_front_end
     from hybridkv.serving.cli.values import UsageError
     from hybridkv.serving.replicas import Replica
     from hybridkv.serving.server import open_socket
@@ -147,7 +151,8 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         raise UsageError("--data-parallel-rank is for the replicas -dp starts; drop it")
     if not args.enable_prefix_caching and args.routing.startswith("prefix"):
         args.routing = "least-loaded"  # no cache, no events: load is all there is
-    sock = open_socket(args.host, args.port)  # fail fast, before any replica starts
+    settings = front_end_settings(args)  # a bad flag fails before any replica starts
+    sock = open_socket(args.host, args.port)  # and so does a port in use
     with sock:
         prompter = load_prompter(args.model_flag or args.model, args.chat_template)
         ports = free_ports(size)
@@ -157,7 +162,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
             )
             for rank, port in enumerate(ports)
         ]
-        processes = ReplicaProcesses(lines, restart=args.restart_replicas)
+        processes = ReplicaProcesses(lines, restart=args.restart_replicas, api_key=args.api_key)
         try:
             processes.start()
             replicas = [
@@ -168,7 +173,13 @@ def run_data_parallel(args: argparse.Namespace) -> int:
             with contextlib.suppress(KeyboardInterrupt):
                 anyio.run(
                     lambda: serve_front_end(
-                        args, replicas, prompter, sock, watchers, ready=processes.until_serving
+                        args,
+                        settings,
+                        replicas,
+                        prompter,
+                        sock,
+                        watchers,
+                        ready=processes.until_serving,
                     )
                 )
         finally:

@@ -28,6 +28,7 @@ from typing import Any
 from hybridkv.errors import HybridKVError
 from hybridkv.errors.events import get_logger
 from hybridkv.parallel.parent_watch import PARENT_PID_VARIABLE
+from hybridkv.serving.cli.serve_flags import API_KEY_ENV
 
 log = get_logger(__name__)
 
@@ -48,11 +49,16 @@ class ReplicaProcesses:
     Args:
         command_lines: Each replica's ``serve`` arguments.
         restart: Start a replica again when its process exits (``--restart-replicas``).
+        api_key: The key every replica requires, passed in its environment
+            (``HYBRIDKV_API_KEY``), so that no process listing shows it.
     """
 
-    def __init__(self, command_lines: Sequence[Sequence[str]], *, restart: bool) -> None:
+    def __init__(
+        self, command_lines: Sequence[Sequence[str]], *, restart: bool, api_key: str | None
+    ) -> None:
         self.command_lines = [list(line) for line in command_lines]
         self.restart = restart
+        self.api_key = api_key
         self.processes: list[subprocess.Popen[bytes]] = []
         self.num_restarts = 0
         self._is_stopping = False
@@ -63,6 +69,9 @@ class ReplicaProcesses:
 
     def _spawn(self, line: Sequence[str]) -> subprocess.Popen[bytes]:
         env = {**os.environ, PARENT_PID_VARIABLE: str(os.getpid())}
+        env.pop(API_KEY_ENV, None)  # the front end's own, if it came from there
+        if self.api_key is not None:
+            env[API_KEY_ENV] = self.api_key
         return subprocess.Popen([sys.executable, "-c", _START, *line], env=env)
 
     async def until_serving(self, routed: Any) -> None:

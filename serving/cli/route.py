@@ -21,8 +21,11 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+import attrs
+
 from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
 from hybridkv.serving.cli.engine_flags import add_model_argument
+from hybridkv.serving.cli.serve_flags import add_transport_arguments
 
 #: A task the front end runs beside serving, given the replica set (a process watcher).
 Companion = Callable[[Any], Coroutine[Any, Any, None]]
@@ -89,9 +92,7 @@ def register_route(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
-    parser.add_argument(
-        "--api-key", default=None, help="clients must send this key (the replicas' is theirs)"
-    )
+    add_transport_arguments(parser)
     parser.add_argument(
         "--chat-template", metavar="FILE", help="the replicas' --chat-template, if they have one"
     )
@@ -109,12 +110,58 @@ def run_route(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     replicas = [Replica(str(i), _base_url(url)) for i, url in enumerate(args.replica)]
+    settings = front_end_settings(args)
     sock = open_socket(args.host, args.port)
     with sock:
         prompter = load_prompter(args.model_flag or args.model, args.chat_template)
         with contextlib.suppress(KeyboardInterrupt):
-            anyio.run(serve_front_end, args, replicas, prompter, sock, ())
+            anyio.run(serve_front_end, args, settings, replicas, prompter, sock, ())
     return 0
+
+
+@attrs.frozen(kw_only=True)
+class FrontEndSettings:
+    """What the transport flags set for a front end: its own access checks, limits and
+    connection limits, as a replica's, and how long it waits on a replica."""
+
+    api_key: str | None
+    allowed_hosts: tuple[str, ...]
+    allowed_origins: tuple[str, ...]
+    max_body_bytes: int
+    body_timeout_s: float
+    limits: Any  # ConnectionLimits
+    timeouts: Any  # UpstreamTimeouts
+
+
+def front_end_settings(args: argparse.Namespace) -> FrontEndSettings:
+    """The transport flags read and checked (before any replica starts).
+
+    Raises:
+        UsageError: a value out of range, naming the flag.
+    """
+    from hybridkv.memory.sizes import parse_size
+    from hybridkv.serving.cli.serve_flags import allowed_origins, connection_limits, host_names
+    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.route_app import UpstreamTimeouts
+
+    try:
+        limits = connection_limits(args)
+        origins = allowed_origins(args)
+        max_body_bytes = parse_size(args.max_body_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if max_body_bytes < 1:
+        raise UsageError(f"--max-body-size must be at least 1 byte, got {args.max_body_size!r}")
+    wait = args.step_timeout or None  # 0: no limit, as the replicas' watchdog
+    return FrontEndSettings(
+        api_key=args.api_key,
+        allowed_hosts=host_names(args),
+        allowed_origins=origins,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=args.timeout_body,
+        limits=limits,
+        timeouts=UpstreamTimeouts(first_byte_s=wait, stall_s=wait),
+    )
 
 
 def _base_url(url: str) -> str:
@@ -156,6 +203,7 @@ def load_prompter(model: str | None, chat_template: str | None) -> Any:
 
 async def serve_front_end(
     args: argparse.Namespace,
+    settings: FrontEndSettings,
     replicas: Sequence[Any],
     prompter: Any,
     sock: Any,
@@ -170,11 +218,11 @@ async def serve_front_end(
 
     from hybridkv.serving.replicas import ReplicaSet
     from hybridkv.serving.route_app import Forwarder, build_route_app
-    from hybridkv.serving.server import serve_http
+    from hybridkv.serving.server import serve_http_in
 
-    timeout = httpx.Timeout(None, connect=10.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    timeout = httpx.Timeout(None, connect=10.0)  # each forward sets its own (route_app.py)
+    pool = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout, limits=pool) as client:
         routed = ReplicaSet(replicas, client, args.routing)
         try:
             if ready is not None:
@@ -183,21 +231,33 @@ async def serve_front_end(
                 async with anyio.create_task_group() as tg:
                     for replica in replicas:
                         tg.start_soon(routed.probe, replica)
-            app = build_route_app(Forwarder(routed, prompter), api_key=args.api_key)
-            host, port = sock.getsockname()[:2]
-            serving = ", ".join(f"{r.name}={r.url}" for r in routed.healthy) or "none yet"
-            print(
-                f"routing at http://{host}:{port}/v1 over {len(replicas)} replicas "
-                f"({args.routing}; serving: {serving}); Ctrl-C stops",
-                file=sys.stderr,
-                flush=True,
+            forwarder = Forwarder(
+                routed,
+                prompter,
+                max_body_bytes=settings.max_body_bytes,
+                body_timeout_s=settings.body_timeout_s,
+                timeouts=settings.timeouts,
+                api_key=settings.api_key,
+            )
+            app = build_route_app(
+                forwarder,
+                api_key=settings.api_key,
+                allowed_hosts=settings.allowed_hosts,
+                allowed_origins=settings.allowed_origins,
             )
             async with anyio.create_task_group() as tg:
                 tg.start_soon(routed.watch, args.health_interval)
                 tg.start_soon(routed.watch_load, args.load_interval)
                 for companion in companions:
                     tg.start_soon(companion, routed)
-                await serve_http(app, sock, log_level=args.log_level)
-                tg.cancel_scope.cancel()
+                await serve_http_in(tg, app, sock, log_level=args.log_level, limits=settings.limits)
+                host, port = sock.getsockname()[:2]
+                serving = ", ".join(f"{r.name}={r.url}" for r in routed.healthy) or "none yet"
+                print(
+                    f"routing at http://{host}:{port}/v1 over {len(replicas)} replicas "
+                    f"({args.routing}; serving: {serving}); Ctrl-C stops",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             routed.close()

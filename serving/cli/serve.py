@@ -77,13 +77,17 @@ def register_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         help="the name clients pass as 'model' (default: the model's name)",
     )
     http.add_argument(
-        "--max-body-size", default="4MiB", metavar="SIZE", help="largest request body (4MiB)"
-    )
-    http.add_argument(
         "--max-response-size",
         default="64MiB",
         metavar="SIZE",
         help="largest response body, or event of a stream; larger answers are a 400 (64MiB)",
+    )
+    http.add_argument(
+        "--responses-store-size",
+        default="256MiB",
+        metavar="SIZE",
+        help="JSON the Responses API keeps of stored conversations; the oldest are "
+        "evicted first (256MiB)",
     )
     http.add_argument(
         "--default-max-tokens",
@@ -140,6 +144,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--max-response-size must be at least 1 byte, got {args.max_response_size!r}"
         )
+    store_bytes = parse_size(args.responses_store_size)
+    if store_bytes < 1:
+        raise UsageError(
+            f"--responses-store-size must be at least 1 byte, got {args.responses_store_size!r}"
+        )
     scheduling = scheduling_options(args)
     kv_events_config(args)  # a bad one fails before the model loads
     try:
@@ -148,7 +157,11 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    options = attrs.evolve(settings.options, max_response_bytes=max_response_bytes)
+    options = attrs.evolve(
+        settings.options,
+        max_response_bytes=max_response_bytes,
+        responses_store_bytes=store_bytes,
+    )
     settings = attrs.evolve(settings, options=options)
     engine = engine_args(args)  # a refused combination of flags, before the port's error
     sock = open_socket(args.host, args.port)  # fail fast, before the model loads
@@ -186,7 +199,7 @@ async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace
 
     from hybridkv.scheduler import Engine
     from hybridkv.serving.app import build_app
-    from hybridkv.serving.server import serve_http
+    from hybridkv.serving.server import serve_http_in
     from hybridkv.serving.stats_log import log_stats
     from hybridkv.serving.watchdog import StepWatchdog
 
@@ -212,18 +225,17 @@ async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace
                 options=settings.options,
                 kv_events=kv_events,
             )
-            host, port = sock.getsockname()[:2]
-            print(
-                f"serving {name!r} at http://{host}:{port}/v1 "
-                f"({loaded.engine_config.num_blocks} KV pages); Ctrl-C stops",
-                file=sys.stderr,
-                flush=True,
-            )
             async with anyio.create_task_group() as tg:
                 if args.log_stats_interval > 0 and not args.disable_log_stats:
                     tg.start_soon(log_stats, engine, args.log_stats_interval)
-                await serve_http(app, sock, log_level=args.log_level, limits=settings.limits)
-                tg.cancel_scope.cancel()
+                await serve_http_in(tg, app, sock, log_level=args.log_level, limits=settings.limits)
+                host, port = sock.getsockname()[:2]
+                print(
+                    f"serving {name!r} at http://{host}:{port}/v1 "
+                    f"({loaded.engine_config.num_blocks} KV pages); Ctrl-C stops",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def register_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

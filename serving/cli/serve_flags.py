@@ -46,7 +46,6 @@ _TIMEOUTS = (
     ("--timeout-header", 10.0, "seconds from connecting to a complete request head"),
     ("--timeout-body", 30.0, "seconds for a request body to arrive"),
     ("--timeout-write", 30.0, "seconds a client may leave a response unread"),
-    ("--template-timeout", 5.0, "seconds one chat-template rendering may take"),
 )
 
 
@@ -62,27 +61,7 @@ class HTTPSettings:
 
 def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of the module's table."""
-    access = parser.add_argument_group("access")
-    access.add_argument(
-        "--api-key",
-        metavar="KEY",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1/* and the tokenizer routes "
-        f"(default: ${API_KEY_ENV}, else none)",
-    )
-    access.add_argument(
-        "--allowed-hosts",
-        metavar="NAMES",
-        default="",
-        help="comma-separated Host names to answer, '*.example.com' allowed (default: any)",
-    )
-    access.add_argument(
-        "--allowed-origins",
-        metavar="ORIGINS",
-        default=None,
-        help="browser origins allowed by CORS: a JSON list as vLLM takes it "
-        "('[\"https://app.example\"]', '[\"*\"]') or comma-separated (default: none)",
-    )
+    access, limits = add_transport_arguments(parser)
     access.add_argument(
         "--structured-outputs-config",
         metavar="JSON",
@@ -108,7 +87,44 @@ def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse a request field this server does not know (400), as OpenAI's API "
         "does (default: ignore it, named in one warning per request, as vLLM does)",
     )
+    limits.add_argument(
+        "--template-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds one chat-template rendering may take (5)",
+    )
+
+
+def add_transport_arguments(parser: argparse.ArgumentParser) -> tuple[Any, Any]:
+    """The flags a front end honours as a server does (``serve`` and ``route``): the key,
+    the hosts and origins, the body size, the connections and their timeouts; the
+    ``access`` and ``limits`` groups they are in."""
+    access = parser.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1/* and the tokenizer routes "
+        f"(default: ${API_KEY_ENV}, else none)",
+    )
+    access.add_argument(
+        "--allowed-hosts",
+        metavar="NAMES",
+        default="",
+        help="comma-separated Host names to answer, '*.example.com' allowed (default: any)",
+    )
+    access.add_argument(
+        "--allowed-origins",
+        metavar="ORIGINS",
+        default=None,
+        help="browser origins allowed by CORS: a JSON list as vLLM takes it "
+        "('[\"https://app.example\"]', '[\"*\"]') or comma-separated (default: none)",
+    )
     limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--max-body-size", default="4MiB", metavar="SIZE", help="largest request body (4MiB)"
+    )
     limits.add_argument(
         "--max-connections",
         type=int,
@@ -135,9 +151,11 @@ def add_access_and_limit_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         metavar="S",
-        help="seconds one engine step may take before the server reports itself broken "
-        "(60; 0 disables)",
+        help="seconds one engine step may take before the server reports itself broken; "
+        "a front end waits this long for a replica's first byte and between two bytes of "
+        "a stream (60; 0 disables)",
     )
+    return access, limits
 
 
 def http_settings(
@@ -150,6 +168,36 @@ def http_settings(
         ValueError: a value out of range (the message names the flag).
     """
     from hybridkv.serving.app import ServerOptions
+
+    limits = connection_limits(args)
+    if not args.template_timeout > 0:
+        raise ValueError(f"--template-timeout must be > 0, got {args.template_timeout}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    hosts = host_names(args)
+    options = ServerOptions(
+        max_body_bytes=max_body_bytes,
+        default_max_tokens=default_max_tokens,
+        api_key=args.api_key,
+        allowed_hosts=hosts,
+        body_timeout_s=args.timeout_body,
+        template_timeout_s=args.template_timeout,
+        strict_fields=args.strict_fields,
+        allowed_origins=allowed_origins(args),
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        **_json_output(args.structured_outputs_config),
+    )
+    return HTTPSettings(options=options, limits=limits, step_timeout_s=args.step_timeout or None)
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The connection limits of the transport flags (any server's, a front end's too),
+    the cap fitted to the process's open-file limit.
+
+    Raises:
+        ValueError: a value out of range (the message names the flag).
+    """
     from hybridkv.serving.connection import ConnectionLimits
 
     for flag, _, _ in _TIMEOUTS:
@@ -163,25 +211,9 @@ def http_settings(
         raise ValueError(f"--max-connections-per-client must be >= 1, got {per_client}")
     if args.step_timeout < 0:
         raise ValueError(f"--step-timeout must be >= 0 (0 disables it), got {args.step_timeout}")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
-    hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
-    options = ServerOptions(
-        max_body_bytes=max_body_bytes,
-        default_max_tokens=default_max_tokens,
-        api_key=args.api_key,
-        allowed_hosts=hosts,
-        body_timeout_s=args.timeout_body,
-        template_timeout_s=args.template_timeout,
-        strict_fields=args.strict_fields,
-        allowed_origins=_origins(args.allowed_origins),
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        **_json_output(args.structured_outputs_config),
-    )
-    limits = ConnectionLimits(
+    return ConnectionLimits(
         max_connections=args.max_connections,
         max_connections_per_client=per_client,
         first_byte_timeout_s=args.timeout_first_byte,
@@ -189,7 +221,16 @@ def http_settings(
         head_timeout_s=args.timeout_header,
         write_timeout_s=args.timeout_write,
     ).fit_descriptor_limit()  # logs what it changed
-    return HTTPSettings(options=options, limits=limits, step_timeout_s=args.step_timeout or None)
+
+
+def host_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--allowed-hosts`` as names."""
+    return tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+
+
+def allowed_origins(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--allowed-origins`` as origins (ValueError: not a list of strings)."""
+    return _origins(args.allowed_origins)
 
 
 def _origins(text: str | None) -> tuple[str, ...]:

@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
-import socket
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from server_process import WAIT_S, Server, gone_within, is_free
 
-RUN_CLI = "import sys; from hybridkv.serving.cli.main import main; sys.exit(main(sys.argv[1:]))"
-WAIT_S = 120.0  # a bound on each answer on a busy machine, never a pause
 #: Every process must be gone this long after SIGTERM (the issue's bound is 10 s; the
 #: rest is slack for a machine whose cores are all busy).
 STOP_S = 30.0
@@ -28,60 +22,6 @@ SMALL = ["--threads", "1", "--kv-memory", "4MiB", "--block-size", "4"]
 LONG_PROMPT = " ".join(f"w{2 + k % 60}" for k in range(24))
 
 pytestmark = pytest.mark.slow
-
-
-class Server:
-    """A ``hybridkv`` server process; its stderr is read by a thread into ``lines``."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", RUN_CLI, *argv],
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: list[str] = []
-        self._seen = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        ready = "routing at " if "-dp" in argv else "serving "
-        address = self.wait_for_line(ready, start=True).split("http://")[1].split()[0]
-        self.url = "http://" + address.removesuffix("/v1")
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            with self._seen:
-                self.lines.append(line)
-                self._seen.notify_all()
-        with self._seen:
-            self.lines.append("")  # the end of its output
-            self._seen.notify_all()
-
-    def wait_for_line(self, text: str, after: int = 0, *, start: bool = False) -> str:
-        """The first line from index ``after`` that holds ``text`` (or starts with it)."""
-
-        def found() -> str | None:
-            for line in self.lines[after:]:
-                if line == "":
-                    raise AssertionError("the server exited:\n" + "".join(self.lines[-30:]))
-                if line.startswith(text) if start else text in line:
-                    return line
-            return None
-
-        with self._seen:
-            assert self._seen.wait_for(lambda: found() is not None, WAIT_S), "".join(self.lines)
-            line = found()
-        assert line is not None
-        return line
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(WAIT_S)
-        self._reader.join(WAIT_S)
-        if self.process.stderr is not None:
-            self.process.stderr.close()
 
 
 @pytest.fixture
@@ -95,29 +35,6 @@ def start_server(tiny_checkpoint: Path) -> Iterator[Any]:
     yield start
     for server in servers:
         server.stop()
-
-
-def _gone_within(pid: int, timeout: float) -> bool:
-    """Whether process ``pid`` (not a child of ours) exits within ``timeout`` seconds:
-    a wait on its pidfd, which becomes readable when it exits."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
-
-
-def _is_free(url: str) -> bool:
-    port = int(url.rsplit(":", 1)[1])
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _replicas(server: Server) -> dict[str, dict[str, Any]]:
@@ -157,8 +74,8 @@ def test_sigterm_stops_the_front_end_and_every_replica(start_server: Any) -> Non
         client.close()
     assert server.process.wait(STOP_S) == 0
     for replica in replicas.values():
-        assert _gone_within(int(replica["pid"]), STOP_S)
-        assert _is_free(str(replica["url"]))
+        assert gone_within(int(replica["pid"]), STOP_S)
+        assert is_free(str(replica["url"]))
 
 
 def test_a_killed_replica_leaves_the_other_to_be_stopped(start_server: Any) -> None:
@@ -173,7 +90,7 @@ def test_a_killed_replica_leaves_the_other_to_be_stopped(start_server: Any) -> N
     assert health["1"]["healthy"] is True
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(STOP_S) == 0
-    assert _gone_within(int(replicas["1"]["pid"]), STOP_S)
+    assert gone_within(int(replicas["1"]["pid"]), STOP_S)
 
 
 def test_replicas_end_with_a_killed_front_end(start_server: Any) -> None:
@@ -183,8 +100,8 @@ def test_replicas_end_with_a_killed_front_end(start_server: Any) -> None:
     server.process.kill()
     server.process.wait(WAIT_S)
     for replica in replicas.values():
-        assert _gone_within(int(replica["pid"]), STOP_S)
-        assert _is_free(str(replica["url"]))
+        assert gone_within(int(replica["pid"]), STOP_S)
+        assert is_free(str(replica["url"]))
 
 
 def test_a_dead_replica_is_restarted_when_asked(start_server: Any) -> None:
@@ -200,7 +117,7 @@ def test_a_dead_replica_is_restarted_when_asked(start_server: Any) -> None:
     assert health["healthy"] is True and health["pid"] != first_pid
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(STOP_S) == 0
-    assert _gone_within(int(health["pid"]), STOP_S)
+    assert gone_within(int(health["pid"]), STOP_S)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -276,25 +276,57 @@ def test_a_replica_that_fails_mid_stream_ends_the_stream_with_an_error_event(
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert "replica 0 failed while streaming" in error["message"]
     assert events[-1] == "data: [DONE]"
-    assert not routed.replicas["0"].healthy
+    # One broken stream alone takes no replica out (a client can break one too): a
+    # refused connection or a failed health probe does.
+    assert routed.replicas["0"].healthy
     assert routed.replicas["0"].in_flight == 0
 
 
-def _breaks_after_first_chunk(app: Any) -> Any:
-    """The replica's app, whose streams break after their first chunk (the connection
-    drops, as when the replica dies)."""
+def _after_first_chunk(fault: Callable[[], Awaitable[None]]) -> Callable[[Any], Any]:
+    """Wraps a replica's app: its streams send their first chunk, then ``fault`` runs
+    before each later one."""
 
-    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
-        sent = 0
+    def wrap(app: Any) -> Any:
+        async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+            sent = 0
 
-        async def counting(message: Any) -> None:
-            nonlocal sent
-            if message["type"] == "http.response.body" and message.get("more_body"):
-                sent += 1
-                if sent > 1:
-                    raise ConnectionResetError("the replica died")
-            await send(message)
+            async def counting(message: Any) -> None:
+                nonlocal sent
+                if message["type"] == "http.response.body" and message.get("more_body"):
+                    sent += 1
+                    if sent > 1:
+                        await fault()
+                await send(message)
 
-        await app(scope, receive, counting)
+            await app(scope, receive, counting)
 
-    return wrapped
+        return wrapped
+
+    return wrap
+
+
+async def _die() -> None:
+    raise ConnectionResetError("the replica died")  # the connection drops
+
+
+_breaks_after_first_chunk = _after_first_chunk(_die)
+#: A replica that hangs after its first chunk, as a SIGSTOPped one.
+_hangs_after_first_chunk = _after_first_chunk(anyio.sleep_forever)
+
+
+def test_a_replica_taken_out_of_rotation_releases_its_streams(cluster: Cluster) -> None:
+    """When a replica leaves the rotation (a failed probe), a stream it holds ends at
+    once with an error event naming why, and the replica holds no request."""
+    cluster.replica(wrap_app=_hangs_after_first_chunk)
+    url, routed = cluster.front_end()
+    body = {"model": MODEL, "prompt": words(0, 6), "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=WAIT_S) as answer:
+        lines = (line for line in answer.iter_lines() if line.startswith("data: "))
+        assert '"text"' in next(lines)
+        replica = routed.replicas["0"]
+        cluster.portal.call(routed.mark_down, replica, "/health answered 503")
+        events = list(lines)
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert "it left the rotation (/health answered 503)" in error["message"]
+    assert events[-1] == "data: [DONE]"
+    assert replica.in_flight == 0 and not replica.forwards

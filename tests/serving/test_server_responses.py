@@ -39,7 +39,7 @@ def test_a_conversation_continues_from_the_previous_response(client: openai.Open
     # The second prompt holds the first exchange: more input tokens, the first's cached.
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens - 1
     gone = client.responses.create(model=MODEL, input="w2", max_output_tokens=2, store=False)
-    with pytest.raises(openai.NotFoundError, match="no stored response"):
+    with pytest.raises(openai.NotFoundError, match="is not stored"):
         client.responses.create(model=MODEL, input="w3", previous_response_id=gone.id)
 
 
