@@ -70,3 +70,60 @@ def serve(case: str) -> None:
                 server.should_exit = True
 
     anyio.run(main)
+
+
+def serve_front_end(case: str, replica_command: list[str]) -> None:
+    """The front end of ``serve -dp`` over two replicas of the case (each the server
+    above, in a process of its own): on a free loopback port (printed) until stdin
+    closes, with the same connection cap as a replica."""
+    import subprocess
+
+    import anyio
+    import httpx
+
+    from hybridkv.serving.chat import ChatTemplate
+    from hybridkv.serving.cli.console import configure_logging
+    from hybridkv.serving.connection import ConnectionLimits
+    from hybridkv.serving.prompts import Prompter
+    from hybridkv.serving.replicas import Replica, ReplicaSet
+    from hybridkv.serving.route_app import Forwarder, build_route_app
+    from hybridkv.serving.server import bound_port, open_socket, serve_http_in
+    from hybridkv.testing import byte_tokenizer, word_tokenizer
+
+    configure_logging("warning")
+    processes = [
+        subprocess.Popen(replica_command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    ports = [int(p.stdout.readline()) for p in processes if p.stdout is not None]
+    tokenizer = byte_tokenizer() if case == "2" else word_tokenizer()
+
+    async def main() -> None:
+        prompter = Prompter(
+            tokenizer, ChatTemplate.plain(), max_model_len=2**24, limiter=anyio.CapacityLimiter(4)
+        )
+        replicas = [Replica(str(i), f"http://{HOST}:{port}") for i, port in enumerate(ports)]
+        timeout = httpx.Timeout(None, connect=10.0)
+        pool = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=pool) as client:
+            routed = ReplicaSet(replicas, client, "least-loaded")
+            for replica in replicas:
+                await routed.probe(replica)
+            sock = open_socket(HOST, 0)
+            app = build_route_app(Forwarder(routed, prompter))
+            limits = ConnectionLimits(max_connections=MAX_CONNECTIONS)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(routed.watch, 5.0)
+                server = await serve_http_in(tg, app, sock, limits=limits)
+                print(bound_port(sock), flush=True)
+                await anyio.to_thread.run_sync(sys.stdin.read)  # the driver closes it
+                server.should_exit = True
+
+    try:
+        anyio.run(main)
+    finally:
+        for process in processes:
+            if process.stdin is not None:
+                process.stdin.close()
+        for process in processes:
+            process.wait(timeout=60)

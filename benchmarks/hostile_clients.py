@@ -38,7 +38,11 @@ The defaults (15 probes of each kind per phase, 12 s per hostile client) are siz
 a run of under 3 minutes on 2 shared cores.
 
     python benchmarks/hostile_clients.py [--cases 2,3,5,7] [--probes 15] [--seconds 12]
-                                         [--json FILE]
+                                         [--front-end] [--json FILE]
+
+With ``--front-end`` the target is ``serve -dp``'s front end (the same app, limits and
+connection cap) over two such servers, each in a process of its own: the honest
+clients' outcomes through it are to match a single server's under the same attack.
 
 Results: docs/benchmarks.md, section "Hostile clients: a fresh request and /health
 beside each".
@@ -61,7 +65,7 @@ from typing import Any
 
 from _hostile_attackers import hostile, http_status
 from _hostile_report import FRESH_GOAL_S, HEALTH_GOAL_S, log_events, print_case
-from _hostile_server import HOST, MODEL, serve
+from _hostile_server import HOST, MODEL, serve, serve_front_end
 from _results import add_json_argument, write_json
 
 PROBE_TIMEOUT_S = 30.0
@@ -119,20 +123,25 @@ def probe(port: int, count: int, start: float, interval: float) -> dict[str, lis
 
 
 def metrics(port: int) -> dict[str, float]:
-    """The engine's gauges and the server's 5xx count, from ``/metrics``."""
+    """The engine's gauges and the server's 5xx count, from ``/metrics`` (a front end's
+    holds every replica's, labelled: they are summed, and its unrouted requests count
+    as 5xx)."""
     status, _, body = http_once(port, METRICS)
     if status != "200":
         raise RuntimeError(f"/metrics answered {status}")
     out = {"running": 0.0, "waiting": 0.0, "pages held": 0.0, "5xx counted": 0.0}
     for line in body.decode().splitlines():
         name, _, value = line.rpartition(" ")
-        if name == "hybridkv_requests_running":
-            out["running"] = float(value)
-        elif name == "hybridkv_requests_waiting":
-            out["waiting"] = float(value)
-        elif name.startswith("hybridkv_kv_blocks_used{"):
+        family = name.partition("{")[0]
+        if family == "hybridkv_requests_running":
+            out["running"] += float(value)
+        elif family == "hybridkv_requests_waiting":
+            out["waiting"] += float(value)
+        elif family == "hybridkv_kv_blocks_used":
             out["pages held"] += float(value)
-        elif name.startswith("hybridkv_http_requests_total{") and 'status="5' in name:
+        elif (
+            family == "hybridkv_http_requests_total" and 'status="5' in name
+        ) or family == "hybridkv_router_unrouted_total":
             out["5xx counted"] += float(value)
     return out
 
@@ -182,8 +191,9 @@ def script_command(*args: str) -> list[str]:
 def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with tempfile.TemporaryFile() as log:
+        serve_flag = "--serve-front-end" if args.front_end else "--serve"
         server = subprocess.Popen(
-            script_command("--serve", case),
+            script_command(serve_flag, case),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -292,12 +302,21 @@ def main() -> None:
         "--seconds", type=float, default=12.0, help="how long each hostile client runs"
     )
     add_json_argument(parser)
+    parser.add_argument(
+        "--front-end",
+        action="store_true",
+        help="attack serve -dp's front end over two replicas instead of one server",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-front-end", help=argparse.SUPPRESS)
     parser.add_argument("--hostile", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
         serve(args.serve)
+        return
+    if args.serve_front_end is not None:
+        serve_front_end(args.serve_front_end, script_command("--serve", args.serve_front_end))
         return
     if args.hostile is not None:
         hostile(args.hostile, args.port, args.seconds)
@@ -333,6 +352,7 @@ def main() -> None:
     write_json(
         args.json,
         {
+            "front_end": args.front_end,
             "probes": args.probes,
             "seconds": args.seconds,
             "fresh_goal_s": FRESH_GOAL_S,
