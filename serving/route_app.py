@@ -2,21 +2,23 @@
 
 ::
 
-    client ── POST /v1/chat/completions ──> front end: read the body, tokenize the prompt
-                                            as the replicas do, order the healthy
-                                            replicas (replicas.py), forward to the first
-                                            ── a transport failure or a 503 before any
-                                               byte came back: out of rotation, next one
+    client ── POST /v1/chat/completions ──> front end: read the body (the replicas'
+                                            limits), tokenize the prompt as the replicas
+                                            do, order the healthy replicas (replicas.py),
+                                            forward to the first
+                                            ── a failure before any byte came back: the
+                                               next one (a refused connection or a 503
+                                               also takes it out of rotation)
     client <── the replica's answer, as it streams, with ``X-HybridKV-Replica`` ──┘
 
 A request is retried on the next replica only while nothing of its answer has reached
-the client: a stream whose replica fails after its first event ends with an error event
-(``{"error": {...}}``) naming the replica. ``/v1/responses`` with a
-``previous_response_id`` goes where that response was made (its store is the
-replica's). Everything else (``/v1/models``, ``/tokenize``, ``/detokenize``,
-``/version``) goes to the least busy healthy replica. ``/health`` lists every replica
-(200 while one serves, else 503); ``/metrics`` is the front end's and every replica's
-(``route_metrics.py``).
+the client: a stream whose replica fails, stalls or leaves the rotation after its first
+event ends with an error event (``{"error": {...}}``) naming the replica.
+``/v1/responses`` with a ``previous_response_id`` goes where that response was made (its
+store is the replica's). Everything else (``/v1/models``, ``/tokenize``,
+``/detokenize``, ``/version``) goes to the least busy healthy replica. ``/health`` says
+whether one serves (200, else 503) and, to a request with the key, every replica's
+state; ``/metrics`` is the front end's and every replica's (``route_metrics.py``).
 """
 
 from __future__ import annotations
