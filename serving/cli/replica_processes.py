@@ -60,7 +60,6 @@ class ReplicaProcesses:
         self.restart = restart
         self.api_key = api_key
         self.processes: list[subprocess.Popen[bytes]] = []
-        self.num_restarts = 0
         self._is_stopping = False
 
     def start(self) -> None:
@@ -120,7 +119,6 @@ class ReplicaProcesses:
                 await anyio.sleep(pause)  # a replica that cannot start must not spin
                 new = self._spawn(self.command_lines[rank])
                 self.processes[rank] = new
-                self.num_restarts += 1
                 replica.pid = new.pid
                 log.warning("replica_restarted", replica=replica.name, pid=new.pid, exit_code=code)
                 try:

@@ -139,19 +139,21 @@ def front_end_settings(args: argparse.Namespace) -> FrontEndSettings:
     Raises:
         UsageError: a value out of range, naming the flag.
     """
-    from hybridkv.memory.sizes import parse_size
-    from hybridkv.serving.cli.serve_flags import allowed_origins, connection_limits, host_names
+    from hybridkv.serving.cli.serve_flags import (
+        allowed_origins,
+        byte_size,
+        connection_limits,
+        host_names,
+    )
     from hybridkv.serving.cli.values import UsageError
     from hybridkv.serving.route_app import UpstreamTimeouts
 
     try:
         limits = connection_limits(args)
         origins = allowed_origins(args)
-        max_body_bytes = parse_size(args.max_body_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if max_body_bytes < 1:
-        raise UsageError(f"--max-body-size must be at least 1 byte, got {args.max_body_size!r}")
+    max_body_bytes = byte_size(args, "--max-body-size")
     wait = args.step_timeout or None  # 0: no limit, as the replicas' watchdog
     return FrontEndSettings(
         api_key=args.api_key,

@@ -25,6 +25,7 @@ from hybridkv.serving.cli.kv_events_flags import (
 from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
 from hybridkv.serving.cli.serve_flags import (
     add_access_and_limit_arguments,
+    byte_size,
     http_settings,
     read_chat_template,
     written_over,
@@ -121,7 +122,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import anyio
     import attrs
 
-    from hybridkv.memory.sizes import parse_size
     from hybridkv.serving.cli.loading import load_model
     from hybridkv.serving.cli.values import UsageError
     from hybridkv.serving.server import open_socket
@@ -136,19 +136,9 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         raise UsageError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    max_body_bytes = parse_size(args.max_body_size)
-    if max_body_bytes < 1:
-        raise UsageError(f"--max-body-size must be at least 1 byte, got {args.max_body_size!r}")
-    max_response_bytes = parse_size(args.max_response_size)
-    if max_response_bytes < 1:
-        raise UsageError(
-            f"--max-response-size must be at least 1 byte, got {args.max_response_size!r}"
-        )
-    store_bytes = parse_size(args.responses_store_size)
-    if store_bytes < 1:
-        raise UsageError(
-            f"--responses-store-size must be at least 1 byte, got {args.responses_store_size!r}"
-        )
+    max_body_bytes = byte_size(args, "--max-body-size")
+    max_response_bytes = byte_size(args, "--max-response-size")
+    store_bytes = byte_size(args, "--responses-store-size")
     scheduling = scheduling_options(args)
     kv_events_config(args)  # a bad one fails before the model loads
     try:

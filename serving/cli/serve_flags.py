@@ -223,6 +223,22 @@ def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     ).fit_descriptor_limit()  # logs what it changed
 
 
+def byte_size(args: argparse.Namespace, flag: str) -> int:
+    """A size flag's bytes, at least one.
+
+    Raises:
+        UsageError: not a size, or 0 bytes (naming the flag).
+    """
+    from hybridkv.memory.sizes import parse_size
+    from hybridkv.serving.cli.values import UsageError
+
+    text = getattr(args, flag.removeprefix("--").replace("-", "_"))
+    size = parse_size(text)
+    if size < 1:
+        raise UsageError(f"{flag} must be at least 1 byte, got {text!r}")
+    return size
+
+
 def host_names(args: argparse.Namespace) -> tuple[str, ...]:
     """``--allowed-hosts`` as names."""
     return tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
