@@ -118,6 +118,7 @@ def serve_front_end(case: str, replica_command: list[str]) -> None:
                 print(bound_port(sock), flush=True)
                 await anyio.to_thread.run_sync(sys.stdin.read)  # the driver closes it
                 server.should_exit = True
+            await routed.aclose()
 
     try:
         anyio.run(main)

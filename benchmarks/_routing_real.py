@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 _START = "import sys; from hybridkv.serving.cli.main import main; sys.exit(main())"
 _WAIT_S = 300.0
 SMG_VENV = Path.home() / ".cache" / "hybridkv-peers" / "smg-venv"
@@ -159,13 +161,40 @@ def _stop(processes: list[subprocess.Popen[str]]) -> None:
             process.wait()
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system) process ``pid`` has used so far; 0.0 where ``/proc``
+    does not say (not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@attrs.define
+class Served:
+    """What :func:`serving` started: the URL clients use, the replicas', and the
+    processes (the front end's last, where there is one)."""
+
+    url: str
+    replicas: list[str]
+    processes: list[subprocess.Popen[str]]
+    has_front_end: bool
+
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds used so far by the front end and by the replicas together."""
+        seconds = [cpu_seconds(p.pid) for p in self.processes]
+        if not self.has_front_end:
+            return 0.0, sum(seconds)
+        return seconds[-1], sum(seconds[:-1])
+
+
 @contextlib.contextmanager
 def serving(
     folder: Path, num_replicas: int, kv_memory: str, front: str | None, max_num_seqs: int
-) -> Iterator[tuple[str, list[str]]]:
+) -> Iterator[Served]:
     """Replicas of ``folder`` and a front end with policy ``front`` (``smg``: SGLang's
-    gateway; None: the one replica itself); yields the URL clients use and the
-    replicas'."""
+    gateway; None: the one replica itself)."""
     processes: list[subprocess.Popen[str]] = []
     try:
         urls = []
@@ -184,12 +213,12 @@ def serving(
             processes.append(process)
             urls.append(url)
         if front is None:
-            yield urls[0], urls
+            yield Served(urls[0], urls, processes, has_front_end=False)
             return
         if front == "smg":
             process, url = _start_smg(urls)
             processes.append(process)
-            yield url, urls
+            yield Served(url, urls, processes, has_front_end=True)
             return
         replicas = [arg for url in urls for arg in ("--replica", url)]
         process, url = _start(
@@ -198,7 +227,7 @@ def serving(
             "routing at ",
         )  # fmt: skip
         processes.append(process)
-        yield url, urls
+        yield Served(url, urls, processes, has_front_end=True)
     finally:
         _stop(processes)
 
@@ -261,36 +290,54 @@ async def _play(
                         "prompt": usage["prompt_tokens"],
                         "cached": cached,
                         "ttft_ms": 1000 * ((first or time.perf_counter()) - sent),
+                        "e2e_ms": 1000 * (time.perf_counter() - sent),
                     }
                 )
 
         await asyncio.gather(*(session(i, parts) for i, parts in enumerate(chats)))
-        computed = [await _computed(client, replica) for replica in replicas]
-    return _measures(turns, computed)
+        sums = [await _replica_sums(client, replica) for replica in replicas]
+    return _measures(turns, sums)
 
 
-async def _computed(client: Any, url: str) -> float:
-    """Prompt tokens the replica at ``url`` computed (not served from its cache)."""
+_REPLICA_SUMS = (
+    "vllm:prompt_tokens", "vllm:prefix_cache_hits",
+    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_sum",
+)  # fmt: skip
+
+
+async def _replica_sums(client: Any, url: str) -> dict[str, float]:
+    """The replica at ``url``'s counts of :data:`_REPLICA_SUMS`, from its ``/metrics``."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = {"vllm:prompt_tokens": 0.0, "vllm:prefix_cache_hits": 0.0}
+    totals = dict.fromkeys(_REPLICA_SUMS, 0.0)
     text = (await client.get(f"{url}/metrics")).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
             if name in totals:
                 totals[name] += sample.value
-    return totals["vllm:prompt_tokens"] - totals["vllm:prefix_cache_hits"]
+    return totals
 
 
-def _measures(turns: list[dict[str, Any]], computed: list[float]) -> dict[str, Any]:
+def _measures(turns: list[dict[str, Any]], replicas: list[dict[str, float]]) -> dict[str, Any]:
+    """The run's hit rate, TTFT as clients saw it and as the replicas did (arrival at the
+    replica to its first token: the rest is the front end's and the transport's), end
+    to end likewise, and the spread of computed prompt tokens across replicas."""
     ttft = sorted(t["ttft_ms"] for t in turns)
+    computed = [r["vllm:prompt_tokens"] - r["vllm:prefix_cache_hits"] for r in replicas]
     mean = statistics.fmean(computed)
+    count = sum(r["vllm:time_to_first_token_seconds_count"] for r in replicas) or 1.0
+    replica_ttft = sum(r["vllm:time_to_first_token_seconds_sum"] for r in replicas) / count
+    replica_e2e = sum(r["vllm:e2e_request_latency_seconds_sum"] for r in replicas) / count
     return {
         "hit_rate": round(sum(t["cached"] for t in turns) / sum(t["prompt"] for t in turns), 4),
         "ttft_ms_mean": round(statistics.fmean(ttft), 1),
         "ttft_ms_p50": round(ttft[len(ttft) // 2], 1),
         "ttft_ms_p90": round(ttft[int(len(ttft) * 0.9)], 1),
+        "replica_ttft_ms_mean": round(1000 * replica_ttft, 1),
+        "e2e_ms_mean": round(statistics.fmean(t["e2e_ms"] for t in turns), 1),
+        "replica_e2e_ms_mean": round(1000 * replica_e2e, 1),
         "imbalance": round(max(computed) / mean, 3) if mean else 1.0,
         "preemptions": 0,
     }
@@ -311,9 +358,15 @@ def run_real(
     t0 = time.perf_counter()
     if policy is None:
         size = int(kv_memory.removesuffix("MiB")) * num_replicas
-        with serving(folder, 1, f"{size}MiB", None, max_num_seqs * num_replicas) as where:
-            run = asyncio.run(_play(*where, chats, reply_tokens))
+        started = serving(folder, 1, f"{size}MiB", None, max_num_seqs * num_replicas)
     else:
-        with serving(folder, num_replicas, kv_memory, policy, max_num_seqs) as where:
-            run = asyncio.run(_play(*where, chats, reply_tokens))
-    return run | {"wall_s": round(time.perf_counter() - t0, 1)}
+        started = serving(folder, num_replicas, kv_memory, policy, max_num_seqs)
+    with started as served:
+        front_before, replicas_before = served.cpu()
+        run = asyncio.run(_play(served.url, served.replicas, chats, reply_tokens))
+        front_after, replicas_after = served.cpu()
+    return run | {
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "front_end_cpu_s": round(front_after - front_before, 2),
+        "replicas_cpu_s": round(replicas_after - replicas_before, 2),
+    }

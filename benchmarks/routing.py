@@ -31,7 +31,11 @@ rate (cached prompt tokens over prompt tokens at each turn's first admission), T
 modelled ms (mean, p50, p90), load imbalance (the most tokens a replica computed over the
 mean), preemptions; then the issue's goals for each ``ours``: a hit rate within 0.05 of
 one engine's, at least 1.5x round-robin's, above the full-attention-only router's (same
-weights) on the hybrid layouts, and an imbalance under 1.25.
+weights) on the hybrid layouts, and an imbalance under 1.25; on real replicas beside smg,
+a TTFT at most 1.2x smg's. Real runs also print the TTFT at the replicas (arrival there
+to the first token: the rest is the front end's and the transport's) and the front end's
+CPU seconds, and play every policy of one seed in turn before the next seed, so that the
+policies compared share the machine's load of the same minutes.
 
     python benchmarks/routing.py [--quick] [--scales RxS ...] [--seeds N ...] [--jobs N]
                                  [--json FILE]
@@ -241,8 +245,10 @@ REAL_POLICIES = {
 
 
 def real_policies(args: argparse.Namespace) -> dict[str, str]:
-    """The real runs' policies and their front ends (smg only with ``--smg``)."""
-    return {k: v for k, v in REAL_POLICIES.items() if args.smg or v != "smg"}
+    """The real runs' policies and their front ends (``--real-policies``; smg only with
+    ``--smg``)."""
+    chosen = args.real_policies or list(REAL_POLICIES)
+    return {k: v for k, v in REAL_POLICIES.items() if k in chosen and (args.smg or v != "smg")}
 
 
 def real(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
@@ -260,21 +266,22 @@ def real(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
             for name in args.real_layouts:
                 folder = save_model(name, Path(tmp) / name)
                 cell: dict[str, Any] = {}
-                for policy, front in (*policies.items(), (REFERENCE, None)):
-                    runs = []
-                    for seed in args.seeds[: args.real_seeds]:
-                        chats = sessions(
-                            seed, num_sessions, args.real_turns, args.sessions_per_prompt, sizes
-                        )
-                        runs.append(
-                            run_real(
-                                folder, num_replicas, front, chats,
-                                kv_memory=args.real_kv_memory, reply_tokens=args.real_reply,
-                                max_num_seqs=args.max_running,
-                            )
+                # Every policy in turn for one seed, then the next seed: the policies
+                # compared see the machine's load of the same minutes.
+                for seed in args.seeds[: args.real_seeds]:
+                    chats = sessions(
+                        seed, num_sessions, args.real_turns, args.sessions_per_prompt, sizes
+                    )
+                    for policy, front in (*policies.items(), (REFERENCE, None)):
+                        run = run_real(
+                            folder, num_replicas, front, chats,
+                            kv_memory=args.real_kv_memory, reply_tokens=args.real_reply,
+                            max_num_seqs=args.max_running,
                         )  # fmt: skip
-                        print(f"{label}, {name}, {policy}: {runs[-1]}", file=sys.stderr)
-                    cell[policy] = {"runs": runs} | spread(runs)
+                        print(f"{label}, {name}, {policy}, seed {seed}: {run}", file=sys.stderr)
+                        cell.setdefault(policy, {"runs": []})["runs"].append(run)
+                for entry in cell.values():
+                    entry |= spread(entry["runs"])
                 cell["goals"] = goals(cell, name != "full", tuple(policies))
                 out.setdefault(label, {})[name] = cell
     return out
@@ -355,6 +362,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real-reply", type=int, default=16, help="reply tokens")
     p.add_argument("--real-kv-memory", default="2MiB", help="KV memory of a real replica")
     p.add_argument("--real-seeds", type=int, default=1, help="seeds of the real runs")
+    p.add_argument(
+        "--real-policies", nargs="+", choices=list(REAL_POLICIES), metavar="POLICY",
+        help=f"the real runs' policies (default: all of {', '.join(REAL_POLICIES)})",
+    )  # fmt: skip
     p.add_argument(
         "--smg", action=argparse.BooleanOptionalAction, default=True,
         help="SGLang's model gateway too (installed under ~/.cache/hybridkv-peers)",

@@ -60,7 +60,7 @@ from hybridkv.serving.responses import DEFAULT_MAX_RESPONSE_BYTES
 from hybridkv.serving.service import GenerationService
 from hybridkv.serving.streaming import EventStreamResponse, cancel_on_disconnect
 from hybridkv.serving.tools import PARSERS
-from hybridkv.serving.utility_routes import UtilityRoutes
+from hybridkv.serving.utility_routes import FREE_TOKENS_HEADER, UtilityRoutes, free_tokens
 
 if TYPE_CHECKING:
     from hybridkv.parallel.kv_events import KVEventPublisher
@@ -303,14 +303,19 @@ class _Routes:
                 log.warning("request_fields_ignored", path=request.url.path, fields=fields)
             job = await self.service.submit(parsed)
             if parsed.stream:
-                return EventStreamResponse(
+                response: Response = EventStreamResponse(
                     lambda emit: self.service.stream(job, emit), lambda: self.service.close(job)
                 )
-            body = await self.whole(request, job)
-            if body is None:
-                return Response(status_code=499)  # nobody reads it: the client has gone
-            # Encoded already (off the loop when large): JSONResponse would encode again.
-            return Response(body, media_type="application/json")
+            else:
+                body = await self.whole(request, job)
+                if body is None:
+                    return Response(status_code=499)  # nobody reads it: the client has gone
+                # Encoded already (off the loop when large): JSONResponse would encode again.
+                response = Response(body, media_type="application/json")
+            # A front end hears this replica's load from its answers (``replicas.py``).
+            header = (FREE_TOKENS_HEADER.encode(), str(free_tokens(self.service)).encode())
+            response.raw_headers.append(header)
+            return response
 
         return self.guarded(handle)
 

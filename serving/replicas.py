@@ -17,12 +17,16 @@ restarted engine numbers its events from 0 again). The load the policies weigh i
 front end's own count of requests in flight per replica (exact for the one front end the
 replicas serve) and, for the prefix policies, the longest prompt each replica's free
 pages hold, polled from its ``/load`` every ``--load-interval`` (as vLLM's data-parallel
-coordinator gathers its engines' stats every 100 ms).
+coordinator gathers its engines' stats every 100 ms); a replica's answers carry the same
+figure (``x-hybridkv-free-tokens``), so only a replica that has answered nothing within
+the interval is polled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Hashable, Sequence
+import json
+import math
+from collections.abc import Callable, Coroutine, Hashable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,6 +44,8 @@ from hybridkv.parallel.kv_router import (
     RoundRobin,
     Router,
 )
+from hybridkv.serving.upstream import UpstreamError, UpstreamPool
+from hybridkv.serving.utility_routes import FREE_TOKENS_HEADER
 
 log = get_logger(__name__)
 
@@ -60,8 +66,9 @@ class Replica:
         healthy: In rotation.
         reason: Why it is out of rotation (None while in).
         in_flight: Requests forwarded and not finished.
-        free_tokens: The longest prompt its free pages held at the last poll of its
-            ``/load`` (None: not polled, or it does not answer one).
+        free_tokens: The longest prompt its free pages held when it last said (its
+            ``/load``, or an answer's header; None: not yet, or it does not say).
+        load_heard_at: When it last said (the event loop's clock).
         index: Its blocks, from its KV events (None: it publishes none, or not yet
             discovered).
     """
@@ -73,6 +80,7 @@ class Replica:
     reason: str | None = "not probed yet"
     in_flight: int = 0
     free_tokens: int | None = None
+    load_heard_at: float = -math.inf
     index: ReplicaIndex | None = None
     feed: ReplicaFeed | None = None
     #: The forwards to it in progress, each cancelled when it leaves the rotation.
@@ -113,6 +121,8 @@ class ReplicaSet:
             raise ValueError(f"replica names repeat: {names}")
         self.replicas = {r.name: r for r in replicas}
         self.client = client
+        #: The kept-alive connections that forwards and load polls use (:meth:`aclose`).
+        self.upstream = UpstreamPool()
         self.policy = policy
         self._load_only: Router = RoundRobin() if policy == "round-robin" else LeastLoaded()
         self._prefix: PrefixRouter | None = None
@@ -197,21 +207,41 @@ class ReplicaSet:
         """Probe every replica every ``interval_s`` seconds, forever."""
         await self._every(interval_s, self.probe, lambda: list(self.replicas.values()))
 
+    def heard_load(self, replica: Replica, headers: Mapping[str, str]) -> None:
+        """Take ``replica``'s free tokens from an answer's ``headers``, where it said."""
+        value = headers.get(FREE_TOKENS_HEADER)
+        if value is not None and value.isdigit():
+            replica.free_tokens = int(value)
+            replica.load_heard_at = anyio.current_time()
+
     async def poll_load(self, replica: Replica) -> None:
         """Read ``replica``'s ``/load`` (a failure forgets it: the health probe decides
         the rotation)."""
         try:
-            answer = await self.client.get(f"{replica.url}/load", timeout=10.0)
-            answer.raise_for_status()
-            replica.free_tokens = int(answer.json()["free_tokens"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            with anyio.fail_after(10.0):
+                answer = await self.upstream.send(f"{replica.url}/load", "GET", (), b"")
+                try:
+                    body = await answer.read()
+                finally:
+                    await answer.aclose()
+            if answer.status_code != 200:
+                raise ValueError(f"/load answered {answer.status_code}")
+            replica.free_tokens = int(json.loads(body)["free_tokens"])
+            replica.load_heard_at = anyio.current_time()
+        except (UpstreamError, TimeoutError, ValueError, KeyError, TypeError):
             replica.free_tokens = None
 
     async def watch_load(self, interval_s: float) -> None:
-        """Poll every healthy replica's ``/load`` every ``interval_s`` seconds, forever
-        (the prefix policies' free pages; the others weigh requests alone)."""
+        """Every ``interval_s`` seconds, forever, poll the ``/load`` of each healthy replica
+        not heard from since the last time (the prefix policies' free pages; the others
+        weigh requests alone)."""
+
+        def unheard() -> list[Replica]:
+            since = anyio.current_time() - interval_s
+            return [r for r in self.healthy if r.load_heard_at < since]
+
         if self.policy.startswith("prefix"):
-            await self._every(interval_s, self.poll_load, lambda: self.healthy)
+            await self._every(interval_s, self.poll_load, unheard)
 
     @staticmethod
     async def _every(
@@ -226,12 +256,13 @@ class ReplicaSet:
                     tg.start_soon(visit, replica)
             await anyio.sleep(interval_s)
 
-    def close(self) -> None:
-        """Stop following every replica's events."""
+    async def aclose(self) -> None:
+        """Stop following every replica's events; close the idle connections."""
         for replica in self.replicas.values():
             if replica.feed is not None:
                 replica.feed.close()
                 replica.feed = None
+        await self.upstream.aclose()
 
     async def _follow(self, replica: Replica) -> None:
         """Read where ``replica`` publishes its events and subscribe (a 404: it publishes

@@ -49,6 +49,11 @@ from hybridkv.serving.replicas import Replica, ReplicaSet
 from hybridkv.serving.route_metrics import RouterMetrics
 from hybridkv.serving.route_prompt import lenient_json, routed_prompt
 from hybridkv.serving.streaming import EventStreamResponse, cancel_on_disconnect
+from hybridkv.serving.upstream import (
+    UpstreamAnswer,
+    UpstreamConnectError,
+    UpstreamError,
+)
 
 log = get_logger(__name__)
 
@@ -208,15 +213,12 @@ class Forwarder:
         """Forward to the first of ``order`` that takes the request; the next one on a
         failure before any byte reached the client (``first_byte_s``: the longest wait
         for the answer's first byte; None: none)."""
-        headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k))}
+        headers = [(k, v) for k in _FORWARDED_HEADERS if (v := request.headers.get(k))]
+        path = request.url.path
+        if request.url.query:
+            path = f"{path}?{request.url.query}"
         failures: list[str] = []
         for replica in order:
-            url = f"{replica.url}{request.url.path}"
-            if request.url.query:
-                url = f"{url}?{request.url.query}"
-            upstream = self.replicas.client.build_request(
-                request.method, url, content=raw, headers=headers, timeout=self._timeout(stream)
-            )
             replica.in_flight += 1
             handed_over = False
             scope = anyio.CancelScope()
@@ -225,14 +227,21 @@ class Forwarder:
                 with scope:
                     try:
                         with anyio.fail_after(first_byte_s):
-                            answer = await self.replicas.client.send(upstream, stream=True)
-                    except httpx.TransportError as exc:
+                            answer = await self.replicas.upstream.send(
+                                f"{replica.url}{path}",
+                                request.method,
+                                headers,
+                                raw,
+                                write_timeout_s=self.body_timeout_s,
+                            )
+                    except UpstreamConnectError as exc:
                         # Only a connection that cannot be made takes a replica out: one
                         # that fails while a body is sent (a replica refusing it) does not.
-                        reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
-                        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-                            self.replicas.mark_down(replica, reason)
-                        failures.append(self._failed(replica, reason))
+                        self.replicas.mark_down(replica, str(exc))
+                        failures.append(self._failed(replica, str(exc)))
+                        continue
+                    except UpstreamError as exc:
+                        failures.append(self._failed(replica, str(exc)))
                         continue
                     except TimeoutError:
                         reason = f"no answer within {first_byte_s:g} s"
@@ -240,25 +249,25 @@ class Forwarder:
                         continue
                     try:
                         if answer.status_code == 503:
-                            reason = f"answered 503: {(await answer.aread())[:200]!r}"
+                            reason = f"answered 503: {(await answer.read())[:200]!r}"
                             self.replicas.mark_down(replica, reason)
                             failures.append(self._failed(replica, reason))
                             continue
                         self.replicas.sent(replica, token_ids, extra_keys)
+                        self.replicas.heard_load(replica, answer.headers)
                         if stream and answer.status_code == 200:
-                            chunks = answer.aiter_raw()
+                            chunks = answer.chunks(self.timeouts.stall_s)
                             with anyio.fail_after(first_byte_s):
                                 first = await anext(chunks, b"")
                             handed_over = True
                             return self._stream(replica, answer, first, chunks)
-                        body = await answer.aread()
-                    except (httpx.TransportError, TimeoutError) as exc:
-                        failures.append(self._failed(replica, repr(exc)))
+                        body = await answer.read()
+                    except (UpstreamError, TimeoutError) as exc:
+                        failures.append(self._failed(replica, str(exc) or repr(exc)))
                         continue
                     finally:
                         if not handed_over:
-                            with anyio.CancelScope(shield=True):
-                                await answer.aclose()
+                            await answer.aclose()
                 if scope.cancelled_caught:  # it left the rotation while we waited
                     failures.append(self._failed(replica, f"left the rotation: {replica.reason}"))
                     continue
@@ -285,16 +294,10 @@ class Forwarder:
         self.counters.failed_tries.labels(replica.name).inc()
         return f"{replica.name}: {reason}"
 
-    def _timeout(self, stream: bool) -> httpx.Timeout:
-        """A forward's socket timeouts: a stream may stall ``stall_s`` between bytes; a
-        whole answer comes at once when it is done."""
-        read = self.timeouts.stall_s if stream else None
-        return httpx.Timeout(None, connect=10.0, read=read, write=self.body_timeout_s)
-
     def _stream(
         self,
         replica: Replica,
-        answer: httpx.Response,
+        answer: UpstreamAnswer,
         first: bytes,
         chunks: AsyncIterator[bytes],
     ) -> Response:
@@ -309,8 +312,8 @@ class Forwarder:
                     try:
                         async for chunk in chunks:
                             await emit(chunk)
-                    except httpx.TransportError as exc:
-                        reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                    except UpstreamError as exc:
+                        reason = str(exc)
                 if scope.cancelled_caught:
                     reason = f"it left the rotation ({replica.reason})"
                 if reason is None:
@@ -323,8 +326,7 @@ class Forwarder:
             finally:
                 replica.forwards.discard(scope)
                 replica.in_flight -= 1
-                with anyio.CancelScope(shield=True):
-                    await answer.aclose()
+                await answer.aclose()
 
         response = EventStreamResponse(produce, lambda: None)
         response.raw_headers.append((REPLICA_HEADER.encode(), replica.name.encode()))

@@ -14,7 +14,9 @@
                                 when it does not
     GET  /load                  the engine's queues and free pages, for a router:
                                 {"num_waiting", "num_running", "num_free_blocks",
-                                 "num_blocks", "kv_usage", "free_tokens"}
+                                 "num_blocks", "kv_usage", "free_tokens"}; every
+                                generation's answer carries free_tokens in its
+                                x-hybridkv-free-tokens header too
 
 Tokenizing and rendering go through the same prompter as generation (worker threads,
 the template's limits); ``/tokenize`` counts a text longer than the context rather than
@@ -44,6 +46,17 @@ if TYPE_CHECKING:
 
 #: Detokenizing this many ids or fewer runs on the loop.
 _INLINE_IDS = 4096
+
+
+#: The header of a generation's answer that carries :func:`free_tokens` when it starts,
+#: so that a front end hears a busy replica's load without polling its ``/load``.
+FREE_TOKENS_HEADER = "x-hybridkv-free-tokens"
+
+
+def free_tokens(service: GenerationService) -> int:
+    """The longest prompt ``service``'s free pages hold now, up to its context length."""
+    kv = service.engine.core.kv
+    return token_headroom(kv, kv.num_free_blocks, service.max_model_len)
 
 
 class UtilityRoutes:
@@ -127,11 +140,7 @@ class UtilityRoutes:
         """The queues and free pages a router weighs (``serving/replicas.py`` polls it,
         as SGLang's router polls ``/get_load``): ``free_tokens`` is the longest prompt the
         free pages hold now (``memory/headroom.py``), up to the context length."""
-        service = self.service
-        stats = service.engine.stats()
-        free_tokens = token_headroom(
-            service.engine.core.kv, stats.num_free_blocks, service.max_model_len
-        )
+        stats = self.service.engine.stats()
         return JSONResponse(
             {
                 "num_waiting": stats.num_waiting,
@@ -139,7 +148,7 @@ class UtilityRoutes:
                 "num_free_blocks": stats.num_free_blocks,
                 "num_blocks": stats.num_blocks,
                 "kv_usage": round(stats.kv_usage, 4),
-                "free_tokens": free_tokens,
+                "free_tokens": free_tokens(self.service),
             }
         )
 

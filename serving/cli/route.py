@@ -262,4 +262,4 @@ async def serve_front_end(
                     flush=True,
                 )
         finally:
-            routed.close()
+            await routed.aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from hybridkv.serving.prompts import Prompter
 from hybridkv.serving.replicas import Replica, ReplicaSet
 from hybridkv.serving.route_app import REPLICA_HEADER, Forwarder, build_route_app
 from hybridkv.serving.server import bound_port, open_socket, serve_http
+from hybridkv.serving.utility_routes import FREE_TOKENS_HEADER
 from hybridkv.testing import LiveServer, default_config, live_server, word_tokenizer
 
 MODEL = "fake-model"
@@ -118,7 +120,7 @@ async def _front_end(
                 server = await tg.start(serve_http, app, sock)
                 task_status.started((f"http://127.0.0.1:{port}", routed, server))
         finally:
-            routed.close()
+            await routed.aclose()
 
 
 @pytest.fixture
@@ -204,6 +206,25 @@ def test_the_front_end_weighs_each_replicas_free_pages_from_its_load(
     assert replicas[0].free_tokens is None
 
 
+def test_an_answer_tells_the_front_end_its_replicas_load(cluster: Cluster) -> None:
+    """Each generation's answer carries its replica's free tokens in a header: the front
+    end takes them from there (so that a replica it hears from needs no poll) and does
+    not pass the header on."""
+    for _ in range(2):
+        cluster.replica()
+    url, routed = cluster.front_end()
+    direct = complete(cluster.servers[0].url, words(0, 12))
+    assert int(direct.headers[FREE_TOKENS_HEADER]) > 0
+    for stream in (False, True):
+        answer = complete(url, words(20, 12), stream=stream)
+        assert answer.status_code == 200 and FREE_TOKENS_HEADER not in answer.headers
+        heard = routed.replicas[answer.headers[REPLICA_HEADER]]
+        assert heard.load_heard_at > -math.inf and heard.free_tokens is not None
+        assert heard.free_tokens > 0
+    never_polled = [r for r in routed.replicas.values() if r.load_heard_at == -math.inf]
+    assert all(r.free_tokens is None for r in never_polled)
+
+
 def test_replicas_sharing_a_redis_server_are_credited_with_each_others_blocks(
     cluster: Cluster, redis_server: Any
 ) -> None:
@@ -250,7 +271,7 @@ def test_a_stopped_replica_leaves_the_rotation_and_its_requests_retry(
         assert answer.headers[REPLICA_HEADER] == "1"
     health = httpx.get(f"{url}/health").json()["replicas"]
     assert health["0"]["healthy"] is False
-    assert "ConnectError" in health["0"]["reason"]
+    assert "cannot connect" in health["0"]["reason"]
     assert health["1"]["healthy"] is True
     metrics = httpx.get(f"{url}/metrics").text
     assert 'hybridkv_router_replica_healthy{replica="0"} 0.0' in metrics
