@@ -22,11 +22,11 @@ def serve(case: str) -> None:
 
     from hybridkv.policies import FullAttention, SlidingWindow
     from hybridkv.scheduler import Engine, EngineConfig, FakeExecutor
-    from hybridkv.serving.app import build_app
-    from hybridkv.serving.chat import ChatTemplate
-    from hybridkv.serving.cli.console import configure_logging
-    from hybridkv.serving.connection import ConnectionLimits
-    from hybridkv.serving.server import bound_port, open_socket, serve_http
+    from hybridkv.serving.cli.flags.console import configure_logging
+    from hybridkv.serving.http.app import build_app
+    from hybridkv.serving.http.connection import ConnectionLimits
+    from hybridkv.serving.http.uvicorn_server import bound_port, open_socket, serve_http
+    from hybridkv.serving.openai.chat_template import ChatTemplate
     from hybridkv.testing import BYTE_EOS, SamplingFakeExecutor, byte_tokenizer, word_tokenizer
 
     configure_logging("warning")
@@ -81,13 +81,13 @@ def serve_front_end(case: str, replica_command: list[str]) -> None:
     import anyio
     import httpx
 
-    from hybridkv.serving.chat import ChatTemplate
-    from hybridkv.serving.cli.console import configure_logging
-    from hybridkv.serving.connection import ConnectionLimits
-    from hybridkv.serving.prompts import Prompter
-    from hybridkv.serving.replicas import Replica, ReplicaSet
-    from hybridkv.serving.route_app import Forwarder, build_route_app
-    from hybridkv.serving.server import bound_port, open_socket, serve_http_in
+    from hybridkv.serving.cli.flags.console import configure_logging
+    from hybridkv.serving.http.connection import ConnectionLimits
+    from hybridkv.serving.http.uvicorn_server import bound_port, open_socket, serve_http_in
+    from hybridkv.serving.openai.chat_template import ChatTemplate
+    from hybridkv.serving.openai.prompts import Prompter
+    from hybridkv.serving.router.front_end import Forwarder, build_route_app
+    from hybridkv.serving.router.replicas import Replica, ReplicaSet
     from hybridkv.testing import byte_tokenizer, word_tokenizer
 
     configure_logging("warning")

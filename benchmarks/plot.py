@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridkv.serving.cli.plots import draw_pages_per_group, new_figure, save_figure
+from hybridkv.serving.cli.workload.plots import draw_pages_per_group, new_figure, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 HYBRID, UNIFORM, OURS, THEIRS = "tab:blue", "tab:orange", "tab:blue", "tab:orange"

@@ -1,15 +1,22 @@
-"""The ``hybridkv`` command line and the OpenAI-compatible HTTP server.
+"""The ``hybridkv`` command line and the OpenAI-compatible HTTP server, by concern.
 
-Modules: ``app`` (the ASGI app around an engine), ``server`` and ``connection`` (run it
-with uvicorn in your own event loop, with connection limits), ``service`` and
-``choices`` (one generation request, without HTTP), ``body``, ``fields``, ``protocol``,
-``sampling_fields`` and ``structured`` (request bodies to checked requests),
-``prompts``, ``chat`` and ``template_sandbox`` (prompts to token ids), ``text`` and
-``logprobs`` (outputs to text), ``streaming``, ``responses``, ``guard``, ``watchdog``,
-``metrics`` (Prometheus), ``utility_routes``; ``replicas``, ``route_app`` and
-``route_metrics`` (the data-parallel front end), ``ray_replicas``, ``ray_router`` and
-``ray_engine`` (the same routing in Ray Serve); and ``cli/``, the ``hybridkv`` command
-line.
+The import order runs one way: ``cli`` -> ``router`` -> ``http`` -> ``openai`` ->
+``metrics`` (``tests/test_layering.py`` holds it):
 
-Kept free of imports so that ``hybridkv --help`` stays fast.
+- ``openai/``: the protocol without HTTP (request bodies to checked requests, prompts to
+  token ids, outputs to answers, the generation service);
+- ``http/``: the Starlette app, bodies, streaming, access checks, connection limits,
+  uvicorn and hypercorn;
+- ``metrics/``: Prometheus series, vLLM's names for them, the periodic stats line;
+- ``router/``: the data-parallel front end, and ``router/ray/`` in Ray Serve;
+- ``cli/``: the ``hybridkv`` command line, ``cli/flags/`` its flag groups and
+  ``cli/workload/`` the demo's workload.
+
+Modules that moved in 0.2 still import from their old paths for one release, with a
+``DeprecationWarning`` (``moved.py``). Kept free of other imports so that ``hybridkv
+--help`` stays fast.
 """
+
+from hybridkv.serving import moved
+
+moved.install()

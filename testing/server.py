@@ -28,11 +28,11 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from hybridkv.scheduler import Engine, EngineConfig, EngineStats, Executor
 from hybridkv.scheduler.loop_host import on_asyncio
-from hybridkv.serving.app import ServerOptions, build_app
-from hybridkv.serving.chat import ChatTemplate
-from hybridkv.serving.connection import ConnectionLimits
-from hybridkv.serving.hypercorn_server import serve_hypercorn
-from hybridkv.serving.server import bound_port, open_socket, serve_http
+from hybridkv.serving.http.app import ServerOptions, build_app
+from hybridkv.serving.http.connection import ConnectionLimits
+from hybridkv.serving.http.hypercorn_server import serve_hypercorn
+from hybridkv.serving.http.uvicorn_server import bound_port, open_socket, serve_http
+from hybridkv.serving.openai.chat_template import ChatTemplate
 from hybridkv.testing.leaks import wait_until_free
 
 Backend = Literal["asyncio", "trio"]

@@ -152,6 +152,44 @@ def test_no_module_imports_itself_through_others() -> None:
     assert not cycles
 
 
+#: serving/'s rooms, each importing only those after it (``moved`` and the package's
+#: ``__init__`` name the old paths and sit outside the order).
+SERVING_ORDER = ("cli", "router", "http", "openai", "metrics")
+
+
+def _serving_room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["hybridkv", "serving"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in SERVING_ORDER else None
+
+
+def test_serving_rooms_import_only_downwards() -> None:
+    """Inside serving/: cli -> router -> http -> openai -> metrics, so that the protocol
+    never reaches for HTTP and the front end never reaches for the command line."""
+    rank = {room: i for i, room in enumerate(SERVING_ORDER)}
+    wrong = sorted(
+        f"{module} -> {dep}"
+        for module, deps in GRAPH.items()
+        if (room := _serving_room(module)) is not None
+        for dep in deps
+        if (other := _serving_room(dep)) is not None and rank[other] < rank[room]
+    )
+    assert not wrong
+
+
+def test_every_serving_module_is_in_a_room() -> None:
+    """No module sits loose in serving/ besides the package and its old-path finder."""
+    loose = sorted(
+        m
+        for m in MODULES
+        if m.startswith("hybridkv.serving.")
+        and _serving_room(m) is None
+        and m != "hybridkv.serving.moved"
+    )
+    assert not loose
+
+
 def _top_level_names(node: ast.AST) -> list[str]:
     if isinstance(node, ast.Import):
         return [alias.name.split(".")[0] for alias in node.names]

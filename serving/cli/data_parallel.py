@@ -138,12 +138,12 @@ def run_data_parallel(args: argparse.Namespace) -> int:
 
     import anyio
 
-    from hybridkv.serving.cli.console import configure_logging
+    from hybridkv.serving.cli.flags.console import configure_logging
+    from hybridkv.serving.cli.flags.values import UsageError
     from hybridkv.serving.cli.replica_processes import ReplicaProcesses
     from hybridkv.serving.cli.route import front_end_settings, load_prompter, serve_front_end
-    from hybridkv.serving.cli.values import UsageError
-    from hybridkv.serving.replicas import Replica
-    from hybridkv.serving.server import open_socket
+    from hybridkv.serving.http.uvicorn_server import open_socket
+    from hybridkv.serving.router.replicas import Replica
 
     configure_logging(args.log_level, args.log_format)
     size = args.data_parallel_size

@@ -9,14 +9,14 @@ from typing import Any
 
 import attrs
 
-from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
-from hybridkv.serving.cli.engine_flags import (
+from hybridkv.serving.cli.flags.console import add_log_level_argument, configure_logging
+from hybridkv.serving.cli.flags.engine import (
     add_engine_arguments,
     add_model_argument,
     engine_args,
     kv_memory_flag,
 )
-from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
+from hybridkv.serving.cli.flags.offload import add_offload_arguments, offload_config
 
 
 def register_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,8 +52,8 @@ def run_demo(args: argparse.Namespace) -> int:
     import anyio
 
     from hybridkv.serving.cli.loading import load_model
-    from hybridkv.serving.cli.report import format_table, summary_rows
-    from hybridkv.serving.cli.workload import demo_workload
+    from hybridkv.serving.cli.workload.report import format_table, summary_rows
+    from hybridkv.serving.cli.workload.run import demo_workload
 
     configure_logging(args.log_level, args.log_format)
     _check_positive(args, "requests", "max_tokens", "rate")
@@ -107,7 +107,7 @@ async def _run_with_bar(loaded: Any, requests: Any, show: Any, offload: Any) -> 
     from tqdm import tqdm
 
     from hybridkv.scheduler import Engine
-    from hybridkv.serving.cli.workload import run_workload
+    from hybridkv.serving.cli.workload.run import run_workload
 
     with tqdm(total=len(requests), unit="req", desc="requests", file=sys.stderr) as bar:
         tokens = [0]
@@ -159,14 +159,14 @@ def run_bench(args: argparse.Namespace) -> int:
     import anyio
 
     from hybridkv.serving.cli.loading import load_model
-    from hybridkv.serving.cli.workload import run_workload, synthetic_workload
+    from hybridkv.serving.cli.workload.run import run_workload, synthetic_workload
 
     configure_logging(args.log_level, args.log_format)
     _check_positive(args, "requests", "prompt_len", "output_len")
     if args.rate is not None:  # None sends every request at once
         _check_positive(args, "rate")
     if not 0 <= args.shared_prefix <= args.prompt_len:
-        from hybridkv.serving.cli.values import UsageError
+        from hybridkv.serving.cli.flags.values import UsageError
 
         raise UsageError(f"--shared-prefix must be in [0, --prompt-len], got {args.shared_prefix}")
     _check_plot(args)
@@ -227,7 +227,7 @@ def _add_plot_argument(parser: argparse.ArgumentParser, what: str) -> None:
 def _check_plot(args: argparse.Namespace) -> None:
     """Before loading anything: the --plot folder exists and matplotlib imports."""
     if args.plot is not None:
-        from hybridkv.serving.cli.plots import check_plot_path, require_matplotlib
+        from hybridkv.serving.cli.workload.plots import check_plot_path, require_matplotlib
 
         check_plot_path(args.plot)
         require_matplotlib()
@@ -236,7 +236,7 @@ def _check_plot(args: argparse.Namespace) -> None:
 def _save_plot(args: argparse.Namespace, result: Any, plan: Any, title: str, source: str) -> None:
     if args.plot is None:
         return
-    from hybridkv.serving.cli.plots import pages_series, save_pages_plot
+    from hybridkv.serving.cli.workload.plots import pages_series, save_pages_plot
 
     series = pages_series(result.pages, plan, title=title, source=source)
     png, data = save_pages_plot(args.plot, series)
@@ -273,7 +273,7 @@ def _format_rows(rows: list[dict[str, str]]) -> str:
 
 
 def _check_positive(args: argparse.Namespace, *names: str) -> None:
-    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.cli.flags.values import UsageError
 
     for name in names:
         if getattr(args, name) <= 0:

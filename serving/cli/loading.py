@@ -1,4 +1,4 @@
-"""From the engine flags (:class:`~hybridkv.serving.cli.engine_flags.EngineArgs`) to a
+"""From the engine flags (:class:`~hybridkv.serving.cli.flags.engine.EngineArgs`) to a
 loaded model and the engine config that fits its pool.
 
 One process loads a :class:`ModelExecutor`; with pipeline stages or context ranks
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from hybridkv.serving.chat import ChatTemplate
 from hybridkv.serving.cli.builtin_models import BUILTIN_MODELS, resolve_model
-from hybridkv.serving.cli.engine_flags import EngineArgs, engine_args, num_ranks
+from hybridkv.serving.cli.flags.engine import EngineArgs, engine_args, num_ranks
+from hybridkv.serving.openai.chat_template import ChatTemplate
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -80,7 +80,7 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
     """
     from hybridkv.executor.model_executor import ModelExecutor
     from hybridkv.scheduler import EngineConfig
-    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.cli.flags.values import UsageError
 
     name, folder = resolve_model(settings.model)
     dtype, kv_memory = checkpoint_dtype(settings.dtype, folder), kv_bytes(settings, folder)
@@ -198,7 +198,7 @@ def kv_bytes(settings: EngineArgs, folder: Path) -> int:
     Raises:
         UsageError: that share leaves nothing for the KV pool.
     """
-    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.cli.flags.values import UsageError
 
     share = settings.memory_utilization
     if share is None:
@@ -238,7 +238,7 @@ def _start_pipeline(folder: Path, settings: EngineArgs, options: LoadOptions) ->
     from hybridkv.memory.offload import OffloadConfigError, parse_tier
     from hybridkv.parallel.pipeline_executor import PipelineExecutor
     from hybridkv.parallel.rank_offload import check_pipeline_tiers
-    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.cli.flags.values import UsageError
 
     try:  # what the ranks' tiers cannot do is refused before any worker starts
         tiers = [parse_tier(text) for text in settings.kv_offload]
@@ -282,7 +282,7 @@ def pipeline_worker_status(args: argparse.Namespace) -> int | None:
     if num_ranks(args) < 2 or os.environ.get("RANK", "0") == "0":
         return None
     from hybridkv.parallel.pipeline_launch import StageSettings, run_torchrun_worker
-    from hybridkv.serving.cli.console import configure_logging
+    from hybridkv.serving.cli.flags.console import configure_logging
 
     configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
     settings = engine_args(args)

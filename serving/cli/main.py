@@ -6,8 +6,9 @@ writing ``register(subparsers)`` in its own module and naming it in :data:`SUBCO
 keep heavy imports (torch, models, the HTTP stack) inside the handler so that
 ``hybridkv --help`` and ``hybridkv plan`` stay fast.
 
-Errors of the library (:class:`HybridKVError`, :class:`~hybridkv.serving.cli.values.UsageError`
-among them) print one line on stderr and exit with status 2, without a traceback.
+Errors of the library (:class:`HybridKVError`,
+:class:`~hybridkv.serving.cli.flags.values.UsageError` among them) print one line on
+stderr and exit with status 2, without a traceback.
 
 SIGTERM stops a command as Ctrl-C does (a ``KeyboardInterrupt``), so that the servers
 stop what they started (workers, replicas) either way. A ``hybridkv`` process started
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridkv.errors import HybridKVError
-from hybridkv.serving.cli.config_file import expand_config
+from hybridkv.serving.cli.flags.config_file import expand_config
 
 #: Subcommand name -> ``"module:function"`` of its registrar, in ``--help`` order.
 SUBCOMMANDS: dict[str, str] = {
@@ -103,7 +104,7 @@ def import_modules(names: Sequence[str]) -> None:
     Raises:
         UsageError: a module that cannot be imported, naming it and why.
     """
-    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.cli.flags.values import UsageError
 
     for name in names:
         try:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.memory.sizes import parse_size
-from hybridkv.serving.cli.values import UsageError, dtype_bytes, load_config
+from hybridkv.serving.cli.flags.values import UsageError, dtype_bytes, load_config
 
 if TYPE_CHECKING:
     from hybridkv.memory.layout import LayerSpec, LayoutPlan
@@ -72,7 +72,7 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         metavar="L",
         help="tokens per request (prompt and output) in the capacity table",
     )
-    from hybridkv.serving.cli.engine_flags import add_layer_policy_argument
+    from hybridkv.serving.cli.flags.engine import add_layer_policy_argument
 
     add_layer_policy_argument(parser)
     parser.set_defaults(handler=run_plan)
@@ -82,7 +82,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """Plan the layout and print it."""
     from hybridkv.memory.layout_planner import describe, plan_layout
     from hybridkv.models.specs import layer_specs_from_config, tensor_rank_spec
-    from hybridkv.serving.cli.engine_flags import parse_layer_policies
+    from hybridkv.serving.cli.flags.engine import parse_layer_policies
 
     budget = parse_size(args.kv_memory)
     if args.request_tokens < 1:

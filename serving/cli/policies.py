@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import inspect
 
-from hybridkv.serving.cli.values import add_import_argument
+from hybridkv.serving.cli.flags.values import add_import_argument
 
 
 def register_policies(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 from hybridkv.errors import HybridKVError
 from hybridkv.errors.events import get_logger
 from hybridkv.parallel.parent_watch import PARENT_PID_VARIABLE
-from hybridkv.serving.cli.serve_flags import API_KEY_ENV
+from hybridkv.serving.cli.flags.serve import API_KEY_ENV
 
 log = get_logger(__name__)
 

@@ -9,7 +9,7 @@ replicas, and the front end ``serve --data-parallel-size`` runs over the ones it
 
 The front end reads MODEL's tokenizer and chat template (not its weights) to see each
 prompt's tokens as the replicas will, asks every replica's ``/kv_events`` where it
-publishes, and routes as ``--routing`` says (``hybridkv.serving.replicas``).
+publishes, and routes as ``--routing`` says (``hybridkv.serving.router.replicas``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import attrs
 
-from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
-from hybridkv.serving.cli.engine_flags import add_model_argument
-from hybridkv.serving.cli.serve_flags import add_transport_arguments
+from hybridkv.serving.cli.flags.console import add_log_level_argument, configure_logging
+from hybridkv.serving.cli.flags.engine import add_model_argument
+from hybridkv.serving.cli.flags.serve import add_transport_arguments
 
 #: A task the front end runs beside serving, given the replica set (a process watcher).
 Companion = Callable[[Any], Coroutine[Any, Any, None]]
@@ -45,7 +45,7 @@ def _seconds(text: str) -> float:
 def add_routing_arguments(parser: argparse.ArgumentParser | Any) -> None:
     """``--routing``, ``--health-interval`` and ``--load-interval`` (route, and serve's
     data parallelism)."""
-    from hybridkv.serving.replicas import POLICIES
+    from hybridkv.serving.router.replicas import POLICIES
 
     parser.add_argument(
         "--routing",
@@ -105,8 +105,8 @@ def run_route(args: argparse.Namespace) -> int:
     """Serve the front end over ``--replica`` URLs until interrupted."""
     import anyio
 
-    from hybridkv.serving.replicas import Replica
-    from hybridkv.serving.server import open_socket
+    from hybridkv.serving.http.uvicorn_server import open_socket
+    from hybridkv.serving.router.replicas import Replica
 
     configure_logging(args.log_level, args.log_format)
     replicas = [Replica(str(i), _base_url(url)) for i, url in enumerate(args.replica)]
@@ -139,14 +139,14 @@ def front_end_settings(args: argparse.Namespace) -> FrontEndSettings:
     Raises:
         UsageError: a value out of range, naming the flag.
     """
-    from hybridkv.serving.cli.serve_flags import (
+    from hybridkv.serving.cli.flags.serve import (
         allowed_origins,
         byte_size,
         connection_limits,
         host_names,
     )
-    from hybridkv.serving.cli.values import UsageError
-    from hybridkv.serving.route_app import UpstreamTimeouts
+    from hybridkv.serving.cli.flags.values import UsageError
+    from hybridkv.serving.router.front_end import UpstreamTimeouts
 
     try:
         limits = connection_limits(args)
@@ -167,7 +167,7 @@ def front_end_settings(args: argparse.Namespace) -> FrontEndSettings:
 
 
 def _base_url(url: str) -> str:
-    from hybridkv.serving.cli.values import UsageError
+    from hybridkv.serving.cli.flags.values import UsageError
 
     if not url.startswith(("http://", "https://")):
         raise UsageError(f"--replica {url!r} is not an http:// or https:// URL")
@@ -179,11 +179,11 @@ def load_prompter(model: str | None, chat_template: str | None) -> Any:
     import anyio
     from tokenizers import Tokenizer
 
-    from hybridkv.serving.chat import ChatTemplate
     from hybridkv.serving.cli.builtin_models import resolve_model
-    from hybridkv.serving.cli.serve_flags import read_chat_template, written_over
-    from hybridkv.serving.cli.values import UsageError
-    from hybridkv.serving.prompts import Prompter
+    from hybridkv.serving.cli.flags.serve import read_chat_template, written_over
+    from hybridkv.serving.cli.flags.values import UsageError
+    from hybridkv.serving.openai.chat_template import ChatTemplate
+    from hybridkv.serving.openai.prompts import Prompter
 
     _, folder = resolve_model(model)
     path = folder / "tokenizer.json"
@@ -218,11 +218,11 @@ async def serve_front_end(
     import anyio
     import httpx
 
-    from hybridkv.serving.replicas import ReplicaSet
-    from hybridkv.serving.route_app import Forwarder, build_route_app
-    from hybridkv.serving.server import serve_http_in
+    from hybridkv.serving.http.uvicorn_server import serve_http_in
+    from hybridkv.serving.router.front_end import Forwarder, build_route_app
+    from hybridkv.serving.router.replicas import ReplicaSet
 
-    timeout = httpx.Timeout(None, connect=10.0)  # each forward sets its own (route_app.py)
+    timeout = httpx.Timeout(None, connect=10.0)  # each forward sets its own (router/front_end.py)
     pool = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout, limits=pool) as client:
         routed = ReplicaSet(replicas, client, args.routing)

@@ -8,22 +8,22 @@ import sys
 import time
 from typing import Any
 
-from hybridkv.serving.cli.console import add_log_level_argument, configure_logging
 from hybridkv.serving.cli.data_parallel import add_data_parallel_arguments
-from hybridkv.serving.cli.engine_flags import (
+from hybridkv.serving.cli.flags.console import add_log_level_argument, configure_logging
+from hybridkv.serving.cli.flags.engine import (
     add_engine_arguments,
     add_model_argument,
     add_scheduling_arguments,
     engine_args,
     scheduling_options,
 )
-from hybridkv.serving.cli.kv_events_flags import (
+from hybridkv.serving.cli.flags.kv_events import (
     add_kv_events_arguments,
     kv_event_publisher,
     kv_events_config,
 )
-from hybridkv.serving.cli.offload_flags import add_offload_arguments, offload_config
-from hybridkv.serving.cli.serve_flags import (
+from hybridkv.serving.cli.flags.offload import add_offload_arguments, offload_config
+from hybridkv.serving.cli.flags.serve import (
     add_access_and_limit_arguments,
     byte_size,
     http_settings,
@@ -122,9 +122,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import anyio
     import attrs
 
+    from hybridkv.serving.cli.flags.values import UsageError
     from hybridkv.serving.cli.loading import load_model
-    from hybridkv.serving.cli.values import UsageError
-    from hybridkv.serving.server import open_socket
+    from hybridkv.serving.http.uvicorn_server import open_socket
 
     if args.data_parallel_size != 1:
         if args.data_parallel_size < 1:
@@ -188,10 +188,10 @@ async def _serve(loaded: Any, sock: Any, settings: Any, args: argparse.Namespace
     import anyio
 
     from hybridkv.scheduler import Engine
-    from hybridkv.serving.app import build_app
-    from hybridkv.serving.server import serve_http_in
-    from hybridkv.serving.stats_log import log_stats
-    from hybridkv.serving.watchdog import StepWatchdog
+    from hybridkv.scheduler.watchdog import StepWatchdog
+    from hybridkv.serving.http.app import build_app
+    from hybridkv.serving.http.uvicorn_server import serve_http_in
+    from hybridkv.serving.metrics.stats_log import log_stats
 
     name = args.served_model_name or loaded.name
     executor = loaded.executor
@@ -281,7 +281,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 async def _generate(loaded: Any, prompt: str, params: Any, chat: bool, offload: Any) -> None:
     from hybridkv.scheduler import Engine
-    from hybridkv.serving.text import TextStream, TokenClasses
+    from hybridkv.serving.openai.text import TextStream, TokenClasses
 
     if chat:
         text = loaded.chat_template.render([{"role": "user", "content": prompt}])

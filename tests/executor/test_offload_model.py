@@ -15,7 +15,7 @@ from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.offload import HostTier, OffloadConfig, RedisTier
 from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
-from hybridkv.serving.metrics import OffloadCollector
+from hybridkv.serving.metrics.prometheus import OffloadCollector
 
 POOL_BYTES = 40 * 2 * 1024  # about 40 pages of 4 tokens per group
 

@@ -111,7 +111,7 @@ def hermes_server(make_server: Callable[..., LiveServer]) -> LiveServer:
     text), with ``--tool-call-parser hermes --enable-auto-tool-choice``."""
     from tool_samples import HERMES, ScriptedExecutor
 
-    from hybridkv.serving.app import ServerOptions
+    from hybridkv.serving.http.app import ServerOptions
 
     ScriptedExecutor.script = HERMES
     return make_server(

@@ -13,9 +13,14 @@ import pytest
 
 from hybridkv.policies import FullAttention
 from hybridkv.scheduler import Engine, FakeExecutor, SamplingParams
-from hybridkv.serving.app import build_app
-from hybridkv.serving.hypercorn_server import serve_hypercorn
-from hybridkv.serving.server import ServeBackendError, bound_port, open_socket, serve_http
+from hybridkv.serving.http.app import build_app
+from hybridkv.serving.http.hypercorn_server import serve_hypercorn
+from hybridkv.serving.http.uvicorn_server import (
+    ServeBackendError,
+    bound_port,
+    open_socket,
+    serve_http,
+)
 from hybridkv.testing import (
     LeakError,
     LiveServer,
@@ -83,7 +88,7 @@ def test_serve_hypercorn_serves_the_app_on_both_loops(backend: str) -> None:
 
 
 def test_connection_limits_are_refused_on_trio() -> None:
-    from hybridkv.serving.connection import ConnectionLimits
+    from hybridkv.serving.http.connection import ConnectionLimits
 
     config = default_config()
     with (

@@ -1,0 +1,122 @@
+"""Responses that end when the client leaves: a watcher of ``http.disconnect``, and the
+server-sent-event response that runs a request's choices while it streams them.
+
+::
+
+    EventStreamResponse  task group: watch receive() for http.disconnect --cancel--+
+                                     produce(emit): the choices, each emitting    <-+
+                                     chunks; emit sends them one at a time
+
+When the client disconnects (or stops reading, which the connection layer turns into a
+disconnect) the watcher logs ``client_disconnected`` once, at info level, and cancels
+the producers: their engine streams close, which aborts the requests. No traceback, no
+error line. The producer never yields inside the task group: it calls ``emit``.
+
+When the server begins a graceful shutdown (``serve_http`` puts an ``anyio.Event`` in
+each request's scope under :data:`STOPPING_KEY` and sets it then), every open stream is
+cancelled likewise and ends with an error event and ``[DONE]``, never a cut connection::
+
+    data: {"error": {"message": "the server is shutting down", "type": ...}}
+    data: [DONE]
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from hybridkv.errors.events import get_logger
+from hybridkv.serving.openai.errors import error_body
+
+log = get_logger(__name__)
+
+#: Sends one chunk of the body.
+Emit = Callable[[bytes], Awaitable[None]]
+
+#: The ASGI scope key of the event a server sets when it begins to shut down.
+STOPPING_KEY = "hybridkv.stopping"
+
+#: The last events of a stream the server's shutdown ended.
+SHUTDOWN_EVENTS = (
+    "data: "
+    + json.dumps(
+        {"error": error_body("the server is shutting down", "ServiceUnavailableError")["error"]}
+    )
+    + "\n\ndata: [DONE]\n\n"
+).encode()
+
+
+async def _end_on_stopping(
+    stopping: anyio.Event, scope: anyio.CancelScope, ended: list[bool]
+) -> None:
+    await stopping.wait()
+    ended.append(True)
+    scope.cancel()
+
+
+async def cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope, path: str) -> None:
+    """Cancel ``scope`` once the client disconnects (the request body must have been
+    read: the next message can only be the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    log.info("client_disconnected", path=path)
+    scope.cancel()
+
+
+class EventStreamResponse(Response):
+    """A ``text/event-stream`` response whose body ``produce`` sends through ``emit``.
+
+    Args:
+        produce: Sends the events; cancelled if the client disconnects.
+        on_close: Called however the response ends (to abort what still runs).
+    """
+
+    def __init__(self, produce: Callable[[Emit], Awaitable[None]], on_close: Callable[[], None]):
+        # Not Response.__init__: it would declare a Content-Length for an empty body.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
+        self._produce = produce
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lock = anyio.Lock()
+        finished = False
+        stopped: list[bool] = []  # the server's shutdown ended it
+        stopping: anyio.Event | None = scope.get(STOPPING_KEY)
+
+        async def emit(data: bytes) -> None:
+            async with lock:  # choices emit concurrently; chunks must not interleave
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope, scope["path"])
+                if stopping is not None:
+                    tg.start_soon(_end_on_stopping, stopping, tg.cancel_scope, stopped)
+                await self._produce(emit)
+                finished = True
+                tg.cancel_scope.cancel()
+        finally:
+            self._on_close()
+        if stopped and not finished:
+            log.info("stream_ended_by_shutdown", path=scope["path"])
+            await send({"type": "http.response.body", "body": SHUTDOWN_EVENTS, "more_body": True})
+            finished = True
+        if finished:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
