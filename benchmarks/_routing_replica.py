@@ -23,8 +23,8 @@ from _routing_workload import Layout, Turn
 from hybridkv.memory.cache_events import CacheEventLog, GroupInfo
 from hybridkv.memory.headroom import token_headroom
 from hybridkv.parallel.kv_event_wire import encode_batch
-from hybridkv.parallel.kv_index import ReplicaIndex
-from hybridkv.parallel.kv_router import ReplicaLoad
+from hybridkv.serving.router.index import ReplicaIndex
+from hybridkv.serving.router.ranking import ReplicaLoad
 
 
 @attrs.frozen(kw_only=True)

@@ -26,7 +26,7 @@ from typing import Any
 from _routing_replica import SimReplica
 from _routing_workload import Chat, Turn
 
-from hybridkv.parallel.kv_router import Router
+from hybridkv.serving.router.ranking import Router
 
 _ARRIVE, _STEP_END, _EVENTS = range(3)
 

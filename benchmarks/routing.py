@@ -69,8 +69,9 @@ from _routing_report import REFERENCE, goals, print_table, spread
 from _routing_sim import Simulation
 from _routing_workload import BLOCK_SIZE, HASH, Layout, Workload, layouts, make_chats
 
-from hybridkv.parallel.kv_index import ReplicaIndex
-from hybridkv.parallel.kv_router import (
+from hybridkv.scheduler.config import EngineConfig
+from hybridkv.serving.router.index import ReplicaIndex
+from hybridkv.serving.router.ranking import (
     LeastLoaded,
     PrefixRouter,
     ReplicaLoad,
@@ -78,7 +79,6 @@ from hybridkv.parallel.kv_router import (
     Router,
     RouterWeights,
 )
-from hybridkv.scheduler.config import EngineConfig
 
 #: The router's defaults, and the weights it had before this benchmark measured them
 #: (docs/benchmarks.md says why they changed).

@@ -13,10 +13,10 @@ The import order runs one way: ``cli`` -> ``router`` -> ``http`` -> ``openai`` -
   ``cli/workload/`` the demo's workload.
 
 Modules that moved in 0.2 still import from their old paths for one release, with a
-``DeprecationWarning`` (``moved.py``). Kept free of other imports so that ``hybridkv
+``DeprecationWarning`` (``errors/moved.py``). Kept free of other imports so that ``hybridkv
 --help`` stays fast.
 """
 
-from hybridkv.serving import moved
+from hybridkv.errors import moved
 
 moved.install()

@@ -5,6 +5,6 @@ Until 0.2 this was one module; its names still import from here for one release,
 a ``DeprecationWarning``.
 """
 
-from hybridkv.serving.moved import names_of
+from hybridkv.errors.moved import names_of
 
 __getattr__ = names_of("hybridkv.serving.metrics", "hybridkv.serving.metrics.prometheus")

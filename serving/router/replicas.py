@@ -35,16 +35,16 @@ import attrs
 import httpx
 
 from hybridkv.errors.events import get_logger
-from hybridkv.parallel.kv_feed import ReplicaFeed
-from hybridkv.parallel.kv_index import ReplicaIndex
-from hybridkv.parallel.kv_router import (
+from hybridkv.serving.http.headers import FREE_TOKENS_HEADER
+from hybridkv.serving.router.feed import ReplicaFeed
+from hybridkv.serving.router.index import ReplicaIndex
+from hybridkv.serving.router.ranking import (
     LeastLoaded,
     PrefixRouter,
     ReplicaLoad,
     RoundRobin,
     Router,
 )
-from hybridkv.serving.http.headers import FREE_TOKENS_HEADER
 from hybridkv.serving.router.upstream import UpstreamError, UpstreamPool
 
 log = get_logger(__name__)

@@ -5,6 +5,6 @@ Until 0.2 ``run`` was this package's name as a module; its names still import fr
 for one release, with a ``DeprecationWarning``.
 """
 
-from hybridkv.serving.moved import names_of
+from hybridkv.errors.moved import names_of
 
 __getattr__ = names_of("hybridkv.serving.cli.workload", "hybridkv.serving.cli.workload.run")

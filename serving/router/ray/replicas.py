@@ -3,8 +3,8 @@
 Each replica of an :class:`~hybridkv.serving.router.ray.engine.EngineReplica` deployment
 reports a :class:`ReplicaReport` through Ray Serve's ``record_routing_stats``: where its
 KV events go, how its blocks hash, and its queue. A router's :class:`ReplicaTable` keeps
-an index per replica, fed by those events (``parallel/kv_feed.py``, ``kv_index.py``),
-and ranks replicas with a :class:`~hybridkv.parallel.kv_router.PrefixRouter` over them::
+an index per replica, fed by those events (``serving/router/feed.py``, ``index.py``),
+and ranks replicas with a :class:`~hybridkv.serving.router.ranking.PrefixRouter` over them::
 
     report                      table                                 ranking
     endpoint, replay, topic --> ReplicaFeed --> ReplicaIndex ----+
@@ -28,9 +28,9 @@ from typing import Any, Protocol
 import attrs
 
 from hybridkv.errors.events import get_logger
-from hybridkv.parallel.kv_feed import ReplicaFeed
-from hybridkv.parallel.kv_index import ReplicaIndex
-from hybridkv.parallel.kv_router import LeastLoaded, PrefixRouter, ReplicaLoad, RouterWeights
+from hybridkv.serving.router.feed import ReplicaFeed
+from hybridkv.serving.router.index import ReplicaIndex
+from hybridkv.serving.router.ranking import LeastLoaded, PrefixRouter, ReplicaLoad, RouterWeights
 
 log = get_logger(__name__)
 

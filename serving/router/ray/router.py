@@ -36,7 +36,7 @@ from ray.serve.request_router import (
 )
 
 from hybridkv.errors.events import get_logger
-from hybridkv.parallel.kv_router import RouterWeights
+from hybridkv.serving.router.ranking import RouterWeights
 from hybridkv.serving.router.ray.replicas import Feed, ReplicaReport, ReplicaTable
 
 log = get_logger(__name__)
@@ -63,7 +63,7 @@ def prompt_of(
 class HybridKVRouter(RequestRouter):  # type: ignore[misc]
     """Ranks a deployment's replicas by prefix hits their KV events show, against load.
 
-    ``request_router_kwargs`` are :class:`~hybridkv.parallel.kv_router.RouterWeights`'
+    ``request_router_kwargs`` are :class:`~hybridkv.serving.router.ranking.RouterWeights`'
     fields. :attr:`table` holds what the router knows of each replica.
     """
 

@@ -8,12 +8,12 @@ from structlog.testing import capture_logs
 
 from hybridkv.memory.cache_events import CacheEvent
 from hybridkv.parallel.kv_event_wire import encode_batch
-from hybridkv.parallel.kv_index import ReplicaIndex
-from hybridkv.parallel.kv_router import RouterWeights
 from hybridkv.policies import FullAttention, SlidingWindow
 from hybridkv.scheduler import EngineConfig, SamplingParams
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.fake import CollectingSink, FakeExecutor
+from hybridkv.serving.router.index import ReplicaIndex
+from hybridkv.serving.router.ranking import RouterWeights
 from hybridkv.serving.router.ray.replicas import ReplicaReport, ReplicaTable
 
 BS = 4

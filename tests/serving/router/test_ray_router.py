@@ -18,8 +18,8 @@ serve = pytest.importorskip("ray.serve")
 from hybridkv.executor.load_options import LoadOptions  # noqa: E402
 from hybridkv.executor.model_executor import ModelExecutor  # noqa: E402
 from hybridkv.parallel.kv_events_config import KVEventsConfig  # noqa: E402
-from hybridkv.parallel.kv_router import RouterWeights  # noqa: E402
 from hybridkv.scheduler import Engine, EngineConfig, SamplingParams  # noqa: E402
+from hybridkv.serving.router.ranking import RouterWeights  # noqa: E402
 from hybridkv.serving.router.ray.engine import Completion, EngineReplica  # noqa: E402
 from hybridkv.serving.router.ray.router import HybridKVRouter  # noqa: E402
 

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from hybridkv.serving.moved import MOVED
+from hybridkv.errors.moved import MOVED
 
 
 @pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))

@@ -8,15 +8,15 @@ import pytest
 from hybridkv.memory.cache_events import BlockStored, GroupInfo
 from hybridkv.memory.hashing import BlockHasher
 from hybridkv.parallel.kv_event_wire import encode_batch
-from hybridkv.parallel.kv_index import ReplicaIndex
-from hybridkv.parallel.kv_router import (
+from hybridkv.policies import FullAttention, MambaLike
+from hybridkv.serving.router.index import ReplicaIndex
+from hybridkv.serving.router.ranking import (
     LeastLoaded,
     PrefixRouter,
     ReplicaLoad,
     RoundRobin,
     RouterWeights,
 )
-from hybridkv.policies import FullAttention, MambaLike
 
 BS = 4
 PROMPT = list(range(1, 42))  # ten blocks of 4, then the last token

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hybridkv.memory.cache_events import BlockRemoved, BlockStored, GroupInfo
 from hybridkv.memory.hashing import BlockHasher
 from hybridkv.parallel.kv_event_wire import encode_batch
-from hybridkv.parallel.kv_index import ReplicaIndex, policy_of
 from hybridkv.policies import FullAttention, MambaLike, SlidingWindow
+from hybridkv.serving.router.index import ReplicaIndex, policy_of
 from tests.parallel.test_kv_events import BS, Recorder, make_core, prompts, run
 
 

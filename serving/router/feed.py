@@ -25,7 +25,7 @@ from types import TracebackType
 import zmq
 
 from hybridkv.errors.events import get_logger
-from hybridkv.parallel.kv_index import ReplicaIndex
+from hybridkv.serving.router.index import ReplicaIndex
 
 log = get_logger(__name__)
 

@@ -1,7 +1,10 @@
 """The import paths of modules that moved in 0.2, kept for one release: importing one
 gives the module at its new path, with a ``DeprecationWarning`` that names it.
 
-``install()`` (run by ``hybridkv/serving/__init__.py``) adds a finder that knows only the
+Here, below every folder, because an old path's package must answer it before anything
+else is imported: ``install()`` (run by ``hybridkv/serving/__init__.py`` and
+``hybridkv/parallel/__init__.py``, whose router modules went to ``serving/router/``) adds
+a finder that knows only the
 names of :data:`MOVED`; a name it knows is answered with a stand-in module that forwards
 every attribute to the new module and warns once, on import. Two modules became
 packages of the same name (``serving/metrics.py``, ``cli/workload.py``): their packages
@@ -21,6 +24,9 @@ from typing import Any
 
 #: Old module -> where it is now.
 MOVED = {
+    "hybridkv.parallel.kv_index": "hybridkv.serving.router.index",
+    "hybridkv.parallel.kv_feed": "hybridkv.serving.router.feed",
+    "hybridkv.parallel.kv_router": "hybridkv.serving.router.ranking",
     "hybridkv.serving.protocol": "hybridkv.serving.openai.protocol",
     "hybridkv.serving.fields": "hybridkv.serving.openai.fields",
     "hybridkv.serving.sampling_fields": "hybridkv.serving.openai.sampling_fields",

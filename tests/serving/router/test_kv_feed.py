@@ -9,10 +9,10 @@ import pytest
 
 from hybridkv.parallel.kv_events import KVEventPublisher
 from hybridkv.parallel.kv_events_config import KVEventsConfig
-from hybridkv.parallel.kv_feed import ReplicaFeed
-from hybridkv.parallel.kv_index import ReplicaIndex
+from hybridkv.serving.router.feed import ReplicaFeed
+from hybridkv.serving.router.index import ReplicaIndex
 from tests.parallel.test_kv_events import BS, make_core, run
-from tests.parallel.test_kv_index import Probe
+from tests.serving.router.test_kv_index import Probe
 
 WAIT_S = 60.0  # a bound on each wait on a busy machine, never a pause
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [3, 1, 4, 1, 5, 9, 2, 6, 8, 9, 7]]

@@ -1,6 +1,6 @@
 """Choosing a replica for a request: the prefill it saves against the load it joins.
 
-Each replica's :class:`~hybridkv.parallel.kv_index.ReplicaIndex` (fed by its KV events)
+Each replica's :class:`~hybridkv.serving.router.index.ReplicaIndex` (fed by its KV events)
 says how many of a prompt's tokens it resumes in every group, from its pool or from a
 tier. A replica's score is what the request would not recompute there, less the load it
 has beyond the least loaded candidate's and a slack, both in tokens::
@@ -38,7 +38,7 @@ from typing import Protocol
 
 import attrs
 
-from hybridkv.parallel.kv_index import ReplicaIndex
+from hybridkv.serving.router.index import ReplicaIndex
 
 
 @attrs.frozen(kw_only=True)
