@@ -49,7 +49,7 @@ test: lint typecheck docs
 	$(VENV)/bin/pytest -q
 
 # Every committed PNG under docs/img, redrawn from benchmarks/results/*.json (each file's
-# "command" field is the command that measured it; benchmarks/plot.py lists them).
+# "command" field is the command that measured it; benchmarks/common/plot.py lists them).
 .PHONY: figures
 figures: $(VENV)/.test
-	$(PY) benchmarks/plot.py
+	$(PY) -m benchmarks.common.plot

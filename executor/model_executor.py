@@ -103,7 +103,7 @@ class ModelExecutor:
         self.sampler = sampler or Sampler(eos_token_ids=self.eos_token_ids)
         self.logits_hook = logits_hook
         # Gather buffers reused by every step and layer: a fresh one per step pays page
-        # faults on its first layer (benchmarks/attention.py measures decode attention).
+        # faults on its first layer (benchmarks/decode/attention.py measures decode attention).
         self._workspace = GatherWorkspace()
         # With a KV connector: moves pages to and from offload tiers (attach_offload).
         self.transfers: TransferWorker | None = None

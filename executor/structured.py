@@ -87,7 +87,7 @@ class GrammarMasks:
         self._compile_lock = threading.Lock()  # servers compile from worker threads
         # llguidance writes one bit per token into these words; a byte indexes the
         # additive mask of its 8 tokens (a table lookup, cheaper than a masked_fill
-        # with a bool mask over a large vocabulary: benchmarks/structured_output.py).
+        # with a bool mask over a large vocabulary: benchmarks/decode/structured_output.py).
         self._words = torch.empty(-(-vocab_size // 32), dtype=torch.int32)
         bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
         self._byte_masks = torch.where(bits.bool(), 0.0, float("-inf"))

@@ -8,7 +8,7 @@ prompt run whole with its ``is_causal``, everything else an explicit boolean mas
 Decodes gather only their keys: scores and softmax are explicit, and ``P @ V`` is one
 ``embedding_bag(mode="sum", per_sample_weights=P)`` over the cache's value rows in place,
 so values are read once and never copied. On a CPU this is what brings paged decode
-attention near SDPA over contiguous K/V (``benchmarks/attention.py``).
+attention near SDPA over contiguous K/V (``benchmarks/decode/attention.py``).
 
 Masking invariant (True = attend). Query at position ``p`` sees key ``k`` iff
 ``p - W < k <= p``: causal aligned to the END of the context, not SDPA's top-left

@@ -20,7 +20,7 @@ from hybridkv.kernels.span_mask import SpanMasks
 _PAD_SLACK = 1.25
 # Decodes read values in place only when each request's values are at least this many
 # elements (key_len * num_kv_heads * head_dim): for small heads and short contexts,
-# gathering the values too and making one SDPA call is faster (benchmarks/attention.py).
+# gathering the values too and making one SDPA call is faster (benchmarks/decode/attention.py).
 VALUE_BAGS_MIN_ELEMENTS = 1 << 15
 
 

@@ -19,7 +19,7 @@ Why demand and not the pages allocations took: pages taken depend on what the ca
 held. A miss recomputes its whole prefix and takes many times the pages of a hit, so on
 a clock of pages, sessions of one loop measured distances that differed by the misses
 that fell into their gaps, the order among them followed that luck, and the wrong ones
-missed (``benchmarks/multisession.py``; docs/benchmarks.md has the measurement). Demand
+missed (``benchmarks/allocator/multisession.py``; docs/benchmarks.md has the measurement). Demand
 counts the same tokens whether the requests in between hit or missed, so a distance
 measures the loop, not the cache's past choices.
 

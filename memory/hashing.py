@@ -14,7 +14,7 @@ The default is SHA-256: a collision would serve one request another's KV, across
 so the function must resist crafted inputs. Measured on this project's CI machine, it
 costs about 0.7 us per 16-token block, which is 0.04 us per token, noise beside
 everything else a step does; xxh3-128 (0.3 us) is offered for trusted single-tenant use.
-``python benchmarks/allocator.py --hash-bench`` prints the numbers.
+``python -m benchmarks.allocator.allocator --hash-bench`` prints the numbers.
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ class PagedAttention(nn.Module):
         else:
             qk, v = self.qkv_proj(x).split(self._qk_v_widths, dim=-1)
         # q and k heads side by side: one norm and one rotation for both (apart they were
-        # some 20 ops a layer, a decode step's ops: benchmarks/bandwidth.py).
+        # some 20 ops a layer, a decode step's ops: benchmarks/decode/bandwidth.py).
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:

@@ -4,7 +4,7 @@ Speculation adds rows to a step (each proposed token is one), so whether a propo
 depends on what those rows cost. On a CPU that is not linear: the built-in model's int4
 LM head multiplies rows in tiles of four, and its int8 layers switch kernels at 32 rows,
 so the 9th row of a step costs about as much as the 9th to the 12th together
-(``benchmarks/speculative.py`` prints the steps it measured)::
+(``benchmarks/speculative/run.py`` prints the steps it measured)::
 
     rows      1    4    8    9   12   13   20   26
     ms       42   59   99  135  140  170  222  295     (2 threads, decode-only steps)

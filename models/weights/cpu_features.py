@@ -2,7 +2,7 @@
 
 The weight-only linears choose their many-rows path by it (``quantized_linear.py``), the
 weight format ``auto`` its default (``weights.py``), and the llama.cpp peer its build
-(``benchmarks/llama_peers.py``).
+(``benchmarks/peers/llama_peers.py``).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ whose shape the int4 kernel cannot pack stays as it is). ``--dtype bfloat16`` wi
 ``--weights dtype`` is the bfloat16 mode.
 
 ``auto`` is the machine's default: the fastest format whose quality stays within the
-bound ``benchmarks/weight_quality.py`` checks (mean KL against float32 <= 0.05), as
-measured by ``benchmarks/bandwidth.py`` (see :func:`machine_default`).
+bound ``benchmarks/decode/weight_quality.py`` checks (mean KL against float32 <= 0.05), as
+measured by ``benchmarks/decode/bandwidth.py`` (see :func:`machine_default`).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _four_bits(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLine
     On a 4-bit grid per 32 inputs (a GGUF Q4_K tensor): packed on that grid, losslessly.
     On a finer grid per 16 (Q5_0, Q6_K, Q8_0): int8, as llama.cpp's Q4_K_M keeps those
     tensors above 4 bits (requantising them, the built-in model's mean KL against
-    float32 was 0.24, ``benchmarks/weight_quality.py``). A float weight: min-max int4.
+    float32 was 0.24, ``benchmarks/decode/weight_quality.py``). A float weight: min-max int4.
     """
     if on_grid(weight, INT4_GROUP, 16):
         found = grid_steps(weight, INT4_GROUP)

@@ -68,7 +68,7 @@ class QuantizedLinear(nn.Module):
         else:
             # bfloat16 where the CPU multiplies it natively, as the few-rows kernels do
             # anyway: a long prefill chunk's product is faster than in float32
-            # (benchmarks/weight_quality.py --chunk, docs/benchmarks.md).
+            # (benchmarks/decode/weight_quality.py --chunk, docs/benchmarks.md).
             dtype = torch.bfloat16 if has_native_bfloat16() else x.dtype
             rows = rows.to(dtype)
             stops = range(_SLICE_ROWS, self.out_features + _SLICE_ROWS, _SLICE_ROWS)
@@ -156,7 +156,7 @@ class Int8Linear(QuantizedLinear):
         levels = self.levels(slice(start, stop))
         if dtype == scales.dtype:
             # Levels are exact in bfloat16 and the product rounds once, as through float32:
-            # the same values at a third of the memory traffic (benchmarks/lm_head.py).
+            # the same values at a third of the memory traffic (benchmarks/decode/lm_head.py).
             return levels.to(dtype) * scales
         return (levels.to(torch.float32) * scales.float()).to(dtype)
 

@@ -4,7 +4,7 @@ candidates of each row recomputed exactly.
 A decode step's LM head is most of the weights it reads (Gemma 3 270M: 640 x 262,144,
 168 MB at int8, the 18 layers 100 MB together). Storing it at 4 bits halves that but
 moves the logits that matter: the built-in model's mean KL against float32 went from
-0.006 to 0.055 (``benchmarks/weight_quality.py --head four-bit``). The logits that
+0.006 to 0.055 (``benchmarks/decode/weight_quality.py --head four-bit``). The logits that
 matter are few, so the head keeps both::
 
     rows x [M, K] --4-bit pass, all N--> coarse [M, N] --top k per row--> ids [M, k]
@@ -12,8 +12,8 @@ matter are few, so the head keeps both::
 
 Sampling, greedy choice and logprobs see exact logits for the ``k`` best candidates
 of the 4-bit pass, and the 4-bit values for the tail, whose probabilities are small
-(its quality, ``benchmarks/weight_quality.py --head``, and its time against the stored
-head, ``benchmarks/lm_head.py``, are in docs/benchmarks.md, "Decode on the CPU"). The
+(its quality, ``benchmarks/decode/weight_quality.py --head``, and its time against the stored
+head, ``benchmarks/decode/lm_head.py``, are in docs/benchmarks.md, "Decode on the CPU"). The
 exact rows are the tied embedding's where the head is the embedding (the model dtype, no
 copy), an int8 head's own rows otherwise; an int4 head (a float checkpoint under
 ``--weights int4``) is its own first pass, rescored where it is tied. From
@@ -37,7 +37,7 @@ from hybridkv.models.weights.quantized_linear import (
 NUM_RESCORED = 256
 #: Rows from which the stored head is as fast (its many-rows path is a matmul over weights
 #: expanded to bfloat16); the crossover of the built-in model's head is measured by
-#: ``benchmarks/lm_head.py`` (docs/benchmarks.md).
+#: ``benchmarks/decode/lm_head.py`` (docs/benchmarks.md).
 STORED_ROWS = 64
 
 

@@ -127,7 +127,7 @@ class ReplicaIndex:
         A hit needs every block of a full-attention group, so their run (a scan to the
         first miss) bounds it, and the other groups are searched below that bound only:
         on a Bamba-like layout of 10 state groups, a quarter of the time at 4 replicas
-        (``benchmarks/routing.py``)."""
+        (``benchmarks/routing/policies.py``)."""
         indexes = (self, *peers)
         if not any(key[0] == medium for index in indexes for key in index._held):
             return 0

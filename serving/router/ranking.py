@@ -15,7 +15,7 @@ and the best score wins; among equals, the replica the router has sent the fewes
 prompt tokens to compute (the tokens of each prompt it sent there that were not
 credited as saved), then the less loaded, then the name. Within the slack, load does not
 count: a session's next turn and a second sighting of a shared system prompt go where
-their prefix is even while every replica is busy (``benchmarks/routing.py`` measured
+their prefix is even while every replica is busy (``benchmarks/routing/policies.py`` measured
 that with one request costing a whole prompt, shared prompts spread over all replicas
 and no replica could keep any of them). A replica whose free pages cannot hold what the
 prompt must compute (``memory/headroom.py``; its ``/load``) makes it wait for a running
@@ -65,7 +65,7 @@ _IDLE = ReplicaLoad()
 class RouterWeights:
     """How the router trades a hit against load.
 
-    The defaults are ``benchmarks/routing.py``'s measurement (docs/benchmarks.md,
+    The defaults are ``benchmarks/routing/policies.py``'s measurement (docs/benchmarks.md,
     "Routing data-parallel replicas"): a longer memory of what was sent made the router
     rank by that memory instead of the events (a full-attention-only router then chose
     alike), and a cheaper request let shared prompts pile onto one replica.
@@ -283,7 +283,7 @@ class PrefixRouter:
 class _Ranked:
     """A prompt :meth:`PrefixRouter.rank` ranked: its hashes and what each replica
     saves, which :meth:`PrefixRouter.sent` reuses when told of the same prompt next
-    (hashing a long prompt was half of a route's time, ``benchmarks/routing.py``)."""
+    (hashing a long prompt was half of a route's time, ``benchmarks/routing/policies.py``)."""
 
     __slots__ = ("extra_keys", "hashes", "num_tokens", "saved", "token_ids")
 

@@ -12,7 +12,7 @@ httptools' parser, with nothing between a replica's bytes and the client's strea
                                  read whole and the replica keeps it open; else closed
 
 A forward is the front end's hot path: each streamed token of each request crosses it.
-Under the routing workload (``benchmarks/routing.py --real``, ``front_end_cpu_s``) the
+Under the routing workload (``benchmarks/routing/policies.py --real``, ``front_end_cpu_s``) the
 front end used 0.56-0.58 CPU seconds forwarding through httpx, whose pool bookkeeping,
 socket checks and wrappers per read were a third of its profile, and 0.42-0.48 through
 this client, which does what a forward needs and no more.

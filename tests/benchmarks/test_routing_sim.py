@@ -1,4 +1,4 @@
-"""benchmarks/routing.py's simulated part: its quick run keeps the invariants of its
+"""benchmarks/routing/policies.py's simulated part: its quick run keeps the invariants of its
 measures, and its faster index answers as the router's own."""
 
 from __future__ import annotations
@@ -11,21 +11,19 @@ from typing import Any
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def routing() -> ModuleType:
-    """benchmarks/routing.py, imported from its folder (sys.path as it was after)."""
+    """benchmarks/routing/policies.py, imported as ``python -m`` does from the repository
+    root (sys.path as it was after)."""
     path = list(sys.path)
     try:
-        spec = importlib.util.spec_from_file_location("routing", BENCHMARKS / "routing.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        sys.path.insert(0, str(ROOT))
+        return importlib.import_module("benchmarks.routing.policies")
     finally:
         sys.path[:] = path
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 ``hybridkv demo --plot FILE`` and ``hybridkv bench --plot FILE`` save the chart of their
 own run with :func:`save_pages_plot` (the PNG at FILE, its series as JSON beside it);
-``benchmarks/plot.py`` draws the docs' figure from such a JSON with the same
+``benchmarks/common/plot.py`` draws the docs' figure from such a JSON with the same
 :func:`draw_pages_per_group`, and its other figures on :func:`new_figure`.
 
 matplotlib (the ``bench`` extra) is imported only when a figure is drawn, and drawn on

@@ -27,7 +27,7 @@ from hybridkv.models.weights.quantized_linear import (
 # 4 bits): mean KL of the next-token distribution against float32, and the share of
 # greedy steps whose argmax agrees.
 # Measured: int8 2e-4 and 0.90-1.0 (18 to 20 of 20 steps, by thread count), int4 0.027 and
-# 0.55-0.75 (a real model's logits are far more peaked: benchmarks/weight_quality.py
+# 0.55-0.75 (a real model's logits are far more peaked: benchmarks/decode/weight_quality.py
 # measures the built-in one).
 BOUNDS = {"int8": (1e-3, 0.85), "int4": (0.06, 0.5)}
 

@@ -1,0 +1,1 @@
+"""allocator benchmarks (see benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""common benchmarks (see benchmarks/README.md)."""

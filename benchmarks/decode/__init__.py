@@ -1,0 +1,1 @@
+"""decode benchmarks (see benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""hybrid benchmarks (see benchmarks/README.md)."""

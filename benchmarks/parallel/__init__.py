@@ -1,0 +1,1 @@
+"""parallel benchmarks (see benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""robustness benchmarks (see benchmarks/README.md)."""

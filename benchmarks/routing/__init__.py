@@ -1,0 +1,1 @@
+"""routing benchmarks (see benchmarks/README.md)."""

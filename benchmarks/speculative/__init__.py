@@ -1,0 +1,1 @@
+"""speculative benchmarks (see benchmarks/README.md)."""
