@@ -139,11 +139,6 @@ class GrammarMasks:
         masks = self._byte_masks.index_select(0, words.view(torch.uint8).long())
         return masks.view(-1)[: self.vocab_size]
 
-    @property
-    def num_live(self) -> int:
-        """Matchers held."""
-        return len(self._live)
-
     def _entry(self, request: StepRequest) -> _Entry:
         spec = request.params.structured_output
         assert spec is not None, "only requests with structured output reach the masks"

@@ -14,8 +14,6 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import attrs
 
 from hybridkv.models.errors import ParallelConfigError
@@ -67,8 +65,3 @@ def split_layers(num_layers: int, num_stages: int) -> list[PipelineStage]:
         stages.append(PipelineStage(i, num_stages, start, stop))
         start = stop
     return stages
-
-
-def stage_layer_names(names: Sequence[str], num_stages: int) -> list[list[str]]:
-    """``names`` (one per layer, in order) cut into the stages of :func:`split_layers`."""
-    return [list(names[s.start : s.stop]) for s in split_layers(len(names), num_stages)]

@@ -20,7 +20,7 @@ next step, before it can write any of them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 
@@ -248,6 +248,7 @@ class NoOffload:
         """Nothing to stop."""
 
 
+@runtime_checkable
 class OffloadingExecutor(Protocol):
     """An executor that moves KV pages to and from offload tiers.
 
@@ -280,8 +281,6 @@ def attach_offload(
         raise ConfigError(
             f"KV offload runs with one step in flight; the executor keeps {max_steps_in_flight}"
         )
-    attach = getattr(executor, "attach_offload", None)
-    if attach is None:
+    if not isinstance(executor, OffloadingExecutor):
         raise ConfigError(f"{type(executor).__name__} cannot move KV pages to offload tiers")
-    keys: KeySpace = attach(config)
-    return config, keys
+    return config, executor.attach_offload(config)

@@ -48,11 +48,6 @@ class TierLookups:
                 self._pool.submit(self._look, request_id, tier, list(keys))
             return None
 
-    def is_pending(self, request_id: str) -> bool:
-        """Whether a lookup for ``request_id`` runs now."""
-        with self._lock:
-            return request_id in self._pending
-
     def forget(self, request_id: str) -> None:
         """Drop ``request_id``'s answers (it was admitted, or it ended)."""
         with self._lock:

@@ -65,11 +65,6 @@ class ReplicaFeed:
         self._thread = threading.Thread(target=self._run, name="kv-feed", daemon=True)
         self._thread.start()
 
-    @property
-    def num_pending(self) -> int:
-        """Batches received and not applied yet."""
-        return len(self._pending)
-
     def wait_until_received(self, seq: int, timeout: float) -> bool:
         """Whether batch ``seq`` (or a snapshot covering it) arrived within ``timeout``
         seconds (tests, and a front end that must see a replica's state)."""
