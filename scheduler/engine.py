@@ -6,19 +6,21 @@
         async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=32)):
             print(out.new_token_ids)
 
-Loop, one iteration per step::
+One loop keeps up to D steps in flight (1, or a
+:class:`~hybridkv.scheduler.batch.PipelinedExecutor`'s ``max_steps_in_flight``)::
 
-    plan (sync) --> worker thread: deliver step k-1's outputs, execute step k --> apply
-                    (meanwhile the loop accepts requests, aborts, and consumers run)
+    plan step k (sync) --> submit it: the engine's step thread runs execute(), or the
+                           pipelined executor's own submit()
+                       --> deliver step k-1's outputs (consumers run while step k does)
+                       --> wait for the oldest step, apply its result, plan again
 
-With a :class:`~hybridkv.scheduler.batch.PipelinedExecutor` that takes D steps at once,
-the loop submits up to D planned steps (each without the requests of the others), then
-applies results in step order as they come back, planning again as soon as one returns.
+A pipelined executor gets up to D planned steps (each without the requests of the
+others) before the loop waits; results are applied in step order as they come back.
 
 It waits only when idle. ``generate`` and ``abort`` are synchronous underneath and run on
 the loop's thread, so requests never wait behind the step in flight to be accepted. The
-previous step's outputs are released from the worker thread once the step has reached
-it, so waking hundreds of consumers never delays the executor.
+previous step's outputs are released once the next step is on its way, so waking
+hundreds of consumers never delays the executor.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ class Engine:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._host: AsyncioHost | None = None
         self._depth = self.core.max_steps_in_flight
-        # Steps submitted to a pipelined executor, oldest first.
+        # Steps submitted, oldest first (one at most, unless the executor is pipelined:
+        # then a future that _finish runs the step into).
         self._pending: deque[tuple[StepPlan, Future[StepResult]]] = deque()
         # Set (and dropped) whenever the state stats() reads may have changed; made by
         # the first waiter (an anyio Event needs the running loop).
@@ -187,10 +190,7 @@ class Engine:
         error: HybridKVError | None = None
         task_status.started()
         try:
-            if self._depth == 1:
-                await self._loop(limiter)
-            else:
-                await self._pipelined_loop(limiter)
+            await self._loop(limiter)
         except ExecutorBrokenError as exc:
             self._error = exc
             log.error("engine_broken", error=repr(exc))
@@ -203,8 +203,9 @@ class Engine:
             raise
         finally:
             self._is_running = False
-            if self._pending:
-                # Submitted steps still use their blocks: wait them out before freeing.
+            if self._depth > 1 and self._pending:
+                # Submitted steps still use their blocks: wait them out before freeing (a
+                # plain executor's step has ended: _finish runs it shielded).
                 with anyio.CancelScope(shield=True):
                     futures = [future for _, future in self._pending]
                     await anyio.to_thread.run_sync(wait_futures, futures, limiter=limiter)
@@ -217,56 +218,28 @@ class Engine:
             raise EngineStoppedError("an engine serves once; make a new one")
 
     async def _loop(self, limiter: anyio.CapacityLimiter) -> None:
-        core = self.core
-        while True:
-            self._drain_foreign_aborts()
-            if not core.has_work:
-                core.flush()
-                self._wakeup = anyio.Event()
-                await self._wakeup.wait()  # idle until generate() sets it
-                continue
-            plan = core.plan()
-            self._notify()  # admissions and preemptions change what stats() reads
-            if not plan.runs:
-                # Everyone was preempted (admission resumes next step), or nothing fits.
-                core.flush()
-                await anyio.lowlevel.checkpoint()
-                continue
-            try:
-                sampled = await anyio.to_thread.run_sync(
-                    self._run_step, plan.batch, limiter=limiter
-                )
-            except ExecutorBrokenError:
-                raise
-            except Exception as exc:  # the step failed; its requests fail, the rest go on
-                core.fail(plan, exc)
-                self._notify()
-                continue
-            core.apply(plan, sampled)
-            self._notify()
-
-    async def _pipelined_loop(self, limiter: anyio.CapacityLimiter) -> None:
-        """Keep up to ``max_steps_in_flight`` steps submitted; apply results in order."""
+        """Keep up to ``max_steps_in_flight`` steps submitted (1 unless the executor is
+        pipelined); apply their results in order. Outputs go to consumers while a step
+        runs, so that they use the core the step leaves idle."""
         core, pending = self.core, self._pending
-        executor: PipelinedExecutor = self.executor  # type: ignore[assignment]
         while True:
             self._drain_foreign_aborts()
             if len(pending) < self._depth and core.has_work:
                 plan = core.plan()
-                self._notify()
-                if plan.scheduled:
-                    pending.append((plan, executor.submit(plan.batch)))
+                self._notify()  # admissions and preemptions change what stats() reads
+                if plan.runs:
+                    pending.append((plan, self._submit(plan.batch)))
                     core.flush()  # consumers run while the step does
                     continue
             core.flush()
             if pending:
                 plan, future = pending[0]
-                await anyio.to_thread.run_sync(wait_futures, [future], limiter=limiter)
+                await self._finish(plan.batch, future, limiter)
                 pending.popleft()
                 error = future.exception()
                 if isinstance(error, ExecutorBrokenError):
                     raise error  # shutdown() ends the step's requests with the rest
-                if error is not None:
+                if error is not None:  # the step failed; its requests fail, the rest go on
                     core.fail(plan, error)
                 else:
                     core.apply(plan, future.result())
@@ -278,14 +251,33 @@ class Engine:
                 self._wakeup = anyio.Event()
                 await self._wakeup.wait()  # idle until generate() sets it
 
-    def _run_step(self, batch: StepBatch) -> StepResult:
-        """In the worker thread: release the previous step's outputs, then run this one.
+    def _submit(self, batch: StepBatch) -> Future[StepResult]:
+        """Start a step on a pipelined executor (its own ``submit``); a plain executor's
+        step gets a future that :meth:`_finish` runs it into."""
+        if self._depth > 1:
+            executor: PipelinedExecutor = self.executor  # type: ignore[assignment]
+            return executor.submit(batch)
+        return Future()
 
-        Delivering outputs wakes every consumer; doing it from here, once the step has
-        reached its thread, lets them run while the executor works instead of before.
-        """
-        anyio.from_thread.run_sync(self.core.flush)
-        return self.executor.execute(batch)
+    async def _finish(
+        self, batch: StepBatch, future: Future[StepResult], limiter: anyio.CapacityLimiter
+    ) -> None:
+        """Wait for the oldest step: a pipelined one's future, or a plain executor's
+        ``execute`` run now on a worker thread, one hop (shielded, so that its outcome
+        always reaches the future: the blocks it used are freed only after)."""
+        if self._depth > 1:
+            await anyio.to_thread.run_sync(wait_futures, [future], limiter=limiter)
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                result = await anyio.to_thread.run_sync(
+                    self.executor.execute, batch, limiter=limiter
+                )
+            except Exception as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        await anyio.lowlevel.checkpoint()  # a cancellation that came meanwhile, now
 
     # -- requests ----------------------------------------------------------------------
 
