@@ -4,9 +4,10 @@ Why. torch's CPU ops run on OpenMP, whose thread team belongs to the thread that
 parallel region. The engine calls the executor from worker threads, while weights are
 loaded on the caller's thread; each of those threads then owns a team, and once libgomp
 manages more threads than there are CPUs it stops spinning between parallel regions, so
-every mid-sized op pays a thread wake-up (on 2 cores: an add of 64 x 1024 floats 7 ->
-66 us, a 64-request decode step of a 12-layer model 37 -> 60 ms). Running everything on
-one long-lived thread keeps one team busy and the others never made.
+every mid-sized op pays a thread wake-up (``python -m benchmarks.decode.bandwidth``
+measured every decode step 1.6x slower with a second team; docs/benchmarks.md, "Decode on
+the CPU"). Running everything on one long-lived thread keeps one team busy and the
+others never made.
 
 Close the thread (``close``) before running torch work elsewhere in the same process, so
 that its idle team does not slow the other thread down in turn.
