@@ -25,7 +25,7 @@ from pathlib import Path
 
 import attrs
 
-from hybridkv.errors import HybridKVError
+from hybridkv.serving.cli.model_errors import CacheDirError, MissingExtraError, ModelNotFoundError
 
 #: The model ``hybridkv demo``, ``serve`` and ``generate`` use when none is named.
 DEFAULT_MODEL = "gemma-3-270m"
@@ -34,18 +34,6 @@ DEFAULT_MODEL = "gemma-3-270m"
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 Progress = Callable[[str], None]
-
-
-class ModelNotFoundError(HybridKVError, ValueError):
-    """A model name is neither a checkpoint folder nor a built-in model."""
-
-
-class CacheDirError(HybridKVError, OSError):
-    """The cache folder for converted built-in models cannot be written."""
-
-
-class MissingExtraError(HybridKVError, RuntimeError):
-    """A built-in model needs packages that are not installed."""
 
 
 # Gemma's turn format, written for the converted folder (the GGUF file carries none).
@@ -131,13 +119,17 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def resolve_model(model: str | None, *, progress: Progress = _stderr) -> tuple[str, Path]:
-    """The display name and checkpoint folder of ``model`` (a folder or a built-in name).
+def resolve_model(
+    model: str | None, *, revision: str | None = None, progress: Progress = _stderr
+) -> tuple[str, Path]:
+    """The display name and checkpoint folder of ``model``: a folder, a built-in name, or
+    a hub name (``org/name``, at ``revision``; ``serving/cli/hub.py``).
 
     Converts a built-in model on first use. ``None`` means :data:`DEFAULT_MODEL`.
 
     Raises:
-        ModelNotFoundError: ``model`` is neither a folder with config.json nor built in.
+        ModelNotFoundError: ``model`` is none of those, or not in the hub cache while
+            offline, or not on the hub.
         MissingExtraError: the built-in model's packages are not installed.
     """
     model = model or DEFAULT_MODEL
@@ -146,10 +138,14 @@ def resolve_model(model: str | None, *, progress: Progress = _stderr) -> tuple[s
         return folder.resolve().name, folder
     if model in BUILTIN_MODELS:
         return model, ensure_converted(BUILTIN_MODELS[model], progress=progress)
+    from hybridkv.serving.cli.hub import hub_snapshot, is_hub_name
+
+    if is_hub_name(model) and not folder.exists():
+        return model, hub_snapshot(model, revision)
     names = ", ".join(sorted(BUILTIN_MODELS))
     raise ModelNotFoundError(
-        f"model {model!r} is neither a checkpoint folder with config.json nor a built-in "
-        f"model ({names})"
+        f"model {model!r} is neither a checkpoint folder with config.json, a built-in "
+        f"model ({names}) nor a hub name (org/name)"
     )
 
 

@@ -154,7 +154,9 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     settings = front_end_settings(args)  # a bad flag fails before any replica starts
     sock = open_socket(args.host, args.port)  # and so does a port in use
     with sock:
-        prompter = load_prompter(args.model_flag or args.model, args.chat_template)
+        prompter = load_prompter(
+            args.model_flag or args.model, args.chat_template, getattr(args, "revision", None)
+        )
         ports = free_ports(size)
         lines = [
             replica_command_line(

@@ -82,7 +82,7 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
     from hybridkv.scheduler import EngineConfig
     from hybridkv.serving.cli.flags.values import UsageError
 
-    name, folder = resolve_model(settings.model)
+    name, folder = resolve_model(settings.model, revision=settings.revision)
     dtype, kv_memory = checkpoint_dtype(settings.dtype, folder), kv_bytes(settings, folder)
     settings = attrs.evolve(settings, dtype=dtype, kv_memory=kv_memory)
     weights = _weight_format(settings, builtin=name in BUILTIN_MODELS)
@@ -286,7 +286,7 @@ def pipeline_worker_status(args: argparse.Namespace) -> int | None:
 
     configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
     settings = engine_args(args)
-    _, folder = resolve_model(settings.model)
+    _, folder = resolve_model(settings.model, revision=settings.revision)
     stage = StageSettings.create(
         folder,
         load_options(settings),

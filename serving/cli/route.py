@@ -113,7 +113,9 @@ def run_route(args: argparse.Namespace) -> int:
     settings = front_end_settings(args)
     sock = open_socket(args.host, args.port)
     with sock:
-        prompter = load_prompter(args.model_flag or args.model, args.chat_template)
+        prompter = load_prompter(
+            args.model_flag or args.model, args.chat_template, getattr(args, "revision", None)
+        )
         with contextlib.suppress(KeyboardInterrupt):
             anyio.run(serve_front_end, args, settings, replicas, prompter, sock, ())
     return 0
@@ -174,7 +176,7 @@ def _base_url(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
-def load_prompter(model: str | None, chat_template: str | None) -> Any:
+def load_prompter(model: str | None, chat_template: str | None, revision: str | None = None) -> Any:
     """A prompter over MODEL's tokenizer and chat template (its weights stay unread)."""
     import anyio
     from tokenizers import Tokenizer
@@ -185,7 +187,7 @@ def load_prompter(model: str | None, chat_template: str | None) -> Any:
     from hybridkv.serving.openai.chat_template import ChatTemplate
     from hybridkv.serving.openai.prompts import Prompter
 
-    _, folder = resolve_model(model)
+    _, folder = resolve_model(model, revision=revision)
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise UsageError(f"the checkpoint {str(folder)!r} has no tokenizer.json")

@@ -38,6 +38,8 @@ class EngineArgs:
     """The engine and model settings a command line can choose."""
 
     model: str | None = None
+    #: A hub name's branch, tag or commit (``--revision``); None: the default branch.
+    revision: str | None = None
     kv_memory: int = 1 << 30
     block_size: int = 16
     max_num_batched_tokens: int = 512
@@ -76,10 +78,17 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         nargs="?",
         default=None,
-        help=f"checkpoint folder (config.json, safetensors, tokenizer.json) or built-in "
-        f"name ({names}); default: {DEFAULT_MODEL}",
+        help=f"checkpoint folder (config.json, safetensors, tokenizer.json), built-in "
+        f"name ({names}) or hub name (org/name: the local hub cache first, else "
+        f"downloaded unless HF_HUB_OFFLINE is set); default: {DEFAULT_MODEL}",
     )
     parser.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as MODEL")
+    parser.add_argument(
+        "--revision",
+        default=None,
+        metavar="REV",
+        help="a hub name's branch, tag or commit (default: its default branch)",
+    )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, kv_memory: str = "1GiB") -> None:
@@ -345,6 +354,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
             num_ranks(args),
         ),
         model=model or named,
+        revision=getattr(args, "revision", None),
         kv_memory=parse_size(kv_memory_flag(args)),
         memory_utilization=utilization,
         seed=getattr(args, "engine_seed", None),
