@@ -4,9 +4,9 @@ gives the module at its new path, with a ``DeprecationWarning`` that names it.
 Here, below every folder, because an old path's package must answer it before anything
 else is imported: ``install()`` (run by ``hybridkv/serving/__init__.py`` and
 ``hybridkv/parallel/__init__.py``, whose router modules went to ``serving/router/``) adds
-a finder that knows only the
-names of :data:`MOVED`; a name it knows is answered with a stand-in module that forwards
-every attribute to the new module and warns once, on import. Two modules became
+a finder that knows only the names of :data:`MOVED`; a name it knows is answered with a
+stand-in module that forwards every attribute to the new module and warns once, on
+import. Two modules became
 packages of the same name (``serving/metrics.py``, ``cli/workload.py``): their packages
 forward the old names with :func:`names_of`.
 """
@@ -95,11 +95,7 @@ class _Moved(types.ModuleType):
 class _Loader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         new = MOVED[spec.name]
-        warnings.warn(
-            f"{spec.name} moved to {new}; the old path goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        _warn(spec.name, new)
         return _Moved(spec.name, importlib.import_module(new))
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -126,14 +122,18 @@ def names_of(package: str, module: str) -> Callable[[str], Any]:
         target = importlib.import_module(module)
         if name.startswith("__") or not hasattr(target, name):
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        warnings.warn(
-            f"{package}.{name} moved to {module}.{name}; the old path goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        _warn(f"{package}.{name}", f"{module}.{name}")
         return getattr(target, name)
 
     return forward
+
+
+def _warn(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} moved to {new}; the old path goes in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def install() -> None:

@@ -9,8 +9,9 @@
 One loop keeps up to D steps in flight (1, or a
 :class:`~hybridkv.scheduler.batch.PipelinedExecutor`'s ``max_steps_in_flight``)::
 
-    plan step k (sync) --> submit it: the engine's step thread runs execute(), or the
-                           pipelined executor's own submit()
+    plan step k (sync) --> submit it (a pipelined executor's own submit(); a plain
+                           executor's execute() starts on a worker thread as the loop
+                           waits for it)
                        --> deliver step k-1's outputs (consumers run while step k does)
                        --> wait for the oldest step, apply its result, plan again
 

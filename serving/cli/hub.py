@@ -46,7 +46,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
             f"{repo_id!r} is a hub name; loading it needs huggingface_hub "
             "(pip install 'hybridkv[serve]')"
         ) from None
-    where = f"{repo_id}" + (f" at revision {revision!r}" if revision else "")
+    where = repo_id + (f" at revision {revision!r}" if revision else "")
     patterns = list(CHECKPOINT_PATTERNS)
     try:
         return Path(
@@ -63,7 +63,8 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
         raise ModelNotFoundError(f"{where} could not be fetched from the hub: {first}") from None
 
 

@@ -12,10 +12,10 @@ httptools' parser, with nothing between a replica's bytes and the client's strea
                                  read whole and the replica keeps it open; else closed
 
 A forward is the front end's hot path: each streamed token of each request crosses it.
-Under the routing workload (``benchmarks/routing/policies.py --real``, ``front_end_cpu_s``) the
-front end used 0.56-0.58 CPU seconds forwarding through httpx, whose pool bookkeeping,
-socket checks and wrappers per read were a third of its profile, and 0.42-0.48 through
-this client, which does what a forward needs and no more.
+Under the routing workload (``python -m benchmarks.routing.policies --real``, its
+``front_end_cpu_s``) the front end used 0.56-0.58 CPU seconds forwarding through httpx,
+whose pool bookkeeping, socket checks and wrappers per read were a third of its profile,
+and 0.42-0.48 through this client, which does what a forward needs and no more.
 
 Failures are :class:`UpstreamError`; a connection that could not be made at all is
 :class:`UpstreamConnectError` (the replica is not there). A replica that refuses a body
@@ -26,6 +26,7 @@ read after the failed write): the front end applies the replicas' limits itself.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import ssl
 import time
@@ -112,13 +113,12 @@ class UpstreamAnswer:
         headers: Its headers, names in lower case (a repeated one: the last).
     """
 
-    def __init__(self, pool: UpstreamPool, connection: _Connection, parser: _Parsing) -> None:
+    def __init__(self, pool: UpstreamPool, connection: _Connection, parsing: _Parsing) -> None:
         self._pool = pool
         self._connection: _Connection | None = connection
-        self._parsing = parser
-        head = parser.head
-        self.status_code = parser.parser.get_status_code()
-        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
+        self._parsing = parsing
+        self.status_code = parsing.parser.get_status_code()
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in parsing.head.headers}
 
     async def chunks(self, stall_s: float | None = None) -> AsyncIterator[bytes]:
         """The body as it arrives; ``stall_s``: the longest wait for the next bytes (an
@@ -148,7 +148,7 @@ class UpstreamAnswer:
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        if self._parsing.finished and self._parsing.keeps_alive():
+        if self._parsing.keeps_alive():  # read whole, and the replica keeps it open
             await self._pool.put(connection)
         else:
             await connection.close()
@@ -236,10 +236,9 @@ class UpstreamPool:
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
         kept = await self._take(key)
         if kept is not None:
-            try:
+            # Unanswered, the replica closed it as it went idle: it never read the request.
+            with contextlib.suppress(_Unanswered):
                 return await self._exchange(kept, request, write_timeout_s)
-            except _Unanswered:
-                pass  # the replica closed it as it went idle: it never read the request
         try:
             return await self._exchange(await self._connect(key), request, write_timeout_s)
         except _Unanswered as exc:
