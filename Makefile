@@ -22,7 +22,7 @@ $(VENV)/.test: pyproject.toml | $(VENV)/bin/python
 	$(PIP) -e '.[test,demo,docs]'
 	touch $@
 
-.PHONY: run test lint typecheck docs
+.PHONY: run test lint typecheck docs gpu-check
 run: $(VENV)/.demo
 	$(VENV)/bin/hybridkv demo
 
@@ -53,3 +53,11 @@ test: lint typecheck docs
 .PHONY: figures
 figures: $(VENV)/.test
 	$(PY) -m benchmarks.common.plot
+
+# One command that says whether the GPU path works and how fast it is
+# (benchmarks/gpu/check.py): its JSON and summary go to OUT; DRY_RUN=1 runs the same code on
+# the CPU at toy sizes (the suite runs it so). PY=python3 runs it on that interpreter as it
+# is, without the venv: a GPU machine's own CUDA build of torch.
+OUT ?= build/gpu-check
+gpu-check: $(if $(filter command line,$(origin PY)),,$(VENV)/.test)
+	$(PY) -m benchmarks.gpu.check --out $(OUT) $(if $(DRY_RUN),--dry-run)

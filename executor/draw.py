@@ -18,6 +18,11 @@ Top-k and top-p avoid sorting the vocabulary (262,144 logits for Gemma 3)::
 
 A zero-probability token is never drawn: the cumulative sum is flat over it, and the
 search returns the first position whose sum exceeds the target.
+
+All of it runs on the logits' device. :func:`draw_rows` reads nothing back: it returns
+the tokens and which rows the first guess left undecided, for the caller to read back
+with its other ids in one copy (``executor/host_copy.py``); :func:`settle` draws those
+rows again, reading back each round (rare).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridkv.executor.host_copy import to_host_list
 from hybridkv.scheduler.params import SamplingParams
 
 # Probabilities per block of the two-level inverse CDF.
@@ -99,29 +105,72 @@ def draw(
     logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor
 ) -> list[int]:
     """One token per row of float32 ``logits`` ``[n, V]``, each drawn with its ``u`` in [0, 1)."""
+    tokens, undecided = draw_rows(logits, params, uniforms)
+    both = to_host_list(torch.cat([tokens, undecided.long()]))
+    return settle(logits, params, uniforms, both[: len(params)], both[len(params) :])
+
+
+def draw_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`draw` without reading anything back: per row, on the device of ``logits``,
+    the token drawn and whether it is undecided (its candidates could not settle it: a
+    tie at the top-k boundary, or a nucleus wider than the first guess). :func:`settle`
+    draws the undecided rows again."""
     vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature.unsqueeze(-1)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype).unsqueeze(-1)
-        scaled = scaled.masked_fill(scaled.exp() < min_p, float("-inf"))
-    out = [0] * len(params)
+    scaled = _scaled(logits, params)
+    tokens = torch.zeros(len(params), dtype=torch.long, device=logits.device)
+    undecided = torch.zeros(len(params), dtype=torch.bool, device=logits.device)
     truncated = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
     whole = [i for i in range(len(params)) if i not in set(truncated)]
     if whole:
-        picked = inverse_cdf(scaled[whole].softmax(-1), uniforms[whole])
-        for i, token in zip(whole, picked.tolist(), strict=True):
-            out[i] = token
-    pending = truncated
-    for guess in _NUCLEUS_GUESSES:
+        tokens[whole] = inverse_cdf(scaled[whole].softmax(-1), uniforms[whole])
+    if truncated:
+        guess = _NUCLEUS_GUESSES[0]
+        tokens[truncated], undecided[truncated] = _draw_candidates(
+            scaled, params, uniforms, truncated, guess
+        )
+    return tokens, undecided
+
+
+def settle(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    uniforms: torch.Tensor,
+    tokens: list[int],
+    undecided: Sequence[int],
+) -> list[int]:
+    """``tokens`` (from :func:`draw_rows`, on the host) with each undecided row drawn again:
+    from wider candidates, then by a full sort. Rare; each round reads its tokens back."""
+    pending = [i for i, flag in enumerate(undecided) if flag]
+    if not pending:
+        return tokens
+    tokens, scaled = list(tokens), _scaled(logits, params)
+    for guess in _NUCLEUS_GUESSES[1:]:
         if not pending:
             break
-        pending = _draw_candidates(scaled, params, uniforms, pending, guess, out)
+        drawn, left = _draw_candidates(scaled, params, uniforms, pending, guess)
+        both = to_host_list(torch.cat([drawn, left.long()]))
+        for n, i in enumerate(pending):
+            tokens[i] = both[n]
+        pending = [i for n, i in enumerate(pending) if both[len(pending) + n]]
     for i in pending:
         # A tie at the top-k boundary or a nucleus wider than every guess: sort the row.
         row = filter_logits(logits[i], params[i]).softmax(-1)
-        out[i] = int(inverse_cdf(row.unsqueeze(0), uniforms[i : i + 1])[0])
-    return out
+        tokens[i] = to_host_list(inverse_cdf(row.unsqueeze(0), uniforms[i : i + 1]))[0]
+    return tokens
+
+
+def _scaled(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's logits after its temperature and min-p, the top one at 0."""
+    temperature = torch.tensor(
+        [p.temperature for p in params], dtype=logits.dtype, device=logits.device
+    )
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature.unsqueeze(-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+        scaled = scaled.masked_fill(scaled.exp() < min_p.unsqueeze(-1), float("-inf"))
+    return scaled
 
 
 def _draw_candidates(
@@ -130,20 +179,21 @@ def _draw_candidates(
     uniforms: torch.Tensor,
     rows: list[int],
     guess: int,
-    out: list[int],
-) -> list[int]:
-    """Draws ``rows`` from their top candidates into ``out``; returns the rows it could not."""
-    vocab = scaled.shape[-1]
-    top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else 0 for i in rows])
-    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64)
-    width = min(vocab, max(int(top_k.max()) + 1, guess if bool((top_k == 0).any()) else 0))
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``rows``, the token drawn from its top candidates, and whether those
+    could not decide it (the token is then meaningless)."""
+    vocab, device = scaled.shape[-1], scaled.device
+    ks = [params[i].top_k if 0 < params[i].top_k < vocab else 0 for i in rows]
+    top_k = torch.tensor(ks, device=device)
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64, device=device)
+    width = min(vocab, max(max(ks) + 1, guess if 0 in ks else 0))
     values, indices = torch.topk(scaled[rows], width, dim=-1, sorted=True)
     # Ties in a canonical order (lower token id first), whatever the width: a seeded row
     # then draws the same token beside any neighbours (bfloat16 logits tie often).
     indices, by_id = indices.sort(-1)
     values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
     indices = indices.gather(1, by_value)
-    positions = torch.arange(width)
+    positions = torch.arange(width, device=device)
     has_k = top_k > 0
     # Keep all of a tie at the k-th logit, as filter_logits does: such rows fall back.
     kth = values.gather(1, (top_k - 1).clamp(min=0).unsqueeze(-1))
@@ -161,17 +211,10 @@ def _draw_candidates(
     drop = before >= top_p.unsqueeze(-1)
     drop[:, 0] = False
     # Without top-k the candidates decide only if the nucleus ends inside them.
-    undecided = ~has_k & (top_p < 1.0) & ~drop[:, -1] & torch.tensor(width < vocab)
+    undecided = ~has_k & (top_p < 1.0) & ~drop[:, -1] & (width < vocab)
     probs = values.masked_fill(drop, -math.inf).softmax(-1)
     # Draw in token-id order, as the full-vocabulary path does: the same u picks the
     # same token whichever path a row takes.
     indices, by_id = indices.sort(-1)
     picked = inverse_cdf(probs.gather(1, by_id), uniforms[rows])
-    tokens = indices.gather(1, picked.unsqueeze(-1)).squeeze(-1).tolist()
-    left = []
-    for n, i in enumerate(rows):
-        if bool(tied[n]) or bool(undecided[n]):
-            left.append(i)
-        else:
-            out[i] = tokens[n]
-    return left
+    return indices.gather(1, picked.unsqueeze(-1)).squeeze(-1), tied | undecided

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hybridkv.executor.host_copy import to_host_rows
 from hybridkv.scheduler.batch import StepRequest
 from hybridkv.scheduler.outputs import TokenLogprobs
 
@@ -25,26 +26,25 @@ def token_logprobs(
     """Per row of ``[rows, vocab]`` logits: ``token_ids[row]``'s log-probability and rank,
     and the ``num_top[row]`` most likely tokens.
 
-    The rank counts the tokens at least as likely as the chosen one (1 for the top).
+    The rank counts the tokens at least as likely as the chosen one (1 for the top). All
+    of it comes to the host in one copy, as float64 (exact for the ids and ranks).
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     index = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)[:, None]
     chosen = logprobs.gather(1, index)
-    ranks = (logprobs >= chosen).sum(-1).tolist()
+    columns = [chosen, (logprobs >= chosen).sum(-1, keepdim=True)]
     width = max(num_top, default=0)
     if width:
-        top_values, top_ids = logprobs.topk(width, dim=-1)
-        values, ids = top_values.tolist(), top_ids.tolist()
+        columns.extend(logprobs.topk(width, dim=-1))  # values, then ids
+    rows = to_host_rows(torch.cat([c.to(torch.float64) for c in columns], dim=1))
     return [
         TokenLogprobs(
             token_id=int(token),
-            logprob=float(value),
-            rank=int(rank),
-            top=tuple(zip(ids[row][:k], values[row][:k], strict=True)) if k else (),
+            logprob=row[0],
+            rank=int(row[1]),
+            top=tuple(zip(map(int, row[2 + width : 2 + width + k]), row[2 : 2 + k], strict=True)),
         )
-        for row, (token, value, rank, k) in enumerate(
-            zip(token_ids, chosen[:, 0].tolist(), ranks, num_top, strict=True)
-        )
+        for token, row, k in zip(token_ids, rows, num_top, strict=True)
     ]
 
 

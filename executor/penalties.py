@@ -10,7 +10,8 @@ OpenAI's definitions of the presence and frequency penalties)::
     4. frequency    row[t] -= frequency_penalty * count of t in the output
     5. presence     row[t] -= presence_penalty * (t in the output)
 
-The prompt counts for the repetition penalty only, as in vLLM.
+The prompt counts for the repetition penalty only, as in vLLM. The request's tokens are
+counted on the host and sent to the row's device; nothing is read back.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def add_logit_bias(row: torch.Tensor, bias: Sequence[tuple[int, float]]) -> torc
     pairs = [(t, b) for t, b in bias if 0 <= t < vocab]
     if not pairs:
         return row
-    ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
-    values = torch.tensor([b for _, b in pairs], dtype=row.dtype)
+    ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=row.device)
+    values = torch.tensor([b for _, b in pairs], dtype=row.dtype, device=row.device)
     return row.index_add(0, ids, values)
 
 
@@ -56,14 +57,14 @@ def apply_penalties(row: torch.Tensor, request: StepRequest) -> torch.Tensor:
     ids = torch.tensor(history, dtype=torch.long) if history else torch.zeros(0, dtype=torch.long)
     num_outputs = request.output_index
     if params.repetition_penalty != 1.0 and len(ids):
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[ids[ids < vocab]] = True
+        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+        seen[ids[ids < vocab].to(row.device)] = True
         penalty = params.repetition_penalty
         scaled = torch.where(row > 0, row / penalty, row * penalty)
         row = torch.where(seen, scaled, row)
     if num_outputs and (params.frequency_penalty or params.presence_penalty):
         outputs = ids[len(ids) - num_outputs :]
-        counts = torch.bincount(outputs[outputs < vocab], minlength=vocab).to(row.dtype)
+        counts = torch.bincount(outputs[outputs < vocab], minlength=vocab).to(row.device, row.dtype)
         row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
     return row
 

@@ -17,6 +17,10 @@ sampler's own generator.
 Rows that ask for none of the per-request processing (``params.needs_processing``
 false, no min_tokens ban due) cost what they did before it existed: greedy ones share one
 argmax over the batch.
+
+Everything runs on the logits' device (the uniform numbers come from CPU generators and
+go there), and :meth:`Sampler.sample` reads back one thing: every row's token, in one
+copy (``executor/host_copy.py``); the logits stay on the device.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch
 from tokenizers import Tokenizer
 
 from hybridkv.errors import HybridKVError
-from hybridkv.executor.draw import draw, filter_logits
+from hybridkv.executor.draw import draw_rows, filter_logits, settle
+from hybridkv.executor.host_copy import to_host_list
 from hybridkv.executor.penalties import process_logits
 from hybridkv.executor.structured import GrammarMasks
 from hybridkv.scheduler.batch import StepRequest
@@ -97,8 +102,8 @@ class Sampler:
         """One token per row.
 
         Args:
-            logits: ``[rows, vocab]``, any device; sampling runs in float32 on the CPU so
-                that seeded draws do not depend on the device.
+            logits: ``[rows, vocab]``, any device; sampling runs there in float32, and the
+                tokens are the one thing read back (``executor/host_copy.py``).
             requests: Per row, the request it samples for (its params, its output index,
                 its tokens so far).
             tokenizer: The model's tokenizer, needed once by the first request with
@@ -108,7 +113,7 @@ class Sampler:
             StructuredOutputUnavailableError: a request asks for structured output and
                 no tokenizer was ever given.
         """
-        rows = logits.detach().to("cpu", torch.float32)
+        rows = logits.detach().float()
         # Greedy rows with nothing to change share one argmax; the others are processed
         # row by row, and all rows that sample share one draw.
         plain = [
@@ -117,12 +122,13 @@ class Sampler:
             and r.output_index >= r.params.min_tokens
             for r in requests
         ]
-        out = [0] * len(plain)
+        if all(plain):
+            return to_host_list(torch.argmax(rows, dim=-1))
+        out = torch.zeros(len(plain), dtype=torch.long, device=rows.device)
         greedy = [i for i, ok in enumerate(plain) if ok]
         if greedy:
-            tokens = torch.argmax(rows[greedy] if len(greedy) < len(plain) else rows, dim=-1)
-            for i, token in zip(greedy, tokens.tolist(), strict=True):
-                out[i] = token
+            out[greedy] = torch.argmax(rows[greedy], dim=-1)
+        argmaxes: dict[int, torch.Tensor] = {}
         sampled: list[int] = []
         processed: dict[int, torch.Tensor] = {}
         for i, ok in enumerate(plain):
@@ -133,16 +139,25 @@ class Sampler:
             ):
                 processed[i] = self._process_row(rows[i], requests[i], tokenizer)
             if requests[i].params.is_greedy:
-                out[i] = int(torch.argmax(processed.get(i, rows[i])))
+                argmaxes[i] = torch.argmax(processed.get(i, rows[i]))
             else:
                 sampled.append(i)
-        if sampled:
-            chosen = torch.stack([processed.get(i, rows[i]) for i in sampled])
-            params = [requests[i].params for i in sampled]
-            drawn = draw(chosen, params, self._uniforms([requests[i] for i in sampled]))
-            for i, token in zip(sampled, drawn, strict=True):
-                out[i] = token
-        return out
+        if argmaxes:
+            out[list(argmaxes)] = torch.stack(list(argmaxes.values()))
+        if not sampled:
+            return to_host_list(out)
+        chosen = torch.stack([processed.get(i, rows[i]) for i in sampled])
+        params = [requests[i].params for i in sampled]
+        uniforms = self._uniforms([requests[i] for i in sampled]).to(rows.device)
+        drawn, undecided = draw_rows(chosen, params, uniforms)
+        out[sampled] = drawn
+        # The tokens and the draw's undecided rows come back in one copy.
+        both = to_host_list(torch.cat([out, undecided.long()]))
+        tokens = both[: len(plain)]
+        settled = settle(chosen, params, uniforms, [tokens[i] for i in sampled], both[len(plain) :])
+        for i, token in zip(sampled, settled, strict=True):
+            tokens[i] = token
+        return tokens
 
     def processed_rows(
         self,
@@ -155,8 +170,8 @@ class Sampler:
         """Per row, the float32 logits :meth:`sample` picks from before temperature: the
         request's processing applied (grammar mask, ``min_tokens``, bias, penalties).
         ``masks``: per row, the grammar mask to use instead of the request's matcher's
-        (speculative decoding: ``GrammarMasks.logit_masks_ahead``)."""
-        rows = logits.detach().to("cpu", torch.float32)
+        (speculative decoding: ``GrammarMasks.logit_masks_ahead``). On the logits' device."""
+        rows = logits.detach().float()
         out = []
         for i, (row, request) in enumerate(zip(rows, requests, strict=True)):
             params = request.params
@@ -207,10 +222,11 @@ class Sampler:
         if params.structured_output is not None:
             if mask is None:
                 mask = self._grammar_masks(row.shape[0], tokenizer).logit_mask(request)
+            mask = mask.to(row.device)
             row = row + mask
-            if request.output_index < params.min_tokens and not torch.isfinite(row.max()):
+            if request.output_index < params.min_tokens:
                 # min_tokens banned all the grammar allows (EOS at its end): it wins.
-                row = raw + mask
+                row = torch.where(torch.isfinite(row.max()), row, raw + mask)
         return row
 
     def _grammar_masks(self, vocab_size: int, tokenizer: Tokenizer | None) -> GrammarMasks:

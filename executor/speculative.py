@@ -18,6 +18,10 @@ min-p, top-k and top-p (``verify_sampled``), so each token it emits is distribut
 without speculation. A request with structured output masks row ``i`` with its grammar
 after proposals ``0 .. i-1`` (``GrammarMasks.logit_masks_ahead``), so no kept token is one
 the grammar forbids, and its matcher steps back over the proposals afterwards.
+
+A request's rows are processed on the device; a greedy one reads back its argmaxes, a
+sampled one its ``k + 1`` distributions (the rejection rule runs on the host, with the
+request's CPU generator): ``executor/host_copy.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from tokenizers import Tokenizer
 
 from hybridkv.executor.draw import filter_logits
+from hybridkv.executor.host_copy import to_host_list, to_host_tensor
 from hybridkv.executor.sampler import Sampler, position_seed
 from hybridkv.executor.verification import verify_greedy, verify_sampled
 from hybridkv.memory.state_pages import StepStates
@@ -69,9 +74,9 @@ def verify_rows(
         logits, position_requests(request), tokenizer=tokenizer, masks=masks
     )
     if params.is_greedy:
-        return verify_greedy(rows.argmax(-1).tolist(), draft)
+        return verify_greedy(to_host_list(rows.argmax(-1)), draft)
     probs = torch.stack([filter_logits(row, params).softmax(-1) for row in rows])
-    return verify_sampled(probs, draft, generator=_generator(sampler, request))
+    return verify_sampled(to_host_tensor(probs), draft, generator=_generator(sampler, request))
 
 
 def _generator(sampler: Sampler, request: StepRequest) -> torch.Generator:

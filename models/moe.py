@@ -8,9 +8,13 @@ and ``router.layer`` the routing logits.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridkv.models.errors import ModelConfigError
 
 
 class SharedMLP(nn.Module):
@@ -44,10 +48,25 @@ class _Router(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """Each token goes to its ``top_k`` experts, weighted by the softmax of their logits."""
+    """Each token goes to its ``top_k`` experts, weighted by the softmax of their logits.
+
+    The (token, expert) pairs are sorted by expert, and one grouped matmul
+    (``F.grouped_mm``) runs each expert over its run of them, the runs' ends found on the
+    device: nothing is read back, where a loop over the experts chosen would read them
+    back in every layer (a device sync per layer per step). On a CPU the grouped matmul
+    loops over the experts itself, at least as fast as that loop; on a GPU its bfloat16
+    kernel reads the ends on the device (torch's fallback for other dtypes reads them
+    back). Its rows must be 16-byte aligned: hidden and inner sizes multiples of 8, as
+    every released Granite MoE's are.
+    """
 
     def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int) -> None:
         super().__init__()
+        if hidden % 8 or inner % 8:
+            raise ModelConfigError(
+                f"experts of hidden size {hidden} and inner size {inner}: both must be "
+                "multiples of 8 (the grouped matmul's rows are 16-byte aligned)"
+            )
         self.router = _Router(hidden, num_experts)
         self.input_linear = _ExpertWeights(num_experts, 2 * inner, hidden)
         self.output_linear = _ExpertWeights(num_experts, hidden, inner)
@@ -57,11 +76,23 @@ class MixtureOfExperts(nn.Module):
         logits: torch.Tensor = self.router.layer(x).float()
         top_logits, experts = logits.topk(self.top_k, dim=-1)  # [T, k]
         weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        out = torch.zeros_like(x)
-        # Tokens grouped by expert: one pair of matmuls per expert any token chose.
-        for expert in torch.unique(experts).tolist():
-            tokens, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[tokens], self.input_linear.weight[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.output_linear.weight[expert])
-            out.index_add_(0, tokens, y * weights[tokens, slot, None])
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # pairs by expert, each expert's tokens in order
+        tokens = order // self.top_k
+        every = torch.arange(self.input_linear.weight.shape[0], device=x.device)
+        ends = torch.searchsorted(flat[order], every, right=True).to(torch.int32)
+        up_in = self.input_linear.weight.transpose(1, 2)
+        gate, up = _grouped_mm(x[tokens], up_in, ends).chunk(2, dim=-1)
+        y = _grouped_mm(F.silu(gate) * up, self.output_linear.weight.transpose(1, 2), ends)
+        return torch.zeros_like(x).index_add_(0, tokens, y * weights.flatten()[order, None])
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ``[ends[e-1], ends[e])`` of ``a`` times ``b[e]``: ``F.grouped_mm``, or on a
+    torch without it, one matmul per expert (which reads the ends back: a sync on a GPU)."""
+    grouped = getattr(F, "grouped_mm", None)
+    if grouped is not None:
+        out: torch.Tensor = grouped(a, b, offs=ends)
         return out
+    starts = [0, *ends.tolist()]
+    return torch.cat([a[s:e] @ b[i] for i, (s, e) in enumerate(itertools.pairwise(starts))])

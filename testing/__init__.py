@@ -18,10 +18,13 @@ fixtures for an engine, a live server and a tiny checkpoint::
 - tokenizers: :func:`word_tokenizer`, :func:`byte_tokenizer`;
 - a server: :func:`live_server`, :class:`LiveServer`;
 - leaks: :func:`wait_until_free`, :func:`check_no_leaks`, :class:`LeakError`;
+- device syncs: :class:`HostCopyGuard` (counts the step loop's device->host copies, on
+  the CPU too), :class:`HostCopyError`;
 - policies: :func:`check_policy_laws`, :class:`PolicyLawError`;
 - speculative decoding: :class:`ReferenceProposer` (the fakes' own continuation, a
   chosen share of it wrong);
-- checkpoints: :func:`save_tiny_llama` (needs transformers).
+- checkpoints: :func:`save_tiny_llama`, :func:`save_tiny` of each of
+  :data:`TINY_ARCHITECTURES` (need transformers).
 
 Names are imported on first use, so ``import hybridkv.testing`` needs neither the
 server's packages nor transformers until the helper that uses them is asked for.
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from hybridkv.policies.laws import PolicyLawError, check_policy_laws
     from hybridkv.scheduler.fake import FakeExecutor
     from hybridkv.scheduler.fake_attending import AttendingFakeExecutor
+    from hybridkv.testing.host_copies import HostCopyError, HostCopyGuard
     from hybridkv.testing.leaks import LeakError, check_no_leaks, wait_until_free
     from hybridkv.testing.plugin import default_config
     from hybridkv.testing.proposers import ReferenceProposer
@@ -47,7 +51,7 @@ if TYPE_CHECKING:
     )
     from hybridkv.testing.sampling_fake import SamplingFakeExecutor
     from hybridkv.testing.server import LiveServer, live_server
-    from hybridkv.testing.tiny_models import save_tiny_llama
+    from hybridkv.testing.tiny_models import TINY_ARCHITECTURES, save_tiny, save_tiny_llama
 
 _WHERE = {
     "FakeExecutor": "hybridkv.scheduler.fake",
@@ -62,18 +66,25 @@ _WHERE = {
     "wait_until_free": "hybridkv.testing.leaks",
     "check_no_leaks": "hybridkv.testing.leaks",
     "LeakError": "hybridkv.testing.leaks",
+    "HostCopyGuard": "hybridkv.testing.host_copies",
+    "HostCopyError": "hybridkv.testing.host_copies",
     "check_policy_laws": "hybridkv.policies.laws",
     "PolicyLawError": "hybridkv.policies.laws",
     "save_tiny_llama": "hybridkv.testing.tiny_models",
+    "save_tiny": "hybridkv.testing.tiny_models",
+    "TINY_ARCHITECTURES": "hybridkv.testing.tiny_models",
     "default_config": "hybridkv.testing.plugin",
     "ReferenceProposer": "hybridkv.testing.proposers",
 }
 
 __all__ = [
     "BYTE_EOS",
+    "TINY_ARCHITECTURES",
     "WORD_EOS",
     "AttendingFakeExecutor",
     "FakeExecutor",
+    "HostCopyError",
+    "HostCopyGuard",
     "LeakError",
     "LiveServer",
     "PolicyLawError",
@@ -84,6 +95,7 @@ __all__ = [
     "check_policy_laws",
     "default_config",
     "live_server",
+    "save_tiny",
     "save_tiny_llama",
     "wait_until_free",
     "word_tokenizer",

@@ -94,6 +94,21 @@ def redis_server(tmp_path: Any) -> Any:
     server.stop()
 
 
+@pytest.fixture
+def check_device() -> Any:
+    """The device the ``cuda`` tests run on: CUDA, or ``HYBRIDKV_CHECK_DEVICE`` (``make
+    gpu-check DRY_RUN=1`` sets it to ``cpu``, so the same tests run where there is no GPU);
+    skipped where that device is CUDA and torch has none."""
+    import os
+
+    import torch
+
+    device = torch.device(os.environ.get("HYBRIDKV_CHECK_DEVICE", "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return device
+
+
 @pytest.fixture(scope="module")
 def builtin_gemma3() -> Any:
     """The built-in Gemma 3 270M's converted folder (converted now if the cache lacks it;

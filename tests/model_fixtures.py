@@ -25,148 +25,10 @@ from hybridkv.executor.model_executor import LogitsHook, ModelExecutor
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 from hybridkv.scheduler.params import SamplingParams
+from hybridkv.testing.tiny_models import TINY_ARCHITECTURES, save_tiny
 
-WINDOW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 KV_BYTES = 1 << 20
-
-_COMMON: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6,
-}
-
-
-def _llama() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        **_COMMON,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        rope_theta=5000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
-
-
-def _gemma2() -> Any:
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    config = Gemma2Config(
-        **_COMMON,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        sliding_window=WINDOW,
-        query_pre_attn_scalar=24,
-        attn_logit_softcapping=2.0,
-        final_logit_softcapping=3.0,
-    )
-    return Gemma2ForCausalLM(config)
-
-
-def _gemma3() -> Any:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    s, f = "sliding_attention", "full_attention"
-    config = Gemma3TextConfig(
-        **_COMMON,
-        num_hidden_layers=6,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=WINDOW,
-        layer_types=[s, s, f, s, s, f],
-        query_pre_attn_scalar=24,
-        rope_theta=100_000.0,
-        rope_local_base_freq=500.0,
-        rope_scaling={"rope_type": "linear", "factor": 8.0},
-        final_logit_softcapping=None,
-    )
-    return Gemma3ForCausalLM(config)
-
-
-#: Mamba2 fields of the tiny hybrids: SSD chunks of 8 positions, so prefills cross them;
-#: a state of 3200 bytes, which an attention page of 16 tokens holds.
-_MAMBA2: dict[str, Any] = {
-    "mamba_n_heads": 4,
-    "mamba_d_state": 8,
-    "mamba_n_groups": 2,
-    "mamba_d_conv": 4,
-    "mamba_expand": 1,
-    "mamba_chunk_size": 8,
-}
-
-
-def _bamba() -> Any:
-    from transformers import BambaConfig, BambaForCausalLM
-
-    config = BambaConfig(
-        **_COMMON, **_MAMBA2, num_hidden_layers=4, num_key_value_heads=2, attn_layer_indices=[1]
-    )
-    return BambaForCausalLM(config)
-
-
-def _granite(**fields: Any) -> Any:
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    m, a = "mamba", "attention"
-    config = GraniteMoeHybridConfig(
-        **{**_COMMON, **_MAMBA2, **fields},
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        layer_types=[m, a, m, m],
-        embedding_multiplier=2.0,
-        residual_multiplier=0.5,
-        attention_multiplier=0.2,
-        logits_scaling=3.0,
-    )
-    return GraniteMoeHybridForCausalLM(config)
-
-
-def _granite_moe() -> Any:
-    """Granite 4.0-H with experts (4, two per token) beside the shared MLP, and rope."""
-    return _granite(
-        intermediate_size=32,
-        shared_intermediate_size=96,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        position_embedding_type="rope",
-    )
-
-
-def _granite_dense() -> Any:
-    """Granite 4.0-H without experts and without position embeddings."""
-    return _granite(shared_intermediate_size=96, num_local_experts=0)
-
-
-BUILDERS: dict[str, Callable[[], Any]] = {
-    "llama": _llama,
-    "gemma2": _gemma2,
-    "gemma3": _gemma3,
-    "bamba": _bamba,
-    "granite_moe": _granite_moe,
-    "granite_dense": _granite_dense,
-}
-
-
-def _randomise(model: Any, seed: int) -> None:
-    """Every parameter redrawn around its own mean (norms keep their 0 or 1 centre)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            noise = torch.randn(param.shape, generator=generator) * 0.1
-            param.copy_(param.mean() + noise)
 
 
 @attrs.frozen
@@ -199,11 +61,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel
 
     torch.set_num_threads(1)
     out = {}
-    for seed, (name, build) in enumerate(BUILDERS.items()):
-        model = build()
-        _randomise(model, seed)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
+    for seed, name in enumerate(TINY_ARCHITECTURES):
+        path = save_tiny(name, tmp_path_factory.mktemp(name), seed=seed)
         reference = AutoModelForCausalLM.from_pretrained(
             path, attn_implementation="eager", dtype=torch.float32
         ).eval()
@@ -443,3 +302,40 @@ async def _serve_all(
 def serve_all() -> Callable[..., Any]:
     """``await serve_all(executor, config, prompts, params)``: (tokens by index, stats)."""
     return _serve_all
+
+
+async def _serve_in_turn(
+    path: Path, prompts: Sequence[Sequence[int]], offload: Any = None, *, device: str = "cpu"
+) -> tuple[list[list[int]], Any]:
+    """Each prompt through one Engine in turn (greedy, 6 tokens, EOS ignored) over a pool
+    of about 40 pages of 4 tokens per group, so that later prompts flush earlier ones;
+    with an ``OffloadConfig``, each one's pages saved before the next. The tokens, and
+    the engine (its stats)."""
+    import anyio
+
+    from hybridkv.scheduler import Engine, EngineConfig
+
+    options = LoadOptions(kv_cache_bytes=40 * 2 * 1024, block_size=4, device=device)
+    executor = ModelExecutor.from_pretrained(path, options)
+    config = EngineConfig.for_executor(executor, max_model_len=128, max_prefill_chunk=16)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = []
+    try:
+        with anyio.fail_after(120):
+            async with Engine(config, executor, offload=offload) as engine:
+                for prompt in prompts:
+                    async with engine.generate(prompt, params) as stream:
+                        async for out in stream:
+                            tokens = list(out.token_ids)
+                    outputs.append(tokens)
+                    if executor.transfers is not None:
+                        assert executor.transfers.wait_saved()
+    finally:
+        executor.close()
+    return outputs, engine
+
+
+@pytest.fixture
+def serve_in_turn() -> Callable[..., Any]:
+    """``await serve_in_turn(path, prompts, offload=None, device="cpu")``: (tokens, engine)."""
+    return _serve_in_turn

@@ -6,63 +6,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import anyio
 import pytest
 from cut_proxy import CUTS, CutProxy
 from structlog.testing import capture_logs
 
-from hybridkv.executor.load_options import LoadOptions
-from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.offload import HostTier, OffloadConfig, RedisTier
-from hybridkv.scheduler import Engine, EngineConfig, SamplingParams
 from hybridkv.serving.metrics.prometheus import OffloadCollector
 
-POOL_BYTES = 40 * 2 * 1024  # about 40 pages of 4 tokens per group
 
-
-async def _scenario(
-    model: Any, prompt_of: Callable[[int, int], list[int]], offload: OffloadConfig | None
-) -> tuple[list[list[int]], Engine]:
+def _prompts(prompt_of: Callable[[int, int], list[int]]) -> list[list[int]]:
     """Seed 002's steps: a long prompt, other prompts that flush it from the pool, the
     long prompt again with another question."""
-    executor = ModelExecutor.from_pretrained(
-        model.path, LoadOptions(kv_cache_bytes=POOL_BYTES, block_size=4)
-    )
-    config = EngineConfig.for_executor(executor, max_model_len=128, max_prefill_chunk=16)
     document = prompt_of(72, 5)
-    prompts = [
-        [*document, 7, 8],
-        *(prompt_of(60, 100 + k) for k in range(3)),
-        [*document, 9, 10, 11],
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outputs = []
-    try:
-        with anyio.fail_after(120):
-            async with Engine(config, executor, offload=offload) as engine:
-                for prompt in prompts:
-                    async with engine.generate(prompt, params) as stream:
-                        async for out in stream:
-                            tokens = list(out.token_ids)
-                    outputs.append(tokens)
-                    if executor.transfers is not None:
-                        assert executor.transfers.wait_saved()
-    finally:
-        executor.close()
-    return outputs, engine
+    return [[*document, 7, 8], *(prompt_of(60, 100 + k) for k in range(3)), [*document, 9, 10, 11]]
 
 
 @pytest.mark.asyncio
 async def test_a_flushed_prefix_loads_from_host_memory_with_the_same_tokens(
-    tiny_models: Any, prompt_of: Any
+    tiny_models: Any, prompt_of: Any, serve_in_turn: Any
 ) -> None:
     """The repeat loads its prefix from the host tier; every output equals the run
     without a connector."""
     model = tiny_models["gemma3"]
-    baseline, _ = await _scenario(model, prompt_of, None)
+    baseline, _ = await serve_in_turn(model.path, _prompts(prompt_of), None)
     offload = OffloadConfig(tiers=[HostTier(64 << 20)], save_interval=16)
     with capture_logs() as logs:
-        outputs, _ = await _scenario(model, prompt_of, offload)
+        outputs, _ = await serve_in_turn(model.path, _prompts(prompt_of), offload)
     assert outputs == baseline
     assert offload.stats.hit_tokens["host"] >= 64
     finished = [e for e in logs if e["event"] == "kv_load_finished"]
@@ -71,14 +40,14 @@ async def test_a_flushed_prefix_loads_from_host_memory_with_the_same_tokens(
 
 @pytest.mark.asyncio
 async def test_redis_holds_the_prefix_and_its_loss_degrades_to_recompute(
-    tiny_models: Any, prompt_of: Any, redis_server: Any
+    tiny_models: Any, prompt_of: Any, redis_server: Any, serve_in_turn: Any
 ) -> None:
     """From Redis the repeat loads its prefix; with Redis stopped mid-run the engine
     warns, recomputes, and still returns the same tokens."""
     model = tiny_models["gemma3"]
-    baseline, _ = await _scenario(model, prompt_of, None)
+    baseline, _ = await serve_in_turn(model.path, _prompts(prompt_of), None)
     offload = OffloadConfig(tiers=[RedisTier(redis_server.url)], save_interval=16)
-    outputs, _ = await _scenario(model, prompt_of, offload)
+    outputs, _ = await serve_in_turn(model.path, _prompts(prompt_of), offload)
     assert outputs == baseline
     assert offload.stats.hit_tokens["redis"] >= 64
 
@@ -92,7 +61,7 @@ async def test_redis_holds_the_prefix_and_its_loss_degrades_to_recompute(
 
     tier.put = put_then_stop  # type: ignore[method-assign]
     with capture_logs() as logs:
-        outputs, _ = await _scenario(model, prompt_of, gone)
+        outputs, _ = await serve_in_turn(model.path, _prompts(prompt_of), gone)
     assert outputs == baseline
     assert "kv_tier_unavailable" in [e["event"] for e in logs]
 
@@ -101,16 +70,16 @@ async def test_redis_holds_the_prefix_and_its_loss_degrades_to_recompute(
 @pytest.mark.parametrize("name", ["bamba", "granite_moe"])
 @pytest.mark.parametrize("tier", ["host", "redis"])
 async def test_a_hybrids_state_loads_from_a_tier_with_the_same_tokens(
-    tiny_models: Any, prompt_of: Any, redis_server: Any, name: str, tier: str
+    tiny_models: Any, prompt_of: Any, redis_server: Any, name: str, tier: str, serve_in_turn: Any
 ) -> None:
     """A Mamba2 hybrid (a state page spanning several K/V pages at 4-token blocks): the
     repeat loads its attention blocks and its states' checkpoint from host memory or
     Redis, and every output equals the run without a connector."""
     model = tiny_models[name]
-    baseline, _ = await _scenario(model, prompt_of, None)
+    baseline, _ = await serve_in_turn(model.path, _prompts(prompt_of), None)
     store = HostTier(64 << 20) if tier == "host" else RedisTier(redis_server.url)
     offload = OffloadConfig(tiers=[store], save_interval=16)
-    outputs, _ = await _scenario(model, prompt_of, offload)
+    outputs, _ = await serve_in_turn(model.path, _prompts(prompt_of), offload)
     assert outputs == baseline
     assert offload.stats.hit_tokens[tier] >= 64
 
@@ -118,21 +87,23 @@ async def test_a_hybrids_state_loads_from_a_tier_with_the_same_tokens(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("cut", CUTS)
 async def test_a_load_cut_mid_reply_reports_every_block_it_did_not_deliver(
-    tiny_models: Any, prompt_of: Any, redis_server: Any, cut: str
+    tiny_models: Any, prompt_of: Any, redis_server: Any, cut: str, serve_in_turn: Any
 ) -> None:
     """Redis's connection cut inside the reply of a load (before it, inside a block,
     between blocks): every block of that load is reported failed, to the scheduler (a
     ``kv_load_failed`` event), the counters and the metric; the tokens are recomputed
     and equal a run without offload."""
     model = tiny_models["gemma3"]
-    baseline, _ = await _scenario(model, prompt_of, None)
+    baseline, _ = await serve_in_turn(model.path, _prompts(prompt_of), None)
     # The first run fills Redis; the second reads it through a proxy that cuts once.
-    await _scenario(model, prompt_of, OffloadConfig(tiers=[RedisTier(redis_server.url)]))
+    await serve_in_turn(
+        model.path, _prompts(prompt_of), OffloadConfig(tiers=[RedisTier(redis_server.url)])
+    )
     proxy = CutProxy(redis_server.port, cut)
     try:
         offload = OffloadConfig(tiers=[RedisTier(proxy.url, timeout_s=5.0)], save_interval=16)
         with capture_logs() as logs:
-            outputs, _ = await _scenario(model, prompt_of, offload)
+            outputs, _ = await serve_in_turn(model.path, _prompts(prompt_of), offload)
     finally:
         proxy.close()
     assert outputs == baseline

@@ -82,8 +82,11 @@ def attended(spans: Spans, p: int) -> set[int]:
     return {k for start, end in spans(p) for k in range(start, end)} | {p}
 
 
-def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged output (back on the CPU) and float64 reference of one case."""
+def run_case(
+    case: Case, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged output (back on the CPU) and float64 reference of one case; the cache and
+    queries in ``dtype``, the reference from the same values rounded to it."""
     gen = torch.Generator().manual_seed(case.seed)
     bs, hkv, d = case.block_size, case.num_kv_heads, case.head_dim
     needed = [-(-ctx // bs) for _, ctx in case.requests]
@@ -93,9 +96,9 @@ def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tenso
     tables, queries, new_k, new_v, refs = [], [], [], [], []
     for (q_len, ctx), n in zip(case.requests, needed, strict=True):
         table, pages = pages[:n], pages[n:]
-        k = torch.randn(ctx, hkv, d, generator=gen)
-        v = torch.randn(ctx, hkv, d, generator=gen)
-        q = torch.randn(q_len, case.num_q_heads, d, generator=gen)
+        k = torch.randn(ctx, hkv, d, generator=gen).to(dtype).float()
+        v = torch.randn(ctx, hkv, d, generator=gen).to(dtype).float()
+        q = torch.randn(q_len, case.num_q_heads, d, generator=gen).to(dtype).float()
         read = set().union(*(attended(case.spans, p) for p in range(ctx - q_len, ctx)))
         # A page that no query reads and no new token is written into was released.
         kept = {p // bs for p in read} | {p // bs for p in range(ctx - q_len, ctx)}
@@ -110,10 +113,10 @@ def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tenso
     meta = PagedMetadata.build(
         [q for q, _ in case.requests], [c for _, c in case.requests], tables, bs, device=device
     )
-    cache = cache.to(device)
-    write_kv(cache, torch.cat(new_k).to(device), torch.cat(new_v).to(device), meta)
+    cache = cache.to(device, dtype)
+    write_kv(cache, torch.cat(new_k).to(device, dtype), torch.cat(new_v).to(device, dtype), meta)
     out = paged_attention(
-        torch.cat(queries).to(device),
+        torch.cat(queries).to(device, dtype),
         cache,
         meta,
         scale=d**-0.5,
@@ -267,10 +270,16 @@ def test_random_sink_window_batches(
     check(case)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_mixed_batch_on_cuda() -> None:
-    """The mixed sink + window batch gives the reference on CUDA."""
-    case = Case(requests=((1, 40), (5, 5), (1, 6), (9, 26), (1, 13)))
-    out, ref = run_case(case, device="cuda")
-    torch.testing.assert_close(out, ref, atol=4e-5, rtol=4e-5)
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("policy", ["sink_window", "chunked"])
+def test_mixed_batch_on_the_device(
+    check_device: torch.device, dtype: torch.dtype, policy: str
+) -> None:
+    """The mixed batch gives the reference on the device, for StreamingLLM's sinks and a
+    window, and for Llama 4's chunks (the policies whose keys are not one window)."""
+    spans = SINK_WINDOW if policy == "sink_window" else chunked(8)
+    case = Case(requests=((1, 40), (5, 5), (1, 6), (9, 26), (1, 13)), spans=spans)
+    out, ref = run_case(case, device=str(check_device), dtype=dtype)
+    tol = 4e-5 if dtype == torch.float32 else 8e-2
+    torch.testing.assert_close(out.cpu().float(), ref.cpu().float(), atol=tol, rtol=tol)

@@ -163,3 +163,37 @@ def test_convolution_states_at_counts_are_the_inputs_before_them() -> None:
     torch.testing.assert_close(states[0], start)
     for i, count in enumerate((2, 5, 11), start=1):
         torch.testing.assert_close(states[i], causal_conv1d(x[:count], start, weight, None)[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scan_decode_and_convolution_on_the_device_match_the_cpu(
+    check_device: torch.device, dtype: torch.dtype
+) -> None:
+    """Chunked prefill from a state, then batched decodes, on the device: the CPU's
+    outputs and float32 states (bf16 inputs: within bf16's rounding of the outputs)."""
+    t = {k: v.to(dtype) if k in ("x", "b", "c") else v for k, v in inputs(3).items()}
+    state = torch.randn(H, P, N)
+
+    def run(device: torch.device) -> list[torch.Tensor]:
+        d = {k: v.to(device) for k, v in t.items()}
+        y, states = ssd_scan_states(
+            **d, ssm_state=state.to(device), chunk_size=CHUNK, counts=(5, 20)
+        )
+        x2, dt2 = d["x"][:3], d["dt"][:3]
+        step_y, step_states = ssd_decode(
+            x2, dt2, d["a"], d["b"][:3], d["c"][:3], d["d"], states[:1].expand(3, -1, -1, -1)
+        )
+        weight = torch.randn(H * P, K, generator=torch.Generator().manual_seed(1)).to(device)
+        conv, conv_state = causal_conv1d(
+            d["x"].reshape(L, -1),
+            torch.zeros(H * P, K - 1, device=device, dtype=dtype),
+            weight.to(dtype),
+            None,
+        )
+        return [y, states, step_y, step_states, conv, conv_state]
+
+    tol = TOL * 10 if dtype == torch.float32 else 3e-2
+    for got, expected in zip(run(check_device), run(torch.device("cpu")), strict=True):
+        assert got.device.type == check_device.type
+        torch.testing.assert_close(got.cpu().float(), expected.float(), atol=tol, rtol=tol)

@@ -49,3 +49,21 @@ def test_block_size_must_match_the_metadata() -> None:
     meta = PagedMetadata.build([1], [1], [[1]], 8)
     with pytest.raises(KernelInputError, match="block size"):
         write_kv(torch.zeros(4, 2, 1, 4, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), meta)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_writes_on_the_device_land_where_they_land_on_the_cpu(
+    check_device: torch.device, dtype: torch.dtype
+) -> None:
+    """The same step's writes on the device give the CPU's cache, bit for bit."""
+    meta_cpu = PagedMetadata.build([5, 1, 1], [9, 4, 17], [[3, 1, 6], [2], [7, 4, 8, 5, 9]], 4)
+    meta_dev = PagedMetadata.build(
+        [5, 1, 1], [9, 4, 17], [[3, 1, 6], [2], [7, 4, 8, 5, 9]], 4, device=check_device
+    )
+    cache = torch.randn(10, 2, 2, 4, 8).to(dtype)
+    key, value = torch.randn(7, 2, 8).to(dtype), torch.randn(7, 2, 8).to(dtype)
+    on_device = cache.to(check_device)
+    write_kv(cache, key, value, meta_cpu)
+    write_kv(on_device, key.to(check_device), value.to(check_device), meta_dev)
+    assert torch.equal(on_device.cpu(), cache)

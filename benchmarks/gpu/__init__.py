@@ -1,0 +1,1 @@
+"""``make gpu-check``: one command that says whether the GPU path works and how fast it is."""
