@@ -8,7 +8,7 @@ Memory picture (a Gemma-3-like model, plan.group_size = 2 slots, N pages per slo
 Each layer views its slot tensor as ``[N, 2, kv_heads, block_size, head_dim]``. A page id
 belongs to one group at a time, so the layers sharing a slot never collide. A state
 (Mamba2) layer views the same bytes as float32 rows, one per state page, whatever the
-model's dtype (``hybridkv.models.mamba2`` has the row's layout): where a state page spans
+model's dtype (``hybridkv.models.blocks.mamba2`` has the row's layout): where a state page spans
 ``plan.state_span`` pages, row ``r`` is the bytes of pages ``r * span .. r * span + span - 1``,
 ``[N // span, state_values]``, and page id ``p`` of a state group reads row ``p // span``
 (``StepStates`` translates).

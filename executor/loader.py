@@ -123,9 +123,7 @@ def load_checkpoint(
         names = checkpoint.weight_names()
         keep = functools.partial(holds_weight, config=config, layers=layers, names=names)
         tensors = checkpoint.load_weights(dtype, target, keep=keep)
-        model = CausalLM.from_weights(
-            config, checkpoint.architecture, tensors, target, layers=layers
-        )
+        model = CausalLM.from_weights(config, checkpoint.family, tensors, target, layers=layers)
         # Quantised whole, then cut in the stored form: each share keeps the whole
         # layer's scales, so the ranks compute what one process computes.
         quantize_linears(model, options.weights, device=target)

@@ -37,7 +37,7 @@ from hybridkv.executor.host_copy import to_host_list, to_host_tensor
 from hybridkv.executor.sampler import Sampler, position_seed
 from hybridkv.executor.verification import verify_greedy, verify_sampled
 from hybridkv.memory.state_pages import StepStates
-from hybridkv.models.mamba2 import write_verified_states
+from hybridkv.models.blocks.mamba2 import write_verified_states
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 
 

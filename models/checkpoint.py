@@ -16,31 +16,11 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from hybridkv.models.bamba import BAMBA
 from hybridkv.models.config import ModelConfig, eos_ids
-from hybridkv.models.errors import CheckpointError, ModelConfigError
-from hybridkv.models.gemma2 import GEMMA2
-from hybridkv.models.gemma3 import GEMMA3
-from hybridkv.models.granite_hybrid import GRANITE_HYBRID
+from hybridkv.models.errors import CheckpointError
+from hybridkv.models.families import Family, running_family
 from hybridkv.models.hf_config import read_config
-from hybridkv.models.llama import LLAMA
 from hybridkv.models.specs import PolicyChoices
-from hybridkv.models.transformer import Architecture
-
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA2, GEMMA3, BAMBA, GRANITE_HYBRID)
-
-
-def architecture_for(model_type: str) -> Architecture:
-    """The architecture that reads ``model_type``.
-
-    Raises:
-        ModelConfigError: no architecture reads it.
-    """
-    for arch in ARCHITECTURES:
-        if model_type in arch.model_types:
-            return arch
-    known = ", ".join(t for arch in ARCHITECTURES for t in arch.model_types)
-    raise ModelConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
 
 
 def _read_index(path: Path) -> dict[str, Any]:
@@ -60,13 +40,13 @@ class Checkpoint:
     Attributes:
         path: The folder.
         config: The parsed model config, its layer specs included.
-        architecture: The model family that reads it.
+        family: The model family that reads it.
         eos_token_ids: End tokens of config.json and generation_config.json together.
     """
 
     path: Path
     config: ModelConfig
-    architecture: Architecture
+    family: Family
     eos_token_ids: tuple[int, ...]
 
     @classmethod
@@ -98,14 +78,15 @@ class Checkpoint:
         if not config_file.is_file():
             raise CheckpointError(f"{folder} has no config.json")
         hf = read_config(config_file)
-        arch = architecture_for(str(hf.get("model_type")))
-        config = arch.parse(hf, dtype_bytes=dtype_bytes, policies=policies)
+        family = running_family(str(hf.get("model_type")))
+        assert family.parse is not None, "a family that runs parses"
+        config = family.parse(hf, dtype_bytes=dtype_bytes, policies=policies)
         eos = list(config.eos_token_ids)
         generation_file = folder / "generation_config.json"
         if generation_file.is_file():
             extra = eos_ids(read_config(generation_file).get("eos_token_id"))
             eos += [t for t in extra if t not in eos]
-        return cls(folder, config, arch, tuple(eos))
+        return cls(folder, config, family, tuple(eos))
 
     def weight_files(self) -> list[Path]:
         """The safetensors files of the checkpoint.

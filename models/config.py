@@ -1,7 +1,7 @@
 """The model config: every number that changes logits, parsed once from config.json.
 
-Each architecture file (``llama``, ``gemma2``, ``gemma3``) turns a Hugging Face config
-dict into a :class:`ModelConfig`; the shared building blocks read only this. Its layers
+Each family (``hybridkv.models.families``) turns a Hugging Face config dict into a
+:class:`ModelConfig`; the building blocks (``hybridkv.models.blocks``) read only this. Its layers
 are the specs of ``hybridkv.models.specs``, the same values the layout planner sizes the
 pool from, so a layer attends exactly what its pages keep.
 """
@@ -15,12 +15,11 @@ import attrs
 
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.hf_config import flag_field, float_field, int_field, text_config
-from hybridkv.models.rope import RopeSpec
-from hybridkv.models.specs import FULL, SLIDING, PolicyChoices, layer_specs_from_config
-from hybridkv.models.state_shapes import Mamba2Shape
+from hybridkv.models.kinds import FULL, SLIDING
+from hybridkv.models.shapes.mamba2 import Mamba2Shape
+from hybridkv.models.shapes.rope import RopeSpec
 
-__all__ = ["FULL", "SLIDING", "ModelConfig", "activation_of", "common_fields", "eos_ids"]
+__all__ = ["FULL", "SLIDING", "ModelConfig", "activation_of", "eos_ids"]
 
 
 def _runnable_layers(instance: ModelConfig, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -54,7 +53,9 @@ class ModelConfig:
             heads, head dim and cached bytes per value; a state spec for a Mamba2 layer.
         rope: Per layer kind, its rope parameters.
         tie_word_embeddings: The LM head reuses the embedding matrix.
-        attention_bias: q/k/v/o projections have biases.
+        attention_bias: The q/k/v projections have biases.
+        attention_out_bias: The output projection has a bias (by default: as q/k/v;
+            Qwen2's has none).
         mlp_bias: MLP projections have biases.
         max_position_embeddings: Longest sequence the model supports.
         eos_token_ids: End-of-sequence tokens named by config.json.
@@ -84,6 +85,9 @@ class ModelConfig:
     rope: Mapping[str, RopeSpec] = attrs.field(hash=False)
     tie_word_embeddings: bool
     attention_bias: bool
+    attention_out_bias: bool = attrs.field(
+        default=attrs.Factory(lambda self: self.attention_bias, takes_self=True)
+    )
     mlp_bias: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
@@ -154,37 +158,6 @@ def eos_ids(value: object) -> tuple[int, ...]:
             f"config field 'eos_token_id' must be a token id or a list of them, got {value!r}"
         )
     return tuple(items)
-
-
-def common_fields(
-    hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
-) -> dict[str, Any]:
-    """The fields every architecture reads the same way, the per-layer specs included.
-
-    Args:
-        hf: The config.json dict.
-        dtype_bytes: Bytes per cached K/V value, for the layer specs.
-        policies: Per layer kind, a memory policy chosen instead of the config's.
-
-    Raises:
-        ModelConfigError: a missing or malformed field, named.
-        PolicyError: a chosen policy that is not a MemoryPolicy.
-    """
-    cfg = text_config(hf)
-    layers: list[LayerSpec] = layer_specs_from_config(cfg, dtype_bytes, policies=policies)
-    return {
-        "model_type": cfg["model_type"],
-        "vocab_size": int_field(cfg, "vocab_size"),
-        "hidden_size": int_field(cfg, "hidden_size"),
-        "intermediate_size": int_field(cfg, "intermediate_size"),
-        "num_heads": int_field(cfg, "num_attention_heads"),
-        "rms_norm_eps": float_field(cfg, "rms_norm_eps", 1e-6),
-        "layers": layers,
-        "tie_word_embeddings": flag_field(cfg, "tie_word_embeddings", False),
-        "attention_bias": flag_field(cfg, "attention_bias", False),
-        "max_position_embeddings": int_field(cfg, "max_position_embeddings", 2048),
-        "eos_token_ids": eos_ids(cfg.get("eos_token_id")),
-    }
 
 
 def activation_of(name: str) -> str:

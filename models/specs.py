@@ -6,26 +6,9 @@ the KV cache manager follows their policies, and the model's attention layers at
 them (``ModelConfig.layers``). This module imports no torch, so ``hybridkv plan`` uses it
 on configs of models it never loads.
 
-Layer kinds come from ``layer_types`` when a config has it (any model type), else from
-the model type:
-
-============  ===========================================================================
-llama         every layer full attention
-mistral       every layer sliding (``sliding_window``) when set, else full
-mixtral       as mistral
-gemma2        even layers (0, 2, ...) sliding, odd layers full
-gemma3_text   every ``sliding_window_pattern``-th layer full (``_sliding_window_pattern``
-              when only that is given, default 6), the rest sliding
-gemma3        as gemma3_text, read from the nested ``text_config``
-jamba         layer i attention when ``i % attn_layer_period == attn_layer_offset``, else
-              mamba, with a state of ``d_inner * (d_conv + d_state)`` values
-bamba         layers in ``attn_layer_indices`` full attention, the rest Mamba2
-granitemoe-   ``layer_types``: ``attention``/``full_attention`` is full attention,
-hybrid        ``mamba``/``linear_attention`` Mamba2
-============  ===========================================================================
-
-A Mamba2 layer's state (float32 conv and SSM state) is sized by
-``hybridkv.models.state_shapes``.
+Layer kinds come from the model's family (``hybridkv.models.families``: ``layer_types``
+first, else the family's own pattern), or, for a ``model_type`` no family knows, from
+``layer_types`` alone. A ``mamba`` layer's state is sized by its family.
 
 A kind's policy follows from the config (``full_attention``: full, ``sliding_attention``:
 a window of ``sliding_window``, ``chunked_attention``: chunks of ``attention_chunk_size``)
@@ -42,31 +25,33 @@ import attrs
 
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.families import MODULES, family_for
 from hybridkv.models.hf_config import int_field, text_config
-from hybridkv.models.state_shapes import Mamba2Shape, mamba2_shape
+from hybridkv.models.kinds import (
+    CHUNKED,
+    FULL,
+    LAYER_TYPES,
+    MAMBA,
+    SLIDING,
+    PolicyChoices,
+    layer_types_kinds,
+    pattern_layer_types,
+)
+from hybridkv.models.shapes.mamba2 import Mamba2Shape
 from hybridkv.policies import MemoryPolicy, check_policy, make_policy
 
-FULL = "full_attention"
-SLIDING = "sliding_attention"
-CHUNKED = "chunked_attention"
-MAMBA = "mamba"
-
-#: ``layer_types`` entries we can size.
-LAYER_TYPES = (FULL, SLIDING, CHUNKED)
-
-#: Hybrid Mamba2 models whose state layers we size from ``mamba_*`` fields.
-MAMBA2_MODEL_TYPES = ("bamba", "granitemoehybrid")
-
-#: Granite 4.0-H ``layer_types`` names, by kind (transformers writes the second of each).
-_GRANITE_KINDS = {
-    "attention": FULL,
-    "full_attention": FULL,
-    "mamba": MAMBA,
-    "linear_attention": MAMBA,
-}
-
-#: A memory policy per layer kind, chosen in place of the one the config implies.
-PolicyChoices = Mapping[str, MemoryPolicy]
+__all__ = [
+    "BUILTIN_CONFIGS",
+    "CHUNKED",
+    "FULL",
+    "LAYER_TYPES",
+    "MAMBA",
+    "SLIDING",
+    "PolicyChoices",
+    "layer_specs_from_config",
+    "pattern_layer_types",
+    "tensor_rank_spec",
+]
 
 
 def tensor_rank_spec(spec: LayerSpec, size: int, mamba: Mamba2Shape | None) -> LayerSpec:
@@ -79,11 +64,6 @@ def tensor_rank_spec(spec: LayerSpec, size: int, mamba: Mamba2Shape | None) -> L
     if mamba is None:
         return spec
     return attrs.evolve(spec, state_bytes=mamba.tensor_share(size).state_bytes)
-
-
-def pattern_layer_types(num_layers: int, every: int) -> tuple[str, ...]:
-    """Layer types for configs without ``layer_types``: every ``every``-th layer is full."""
-    return tuple(FULL if (i + 1) % every == 0 else SLIDING for i in range(num_layers))
 
 
 def layer_specs_from_config(
@@ -118,54 +98,15 @@ def layer_specs_from_config(
 
 
 def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
-    model_type = cfg["model_type"]
-    if model_type == "granitemoehybrid":
-        names = [str(k) for k in cfg.get("layer_types") or ["mamba"] * num_layers]
-        return _named_kinds(names, num_layers, _GRANITE_KINDS)
-    if cfg.get("layer_types") is not None:
-        kinds = [str(k) for k in cfg["layer_types"]]
-    elif model_type in ("llama", "mistral", "mixtral"):
-        kinds = [SLIDING if cfg.get("sliding_window") else FULL] * num_layers
-    elif model_type == "gemma2":
-        kinds = list(pattern_layer_types(num_layers, 2))
-    elif model_type in ("gemma3", "gemma3_text"):
-        kinds = list(pattern_layer_types(num_layers, _gemma3_pattern(cfg)))
-    elif model_type == "jamba":
-        period = int_field(cfg, "attn_layer_period", 8)
-        offset = int_field(cfg, "attn_layer_offset", 4)
-        return [FULL if i % period == offset else MAMBA for i in range(num_layers)]
-    elif model_type == "bamba":
-        attention = set(cfg.get("attn_layer_indices") or ())
-        return [FULL if i in attention else MAMBA for i in range(num_layers)]
-    else:
+    family = family_for(cfg["model_type"])
+    if family is not None:
+        return family.layer_kinds(cfg, num_layers)
+    if cfg.get("layer_types") is None:
         raise ModelConfigError(
-            f"model_type {model_type!r} has no layer_types and is not one we know "
-            "(llama, mistral, mixtral, gemma2, gemma3, gemma3_text, jamba, bamba, "
-            "granitemoehybrid)"
+            f"model_type {cfg['model_type']!r} has no layer_types and is not one we know "
+            f"({', '.join(MODULES)})"
         )
-    return _named_kinds(kinds, num_layers, {k: k for k in LAYER_TYPES})
-
-
-def _named_kinds(names: list[str], num_layers: int, kinds: Mapping[str, str]) -> list[str]:
-    """Each layer's kind from its ``layer_types`` name, once the count and names check."""
-    if len(names) != num_layers:
-        raise ModelConfigError(
-            f"layer_types has {len(names)} entries, num_hidden_layers is {num_layers}"
-        )
-    for i, name in enumerate(names):
-        if name not in kinds:
-            raise ModelConfigError(
-                f"layer {i} has layer type {name!r}; supported: {', '.join(kinds)}"
-            )
-    return [kinds[name] for name in names]
-
-
-def _gemma3_pattern(cfg: Mapping[str, Any]) -> int:
-    # transformers reads sliding_window_pattern and writes it under both names; a file
-    # holding only the private name still means its own pattern, not the default.
-    if cfg.get("sliding_window_pattern") is not None:
-        return int_field(cfg, "sliding_window_pattern")
-    return int_field(cfg, "_sliding_window_pattern", 6)
+    return layer_types_kinds(cfg, num_layers)
 
 
 def _check_choices(policies: PolicyChoices, kinds: list[str]) -> dict[str, MemoryPolicy]:
@@ -205,13 +146,9 @@ def _spec(
     cfg: Mapping[str, Any], kind: str, layer: int, policy: MemoryPolicy, dtype_bytes: int
 ) -> LayerSpec:
     if kind == MAMBA:
-        if cfg["model_type"] in MAMBA2_MODEL_TYPES:
-            state_bytes = mamba2_shape(cfg).state_bytes  # float32 whatever the model dtype
-        else:
-            # Jamba's Mamba1 state: its conv window and SSM state, d_inner channels each.
-            d_inner = int_field(cfg, "mamba_expand", 2) * int_field(cfg, "hidden_size")
-            width = int_field(cfg, "mamba_d_conv", 4) + int_field(cfg, "mamba_d_state", 16)
-            state_bytes = d_inner * width * dtype_bytes
+        family = family_for(cfg["model_type"])
+        assert family is not None and family.state_bytes is not None, "mamba from a family"
+        state_bytes = family.state_bytes(cfg, dtype_bytes)
         return StateSpec(
             name=f"model.layers.{layer}.mamba", policy=policy, state_bytes=state_bytes, kind=kind
         )
@@ -264,6 +201,33 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "hidden_size": 4096,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
+    },
+    # Qwen3 8B: 36 full-attention layers, 8 KV heads of 128.
+    "qwen3-8b-like": {
+        "model_type": "qwen3",
+        "num_hidden_layers": 36,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+    # Qwen2.5 7B: 28 full-attention layers, 4 KV heads of 128.
+    "qwen2.5-7b-like": {
+        "model_type": "qwen2",
+        "num_hidden_layers": 28,
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+    },
+    # Mistral Small 3.2 (24B): 40 full-attention layers, 8 KV heads of 128.
+    "mistral-small-3.2-like": {
+        "model_type": "mistral",
+        "num_hidden_layers": 40,
+        "hidden_size": 5120,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "sliding_window": None,
     },
     # Jamba v0.1: 32 layers, one attention layer in 8, the rest mamba.
     "jamba-like": {

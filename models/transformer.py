@@ -1,8 +1,8 @@
 """The decoder-only causal LM shared by every architecture, over a flat token batch.
 
-An architecture contributes two things: how to read its config.json
-(:attr:`Architecture.parse`) and its decoder layer (:attr:`Architecture.layer`); the
-embedding, rope tables, final norm, LM head and logit soft-cap live here once.
+A family (``hybridkv.models.families``) contributes how to read its config.json and the
+shape of its decoder layer (``blocks/decoder.py`` builds it); the embedding, rope tables,
+final norm, LM head and logit soft-cap live here once.
 
 Flat batch: the tokens of all requests of a step are concatenated, ``[num_tokens]``;
 positions say where each sits in its own request, and the paged metadata says which
@@ -16,48 +16,23 @@ the embedding, only the last the final norm and the LM head.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Collection, Sequence
 
-import attrs
 import torch
 from torch import nn
 
 from hybridkv.kernels import PagedMetadata
 from hybridkv.memory.state_pages import StepStates
+from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
+from hybridkv.models.blocks.decoder import DecoderLayer
+from hybridkv.models.blocks.mlp import GatedMLP
+from hybridkv.models.blocks.norms import RMSNorm
+from hybridkv.models.blocks.rope import RotaryTable
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
-from hybridkv.models.layers import GatedMLP, LayerInputs, PagedAttention, RMSNorm
-from hybridkv.models.rope import RotaryTable
-from hybridkv.models.specs import PolicyChoices
+from hybridkv.models.families import Family
 from hybridkv.models.weights.quantized_linear import QuantizedLinear
 from hybridkv.models.weights.rescored_head import RescoredHead
-
-
-class ConfigParser(Protocol):
-    """config.json dict -> :class:`ModelConfig`, its layer specs at a KV dtype and choices."""
-
-    def __call__(
-        self, hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
-    ) -> ModelConfig: ...
-
-
-@attrs.frozen
-class Architecture:
-    """A supported model family.
-
-    Attributes:
-        model_types: The Hugging Face ``model_type`` values it reads.
-        parse: config.json dict -> :class:`ModelConfig` (see :class:`ConfigParser`).
-        layer: Builds decoder layer ``i`` of a config.
-        renames: Checkpoint tensor names that differ from ours (Bamba's final norm is
-            ``model.final_layernorm``), checkpoint name -> ours.
-    """
-
-    model_types: tuple[str, ...]
-    parse: ConfigParser
-    layer: Callable[[ModelConfig, int], nn.Module]
-    renames: Mapping[str, str] = attrs.field(factory=dict)
 
 
 class MissingLayer(nn.Identity):
@@ -67,14 +42,14 @@ class MissingLayer(nn.Identity):
 class _Backbone(nn.Module):
     """Embedding, layers and final norm; named ``model`` as in Hugging Face checkpoints."""
 
-    def __init__(self, config: ModelConfig, architecture: Architecture, layers: range) -> None:
+    def __init__(self, config: ModelConfig, family: Family, layers: range) -> None:
         super().__init__()
         self.embed_tokens = (
             nn.Embedding(config.vocab_size, config.hidden_size) if layers.start == 0 else None
         )
         self.layers = nn.ModuleList(
             [
-                architecture.layer(config, i) if i in layers else MissingLayer()
+                DecoderLayer(config, i, family.decoder) if i in layers else MissingLayer()
                 for i in range(config.num_layers)
             ]
         )
@@ -94,13 +69,11 @@ class CausalLM(nn.Module):
         layer_range: The layers this instance holds (all of them unless a pipeline stage).
     """
 
-    def __init__(
-        self, config: ModelConfig, architecture: Architecture, layers: range | None = None
-    ) -> None:
+    def __init__(self, config: ModelConfig, family: Family, layers: range | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_range = range(config.num_layers) if layers is None else layers
-        self.model = _Backbone(config, architecture, self.layer_range)
+        self.model = _Backbone(config, family, self.layer_range)
         self.lm_head: nn.Module | None = (
             nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.is_last else None
         )
@@ -120,7 +93,7 @@ class CausalLM(nn.Module):
     def from_weights(
         cls,
         config: ModelConfig,
-        architecture: Architecture,
+        family: Family,
         weights: dict[str, torch.Tensor],
         device: torch.device | str,
         *,
@@ -130,7 +103,7 @@ class CausalLM(nn.Module):
 
         Args:
             config: The parsed config.
-            architecture: The model family.
+            family: The model family.
             weights: The tensors this model holds (see :func:`holds_weight`).
             device: Where they are.
             layers: The layers of a pipeline stage; None for the whole model.
@@ -139,8 +112,8 @@ class CausalLM(nn.Module):
             CheckpointError: weights missing or left over.
         """
         with torch.device("meta"):
-            model = cls(config, architecture, layers)
-        renames = architecture.renames
+            model = cls(config, family, layers)
+        renames = family.renames
         weights = {renames.get(name, name): tensor for name, tensor in weights.items()}
         embed = weights.get(_EMBED)
         reuses_embed = config.tie_word_embeddings or "lm_head.weight" not in weights

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.models.mamba2 import GatedRMSNorm, Mamba2Mixer
+from hybridkv.models.blocks.mamba2 import Mamba2Mixer
+from hybridkv.models.blocks.norms import GatedRMSNorm
 from hybridkv.parallel.tensor_cuts import bias_of, columns_of, held_run, param, rows_of
 from hybridkv.parallel.tensor_group import TensorRanks
 from hybridkv.parallel.tensor_layers import SummedOverRanks, all_reduce

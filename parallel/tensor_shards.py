@@ -29,11 +29,12 @@ import attrs
 import torch
 from torch import nn
 
+from hybridkv.models.blocks.attention import PagedAttention
+from hybridkv.models.blocks.mamba2 import Mamba2Mixer
+from hybridkv.models.blocks.mlp import GatedMLP, SharedMLP
+from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ParallelConfigError
-from hybridkv.models.layers import GatedMLP, PagedAttention
-from hybridkv.models.mamba2 import Mamba2Mixer
-from hybridkv.models.moe import MixtureOfExperts, SharedMLP
 from hybridkv.models.specs import tensor_rank_spec
 from hybridkv.models.transformer import CausalLM
 from hybridkv.models.weights.quantized_linear import INT4_GROUP, QuantizedLinear

@@ -3,7 +3,8 @@ model folders for tests, made in a moment and without a download.
 
 ``save_tiny(name, folder)`` writes one of :data:`TINY_ARCHITECTURES` (every architecture
 the suite compares with transformers: Llama, Gemma 2 and 3 with windows, Mamba2 hybrids
-with and without experts); ``make gpu-check`` runs each on the GPU against the CPU.
+with and without experts, Qwen2 and Qwen3 with sliding layers, Mistral); ``make
+gpu-check`` runs each on the GPU against the CPU.
 ``save_tiny_llama(folder)`` writes a 2-layer Llama (64 wide, a vocabulary of the
 257 ids of :func:`~hybridkv.testing.byte_tokenizer`, which it saves beside it), and
 returns the folder; ``ModelExecutor.from_pretrained(folder, ...)`` and ``hybridkv serve
@@ -130,6 +131,48 @@ def _gemma3() -> Any:
     return Gemma3ForCausalLM(config)
 
 
+def _qwen2() -> Any:
+    """Qwen2 with its two last layers sliding (``max_window_layers``)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        **_COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=2,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def _qwen3() -> Any:
+    """Qwen3 with a head dim wider than hidden / heads, and its last layer sliding."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        **_COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=3,
+        tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def _mistral() -> Any:
+    """Mistral: every layer sliding."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        **_COMMON, num_hidden_layers=4, num_key_value_heads=2, sliding_window=WINDOW
+    )
+    return MistralForCausalLM(config)
+
+
 #: Mamba2 fields of the tiny hybrids: SSD chunks of 8 positions, so prefills cross them;
 #: a state of 3200 bytes, which an attention page of 16 tokens holds.
 _MAMBA2: dict[str, Any] = {
@@ -192,6 +235,9 @@ TINY_ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "bamba": _bamba,
     "granite_moe": _granite_moe,
     "granite_dense": _granite_dense,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "mistral": _mistral,
 }
 
 

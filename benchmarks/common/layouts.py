@@ -16,13 +16,13 @@ from hybridkv.memory.layout import (
     PoolSpec,
 )
 from hybridkv.memory.layout_planner import plan_layout, policy_label
+from hybridkv.models.shapes.mamba2 import mamba2_shape
 from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config
-from hybridkv.models.state_shapes import mamba2_shape
 from hybridkv.policies import FullAttention
 
 # -- models: the published config.json values -----------------------------------------
 
-#: The fields ``models/specs.py`` and ``models/state_shapes.py`` read, as published.
+#: The fields ``models/specs.py`` and ``models/shapes/mamba2.py`` read, as published.
 MODELS: dict[str, dict[str, Any]] = {
     # ibm-granite/granite-4.0-h-tiny: 40 layers, 4 attention (12 heads, 4 KV heads of
     # 128), 36 Mamba2 (48 heads x 64, d_state 128, 1 group, conv 4); MoE MLPs beside.

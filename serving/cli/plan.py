@@ -12,7 +12,7 @@ from hybridkv.serving.cli.flags.values import UsageError, dtype_bytes, load_conf
 if TYPE_CHECKING:
     from hybridkv.memory.layout import LayerSpec, LayoutPlan
     from hybridkv.memory.layout_planner import PlanReport
-    from hybridkv.models.state_shapes import Mamba2Shape
+    from hybridkv.models.shapes.mamba2 import Mamba2Shape
 
 
 def split_stages(names: Sequence[str], num_stages: int) -> list[list[str]]:
@@ -228,12 +228,13 @@ def format_context(
 
 def _mamba_shape(config: dict[str, Any]) -> Mamba2Shape | None:
     """The Mamba2 mixer's shape of a Bamba or Granite 4.0-H config, else None."""
+    from hybridkv.models.families import family_for
     from hybridkv.models.hf_config import text_config
-    from hybridkv.models.specs import MAMBA2_MODEL_TYPES
-    from hybridkv.models.state_shapes import mamba2_shape
+    from hybridkv.models.shapes.mamba2 import mamba2_shape
 
     cfg = text_config(config)
-    return mamba2_shape(cfg) if cfg.get("model_type") in MAMBA2_MODEL_TYPES else None
+    family = family_for(str(cfg.get("model_type")))
+    return mamba2_shape(cfg) if family is not None and family.mamba2 else None
 
 
 def format_tensor(

@@ -141,11 +141,11 @@ def test_bad_granite_configs_are_refused(tiny_models, fields, message) -> None:
     """A config the model cannot honour fails naming the field."""
     import json
 
-    from hybridkv.models.checkpoint import architecture_for
+    from hybridkv.models.families.granite_hybrid import parse_granite_hybrid
 
     hf = json.loads((tiny_models["granite_dense"].path / "config.json").read_text())
     with pytest.raises(ModelConfigError, match=message):
-        architecture_for("granitemoehybrid").parse({**hf, **fields})
+        parse_granite_hybrid({**hf, **fields})
 
 
 @pytest.mark.parametrize("name", ["bamba", "granite_moe"])

@@ -10,12 +10,13 @@ import torch
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
-from hybridkv.models.checkpoint import architecture_for
+from hybridkv.models.blocks.rope import inv_freq
 from hybridkv.models.config import FULL, SLIDING
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.gemma3 import parse_gemma3
-from hybridkv.models.llama import parse_llama
-from hybridkv.models.rope import RopeSpec
+from hybridkv.models.families import running_family
+from hybridkv.models.families.gemma3 import parse_gemma3
+from hybridkv.models.families.llama import parse_llama
+from hybridkv.models.shapes.rope import RopeSpec
 from hybridkv.models.specs import layer_specs_from_config
 from hybridkv.policies import FullAttention, SlidingWindow
 
@@ -56,7 +57,7 @@ def test_legacy_gemma3_rope_fields_match_transformers():
     ours = parse_gemma3(LEGACY_GEMMA3)
     for kind in (FULL, SLIDING):
         expected = _reference_inv_freq(reference, kind)
-        torch.testing.assert_close(ours.rope[kind].inv_freq(32), expected, atol=0, rtol=1e-6)
+        torch.testing.assert_close(inv_freq(ours.rope[kind], 32), expected, atol=0, rtol=1e-6)
     assert ours.rope[SLIDING].theta == 10_000.0
 
 
@@ -92,7 +93,7 @@ def test_legacy_llama3_rope_scaling_matches_transformers():
     reference = LlamaConfig(**{k: v for k, v in legacy.items() if k != "model_type"})
     ours = parse_llama(legacy).rope[FULL]
     torch.testing.assert_close(
-        ours.inv_freq(128), _reference_inv_freq(reference), atol=0, rtol=1e-6
+        inv_freq(ours, 128), _reference_inv_freq(reference), atol=0, rtol=1e-6
     )
 
 
@@ -104,7 +105,7 @@ def test_gemma3_query_scale_uses_query_pre_attn_scalar():
 def test_unknown_model_type_is_refused():
     """An architecture we do not implement is named in the error."""
     with pytest.raises(ModelConfigError, match="'mixtral'"):
-        architecture_for("mixtral")
+        running_family("mixtral")
 
 
 def test_unknown_rope_type_is_refused():

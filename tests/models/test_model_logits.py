@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-ARCHS = ["llama", "gemma2", "gemma3"]
+ARCHS = ["llama", "gemma2", "gemma3", "qwen2", "qwen3", "mistral"]
 
 
 @pytest.mark.parametrize("name", ARCHS)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.moe import MixtureOfExperts
 
 HIDDEN, INNER, EXPERTS, TOP_K = 16, 24, 6, 2
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm, apply_rotary_pos_emb
 
-from hybridkv.models.layers import RMSNorm, rms_norm
-from hybridkv.models.rope import RopeSpec, RotaryTable, apply_rope
+from hybridkv.models.blocks.norms import RMSNorm, rms_norm
+from hybridkv.models.blocks.rope import RotaryTable, apply_rope
+from hybridkv.models.shapes.rope import RopeSpec
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -52,7 +52,7 @@ def test_more_stages_than_layers_is_refused(tiny_models) -> None:
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3", "qwen2", "qwen3", "mistral"])
 def test_chained_stages_match_one_process(
     name, num_stages, tiny_models, make_driver, drive, run_scenario, check_same_outputs, chain
 ) -> None:

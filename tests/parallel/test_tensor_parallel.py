@@ -90,6 +90,9 @@ def test_two_ranks_match_one_process_bamba(
         ("llama", 2, 2, 1),
         ("bamba", 2, 2, 1),
         ("llama", 2, 1, 2),
+        ("qwen2", 2, 1, 1),
+        ("qwen3", 2, 2, 1),
+        ("mistral", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(

@@ -121,8 +121,13 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize(
+    ("name", "weights"),
+    [(n, w) for n in ("llama", "gemma3", "qwen3") for w in ("int8", "int4")]
+    # Qwen2's tiny random model agrees on 45% of greedy tokens in int4 (its biased q/k/v
+    # flatten the logits): the int4 bounds are for models whose tokens vary more.
+    + [("qwen2", "int8")],
+)
 def test_tiny_model_stays_close_to_float32(name, weights, tiny_models, make_driver, prompt_of):
     """Greedy decoding with quantised weights, prompts prefilled in one chunk (the
     expanded path) and decoded a token at a time (the kernel path): the mean KL against

@@ -1,9 +1,8 @@
-"""Granite's MLPs: the shared gated MLP and the top-k mixture of experts beside it.
+"""The top-k mixture of experts (Granite 4.0-H's, beside its shared MLP).
 
-Weight names follow Granite 4.0-H checkpoints: ``shared_mlp.input_linear`` holds gate and
-up stacked (``[2 * inner, hidden]``); ``block_sparse_moe.input_linear`` the same per
-expert (``[experts, 2 * inner, hidden]``), ``output_linear`` ``[experts, hidden, inner]``,
-and ``router.layer`` the routing logits.
+Weight names follow Granite 4.0-H checkpoints: ``block_sparse_moe.input_linear`` holds
+each expert's gate and up stacked (``[experts, 2 * inner, hidden]``), ``output_linear``
+``[experts, hidden, inner]``, and ``router.layer`` the routing logits.
 """
 
 from __future__ import annotations
@@ -15,20 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.models.errors import ModelConfigError
-
-
-class SharedMLP(nn.Module):
-    """``output(silu(gate) * up)`` with gate and up from one stacked projection."""
-
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.input_linear = nn.Linear(hidden, 2 * inner, bias=False)
-        self.output_linear = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.input_linear(x).chunk(2, dim=-1)
-        out: torch.Tensor = self.output_linear(F.silu(gate) * up)
-        return out
 
 
 class _ExpertWeights(nn.Module):

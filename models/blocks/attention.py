@@ -1,36 +1,25 @@
-"""Shared building blocks: RMSNorm, the gated MLP, and paged self-attention.
+"""Paged self-attention, and what a layer reads besides its hidden states (LayerInputs).
 
-Module and parameter names follow Hugging Face checkpoints (``q_proj``, ``input_layernorm``,
-...), so a safetensors file loads with ``load_state_dict`` and no renaming table.
-Every block works on a flat batch of tokens, ``[num_tokens, ...]``, from many requests.
+Module and parameter names follow Hugging Face checkpoints (``q_proj``, ``o_proj``, ...),
+so a safetensors file loads with ``load_state_dict`` and no renaming table. Every block
+works on a flat batch of tokens, ``[num_tokens, ...]``, from many requests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import attrs
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
 from hybridkv.memory.layout import AttentionSpec
 from hybridkv.memory.state_pages import StepStates
+from hybridkv.models.blocks.norms import RMSNorm, rms_norm
+from hybridkv.models.blocks.rope import apply_rope
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.rope import apply_rope
 from hybridkv.models.weights.fused_linear import cat_linears
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_tanh": _gelu_tanh,
-}
 
 
 class ShardedAttention(Protocol):
@@ -71,91 +60,6 @@ class LayerInputs:
     metadata: PagedMetadata | ShardedAttention | StepStates
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled by ``offset + weight``.
-
-    Gemma stores ``weight`` centred on zero (``offset=1``) and scales before casting back;
-    Llama stores it centred on one (``offset=0``) and scales after casting back.
-    """
-
-    def __init__(self, dim: int, eps: float, offset: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-        self.offset = offset
-        self._scale: tuple[torch.Tensor, int, torch.Tensor] | None = None
-
-    def scale(self) -> torch.Tensor:
-        """What normalised values are multiplied by: ``weight + offset`` in float32 where
-        the scale applies in float32 (``offset``), else ``weight``. Kept per weight: a
-        decode step runs some 100 norms, and the sum was an op of each."""
-        weight = self.weight
-        if not self.offset:
-            return weight
-        kept = self._scale
-        if kept is None or kept[0] is not weight or kept[1] != weight.data_ptr():
-            kept = (weight, weight.data_ptr(), weight.detach().float() + self.offset)
-            self._scale = kept
-        return kept[2]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.scale(), self.eps, scale_first=bool(self.offset))
-
-
-def rms_norm(
-    x: torch.Tensor, scale: torch.Tensor, eps: float, *, scale_first: bool
-) -> torch.Tensor:
-    """``x`` normalised over its last dimension in float32, times ``scale`` (broadcast on
-    the last dimensions of ``x``), cast back to ``x``'s dtype after the product where
-    ``scale_first`` (Gemma), before it otherwise (Llama)."""
-    dim = (x.shape[-1],)
-    is_float = x.dtype == torch.float32
-    if is_float or scale_first:
-        # One fused float32 kernel where the scale is the last dimension's (fewer ops
-        # than the unfused form, in float32 and bfloat16).
-        fused = scale.shape == dim
-        normed = F.rms_norm(x if is_float else x.float(), dim, scale if fused else None, eps)
-        normed = normed if fused else normed * scale
-        return normed if is_float else normed.to(x.dtype)
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return scale * normed.to(x.dtype)
-
-
-class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with SiLU (Llama) or tanh-approximated GELU (Gemma).
-
-    Loaded as ``gate_proj`` and ``up_proj``; :meth:`fuse` joins them into ``gate_up_proj``.
-    """
-
-    def __init__(self, config: ModelConfig, *, bias: bool) -> None:
-        super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias)
-        self.gate_up_proj: nn.Module | None = None
-        self.act = _ACTIVATIONS[config.activation]
-
-    def fuse(self) -> bool:
-        """Join gate and up into one product (``models/weights/fused_linear.py``); False where
-        their storage differs and they stay apart."""
-        joined = cat_linears([self.gate_proj, self.up_proj])
-        if joined is None:
-            return False
-        del self.gate_proj, self.up_proj
-        self.gate_up_proj = joined
-        return True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out: torch.Tensor = self.down_proj(self.act(gate).mul_(up))
-        return out
-
-
 class PagedAttention(nn.Module):
     """Self-attention whose keys and values live in a paged KV cache.
 
@@ -178,7 +82,7 @@ class PagedAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
-        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_out_bias)
         self.qkv_proj: nn.Module | None = None
         # The joined projection's output: q and k heads side by side, then v.
         self._qk_v_widths = (q_width + kv_width, kv_width)

@@ -12,11 +12,12 @@ from typing import Any
 
 from hybridkv.models.config import FULL, SLIDING, ModelConfig
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.gemma2 import GemmaDecoderLayer, gemma_fields
-from hybridkv.models.hf_config import optional_float_field
-from hybridkv.models.rope import RopeSpec
-from hybridkv.models.specs import PolicyChoices
-from hybridkv.models.transformer import Architecture
+from hybridkv.models.families import Family
+from hybridkv.models.families.gemma2 import gemma_fields
+from hybridkv.models.hf_config import int_field, optional_float_field
+from hybridkv.models.kinds import PolicyChoices, kinds_by, pattern_layer_types
+from hybridkv.models.shapes.decoder import SANDWICH
+from hybridkv.models.shapes.rope import RopeSpec
 
 
 def gemma3_rope(hf: Mapping[str, Any]) -> dict[str, RopeSpec]:
@@ -53,4 +54,22 @@ def parse_gemma3(
     )
 
 
-GEMMA3 = Architecture(model_types=("gemma3_text",), parse=parse_gemma3, layer=GemmaDecoderLayer)
+def _pattern(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
+    """Every ``sliding_window_pattern``-th layer full, the rest sliding. transformers reads
+    ``sliding_window_pattern`` and writes it under both names; a file holding only the
+    private name still means its own pattern, not the default (6)."""
+    if cfg.get("sliding_window_pattern") is not None:
+        every = int_field(cfg, "sliding_window_pattern")
+    else:
+        every = int_field(cfg, "_sliding_window_pattern", 6)
+    return list(pattern_layer_types(num_layers, every))
+
+
+FAMILY = Family(
+    model_types=("gemma3_text",),
+    layer_kinds=kinds_by(_pattern),
+    parse=parse_gemma3,
+    decoder=SANDWICH,
+    # The multimodal config (its text model nested in ``text_config``) is sized, not run.
+    sized_types=("gemma3",),
+)

@@ -11,18 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from hybridkv.models.bamba import Mixers
-from hybridkv.models.config import FULL, ModelConfig, activation_of, common_fields
+from hybridkv.models.config import FULL, ModelConfig, activation_of
 from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.families import Family
+from hybridkv.models.families.common import common_fields
 from hybridkv.models.hf_config import float_field, int_field, text_config
-from hybridkv.models.layers import LayerInputs, RMSNorm
-from hybridkv.models.moe import MixtureOfExperts, SharedMLP
-from hybridkv.models.rope import RopeSpec, rope_from_hf
-from hybridkv.models.specs import PolicyChoices
-from hybridkv.models.state_shapes import mamba2_shape
-from hybridkv.models.transformer import Architecture
+from hybridkv.models.kinds import MAMBA, PolicyChoices, kinds_by
+from hybridkv.models.shapes.decoder import DecoderShape
+from hybridkv.models.shapes.mamba2 import mamba2_shape, mamba2_state_bytes
+from hybridkv.models.shapes.rope import RopeSpec, rope_from_hf
 
 
 def parse_granite_hybrid(
@@ -64,40 +61,14 @@ def parse_granite_hybrid(
     )
 
 
-class GraniteHybridDecoderLayer(Mixers):
-    """Pre-norm mixer, then the shared MLP (and the experts, when the model has them),
-    each branch scaled by the residual multiplier."""
+#: Granite 4.0-H ``layer_types`` names, by kind (transformers writes the second of each).
+_KINDS = {"attention": FULL, "full_attention": FULL, "mamba": MAMBA, "linear_attention": MAMBA}
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__(config, layer)
-        eps, hidden = config.rms_norm_eps, config.hidden_size
-        self.input_layernorm = RMSNorm(hidden, eps, config.norm_offset)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, config.norm_offset)
-        self.shared_mlp = SharedMLP(hidden, config.intermediate_size)
-        self.block_sparse_moe = (
-            MixtureOfExperts(
-                hidden,
-                config.expert_intermediate_size,
-                config.num_experts,
-                config.num_experts_per_token,
-            )
-            if config.num_experts
-            else None
-        )
-        self.residual_multiplier = config.residual_multiplier
-
-    def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        scale = self.residual_multiplier
-        hidden = hidden + self.mix(self.input_layernorm(hidden), inputs) * scale
-        normed = self.post_attention_layernorm(hidden)
-        out: torch.Tensor = self.shared_mlp(normed)
-        if self.block_sparse_moe is not None:
-            out = self.block_sparse_moe(normed) + out
-        return hidden + out * scale
-
-
-GRANITE_HYBRID = Architecture(
+FAMILY = Family(
     model_types=("granitemoehybrid",),
+    layer_kinds=kinds_by(lambda cfg, n: [MAMBA] * n, _KINDS),
     parse=parse_granite_hybrid,
-    layer=GraniteHybridDecoderLayer,
+    decoder=DecoderShape(mlp="shared_and_experts"),
+    state_bytes=mamba2_state_bytes,
+    mamba2=True,
 )

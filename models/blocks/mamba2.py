@@ -27,24 +27,9 @@ from hybridkv.kernels.ssm import (
     ssd_scan_states,
 )
 from hybridkv.memory.state_pages import StateAccess, StepStates, verified_writes
-from hybridkv.models.layers import LayerInputs
-from hybridkv.models.state_shapes import Mamba2Shape
-
-
-class GatedRMSNorm(nn.Module):
-    """RMSNorm of ``x * silu(gate)`` over groups of channels, in float32 (Mamba2's norm)."""
-
-    def __init__(self, dim: int, group_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.group_size = group_size
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float() * F.silu(gate.float())
-        grouped = h.view(*h.shape[:-1], -1, self.group_size)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.view(h.shape).to(x.dtype)
+from hybridkv.models.blocks.attention import LayerInputs
+from hybridkv.models.blocks.norms import GatedRMSNorm
+from hybridkv.models.shapes.mamba2 import Mamba2Shape
 
 
 class Mamba2Mixer(nn.Module):

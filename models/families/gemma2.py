@@ -1,4 +1,4 @@
-"""Gemma 2: sandwich norms, GELU-tanh, alternating sliding/full layers, soft-capping."""
+"""Gemma 2: sandwich norms, GELU-tanh, alternating sliding and full layers, soft-capping."""
 
 from __future__ import annotations
 
@@ -6,15 +6,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-from torch import nn
-
-from hybridkv.models.config import ModelConfig, activation_of, common_fields
+from hybridkv.models.config import ModelConfig, activation_of
+from hybridkv.models.families import Family
+from hybridkv.models.families.common import common_fields
 from hybridkv.models.hf_config import flag_field, float_field, optional_float_field
-from hybridkv.models.layers import GatedMLP, LayerInputs, PagedAttention, RMSNorm
-from hybridkv.models.rope import rope_from_hf
-from hybridkv.models.specs import FULL, SLIDING, PolicyChoices
-from hybridkv.models.transformer import Architecture
+from hybridkv.models.kinds import FULL, SLIDING, PolicyChoices, kinds_by, pattern_layer_types
+from hybridkv.models.shapes.decoder import SANDWICH
+from hybridkv.models.shapes.rope import rope_from_hf
 
 
 def gemma_activation(hf: Mapping[str, Any]) -> str:
@@ -55,28 +53,10 @@ def parse_gemma2(
     )
 
 
-class GemmaDecoderLayer(nn.Module):
-    """Sandwich norms: each sublayer's input and output are normalised.
-
-    ``h = x + post_attn(attn(pre_attn(x))); out = h + post_ff(mlp(pre_ff(h)))``.
-    """
-
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        size, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
-        self.input_layernorm = RMSNorm(size, eps, offset)
-        self.self_attn = PagedAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(size, eps, offset)
-        self.pre_feedforward_layernorm = RMSNorm(size, eps, offset)
-        self.mlp = GatedMLP(config, bias=False)
-        self.post_feedforward_layernorm = RMSNorm(size, eps, offset)
-
-    def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), inputs)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        normed: torch.Tensor = self.post_feedforward_layernorm(mlp)
-        return hidden + normed
-
-
-GEMMA2 = Architecture(model_types=("gemma2",), parse=parse_gemma2, layer=GemmaDecoderLayer)
+FAMILY = Family(
+    model_types=("gemma2",),
+    # Even layers (0, 2, ...) slide, odd ones are full.
+    layer_kinds=kinds_by(lambda cfg, n: list(pattern_layer_types(n, 2))),
+    parse=parse_gemma2,
+    decoder=SANDWICH,
+)

@@ -1,0 +1,84 @@
+"""The one decoder layer every family builds, from its config and its ``DecoderShape``.
+
+The parts are registered under the names the family's checkpoint gives them, so weights
+load with ``load_state_dict`` and no renaming; the mixer is the layer's spec's: paged
+attention (``self_attn``) for an attention spec, Mamba2 (``mamba``) for a state spec.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.memory.layout import StateSpec
+from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
+from hybridkv.models.blocks.mamba2 import Mamba2Mixer
+from hybridkv.models.blocks.mlp import GatedMLP, SharedMLP
+from hybridkv.models.blocks.moe import MixtureOfExperts
+from hybridkv.models.blocks.norms import RMSNorm
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.shapes.decoder import DecoderShape
+
+
+class DecoderLayer(nn.Module):
+    """One layer: a norm, the mixer, the residual add; a norm, the MLP, the residual add
+    (``models/shapes/decoder.py`` has the formulas)."""
+
+    def __init__(self, config: ModelConfig, layer: int, shape: DecoderShape) -> None:
+        super().__init__()
+        size, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        self._names = shape
+        norms = [shape.mixer_norm, shape.mlp_norm, shape.post_mixer_norm, shape.post_mlp_norm]
+        for name in norms:
+            if name is not None:
+                self.add_module(name, RMSNorm(size, eps, offset))
+        self.mamba: Mamba2Mixer | None = None
+        self.self_attn: PagedAttention | None = None
+        if isinstance(config.layers[layer], StateSpec):
+            assert config.mamba is not None, "a state layer without a Mamba2 shape"
+            self.mamba = Mamba2Mixer(config.mamba, eps)
+        else:
+            self.self_attn = PagedAttention(config, layer)
+        if shape.mlp == "gated":
+            self.add_module(shape.mlp_name, GatedMLP(config, bias=config.mlp_bias))
+        else:
+            self.shared_mlp = SharedMLP(size, config.intermediate_size)
+            self.block_sparse_moe = (
+                MixtureOfExperts(
+                    size,
+                    config.expert_intermediate_size,
+                    config.num_experts,
+                    config.num_experts_per_token,
+                )
+                if config.num_experts
+                else None
+            )
+        self.residual_multiplier = config.residual_multiplier
+
+    def mix(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """Run whichever mixer the layer has."""
+        mixer = self.mamba if self.mamba is not None else self.self_attn
+        assert mixer is not None
+        out: torch.Tensor = mixer(hidden, inputs)
+        return out
+
+    def _mlp(self, normed: torch.Tensor) -> torch.Tensor:
+        """The MLP (Granite's: the experts' output plus the shared MLP's)."""
+        if self._names.mlp == "gated":
+            out: torch.Tensor = getattr(self, self._names.mlp_name)(normed)
+            return out
+        out = self.shared_mlp(normed)
+        if self.block_sparse_moe is not None:
+            out = self.block_sparse_moe(normed) + out
+        return out
+
+    def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        names, scale = self._names, self.residual_multiplier
+        mixed = self.mix(getattr(self, names.mixer_norm)(hidden), inputs)
+        if names.post_mixer_norm is not None:
+            mixed = getattr(self, names.post_mixer_norm)(mixed)
+        hidden = hidden + (mixed * scale if scale != 1.0 else mixed)
+        out = self._mlp(getattr(self, names.mlp_norm)(hidden))
+        if names.post_mlp_norm is not None:
+            out = getattr(self, names.post_mlp_norm)(out)
+        return hidden + (out * scale if scale != 1.0 else out)

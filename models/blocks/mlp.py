@@ -1,0 +1,72 @@
+"""MLPs: the gated MLP (SwiGLU, GeGLU) with separate or joined gate and up projections,
+and Granite's shared MLP (gate and up stacked in one checkpoint tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.weights.fused_linear import cat_linears
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": _gelu_tanh,
+}
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with SiLU (Llama) or tanh-approximated GELU (Gemma).
+
+    Loaded as ``gate_proj`` and ``up_proj``; :meth:`fuse` joins them into ``gate_up_proj``.
+    """
+
+    def __init__(self, config: ModelConfig, *, bias: bool) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_up_proj: nn.Module | None = None
+        self.act = _ACTIVATIONS[config.activation]
+
+    def fuse(self) -> bool:
+        """Join gate and up into one product (``models/weights/fused_linear.py``); False where
+        their storage differs and they stay apart."""
+        joined = cat_linears([self.gate_proj, self.up_proj])
+        if joined is None:
+            return False
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = joined
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        out: torch.Tensor = self.down_proj(self.act(gate).mul_(up))
+        return out
+
+
+class SharedMLP(nn.Module):
+    """``output(silu(gate) * up)`` with gate and up from one stacked projection."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(hidden, 2 * inner, bias=False)
+        self.output_linear = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.input_linear(x).chunk(2, dim=-1)
+        out: torch.Tensor = self.output_linear(F.silu(gate) * up)
+        return out

@@ -1,0 +1,78 @@
+"""Norms: RMSNorm (Llama's and Gemma's conventions) and Mamba2's gated RMSNorm.
+
+Parameter names follow Hugging Face checkpoints (``weight``); every norm works on a flat
+batch of tokens, ``[num_tokens, ...]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled by ``offset + weight``.
+
+    Gemma stores ``weight`` centred on zero (``offset=1``) and scales before casting back;
+    Llama stores it centred on one (``offset=0``) and scales after casting back.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.offset = offset
+        self._scale: tuple[torch.Tensor, int, torch.Tensor] | None = None
+
+    def scale(self) -> torch.Tensor:
+        """What normalised values are multiplied by: ``weight + offset`` in float32 where
+        the scale applies in float32 (``offset``), else ``weight``. Kept per weight: a
+        decode step runs some 100 norms, and the sum was an op of each."""
+        weight = self.weight
+        if not self.offset:
+            return weight
+        kept = self._scale
+        if kept is None or kept[0] is not weight or kept[1] != weight.data_ptr():
+            kept = (weight, weight.data_ptr(), weight.detach().float() + self.offset)
+            self._scale = kept
+        return kept[2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.scale(), self.eps, scale_first=bool(self.offset))
+
+
+def rms_norm(
+    x: torch.Tensor, scale: torch.Tensor, eps: float, *, scale_first: bool
+) -> torch.Tensor:
+    """``x`` normalised over its last dimension in float32, times ``scale`` (broadcast on
+    the last dimensions of ``x``), cast back to ``x``'s dtype after the product where
+    ``scale_first`` (Gemma), before it otherwise (Llama)."""
+    dim = (x.shape[-1],)
+    is_float = x.dtype == torch.float32
+    if is_float or scale_first:
+        # One fused float32 kernel where the scale is the last dimension's (fewer ops
+        # than the unfused form, in float32 and bfloat16).
+        fused = scale.shape == dim
+        normed = F.rms_norm(x if is_float else x.float(), dim, scale if fused else None, eps)
+        normed = normed if fused else normed * scale
+        return normed if is_float else normed.to(x.dtype)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return scale * normed.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of ``x * silu(gate)`` over groups of channels, in float32 (Mamba2's norm)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * F.silu(gate.float())
+        grouped = h.view(*h.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(h.shape).to(x.dtype)

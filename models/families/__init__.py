@@ -1,0 +1,102 @@
+"""The model families: one module each, found by ``model_type`` (``ls models/families`` is
+the list of what loads).
+
+A family reads its config.json vocabulary into a :class:`ModelConfig` and says which
+kind each layer is; it builds no module and names no memory policy: the layers' memory
+specs follow from their kinds (``models/specs.py``) and every family's decoder is the one
+``blocks/decoder.py`` builds from the family's :class:`DecoderShape`. Family modules are
+torch-free (``hybridkv plan`` sizes models it never loads) and imported on first use.
+
+A family without ``parse`` is sized by ``hybridkv plan`` but does not run here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import attrs
+
+from hybridkv.models.config import ModelConfig
+from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.kinds import PolicyChoices
+from hybridkv.models.shapes.decoder import PRE_NORM, DecoderShape
+
+#: ``model_type`` -> the module here that reads it.
+MODULES = {
+    "llama": "llama",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "bamba": "bamba",
+    "granitemoehybrid": "granite_hybrid",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "jamba": "jamba",
+    "mixtral": "mistral",
+}
+
+
+class ConfigParser(Protocol):
+    """config.json dict -> :class:`ModelConfig`, its layer specs at a KV dtype and choices."""
+
+    def __call__(
+        self, hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
+    ) -> ModelConfig: ...
+
+
+@attrs.frozen(kw_only=True)
+class Family:
+    """A model family.
+
+    Attributes:
+        model_types: The ``model_type`` values it runs.
+        layer_kinds: ``(config, num_layers)`` -> each layer's kind (``full_attention``,
+            ``sliding_attention``, ``chunked_attention``, ``mamba``), ``layer_types`` first.
+        parse: config.json dict -> :class:`ModelConfig`; None where it does not run.
+        decoder: How its decoder layer is put together.
+        renames: Checkpoint tensor names that differ from ours, checkpoint name -> ours.
+        state_bytes: ``(config, dtype_bytes)`` -> bytes of one ``mamba`` layer's state.
+        mamba2: Its state layers are Mamba2 (tensor parallelism splits their heads).
+        sized_types: Further ``model_type`` values it sizes but does not run.
+    """
+
+    model_types: tuple[str, ...]
+    layer_kinds: Callable[[Mapping[str, Any], int], list[str]]
+    parse: ConfigParser | None = None
+    decoder: DecoderShape = PRE_NORM
+    renames: Mapping[str, str] = attrs.field(factory=dict)
+    state_bytes: Callable[[Mapping[str, Any], int], int] | None = None
+    mamba2: bool = False
+    sized_types: tuple[str, ...] = ()
+
+
+def family_for(model_type: str) -> Family | None:
+    """The family that runs or sizes ``model_type``, or None."""
+    module = MODULES.get(model_type)
+    return None if module is None else _module_family(module)
+
+
+def running_family(model_type: str) -> Family:
+    """The family that runs ``model_type``.
+
+    Raises:
+        ModelConfigError: none does, naming the types that run.
+    """
+    family = family_for(model_type)
+    if family is None or model_type not in family.model_types:
+        known = ", ".join(runnable_model_types())
+        raise ModelConfigError(f"model_type {model_type!r} is not supported; supported: {known}")
+    return family
+
+
+def runnable_model_types() -> list[str]:
+    """Every ``model_type`` a family runs."""
+    return [t for t in MODULES if t in _module_family(MODULES[t]).model_types]
+
+
+def _module_family(module: str) -> Family:
+    family: Family = importlib.import_module(f"{__name__}.{module}").FAMILY
+    return family

@@ -1,0 +1,15 @@
+"""Mistral: Llama's layers, every one sliding (``sliding_window``) when the config sets a
+window, else all full. Mixtral (the same with experts) is sized, not run."""
+
+from __future__ import annotations
+
+from hybridkv.models.families import Family
+from hybridkv.models.families.llama import parse_llama
+from hybridkv.models.kinds import FULL, SLIDING, kinds_by
+
+FAMILY = Family(
+    model_types=("mistral",),
+    sized_types=("mixtral",),
+    layer_kinds=kinds_by(lambda cfg, n: [SLIDING if cfg.get("sliding_window") else FULL] * n),
+    parse=parse_llama,
+)

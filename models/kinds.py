@@ -1,0 +1,75 @@
+"""Layer kinds: the names a layer's attention or state goes by, and how a family reads
+each layer's kind from its config (torch-free).
+
+=====================  =========================================================
+``full_attention``     every earlier position
+``sliding_attention``  a window of ``sliding_window`` positions
+``chunked_attention``  the positions of its chunk (``attention_chunk_size``)
+``mamba``              a recurrent state instead of K/V
+=====================  =========================================================
+
+A config's ``layer_types`` names them where it has it; a family's own pattern otherwise
+(``kinds_by``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hybridkv.models.errors import ModelConfigError
+from hybridkv.policies import MemoryPolicy
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+CHUNKED = "chunked_attention"
+MAMBA = "mamba"
+
+#: ``layer_types`` entries we can size.
+LAYER_TYPES = (FULL, SLIDING, CHUNKED)
+
+#: A memory policy per layer kind, chosen in place of the one the config implies.
+PolicyChoices = Mapping[str, MemoryPolicy]
+
+
+def pattern_layer_types(num_layers: int, every: int) -> tuple[str, ...]:
+    """Layer types for configs without ``layer_types``: every ``every``-th layer is full."""
+    return tuple(FULL if (i + 1) % every == 0 else SLIDING for i in range(num_layers))
+
+
+def layer_types_kinds(
+    cfg: Mapping[str, Any], num_layers: int, names: Mapping[str, str] | None = None
+) -> list[str]:
+    """Each layer's kind from ``layer_types``, its names mapped by ``names`` (by default
+    the attention kinds under their own names)."""
+    kinds = names if names is not None else {k: k for k in LAYER_TYPES}
+    return named_kinds([str(k) for k in cfg["layer_types"]], num_layers, kinds)
+
+
+def kinds_by(
+    pattern: Callable[[Mapping[str, Any], int], list[str]],
+    names: Mapping[str, str] | None = None,
+) -> Callable[[Mapping[str, Any], int], list[str]]:
+    """A family's layer kinds: from ``layer_types`` (its names mapped by ``names``) where
+    the config has them, else ``pattern(config, num_layers)``."""
+
+    def kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
+        if cfg.get("layer_types") is not None:
+            return layer_types_kinds(cfg, num_layers, names)
+        return pattern(cfg, num_layers)
+
+    return kinds
+
+
+def named_kinds(names: list[str], num_layers: int, kinds: Mapping[str, str]) -> list[str]:
+    """Each layer's kind from its ``layer_types`` name, once the count and names check."""
+    if len(names) != num_layers:
+        raise ModelConfigError(
+            f"layer_types has {len(names)} entries, num_hidden_layers is {num_layers}"
+        )
+    for i, name in enumerate(names):
+        if name not in kinds:
+            raise ModelConfigError(
+                f"layer {i} has layer type {name!r}; supported: {', '.join(kinds)}"
+            )
+    return [kinds[name] for name in names]

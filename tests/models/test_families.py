@@ -1,0 +1,63 @@
+"""The family registry: every module of models/families is found by its model_type, reads
+configs without torch, and refuses what it cannot run by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridkv.models.checkpoint import Checkpoint
+from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.families import MODULES, family_for, runnable_model_types
+
+FAMILIES = Path(__file__).resolve().parents[2] / "models" / "families"
+
+
+def test_every_family_module_is_registered_under_its_model_types() -> None:
+    """``ls models/families`` and the registry agree, both ways."""
+    modules = {p.stem for p in FAMILIES.glob("*.py")} - {"__init__", "common"}
+    assert set(MODULES.values()) == modules
+    for model_type, module in MODULES.items():
+        family = family_for(model_type)
+        assert family is not None
+        assert model_type in family.model_types + family.sized_types, module
+
+
+def test_families_read_configs_without_torch() -> None:
+    """``hybridkv plan`` sizes every family without loading torch."""
+    code = (
+        "import sys\n"
+        "from hybridkv.models.families import MODULES, family_for\n"
+        "[family_for(t) for t in MODULES]\n"
+        "from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config\n"
+        "[layer_specs_from_config(c) for c in BUILTIN_CONFIGS.values()]\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def _folder_of(tiny_models: Any, name: str, tmp_path: Path, **fields: Any) -> Path:
+    """A copy of the tiny checkpoint with config fields changed."""
+    folder = tmp_path / name
+    shutil.copytree(tiny_models[name].path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    return folder
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "mixtral", "gemma3", "qwen3_moe"])
+def test_a_type_that_does_not_run_is_refused_naming_what_runs(
+    model_type: str, tiny_models: Any, tmp_path: Path
+) -> None:
+    folder = _folder_of(tiny_models, "llama", tmp_path, model_type=model_type)
+    with pytest.raises(ModelConfigError, match=f"model_type '{model_type}' is not supported"):
+        Checkpoint.open(folder)
+    assert runnable_model_types()[:2] == ["llama", "gemma2"]
+    assert "qwen3" in runnable_model_types() and "jamba" not in runnable_model_types()

@@ -1,0 +1,52 @@
+"""Each family added since the first five, from the command line: ``hybridkv generate``
+in-process, and ``hybridkv serve`` in its own process."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_process import Server
+
+from hybridkv.serving.cli.main import main
+from hybridkv.testing import byte_tokenizer
+
+pytestmark = pytest.mark.usefixtures("command_isolation")
+
+NEW = ["qwen2", "qwen3", "mistral"]
+
+
+def _folder_of(tiny_models: Any, name: str, tmp_path: Path) -> Path:
+    """A copy of the tiny checkpoint with the byte tokenizer (its ASCII ids are in the
+    tiny vocabulary)."""
+    folder = tmp_path / name
+    shutil.copytree(tiny_models[name].path, folder)
+    byte_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_generate_runs_each_new_family(
+    name: str, tiny_models: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _folder_of(tiny_models, name, tmp_path)
+    code = main(["generate", str(folder), "a prompt longer than the window", "--max-tokens",
+                 "5", "--ignore-eos", "--kv-memory", "1MiB", "--block-size", "4"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert "5 generated (length)" in capsys.readouterr().err
+
+
+def test_serve_answers_with_a_new_family(tiny_models: Any, tmp_path: Path) -> None:
+    """``hybridkv serve`` in its own process on Qwen3 answers a completion."""
+    import httpx
+
+    folder = _folder_of(tiny_models, "qwen3", tmp_path)
+    server = Server(["serve", str(folder), "--port", "0", "--kv-memory", "1MiB"])
+    try:
+        body = {"model": "qwen3", "prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+        assert answer.get("usage", {}).get("completion_tokens") == 4, answer
+    finally:
+        server.stop()
