@@ -9,7 +9,7 @@ pool from, so a layer attends exactly what its pages keep.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -44,7 +44,11 @@ class ModelConfig:
         rms_norm_eps: Epsilon of every RMSNorm.
         norm_offset: RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1, Llama: 0).
         activation: ``silu`` or ``gelu_tanh``, applied to the MLP's gate.
-        qk_norm: RMSNorm over the head dim of q and k before rope (Gemma 3).
+        qk_norm: RMSNorm of q and k before rope (Gemma 3, Qwen3, OLMo).
+        qk_norm_width: Over each head (``head``: Gemma 3, Qwen3) or over the whole
+            projection, every head together (``projection``: OLMo 2/3).
+        norm_scale_first: RMSNorm multiplies by its weight in float32, then casts back
+            (Gemma, OLMo), rather than after (Llama); None: where ``norm_offset`` is set.
         embed_scale: Multiply embeddings by this, cast to the model dtype, or None.
         query_scale: Attention score scale (``query_pre_attn_scalar ** -0.5`` for Gemma).
         attn_softcap: Soft-cap of attention scores, or None.
@@ -60,6 +64,7 @@ class ModelConfig:
         max_position_embeddings: Longest sequence the model supports.
         eos_token_ids: End-of-sequence tokens named by config.json.
         mamba: The Mamba2 mixer's shape, for models with state layers; else None.
+        nope_layers: The attention layers that do not rotate q and k (NoPE: SmolLM3).
         residual_multiplier: Each block's output is scaled by it before the residual add
             (Granite).
         logits_scaling: Logits are divided by it (Granite).
@@ -92,6 +97,9 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     mamba: Mamba2Shape | None = None
+    qk_norm_width: Literal["head", "projection"] = "head"
+    norm_scale_first: bool | None = None
+    nope_layers: frozenset[int] = frozenset()
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     num_experts: int = 0

@@ -229,6 +229,34 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "sliding_window": None,
     },
+    # SmolLM3 3B: 36 full-attention layers (every 4th without rope), 4 KV heads of 128.
+    "smollm3-3b-like": {
+        "model_type": "smollm3",
+        "num_hidden_layers": 36,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
+    # OLMo 3 7B: 32 layers, 3 sliding (window 4096) to 1 full, 32 KV heads of 128.
+    "olmo3-7b-like": {
+        "model_type": "olmo3",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "sliding_window": 4096,
+    },
+    # EXAONE 4.0 32B: 64 layers, LLLG (3 sliding of 4096 to 1 full), 8 KV heads of 128.
+    "exaone4-32b-like": {
+        "model_type": "exaone4",
+        "num_hidden_layers": 64,
+        "hidden_size": 5120,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "sliding_window": 4096,
+        "sliding_window_pattern": "LLLG",
+    },
     # Jamba v0.1: 32 layers, one attention layer in 8, the rest mamba.
     "jamba-like": {
         "model_type": "jamba",

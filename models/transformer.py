@@ -26,7 +26,7 @@ from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.decoder import DecoderLayer
 from hybridkv.models.blocks.mlp import GatedMLP
-from hybridkv.models.blocks.norms import RMSNorm
+from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.blocks.rope import RotaryTable
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
@@ -54,11 +54,7 @@ class _Backbone(nn.Module):
             ]
         )
         is_last = layers.stop == config.num_layers
-        self.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
-            if is_last
-            else None
-        )
+        self.norm = config_norm(config, config.hidden_size) if is_last else None
 
 
 class CausalLM(nn.Module):
@@ -210,8 +206,9 @@ class CausalLM(nn.Module):
         }
         no_rope = (hidden.new_empty(0), hidden.new_empty(0))
         kinds = self.config.layer_types  # a property that builds the tuple: read it once
+        nope = self.config.nope_layers
         for i, (kv_cache, metadata) in zip(self.layer_range, caches, strict=True):
-            cos, sin = tables.get(kinds[i], no_rope)
+            cos, sin = no_rope if i in nope else tables.get(kinds[i], no_rope)
             hidden = self.model.layers[i](hidden, LayerInputs(cos, sin, kv_cache, metadata))
         return hidden
 

@@ -60,6 +60,12 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
     """
     if size == 1:
         return
+    if config.qk_norm and config.qk_norm_width == "projection":
+        raise ParallelConfigError(
+            f"tensor_parallel_size={size}: {config.model_type}'s attention layers normalise "
+            "q and k over every head together (qk_norm over the whole projection), which "
+            "ranks holding a share of the heads cannot compute apart"
+        )
     if weights == "int4":
         _check_int4_groups(config, size)
     values = [

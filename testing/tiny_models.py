@@ -3,7 +3,8 @@ model folders for tests, made in a moment and without a download.
 
 ``save_tiny(name, folder)`` writes one of :data:`TINY_ARCHITECTURES` (every architecture
 the suite compares with transformers: Llama, Gemma 2 and 3 with windows, Mamba2 hybrids
-with and without experts, Qwen2 and Qwen3 with sliding layers, Mistral); ``make
+with and without experts, Qwen2 and Qwen3 with sliding layers, Mistral, SmolLM3 with NoPE
+layers, Seed-OSS with biases, OLMo 3 and EXAONE 4 with post-norm layers); ``make
 gpu-check`` runs each on the GPU against the CPU.
 ``save_tiny_llama(folder)`` writes a 2-layer Llama (64 wide, a vocabulary of the
 257 ids of :func:`~hybridkv.testing.byte_tokenizer`, which it saves beside it), and
@@ -76,6 +77,19 @@ _LLAMA_ROPE: dict[str, Any] = {
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16,
     },
+}
+#: Special tokens past the tiny vocabulary (SmolLM3's defaults) would not embed.
+_NO_SPECIAL_TOKENS: dict[str, Any] = {
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+#: OLMo 3's rope nested by layer kind, a base of its own for each.
+_OLMO3_ROPE: dict[str, Any] = {
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5_000.0},
+    }
 }
 _GEMMA3_ROPE: dict[str, Any] = {
     "rope_theta": 100_000.0,
@@ -173,6 +187,69 @@ def _mistral() -> Any:
     return MistralForCausalLM(config)
 
 
+def _smollm3() -> Any:
+    """SmolLM3 with every second layer NoPE, and those layers sliding."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    config = SmolLM3Config(
+        **_COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        no_rope_layer_interval=2,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        **_NO_SPECIAL_TOKENS,
+    )
+    return SmolLM3ForCausalLM(config)
+
+
+def _seed_oss() -> Any:
+    """Seed-OSS with biases on q/k/v and on the output projection."""
+    from transformers import SeedOssConfig, SeedOssForCausalLM
+
+    config = SeedOssConfig(
+        **_COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=32,
+        attention_out_bias=True,
+        attention_dropout=0.0,
+        residual_dropout=0.0,
+    )
+    return SeedOssForCausalLM(config)
+
+
+def _olmo3() -> Any:
+    """OLMo 3: post-norm layers, q/k norms over the projection, 3 sliding to 1 full, a
+    rope base per layer kind."""
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    config = Olmo3Config(
+        **_COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        sliding_window=WINDOW,
+        **_OLMO3_ROPE,
+        **_NO_SPECIAL_TOKENS,
+    )
+    return Olmo3ForCausalLM(config)
+
+
+def _exaone4() -> Any:
+    """EXAONE 4: post-norm layers, per-head q/k norms, 3 sliding to 1 full (NoPE)."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    config = Exaone4Config(
+        **_COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        sliding_window=WINDOW,
+        sliding_window_pattern=4,
+        **_NO_SPECIAL_TOKENS,
+    )
+    return Exaone4ForCausalLM(config)
+
+
 #: Mamba2 fields of the tiny hybrids: SSD chunks of 8 positions, so prefills cross them;
 #: a state of 3200 bytes, which an attention page of 16 tokens holds.
 _MAMBA2: dict[str, Any] = {
@@ -238,6 +315,10 @@ TINY_ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "mistral": _mistral,
+    "smollm3": _smollm3,
+    "seed_oss": _seed_oss,
+    "olmo3": _olmo3,
+    "exaone4": _exaone4,
 }
 
 

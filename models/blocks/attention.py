@@ -16,7 +16,7 @@ from torch import nn
 from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
 from hybridkv.memory.layout import AttentionSpec
 from hybridkv.memory.state_pages import StepStates
-from hybridkv.models.blocks.norms import RMSNorm, rms_norm
+from hybridkv.models.blocks.norms import config_norm, rms_norm
 from hybridkv.models.blocks.rope import apply_rope
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.weights.fused_linear import cat_linears
@@ -86,10 +86,12 @@ class PagedAttention(nn.Module):
         self.qkv_proj: nn.Module | None = None
         # The joined projection's output: q and k heads side by side, then v.
         self._qk_v_widths = (q_width + kv_width, kv_width)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, config.norm_offset)
-            self.k_norm = RMSNorm(spec.head_dim, config.rms_norm_eps, config.norm_offset)
+        # Over each head (one weight of head_dim) or over the whole projection (OLMo).
         self.qk_norm = config.qk_norm
+        self.per_head_norm = config.qk_norm_width == "head"
+        if config.qk_norm:
+            self.q_norm = config_norm(config, spec.head_dim if self.per_head_norm else q_width)
+            self.k_norm = config_norm(config, spec.head_dim if self.per_head_norm else kv_width)
         self._qk_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.num_heads = config.num_heads
         self.num_kv_heads = spec.num_kv_heads
@@ -133,15 +135,20 @@ class PagedAttention(nn.Module):
             v = self.v_proj(x)
         else:
             qk, v = self.qkv_proj(x).split(self._qk_v_widths, dim=-1)
+        if self.qk_norm and not self.per_head_norm:
+            widths = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+            q, k = torch.split(qk, widths, dim=-1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-1)
         # q and k heads side by side: one norm and one rotation for both (apart they were
         # some 20 ops a layer, a decode step's ops: benchmarks/decode/bandwidth.py).
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and self.per_head_norm:
             qk = rms_norm(
-                qk, self._qk_scale(), self.q_norm.eps, scale_first=bool(self.q_norm.offset)
+                qk, self._qk_scale(), self.q_norm.eps, scale_first=self.q_norm.scale_first
             )
-        qk = apply_rope(qk, inputs.cos, inputs.sin)
+        if inputs.cos.numel():  # NoPE layers get empty tables
+            qk = apply_rope(qk, inputs.cos, inputs.sin)
         q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)
         meta = inputs.metadata
         projected: torch.Tensor

@@ -15,7 +15,7 @@ from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.mamba2 import Mamba2Mixer
 from hybridkv.models.blocks.mlp import GatedMLP, SharedMLP
 from hybridkv.models.blocks.moe import MixtureOfExperts
-from hybridkv.models.blocks.norms import RMSNorm
+from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.shapes.decoder import DecoderShape
 
@@ -26,12 +26,12 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int, shape: DecoderShape) -> None:
         super().__init__()
-        size, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        size, eps = config.hidden_size, config.rms_norm_eps
         self._names = shape
         norms = [shape.mixer_norm, shape.mlp_norm, shape.post_mixer_norm, shape.post_mlp_norm]
         for name in norms:
             if name is not None:
-                self.add_module(name, RMSNorm(size, eps, offset))
+                self.add_module(name, config_norm(config, size))
         self.mamba: Mamba2Mixer | None = None
         self.self_attn: PagedAttention | None = None
         if isinstance(config.layers[layer], StateSpec):
@@ -74,11 +74,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         names, scale = self._names, self.residual_multiplier
-        mixed = self.mix(getattr(self, names.mixer_norm)(hidden), inputs)
-        if names.post_mixer_norm is not None:
-            mixed = getattr(self, names.post_mixer_norm)(mixed)
+        mixed = self.mix(self._norm(names.mixer_norm, hidden), inputs)
+        mixed = self._norm(names.post_mixer_norm, mixed)
         hidden = hidden + (mixed * scale if scale != 1.0 else mixed)
-        out = self._mlp(getattr(self, names.mlp_norm)(hidden))
-        if names.post_mlp_norm is not None:
-            out = getattr(self, names.post_mlp_norm)(out)
+        out = self._norm(names.post_mlp_norm, self._mlp(self._norm(names.mlp_norm, hidden)))
         return hidden + (out * scale if scale != 1.0 else out)
+
+    def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
+        """``x`` through the norm of that name; unchanged where the shape names none."""
+        if name is None:
+            return x
+        out: torch.Tensor = getattr(self, name)(x)
+        return out

@@ -10,19 +10,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.models.config import ModelConfig
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, scaled by ``offset + weight``.
 
     Gemma stores ``weight`` centred on zero (``offset=1``) and scales before casting back;
-    Llama stores it centred on one (``offset=0``) and scales after casting back.
+    Llama stores it centred on one (``offset=0``) and scales after casting back; OLMo
+    centres it on one and scales before (``scale_first``; by default, where ``offset``).
     """
 
-    def __init__(self, dim: int, eps: float, offset: float) -> None:
+    def __init__(
+        self, dim: int, eps: float, offset: float, scale_first: bool | None = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
         self.offset = offset
+        self.scale_first = bool(offset) if scale_first is None else scale_first
         self._scale: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     def scale(self) -> torch.Tensor:
@@ -39,7 +45,7 @@ class RMSNorm(nn.Module):
         return kept[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.scale(), self.eps, scale_first=bool(self.offset))
+        return rms_norm(x, self.scale(), self.eps, scale_first=self.scale_first)
 
 
 def rms_norm(
@@ -47,7 +53,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """``x`` normalised over its last dimension in float32, times ``scale`` (broadcast on
     the last dimensions of ``x``), cast back to ``x``'s dtype after the product where
-    ``scale_first`` (Gemma), before it otherwise (Llama)."""
+    ``scale_first`` (Gemma, OLMo), before it otherwise (Llama)."""
     dim = (x.shape[-1],)
     is_float = x.dtype == torch.float32
     if is_float or scale_first:
@@ -60,6 +66,11 @@ def rms_norm(
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return scale * normed.to(x.dtype)
+
+
+def config_norm(config: ModelConfig, dim: int) -> RMSNorm:
+    """An RMSNorm of ``dim`` values by the model's conventions (eps, offset, order)."""
+    return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_scale_first)
 
 
 class GatedRMSNorm(nn.Module):

@@ -34,6 +34,10 @@ MODULES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "smollm3": "smollm3",
+    "seed_oss": "seed_oss",
+    "olmo3": "olmo3",
+    "exaone4": "exaone4",
     "jamba": "jamba",
     "mixtral": "mistral",
 }

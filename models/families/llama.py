@@ -1,7 +1,7 @@
 """Llama: pre-norm layers, a SiLU MLP, full attention in every layer, one rope table.
 
 Its fields are what the Llama-shaped families read alike (``llama_fields``): Mistral,
-Qwen2 and Qwen3 change a field or two of them.
+Qwen2, Qwen3, SmolLM3, Seed-OSS, OLMo 3 and EXAONE 4 change a field or a few of them.
 """
 
 from __future__ import annotations
@@ -14,17 +14,16 @@ from hybridkv.models.families import Family
 from hybridkv.models.families.common import common_fields
 from hybridkv.models.hf_config import flag_field
 from hybridkv.models.kinds import CHUNKED, FULL, SLIDING, PolicyChoices, kinds_by
-from hybridkv.models.shapes.rope import rope_from_hf
+from hybridkv.models.shapes.rope import rope_by_kind
 
 
 def llama_fields(
     hf: Mapping[str, Any], *, dtype_bytes: int, policies: PolicyChoices | None
 ) -> dict[str, Any]:
-    """Plain RMSNorm weights, ``head_dim ** -0.5`` scaling, one rope table for every
-    attention kind, no soft-caps (``dtype_bytes`` and ``policies`` shape the layer specs:
-    ``common_fields``)."""
+    """Plain RMSNorm weights, ``head_dim ** -0.5`` scaling, rope per attention kind (one
+    table for all unless the config nests them by kind), no soft-caps (``dtype_bytes``
+    and ``policies`` shape the layer specs: ``common_fields``)."""
     fields = common_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
-    rope = rope_from_hf(hf, default_theta=10_000.0)
     return {
         **fields,
         "norm_offset": 0.0,
@@ -34,7 +33,7 @@ def llama_fields(
         "query_scale": fields["layers"][0].head_dim ** -0.5,
         "attn_softcap": None,
         "final_softcap": None,
-        "rope": {FULL: rope, SLIDING: rope, CHUNKED: rope},
+        "rope": rope_by_kind(hf, (FULL, SLIDING, CHUNKED), default_theta=10_000.0),
         "mlp_bias": flag_field(hf, "mlp_bias", False),
     }
 

@@ -2,10 +2,11 @@
 names of its parts (torch-free; ``hybridkv.models.blocks.decoder`` builds the layer).
 
 Every layer has one mixer (paged attention as ``self_attn``, or Mamba2 as ``mamba``, by
-its spec), a norm before it and one before the MLP::
+its spec) and an MLP, each normalised before, after, or both::
 
     pre_norm    h = x + m * mixer(norm(x));        out = h + m * mlp(norm(h))
     sandwich    h = x + norm(mixer(norm(x)));      out = h + norm(mlp(norm(h)))
+    post_norm   h = x + norm(mixer(x));            out = h + norm(mlp(h))      (OLMo 2/3)
 
 with ``m`` the config's ``residual_multiplier`` (1 but for Granite).
 """
@@ -16,7 +17,7 @@ from typing import Literal
 
 import attrs
 
-Residual = Literal["pre_norm", "sandwich"]
+Residual = Literal["pre_norm", "sandwich", "post_norm"]
 #: ``gated``: one gated MLP. ``shared_and_experts``: Granite's shared MLP
 #: (``shared_mlp``) plus, where the config has experts, the mixture (``block_sparse_moe``).
 MLPKind = Literal["gated", "shared_and_experts"]
@@ -27,27 +28,30 @@ class DecoderShape:
     """A decoder layer's residual shape and the names its checkpoint gives its parts.
 
     Attributes:
-        residual: ``pre_norm`` or ``sandwich`` (see the module).
-        mixer_norm: The norm before the mixer.
-        mlp_norm: The norm before the MLP.
-        post_mixer_norm: The norm of the mixer's output (``sandwich`` only).
-        post_mlp_norm: The norm of the MLP's output (``sandwich`` only).
+        residual: ``pre_norm``, ``sandwich`` or ``post_norm`` (see the module).
+        mixer_norm: The norm before the mixer (not ``post_norm``).
+        mlp_norm: The norm before the MLP (not ``post_norm``).
+        post_mixer_norm: The norm of the mixer's output (not ``pre_norm``).
+        post_mlp_norm: The norm of the MLP's output (not ``pre_norm``).
         mlp: The MLP's kind.
         mlp_name: The gated MLP's name.
     """
 
     residual: Residual = "pre_norm"
-    mixer_norm: str = "input_layernorm"
-    mlp_norm: str = "post_attention_layernorm"
+    mixer_norm: str | None = "input_layernorm"
+    mlp_norm: str | None = "post_attention_layernorm"
     post_mixer_norm: str | None = None
     post_mlp_norm: str | None = None
     mlp: MLPKind = "gated"
     mlp_name: str = "mlp"
 
     def __attrs_post_init__(self) -> None:
-        sandwiched = self.post_mixer_norm is not None and self.post_mlp_norm is not None
-        if sandwiched != (self.residual == "sandwich"):
-            raise ValueError("a sandwich names both post norms, a pre-norm layer neither")
+        before = self.mixer_norm is not None and self.mlp_norm is not None
+        after = self.post_mixer_norm is not None and self.post_mlp_norm is not None
+        if (before, after) != {"pre_norm": (True, False), "sandwich": (True, True)}.get(
+            self.residual, (False, True)
+        ):
+            raise ValueError(f"a {self.residual} layer names other norms: {self!r}")
 
 
 #: Llama's layer: pre-norm, ``mlp``.
@@ -57,5 +61,13 @@ SANDWICH = DecoderShape(
     residual="sandwich",
     post_mixer_norm="post_attention_layernorm",
     mlp_norm="pre_feedforward_layernorm",
+    post_mlp_norm="post_feedforward_layernorm",
+)
+#: OLMo 2/3's and EXAONE 4's layer: each sublayer's output normalised, not its input.
+POST_NORM = DecoderShape(
+    residual="post_norm",
+    mixer_norm=None,
+    mlp_norm=None,
+    post_mixer_norm="post_attention_layernorm",
     post_mlp_norm="post_feedforward_layernorm",
 )

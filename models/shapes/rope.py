@@ -84,3 +84,21 @@ def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float) -> RopeSpec:
         theta=float(hf.get("rope_theta") or default_theta),
         max_positions=int(hf.get("max_position_embeddings") or 2048),
     )
+
+
+def rope_by_kind(
+    hf: Mapping[str, Any], kinds: tuple[str, ...], *, default_theta: float
+) -> dict[str, RopeSpec]:
+    """A rope spec per layer kind: ``rope_parameters`` keyed by kind where the config nests
+    them so (OLMo 3; a kind it leaves out rotates by default at ``default_theta``), else
+    the one spec of :func:`rope_from_hf` for every kind."""
+    params = hf.get("rope_parameters")
+    if not (isinstance(params, Mapping) and any(k in params for k in kinds)):
+        shared = rope_from_hf(hf, default_theta=default_theta)
+        return dict.fromkeys(kinds, shared)
+    max_positions = int(hf.get("max_position_embeddings") or 2048)
+    theta = float(hf.get("rope_theta") or default_theta)
+    return {
+        kind: RopeSpec.from_hf(params.get(kind), theta=theta, max_positions=max_positions)
+        for kind in kinds
+    }

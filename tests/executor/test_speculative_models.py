@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from model_fixtures import NEW_FAMILIES
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
@@ -28,9 +29,8 @@ SPEC = SpeculativeConfig(
 NUM_TOKENS = 14
 #: Bytes of a pool of this many pages of 4 tokens (K/V ones; a state takes a span of
 #: them): three requests of about 30 tokens do not fit at once.
-#: The families added on the shared blocks.
-NEW = ("qwen2", "qwen3", "mistral")
 POOL_PAGES = {"bamba": 64, "granite_moe": 64, "granite_dense": 64, "qwen3": 36}
+POOL_PAGES |= {"olmo3": 24, "exaone4": 24}  # a group per layer kind: each holds pages
 
 
 class ReferenceModelProposer:
@@ -81,7 +81,7 @@ async def _serve(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    "name", [*("llama", "gemma2", "gemma3", "bamba", "granite_moe", "granite_dense"), *NEW]
+    "name", [*("llama", "gemma2", "gemma3", "bamba", "granite_moe", "granite_dense"), *NEW_FAMILIES]
 )
 async def test_speculated_tokens_and_logits_are_transformers(
     name: str, tiny_models: Any, prompt_of: Any
@@ -128,7 +128,7 @@ async def test_speculated_tokens_and_logits_are_transformers(
     assert stats.prefix_hit_rate > 0
     # The newer families' pools are not sized to preempt here (sliding layers keep a few
     # pages); tests/models/test_model_logits.py recomputes each after a preemption.
-    assert stats.num_preemptions > 0 or name in NEW
+    assert stats.num_preemptions > 0 or name in NEW_FAMILIES
 
 
 @pytest.mark.asyncio

@@ -7,8 +7,9 @@ really drop pages and the paged attention must mask by window, not by table.
 from __future__ import annotations
 
 import pytest
+from model_fixtures import ATTENTION
 
-ARCHS = ["llama", "gemma2", "gemma3", "qwen2", "qwen3", "mistral"]
+ARCHS = ATTENTION
 
 
 @pytest.mark.parametrize("name", ARCHS)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_fixtures import ATTENTION
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
@@ -52,7 +53,7 @@ def test_more_stages_than_layers_is_refused(tiny_models) -> None:
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ATTENTION)
 def test_chained_stages_match_one_process(
     name, num_stages, tiny_models, make_driver, drive, run_scenario, check_same_outputs, chain
 ) -> None:

@@ -93,6 +93,9 @@ def test_two_ranks_match_one_process_bamba(
         ("qwen2", 2, 1, 1),
         ("qwen3", 2, 2, 1),
         ("mistral", 2, 1, 1),
+        ("smollm3", 2, 1, 1),
+        ("seed_oss", 2, 1, 1),
+        ("exaone4", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
@@ -188,6 +191,14 @@ def test_a_model_the_ranks_cannot_share_is_refused_before_any_process(tiny_model
     bamba = Checkpoint.open(tiny_models["bamba"].path).config
     with pytest.raises(ParallelConfigError, match="mamba_n_heads=4"):
         check_tensor_split(bamba, 8)
+
+
+def test_qk_norms_over_every_head_are_refused_before_any_process(tiny_models) -> None:
+    """OLMo 3 normalises q and k over the whole projection: ranks holding a share of the
+    heads cannot, so tp = 2 is refused at start, naming why."""
+    with pytest.raises(ParallelConfigError, match="q and k over every head together"):
+        _tensor(tiny_models["olmo3"].path, 2)
+    assert not multiprocessing.active_children()
 
 
 def _sample_tokens(executor: Any, prompt: list[int], num: int) -> list[int]:

@@ -124,9 +124,10 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("name", "weights"),
     [(n, w) for n in ("llama", "gemma3", "qwen3") for w in ("int8", "int4")]
-    # Qwen2's tiny random model agrees on 45% of greedy tokens in int4 (its biased q/k/v
-    # flatten the logits): the int4 bounds are for models whose tokens vary more.
-    + [("qwen2", "int8")],
+    # Not Qwen2's tiny random model: its logits are flat enough that its greedy agreement
+    # sits at the bounds (45% in int4; 80-85% in int8, by thread count); Seed-OSS covers
+    # biased q/k/v.
+    + [(n, "int8") for n in ("smollm3", "seed_oss", "olmo3", "exaone4")],
 )
 def test_tiny_model_stays_close_to_float32(name, weights, tiny_models, make_driver, prompt_of):
     """Greedy decoding with quantised weights, prompts prefilled in one chunk (the

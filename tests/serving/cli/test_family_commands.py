@@ -8,14 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from model_fixtures import NEW_FAMILIES
 from server_process import Server
 
 from hybridkv.serving.cli.main import main
 from hybridkv.testing import byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("command_isolation")
-
-NEW = ["qwen2", "qwen3", "mistral"]
 
 
 def _folder_of(tiny_models: Any, name: str, tmp_path: Path) -> Path:
@@ -27,7 +26,7 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("name", NEW_FAMILIES)
 def test_generate_runs_each_new_family(
     name: str, tiny_models: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
