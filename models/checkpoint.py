@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from hybridkv.models.config import ModelConfig, eos_ids
-from hybridkv.models.errors import CheckpointError
+from hybridkv.models.errors import CheckpointError, ModelConfigError
 from hybridkv.models.families import Family, running_family
 from hybridkv.models.hf_config import read_config
 from hybridkv.models.specs import PolicyChoices
@@ -31,6 +31,23 @@ def _read_index(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path.name} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def _refuse_quantized(hf: dict[str, Any]) -> None:
+    """A checkpoint of quantised weights (``quantization_config``: FP8 blocks, MXFP4, GPTQ,
+    AWQ, ...) is refused by its method: its tensors are not the weights the layers take.
+
+    Raises:
+        ModelConfigError: naming the method.
+    """
+    quantized = hf.get("quantization_config")
+    if quantized is None:
+        return
+    method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+    raise ModelConfigError(
+        f"quantization_config (quant_method {method!r}) is not supported: load the "
+        "checkpoint's unquantised release; --weights int8 or int4 quantises it at load"
+    )
 
 
 @attrs.frozen
@@ -78,6 +95,7 @@ class Checkpoint:
         if not config_file.is_file():
             raise CheckpointError(f"{folder} has no config.json")
         hf = read_config(config_file)
+        _refuse_quantized(hf)
         family = running_family(str(hf.get("model_type")))
         assert family.parse is not None, "a family that runs parses"
         config = family.parse(hf, dtype_bytes=dtype_bytes, policies=policies)

@@ -71,6 +71,9 @@ class ModelConfig:
         num_experts: Experts of each layer's MoE block, 0 for a dense MLP only.
         num_experts_per_token: Experts each token is routed to.
         expert_intermediate_size: Width of one expert's gated MLP.
+        expert_renormalize: The chosen experts' weights sum to 1 (else: their share of
+            every expert's probability; Qwen3-MoE's ``norm_topk_prob`` false).
+        dense_mlp_layers: Layers with a dense MLP in a model with experts.
     """
 
     model_type: str
@@ -105,6 +108,8 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_token: int = 0
     expert_intermediate_size: int = 0
+    expert_renormalize: bool = True
+    dense_mlp_layers: frozenset[int] = frozenset()
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:

@@ -211,6 +211,18 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "head_dim": 128,
     },
+    # Qwen3 30B-A3B: 48 full-attention layers, 4 KV heads of 128, 128 experts (8 a token).
+    "qwen3-30b-a3b-like": {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 48,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+    },
     # Qwen2.5 7B: 28 full-attention layers, 4 KV heads of 128.
     "qwen2.5-7b-like": {
         "model_type": "qwen2",

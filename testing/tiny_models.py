@@ -4,7 +4,7 @@ model folders for tests, made in a moment and without a download.
 ``save_tiny(name, folder)`` writes one of :data:`TINY_ARCHITECTURES` (every architecture
 the suite compares with transformers: Llama, Gemma 2 and 3 with windows, Mamba2 hybrids
 with and without experts, Qwen2 and Qwen3 with sliding layers, Mistral, SmolLM3 with NoPE
-layers, Seed-OSS with biases, OLMo 3 and EXAONE 4 with post-norm layers); ``make
+layers, Seed-OSS with biases, OLMo 3 and EXAONE 4 with post-norm layers, Qwen3-MoE); ``make
 gpu-check`` runs each on the GPU against the CPU.
 ``save_tiny_llama(folder)`` writes a 2-layer Llama (64 wide, a vocabulary of the
 257 ids of :func:`~hybridkv.testing.byte_tokenizer`, which it saves beside it), and
@@ -250,6 +250,24 @@ def _exaone4() -> Any:
     return Exaone4ForCausalLM(config)
 
 
+def _qwen3_moe() -> Any:
+    """Qwen3-MoE: 4 experts, 2 a token, weights not renormalised, a dense first layer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **_COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[0],
+        **_NO_SPECIAL_TOKENS,
+    )
+    return Qwen3MoeForCausalLM(config)
+
+
 #: Mamba2 fields of the tiny hybrids: SSD chunks of 8 positions, so prefills cross them;
 #: a state of 3200 bytes, which an attention page of 16 tokens holds.
 _MAMBA2: dict[str, Any] = {
@@ -319,6 +337,7 @@ TINY_ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "seed_oss": _seed_oss,
     "olmo3": _olmo3,
     "exaone4": _exaone4,
+    "qwen3_moe": _qwen3_moe,
 }
 
 

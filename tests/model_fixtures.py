@@ -29,7 +29,10 @@ from hybridkv.testing.tiny_models import TINY_ARCHITECTURES, save_tiny
 
 #: The attention-only architectures of TINY_ARCHITECTURES: the first three, then those
 #: added on the shared blocks.
-NEW_FAMILIES = ("qwen2", "qwen3", "mistral", "smollm3", "seed_oss", "olmo3", "exaone4")
+NEW_FAMILIES = (
+    *("qwen2", "qwen3", "mistral", "smollm3", "seed_oss", "olmo3", "exaone4"),
+    "qwen3_moe",
+)
 ATTENTION = ("llama", "gemma2", "gemma3", *NEW_FAMILIES)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 KV_BYTES = 1 << 20

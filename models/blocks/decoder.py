@@ -39,20 +39,14 @@ class DecoderLayer(nn.Module):
             self.mamba = Mamba2Mixer(config.mamba, eps)
         else:
             self.self_attn = PagedAttention(config, layer)
-        if shape.mlp == "gated":
+        dense = not config.num_experts or layer in config.dense_mlp_layers
+        if shape.mlp == "gated" or (shape.mlp == "experts" and dense):
             self.add_module(shape.mlp_name, GatedMLP(config, bias=config.mlp_bias))
+        elif shape.mlp == "experts":
+            self.add_module(shape.mlp_name, _experts(config))
         else:
             self.shared_mlp = SharedMLP(size, config.intermediate_size)
-            self.block_sparse_moe = (
-                MixtureOfExperts(
-                    size,
-                    config.expert_intermediate_size,
-                    config.num_experts,
-                    config.num_experts_per_token,
-                )
-                if config.num_experts
-                else None
-            )
+            self.block_sparse_moe = _experts(config) if config.num_experts else None
         self.residual_multiplier = config.residual_multiplier
 
     def mix(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
@@ -64,7 +58,7 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, normed: torch.Tensor) -> torch.Tensor:
         """The MLP (Granite's: the experts' output plus the shared MLP's)."""
-        if self._names.mlp == "gated":
+        if self._names.mlp != "shared_and_experts":
             out: torch.Tensor = getattr(self, self._names.mlp_name)(normed)
             return out
         out = self.shared_mlp(normed)
@@ -86,3 +80,13 @@ class DecoderLayer(nn.Module):
             return x
         out: torch.Tensor = getattr(self, name)(x)
         return out
+
+
+def _experts(config: ModelConfig) -> MixtureOfExperts:
+    return MixtureOfExperts(
+        config.hidden_size,
+        config.expert_intermediate_size,
+        config.num_experts,
+        config.num_experts_per_token,
+        renormalize=config.expert_renormalize,
+    )

@@ -1,13 +1,16 @@
-"""The top-k mixture of experts (Granite 4.0-H's, beside its shared MLP).
+"""The top-k mixture of experts (Granite 4.0-H's beside its shared MLP, Qwen3-MoE's).
 
 Weight names follow Granite 4.0-H checkpoints: ``block_sparse_moe.input_linear`` holds
 each expert's gate and up stacked (``[experts, 2 * inner, hidden]``), ``output_linear``
-``[experts, hidden, inner]``, and ``router.layer`` the routing logits.
+``[experts, hidden, inner]``, and ``router.layer`` the routing logits. Checkpoints that
+store one MLP per expert (Qwen3-MoE: ``experts.{e}.gate_proj``, ``up_proj``,
+``down_proj``, the router as ``gate``) load into the same stacks.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +48,9 @@ class MixtureOfExperts(nn.Module):
     every released Granite MoE's are.
     """
 
-    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int) -> None:
+    def __init__(
+        self, hidden: int, inner: int, num_experts: int, top_k: int, *, renormalize: bool = True
+    ) -> None:
         super().__init__()
         if hidden % 8 or inner % 8:
             raise ModelConfigError(
@@ -56,11 +61,32 @@ class MixtureOfExperts(nn.Module):
         self.input_linear = _ExpertWeights(num_experts, 2 * inner, hidden)
         self.output_linear = _ExpertWeights(num_experts, hidden, inner)
         self.top_k = top_k
+        self.renormalize = renormalize
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Take one MLP per expert (``experts.{e}.gate_proj`` ...) as the stacks."""
+        names: dict[str, list[torch.Tensor]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+        for e in range(self.input_linear.weight.shape[0]):
+            for part, tensors in names.items():
+                key = f"{prefix}experts.{e}.{part}.weight"
+                if key in state_dict:
+                    tensors.append(state_dict.pop(key))
+        if names["gate_proj"]:
+            gate_up = [torch.cat(p) for p in zip(names["gate_proj"], names["up_proj"], strict=True)]
+            state_dict[f"{prefix}input_linear.weight"] = torch.stack(gate_up)
+            state_dict[f"{prefix}output_linear.weight"] = torch.stack(names["down_proj"])
+        if f"{prefix}gate.weight" in state_dict:
+            state_dict[f"{prefix}router.layer.weight"] = state_dict.pop(f"{prefix}gate.weight")
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.router.layer(x).float()
-        top_logits, experts = logits.topk(self.top_k, dim=-1)  # [T, k]
-        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        if self.renormalize:  # the softmax of the top k: their probabilities summing to 1
+            top_logits, experts = logits.topk(self.top_k, dim=-1)  # [T, k]
+            weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        else:  # their probabilities among all the experts
+            top, experts = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+            weights = top.to(x.dtype)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # pairs by expert, each expert's tokens in order
         tokens = order // self.top_k

@@ -36,6 +36,7 @@ MODULES = {
     "qwen3": "qwen3",
     "smollm3": "smollm3",
     "seed_oss": "seed_oss",
+    "qwen3_moe": "qwen3_moe",
     "olmo3": "olmo3",
     "exaone4": "exaone4",
     "jamba": "jamba",

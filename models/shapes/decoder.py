@@ -20,7 +20,8 @@ import attrs
 Residual = Literal["pre_norm", "sandwich", "post_norm"]
 #: ``gated``: one gated MLP. ``shared_and_experts``: Granite's shared MLP
 #: (``shared_mlp``) plus, where the config has experts, the mixture (``block_sparse_moe``).
-MLPKind = Literal["gated", "shared_and_experts"]
+#: ``experts``: the mixture under ``mlp_name``, a gated MLP in the config's dense layers.
+MLPKind = Literal["gated", "shared_and_experts", "experts"]
 
 
 @attrs.frozen(kw_only=True)

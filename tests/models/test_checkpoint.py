@@ -81,3 +81,15 @@ def test_unreadable_config_is_a_model_config_error(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match=r"config\.json' as JSON"):
         Checkpoint.open(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["fp8", "mxfp4", "gptq"])
+def test_a_quantised_checkpoint_is_refused_by_its_method(tiny_models, tmp_path, method):
+    """Block-scaled FP8, MXFP4 and the rest are refused naming the method, not loaded as
+    if their tensors were the weights."""
+    shutil.copytree(tiny_models["llama"].path, tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match=f"quant_method '{method}'"):
+        Checkpoint.open(tmp_path / "q")
