@@ -241,6 +241,15 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "sliding_window": None,
     },
+    # Phi-4-mini: 32 full-attention layers, 8 KV heads of 128 (its LongRoPE does not run
+    # here yet: sized only).
+    "phi-4-mini-like": {
+        "model_type": "phi3",
+        "num_hidden_layers": 32,
+        "hidden_size": 3072,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+    },
     # SmolLM3 3B: 36 full-attention layers (every 4th without rope), 4 KV heads of 128.
     "smollm3-3b-like": {
         "model_type": "smollm3",

@@ -4,8 +4,8 @@ model folders for tests, made in a moment and without a download.
 ``save_tiny(name, folder)`` writes one of :data:`TINY_ARCHITECTURES` (every architecture
 the suite compares with transformers: Llama, Gemma 2 and 3 with windows, Mamba2 hybrids
 with and without experts, Qwen2 and Qwen3 with sliding layers, Mistral, SmolLM3 with NoPE
-layers, Seed-OSS with biases, OLMo 3 and EXAONE 4 with post-norm layers, Qwen3-MoE); ``make
-gpu-check`` runs each on the GPU against the CPU.
+layers, Seed-OSS with biases, OLMo 3 and EXAONE 4 with post-norm layers, Qwen3-MoE, Phi-3
+with joined projections); ``make gpu-check`` runs each on the GPU against the CPU.
 ``save_tiny_llama(folder)`` writes a 2-layer Llama (64 wide, a vocabulary of the
 257 ids of :func:`~hybridkv.testing.byte_tokenizer`, which it saves beside it), and
 returns the folder; ``ModelExecutor.from_pretrained(folder, ...)`` and ``hybridkv serve
@@ -84,6 +84,8 @@ _NO_SPECIAL_TOKENS: dict[str, Any] = {
     "bos_token_id": None,
     "eos_token_id": None,
 }
+#: Rope on 3/4 of each head.
+_PHI3_ROPE: dict[str, Any] = {"partial_rotary_factor": 0.75}
 #: OLMo 3's rope nested by layer kind, a base of its own for each.
 _OLMO3_ROPE: dict[str, Any] = {
     "rope_parameters": {
@@ -268,6 +270,22 @@ def _qwen3_moe() -> Any:
     return Qwen3MoeForCausalLM(config)
 
 
+def _phi3() -> Any:
+    """Phi-3: q/k/v and gate/up joined in the checkpoint, rope on 3/4 of each head, every
+    layer sliding."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
+        **_COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        sliding_window=WINDOW,
+        **_PHI3_ROPE,
+        **_NO_SPECIAL_TOKENS,
+    )
+    return Phi3ForCausalLM(config)
+
+
 #: Mamba2 fields of the tiny hybrids: SSD chunks of 8 positions, so prefills cross them;
 #: a state of 3200 bytes, which an attention page of 16 tokens holds.
 _MAMBA2: dict[str, Any] = {
@@ -338,6 +356,7 @@ TINY_ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "olmo3": _olmo3,
     "exaone4": _exaone4,
     "qwen3_moe": _qwen3_moe,
+    "phi3": _phi3,
 }
 
 

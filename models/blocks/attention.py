@@ -7,7 +7,7 @@ works on a flat batch of tokens, ``[num_tokens, ...]``, from many requests.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -19,7 +19,7 @@ from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.norms import config_norm, rms_norm
 from hybridkv.models.blocks.rope import apply_rope
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.weights.fused_linear import cat_linears
+from hybridkv.models.weights.fused_linear import cat_linears, split_joined
 
 
 class ShardedAttention(Protocol):
@@ -117,6 +117,14 @@ class PagedAttention(nn.Module):
             kept = (q_scale, k_scale, joined)
             self._qk_scales = kept
         return kept[2]
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """A checkpoint's joined ``qkv_proj`` (Phi-3) read as q, k and v."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        split_joined(
+            state_dict, prefix, "qkv_proj", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def fuse(self) -> bool:
         """Join q, k and v into one product (``models/weights/fused_linear.py``); False where

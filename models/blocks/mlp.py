@@ -5,13 +5,14 @@ and Granite's shared MLP (gate and up stacked in one checkpoint tensor).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.weights.fused_linear import cat_linears
+from hybridkv.models.weights.fused_linear import cat_linears, split_joined
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -27,7 +28,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with SiLU (Llama) or tanh-approximated GELU (Gemma).
 
-    Loaded as ``gate_proj`` and ``up_proj``; :meth:`fuse` joins them into ``gate_up_proj``.
+    Loaded as ``gate_proj`` and ``up_proj`` (a checkpoint's joined ``gate_up_proj``, gate
+    rows first, read as the two); :meth:`fuse` joins them into ``gate_up_proj``.
     """
 
     def __init__(self, config: ModelConfig, *, bias: bool) -> None:
@@ -38,6 +40,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.gate_up_proj: nn.Module | None = None
         self.act = _ACTIVATIONS[config.activation]
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        inner = self.down_proj.in_features
+        split_joined(state_dict, prefix, "gate_up_proj", [("gate_proj", inner), ("up_proj", inner)])
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def fuse(self) -> bool:
         """Join gate and up into one product (``models/weights/fused_linear.py``); False where

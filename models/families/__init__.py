@@ -37,6 +37,7 @@ MODULES = {
     "smollm3": "smollm3",
     "seed_oss": "seed_oss",
     "qwen3_moe": "qwen3_moe",
+    "phi3": "phi3",
     "olmo3": "olmo3",
     "exaone4": "exaone4",
     "jamba": "jamba",

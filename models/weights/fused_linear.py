@@ -11,12 +11,14 @@ matrix product where it ran three (or two), and pays one call's overhead::
 Parts are joined in the form they are stored in, after any quantisation, so each keeps
 exactly the values it had (an int8 part its per-row scales, an int4 part its groups).
 Parts stored differently (a quantised file's 4-bit q beside its 6-bit v, which int4
-keeps at int8) are left apart.
+keeps at int8) are left apart. A checkpoint that stores them joined is read as the parts
+(``split_joined``), so quantisation and tensor parallelism see the parts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,3 +56,18 @@ def cat_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
 
 
 _JOINABLE = (nn.Linear, QuantizedLinear)
+
+
+def split_joined(
+    state_dict: dict[str, Any], prefix: str, joined: str, parts: Sequence[tuple[str, int]]
+) -> None:
+    """A checkpoint that stores joined parts (Phi-3's ``qkv_proj``, ``gate_up_proj``)
+    read as the parts: ``prefix + joined`` (weight, and bias where stored) cut by output
+    rows into each ``(name, rows)`` of ``parts``, in place in ``state_dict``."""
+    for tensor_name in ("weight", "bias"):
+        tensor = state_dict.pop(f"{prefix}{joined}.{tensor_name}", None)
+        if tensor is None:
+            continue
+        pieces = torch.split(tensor, [rows for _, rows in parts])
+        for (name, _), piece in zip(parts, pieces, strict=True):
+            state_dict[f"{prefix}{name}.{tensor_name}"] = piece
