@@ -39,8 +39,9 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     parser.add_argument(
         "model",
         metavar="MODEL",
-        help="config.json, a folder with one, or a built-in name: "
-        "gemma3-like, gemma2-like, llama-like, jamba-like",
+        help="config.json, a folder with one, or a built-in name (published shapes: "
+        "llama-like, qwen3-8b-like, gemma3-like, bamba-like, ...; a name it does not know "
+        "is answered with the list)",
     )
     parser.add_argument(
         "--kv-memory", required=True, metavar="SIZE", help="KV memory per device: 2GiB, 1e9"
