@@ -65,6 +65,9 @@ class ModelConfig:
         eos_token_ids: End-of-sequence tokens named by config.json.
         mamba: The Mamba2 mixer's shape, for models with state layers; else None.
         nope_layers: The attention layers that do not rotate q and k (NoPE: SmolLM3).
+        norm_kind: ``rms`` (RMSNorm) or ``layer`` (LayerNorm without a bias: Cohere).
+        rope_interleaved: Rope rotates pairs of adjacent channels (Cohere) rather than the
+            two halves of a head; read by reordering q and k rows at load.
         residual_multiplier: Each block's output is scaled by it before the residual add
             (Granite).
         logits_scaling: Logits are divided by it (Granite).
@@ -103,6 +106,8 @@ class ModelConfig:
     qk_norm_width: Literal["head", "projection"] = "head"
     norm_scale_first: bool | None = None
     nope_layers: frozenset[int] = frozenset()
+    norm_kind: Literal["rms", "layer"] = "rms"
+    rope_interleaved: bool = False
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     num_experts: int = 0

@@ -250,6 +250,15 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 24,
         "num_key_value_heads": 8,
     },
+    # Command A: 64 layers, 3 sliding (window 4096) to 1 full, 8 KV heads of 128.
+    "command-a-like": {
+        "model_type": "cohere2",
+        "num_hidden_layers": 64,
+        "hidden_size": 12288,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "sliding_window": 4096,
+    },
     # SmolLM3 3B: 36 full-attention layers (every 4th without rope), 4 KV heads of 128.
     "smollm3-3b-like": {
         "model_type": "smollm3",

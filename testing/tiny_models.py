@@ -286,6 +286,22 @@ def _phi3() -> Any:
     return Phi3ForCausalLM(config)
 
 
+def _cohere2() -> Any:
+    """Command A's shape: parallel layers, LayerNorm, interleaved rope in the sliding
+    layers only, a logit scale."""
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    config = Cohere2Config(
+        **_COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        sliding_window=WINDOW,
+        logit_scale=0.25,
+        **_NO_SPECIAL_TOKENS,
+    )
+    return Cohere2ForCausalLM(config)
+
+
 #: Mamba2 fields of the tiny hybrids: SSD chunks of 8 positions, so prefills cross them;
 #: a state of 3200 bytes, which an attention page of 16 tokens holds.
 _MAMBA2: dict[str, Any] = {
@@ -357,6 +373,7 @@ TINY_ARCHITECTURES: dict[str, Callable[[], Any]] = {
     "exaone4": _exaone4,
     "qwen3_moe": _qwen3_moe,
     "phi3": _phi3,
+    "cohere2": _cohere2,
 }
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
 from hybridkv.memory.layout import AttentionSpec
 from hybridkv.memory.state_pages import StepStates
-from hybridkv.models.blocks.norms import config_norm, rms_norm
+from hybridkv.models.blocks.norms import config_rms_norm, rms_norm
 from hybridkv.models.blocks.rope import apply_rope
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.weights.fused_linear import cat_linears, split_joined
@@ -87,11 +87,12 @@ class PagedAttention(nn.Module):
         # The joined projection's output: q and k heads side by side, then v.
         self._qk_v_widths = (q_width + kv_width, kv_width)
         # Over each head (one weight of head_dim) or over the whole projection (OLMo).
+        self.rope_interleaved = config.rope_interleaved
         self.qk_norm = config.qk_norm
         self.per_head_norm = config.qk_norm_width == "head"
         if config.qk_norm:
-            self.q_norm = config_norm(config, spec.head_dim if self.per_head_norm else q_width)
-            self.k_norm = config_norm(config, spec.head_dim if self.per_head_norm else kv_width)
+            self.q_norm = config_rms_norm(config, spec.head_dim if self.per_head_norm else q_width)
+            self.k_norm = config_rms_norm(config, spec.head_dim if self.per_head_norm else kv_width)
         self._qk_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.num_heads = config.num_heads
         self.num_kv_heads = spec.num_kv_heads
@@ -119,11 +120,13 @@ class PagedAttention(nn.Module):
         return kept[2]
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """A checkpoint's joined ``qkv_proj`` (Phi-3) read as q, k and v."""
+        """A checkpoint's joined ``qkv_proj`` (Phi-3) read as q, k and v; interleaved rope
+        (Cohere) read as the half-split one."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        split_joined(
-            state_dict, prefix, "qkv_proj", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
-        )
+        parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+        split_joined(state_dict, prefix, "qkv_proj", parts)
+        if self.rope_interleaved:
+            _evens_first(state_dict, prefix, self.head_dim)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def fuse(self) -> bool:
@@ -181,3 +184,16 @@ class PagedAttention(nn.Module):
         )
         projected = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return projected
+
+
+def _evens_first(state_dict: dict[str, Any], prefix: str, head_dim: int) -> None:
+    """Rope on adjacent channel pairs (0, 1), (2, 3) ... is rope on the two halves of a
+    head whose channels come evens first: q and k rows reordered alike (weights and
+    biases) leave every q.k unchanged, and the half-split rope applies."""
+    order = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+    for name in ("q_proj", "k_proj"):
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{name}.{kind}"
+            if key in state_dict:
+                rows = state_dict[key].unflatten(0, (-1, head_dim))
+                state_dict[key] = rows[:, order].flatten(0, 1)

@@ -68,6 +68,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         names, scale = self._names, self.residual_multiplier
+        if names.residual == "parallel":
+            normed = self._norm(names.mixer_norm, hidden)
+            return hidden + self.mix(normed, inputs) + self._mlp(normed)
         mixed = self.mix(self._norm(names.mixer_norm, hidden), inputs)
         mixed = self._norm(names.post_mixer_norm, mixed)
         hidden = hidden + (mixed * scale if scale != 1.0 else mixed)

@@ -68,8 +68,30 @@ def rms_norm(
     return scale * normed.to(x.dtype)
 
 
-def config_norm(config: ModelConfig, dim: int) -> RMSNorm:
-    """An RMSNorm of ``dim`` values by the model's conventions (eps, offset, order)."""
+class LayerNorm(nn.Module):
+    """LayerNorm without a bias, in float32, scaled by ``weight`` before casting back
+    (Cohere's)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), None, self.eps)
+        return normed.to(x.dtype)
+
+
+def config_norm(config: ModelConfig, dim: int) -> nn.Module:
+    """A norm of ``dim`` values by the model's conventions (kind, eps, offset, order)."""
+    if config.norm_kind == "layer":
+        return LayerNorm(dim, config.rms_norm_eps)
+    return config_rms_norm(config, dim)
+
+
+def config_rms_norm(config: ModelConfig, dim: int) -> RMSNorm:
+    """An RMSNorm of ``dim`` values by the model's conventions (q/k norms are RMSNorms
+    whatever the layers' norm)."""
     return RMSNorm(dim, config.rms_norm_eps, config.norm_offset, config.norm_scale_first)
 
 

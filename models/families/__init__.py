@@ -38,6 +38,7 @@ MODULES = {
     "seed_oss": "seed_oss",
     "qwen3_moe": "qwen3_moe",
     "phi3": "phi3",
+    "cohere2": "cohere2",
     "olmo3": "olmo3",
     "exaone4": "exaone4",
     "jamba": "jamba",

@@ -7,6 +7,7 @@ its spec) and an MLP, each normalised before, after, or both::
     pre_norm    h = x + m * mixer(norm(x));        out = h + m * mlp(norm(h))
     sandwich    h = x + norm(mixer(norm(x)));      out = h + norm(mlp(norm(h)))
     post_norm   h = x + norm(mixer(x));            out = h + norm(mlp(h))      (OLMo 2/3)
+    parallel    n = norm(x);                       out = x + mixer(n) + mlp(n) (Cohere)
 
 with ``m`` the config's ``residual_multiplier`` (1 but for Granite).
 """
@@ -17,7 +18,7 @@ from typing import Literal
 
 import attrs
 
-Residual = Literal["pre_norm", "sandwich", "post_norm"]
+Residual = Literal["pre_norm", "sandwich", "post_norm", "parallel"]
 #: ``gated``: one gated MLP. ``shared_and_experts``: Granite's shared MLP
 #: (``shared_mlp``) plus, where the config has experts, the mixture (``block_sparse_moe``).
 #: ``experts``: the mixture under ``mlp_name``, a gated MLP in the config's dense layers.
@@ -29,7 +30,8 @@ class DecoderShape:
     """A decoder layer's residual shape and the names its checkpoint gives its parts.
 
     Attributes:
-        residual: ``pre_norm``, ``sandwich`` or ``post_norm`` (see the module).
+        residual: ``pre_norm``, ``sandwich``, ``post_norm`` or ``parallel`` (see the
+            module; ``parallel`` names one norm, ``mixer_norm``).
         mixer_norm: The norm before the mixer (not ``post_norm``).
         mlp_norm: The norm before the MLP (not ``post_norm``).
         post_mixer_norm: The norm of the mixer's output (not ``pre_norm``).
@@ -49,6 +51,10 @@ class DecoderShape:
     def __attrs_post_init__(self) -> None:
         before = self.mixer_norm is not None and self.mlp_norm is not None
         after = self.post_mixer_norm is not None and self.post_mlp_norm is not None
+        if self.residual == "parallel":
+            if self.mixer_norm is None or self.mlp_norm is not None or after:
+                raise ValueError(f"a parallel layer names one norm, its input's: {self!r}")
+            return
         if (before, after) != {"pre_norm": (True, False), "sandwich": (True, True)}.get(
             self.residual, (False, True)
         ):
@@ -64,6 +70,8 @@ SANDWICH = DecoderShape(
     mlp_norm="pre_feedforward_layernorm",
     post_mlp_norm="post_feedforward_layernorm",
 )
+#: Cohere's layer: one norm, the mixer and the MLP side by side.
+PARALLEL = DecoderShape(residual="parallel", mlp_norm=None)
 #: OLMo 2/3's and EXAONE 4's layer: each sublayer's output normalised, not its input.
 POST_NORM = DecoderShape(
     residual="post_norm",

@@ -30,7 +30,11 @@ NUM_TOKENS = 14
 #: Bytes of a pool of this many pages of 4 tokens (K/V ones; a state takes a span of
 #: them): three requests of about 30 tokens do not fit at once.
 POOL_PAGES = {"bamba": 64, "granite_moe": 64, "granite_dense": 64, "qwen3": 36}
-POOL_PAGES |= {"olmo3": 24, "exaone4": 24}  # a group per layer kind: each holds pages
+POOL_PAGES |= {
+    "olmo3": 24,
+    "exaone4": 24,
+    "cohere2": 24,
+}  # a group per layer kind: each holds pages
 
 
 class ReferenceModelProposer:
