@@ -46,6 +46,12 @@ def layer_types_kinds(
     return named_kinds([str(k) for k in cfg["layer_types"]], num_layers, kinds)
 
 
+def window_everywhere(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
+    """Every layer sliding (``sliding_window``) where the config sets a window, else every
+    layer full (Mistral's, Phi-3's)."""
+    return [SLIDING if cfg.get("sliding_window") else FULL] * num_layers
+
+
 def kinds_by(
     pattern: Callable[[Mapping[str, Any], int], list[str]],
     names: Mapping[str, str] | None = None,

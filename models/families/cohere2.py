@@ -11,7 +11,7 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.families import Family
 from hybridkv.models.families.llama import llama_fields
 from hybridkv.models.hf_config import flag_field, float_field
-from hybridkv.models.kinds import FULL, SLIDING, PolicyChoices, kinds_by
+from hybridkv.models.kinds import FULL, PolicyChoices, kinds_by, pattern_layer_types
 from hybridkv.models.shapes.decoder import PARALLEL
 
 
@@ -37,7 +37,7 @@ def parse_cohere2(
 FAMILY = Family(
     model_types=("cohere2",),
     # Without layer_types: every fourth layer full (sliding_window_pattern, 4).
-    layer_kinds=kinds_by(lambda cfg, n: [FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n)]),
+    layer_kinds=kinds_by(lambda cfg, n: list(pattern_layer_types(n, 4))),
     parse=parse_cohere2,
     decoder=PARALLEL,
 )

@@ -10,7 +10,7 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.families import Family
 from hybridkv.models.families.llama import llama_fields
-from hybridkv.models.kinds import FULL, SLIDING, PolicyChoices, kinds_by
+from hybridkv.models.kinds import FULL, SLIDING, PolicyChoices, kinds_by, pattern_layer_types
 from hybridkv.models.shapes.decoder import POST_NORM
 
 
@@ -34,7 +34,7 @@ def _pattern(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
     if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
         return [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(num_layers)]
     if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
-        return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+        return list(pattern_layer_types(num_layers, pattern))
     raise ModelConfigError(
         f"config field 'sliding_window_pattern' must be a positive integer or a string of "
         f"L and G, got {pattern!r}"

@@ -11,7 +11,7 @@ from typing import Any
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.families import Family
 from hybridkv.models.families.llama import llama_fields
-from hybridkv.models.kinds import FULL, SLIDING, PolicyChoices, kinds_by
+from hybridkv.models.kinds import PolicyChoices, kinds_by, pattern_layer_types
 from hybridkv.models.shapes.decoder import POST_NORM
 
 
@@ -28,7 +28,7 @@ def parse_olmo3(
 FAMILY = Family(
     model_types=("olmo3",),
     # Without layer_types: every fourth layer full, the others sliding.
-    layer_kinds=kinds_by(lambda cfg, n: [FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n)]),
+    layer_kinds=kinds_by(lambda cfg, n: list(pattern_layer_types(n, 4))),
     parse=parse_olmo3,
     decoder=POST_NORM,
 )

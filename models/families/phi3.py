@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from hybridkv.models.families import Family
 from hybridkv.models.families.llama import parse_llama
-from hybridkv.models.kinds import FULL, SLIDING, kinds_by
+from hybridkv.models.kinds import kinds_by, window_everywhere
 
 FAMILY = Family(
     model_types=("phi3",),
-    layer_kinds=kinds_by(lambda cfg, n: [SLIDING if cfg.get("sliding_window") else FULL] * n),
+    layer_kinds=kinds_by(window_everywhere),
     parse=parse_llama,
 )
