@@ -30,6 +30,7 @@ query ``[B, num_kv_heads, G * num_queries, head_dim]`` against keys
 
 from __future__ import annotations
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +51,7 @@ def paged_attention(
     sliding_window: int | None = None,
     live_spans: LiveSpans | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend every query token to its request's cached keys and values.
 
@@ -64,6 +66,9 @@ def paged_attention(
             earlier positions the query at p reads (it reads itself too); pages no query
             reads may be the null block. Exclusive with ``sliding_window``.
         softcap: c in ``c * tanh(scores / c)`` before the softmax (Gemma 2).
+        sinks: ``[num_q_heads]`` float32 learned sink logits (gpt-oss): each head's softmax
+            has one more term, ``exp(sink)``, whose value is zero, so a query may give
+            its keys less than all of its weight.
 
     Returns:
         ``[num_tokens, num_q_heads, head_dim]`` in the query's dtype.
@@ -87,6 +92,11 @@ def paged_attention(
         raise KernelInputError(f"query {query.dtype} != kv_cache {kv_cache.dtype}")
     if softcap is not None and softcap <= 0:
         raise KernelInputError(f"softcap must be > 0, got {softcap}")
+    if sinks is not None and sinks.shape != (query.shape[1],):
+        raise KernelInputError(
+            f"sinks {tuple(sinks.shape)} must be one per query head ({query.shape[1]})"
+        )
+    logits = _Logits(scale, softcap, sinks)
     group = query.shape[1] // num_kv_heads
     plan = meta.plan(
         geometry, num_queries_per_kv=group, sliding_window=sliding_window, live_spans=live_spans
@@ -100,12 +110,43 @@ def paged_attention(
     index = regions[0].token_index
     if len(regions) == 1 and isinstance(index, slice) and index == slice(0, meta.num_tokens):
         # Every token in one region, in order (a decode batch, one prompt): no copy.
-        return _attend(query, gathered, kv_cache, regions[0], geometry, scale, softcap)
+        return _attend(query, gathered, kv_cache, regions[0], geometry, logits)
     out = torch.empty_like(query)
     for region in regions:
         q = query[region.token_index]
-        out[region.token_index] = _attend(q, gathered, kv_cache, region, geometry, scale, softcap)
+        out[region.token_index] = _attend(q, gathered, kv_cache, region, geometry, logits)
     return out
+
+
+@attrs.frozen
+class _Logits:
+    """How scores become weights: scaled, soft-capped, and with a sink per head."""
+
+    scale: float
+    softcap: float | None
+    sinks: torch.Tensor | None
+
+    @property
+    def plain(self) -> bool:
+        """Scaled scores and a plain softmax: what SDPA computes."""
+        return self.softcap is None and self.sinks is None
+
+    def weights(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Float32 softmax weights of scaled scores ``[B, Hkv, rows, K]`` masked by
+        ``mask``; a KV head's rows are its G query heads', each head's queries in turn."""
+        if self.softcap is not None:
+            scores = torch.tanh(scores.float() / self.softcap) * self.softcap
+        if mask is not None:
+            scores = torch.where(mask, scores, float("-inf"))
+        if self.sinks is None:
+            return torch.softmax(scores, dim=-1, dtype=torch.float32)
+        # The sink joins the normaliser: exp(s_i) / (sum_j exp(s_j) + exp(sink)).
+        batch, num_kv, rows, key_len = scores.shape
+        sink = self.sinks.view(1, num_kv, -1, 1).to(torch.float32)
+        per_row = rows // sink.shape[2]  # each query head's rows (1 for decodes)
+        sink = sink.repeat_interleave(per_row, dim=2).expand(batch, -1, -1, -1)
+        joined = torch.cat((scores.float(), sink), dim=-1)
+        return torch.softmax(joined, dim=-1)[..., :key_len]
 
 
 def _attend(
@@ -114,14 +155,13 @@ def _attend(
     kv_cache: torch.Tensor,
     region: Region,
     geometry: CacheGeometry,
-    scale: float,
-    softcap: float | None,
+    logits: _Logits,
 ) -> torch.Tensor:
     """One region's queries against its gathered keys (and values, or values in place)."""
     if region.value_bags is not None:
         values = geometry.token_rows_view(kv_cache)
-        return _attend_decodes(query, gathered, values, region, scale, softcap)
-    return _attend_region(query, gathered, region, geometry.num_kv_heads, scale, softcap)
+        return _attend_decodes(query, gathered, values, region, logits)
+    return _attend_region(query, gathered, region, geometry.num_kv_heads, logits)
 
 
 def _attend_decodes(
@@ -129,8 +169,7 @@ def _attend_decodes(
     gathered: torch.Tensor,
     values: torch.Tensor,
     region: Region,
-    scale: float,
-    softcap: float | None,
+    logits: _Logits,
 ) -> torch.Tensor:
     """Decodes of one region: gathered keys, values read in place by ``embedding_bag``.
 
@@ -143,16 +182,12 @@ def _attend_decodes(
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     keys = gathered[region.row_offset : region.row_offset + region.num_rows]
     keys = keys.view(batch, -1, key_len, head_dim)
-    q = query.view(batch, keys.shape[1], -1, head_dim) * scale
+    q = query.view(batch, keys.shape[1], -1, head_dim) * logits.scale
     if query.dtype == torch.float32:
         scores = torch.matmul(keys, q.transpose(-1, -2)).transpose(-1, -2)
     else:
         scores = torch.matmul(q, keys.transpose(-1, -2))
-    if softcap is not None:
-        scores = torch.tanh(scores.float() / softcap) * softcap
-    if region.mask is not None:
-        scores = torch.where(region.mask, scores, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype).reshape(-1)
+    weights = logits.weights(scores, region.mask).to(values.dtype).reshape(-1)
     if bags.keep is not None:
         weights = weights[bags.keep]
     out = F.embedding_bag(bags.rows, values, bags.offsets, mode="sum", per_sample_weights=weights)
@@ -164,8 +199,7 @@ def _attend_region(
     gathered: torch.Tensor,
     region: Region,
     num_kv_heads: int,
-    scale: float,
-    softcap: float | None,
+    logits: _Logits,
 ) -> torch.Tensor:
     """Attention of one region's ``[B * num_queries, num_q_heads, head_dim]`` queries."""
     batch, num_queries, key_len = region.num_requests, region.num_queries, region.key_len
@@ -173,43 +207,30 @@ def _attend_region(
     group = num_q_heads // num_kv_heads
     kv = gathered[region.row_offset : region.row_offset + region.num_rows]
     kv = kv.view(2, batch, num_kv_heads, key_len, head_dim)
-    if region.is_causal and softcap is None:
+    if region.is_causal and logits.plain:
         # A whole prompt: top-left causal is exact; GQA unfolded so SDPA can skip blocks.
         o = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None],
             kv[0],
             kv[1],
             is_causal=True,
-            scale=scale,
+            scale=logits.scale,
             enable_gqa=group > 1,
         )
         return o[0].transpose(0, 1)
     # [B*Q, Hq, D] -> [B, Hkv, G*Q, D]; a pure view when Q == 1 (decodes).
     q = query.view(batch, num_queries, num_kv_heads, group, head_dim)
     q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * num_queries, head_dim)
-    if softcap is None:
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=region.mask, scale=scale)
+    if logits.plain:
+        o = F.scaled_dot_product_attention(
+            q, kv[0], kv[1], attn_mask=region.mask, scale=logits.scale
+        )
     else:
         mask = region.mask
         if region.is_causal:
             mask = torch.ones(num_queries, key_len, dtype=torch.bool, device=q.device).tril()
             mask = mask.repeat(group, 1)
-        o = _softcapped_attention(q, kv[0], kv[1], mask, scale, softcap)
+        scores = torch.matmul(q, kv[0].transpose(-1, -2)).float() * logits.scale
+        o = torch.matmul(logits.weights(scores, mask).to(kv.dtype), kv[1])
     o = o.view(batch, num_kv_heads, group, num_queries, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(batch * num_queries, num_q_heads, head_dim)
-
-
-def _softcapped_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """Explicit softmax attention with ``scores = c * tanh(scores / c)``, scores in float32."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)

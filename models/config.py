@@ -17,6 +17,7 @@ from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import FULL, SLIDING
 from hybridkv.models.shapes.mamba2 import Mamba2Shape
+from hybridkv.models.shapes.moe import ExpertsShape
 from hybridkv.models.shapes.rope import RopeSpec
 
 __all__ = ["FULL", "SLIDING", "ModelConfig", "activation_of", "eos_ids"]
@@ -71,12 +72,8 @@ class ModelConfig:
         residual_multiplier: Each block's output is scaled by it before the residual add
             (Granite).
         logits_scaling: Logits are divided by it (Granite).
-        num_experts: Experts of each layer's MoE block, 0 for a dense MLP only.
-        num_experts_per_token: Experts each token is routed to.
-        expert_intermediate_size: Width of one expert's gated MLP.
-        expert_renormalize: The chosen experts' weights sum to 1 (else: their share of
-            every expert's probability; Qwen3-MoE's ``norm_topk_prob`` false).
-        dense_mlp_layers: Layers with a dense MLP in a model with experts.
+        experts: The MoE layers' experts, or None for a dense MLP in every layer.
+        attention_sinks: Each attention head has a learned sink logit (gpt-oss).
     """
 
     model_type: str
@@ -110,11 +107,8 @@ class ModelConfig:
     rope_interleaved: bool = False
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    num_experts: int = 0
-    num_experts_per_token: int = 0
-    expert_intermediate_size: int = 0
-    expert_renormalize: bool = True
-    dense_mlp_layers: frozenset[int] = frozenset()
+    experts: ExpertsShape | None = None
+    attention_sinks: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:

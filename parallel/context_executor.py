@@ -32,15 +32,21 @@ from hybridkv.parallel.context_shards import KVInterleave
 from hybridkv.scheduler.batch import StepBatch, StepResult
 
 
-def check_context_split(specs: Sequence[LayerSpec]) -> None:
+def check_context_split(specs: Sequence[LayerSpec], *, sinks: bool = False) -> None:
     """Refuse layers context parallelism cannot shard, naming the first and why.
 
     Raises:
         ParallelConfigError: a state layer (its recurrence runs token after token, so a
-            request's tokens cannot be split among ranks), or an attention layer whose
+            request's tokens cannot be split among ranks), an attention layer whose
             keys are not one window (a multi-span policy, chunked-local: the ring
-            attends each shard to one window of keys).
+            attends each shard to one window of keys), or, with ``sinks``, attention
+            with a learned sink per head (gpt-oss), which the ring's merge leaves out.
     """
+    if sinks:
+        raise ParallelConfigError(
+            "context parallelism merges each rank's share of a softmax; the model's "
+            "attention sinks (a learned logit per head, gpt-oss) are not part of that merge"
+        )
     for spec in specs:
         if not isinstance(spec, AttentionSpec):
             raise ParallelConfigError(

@@ -73,8 +73,8 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
         ("num_key_value_heads", config.num_kv_heads, True),
         ("intermediate_size", config.intermediate_size, False),
     ]
-    if config.num_experts:
-        values.append(("expert intermediate_size", config.expert_intermediate_size, False))
+    if config.experts is not None:
+        values.append(("expert intermediate_size", config.experts.inner, False))
     if config.mamba is not None:
         values += [
             ("mamba_n_heads", config.mamba.num_heads, False),
@@ -126,7 +126,7 @@ class TensorShard:
         shares: dict[str, Any] = {
             "num_heads": config.num_heads // size,
             "intermediate_size": config.intermediate_size // size,
-            "expert_intermediate_size": config.expert_intermediate_size // size,
+            "experts": None if config.experts is None else config.experts.tensor_share(size),
             "layers": tuple(tensor_rank_spec(s, size, mamba) for s in config.layers),
             "mamba": None if mamba is None else mamba.tensor_share(size),
         }
@@ -172,18 +172,25 @@ class TensorShard:
         attn.set_submodule("k_proj", rows_of(attn.k_proj, kv))
         attn.set_submodule("v_proj", rows_of(attn.v_proj, kv))
         attn.set_submodule("o_proj", self._summed(attn.o_proj, q))
+        if attn.sinks is not None:
+            attn.sinks = param(attn.sinks.detach()[rank * num_heads : (rank + 1) * num_heads])
         attn.num_heads, attn.num_kv_heads = num_heads, num_kv
         attn._qk_v_widths = ((num_heads + num_kv) * dim, num_kv * dim)
 
     def _experts(self, moe: MixtureOfExperts) -> None:
-        """Every expert's gate and up rows, and down columns, of this rank's width."""
+        """Every expert's gate and up rows (and biases), and down columns, of this rank's
+        width."""
         stacked, out = moe.input_linear.weight.detach(), moe.output_linear.weight.detach()
         width = stacked.shape[1] // 2 // self.ranks.size
         mine = torch.arange(self.ranks.rank * width, (self.ranks.rank + 1) * width)
-        moe.input_linear.weight = param(
-            stacked[:, torch.cat((mine, mine + width * self.ranks.size))]
-        )
+        rows = torch.cat((mine, mine + width * self.ranks.size))
+        moe.input_linear.weight = param(stacked[:, rows])
         moe.output_linear.weight = param(out[:, :, mine])
+        if moe.input_linear.bias is not None:
+            moe.input_linear.bias = param(moe.input_linear.bias.detach()[:, rows])
+        if moe.output_linear.bias is not None and self.ranks.rank:
+            # Added once to the ranks' sum: by the first rank.
+            moe.output_linear.bias = param(torch.zeros_like(moe.output_linear.bias))
 
     def _summed(self, linear: nn.Module, columns: torch.Tensor | slice) -> SummedOverRanks:
         return SummedOverRanks(columns_of(linear, columns), self.ranks, bias_of(linear))

@@ -1,6 +1,6 @@
 """Capacity: requests that fit in a KV budget, the hybrid layout against a uniform one.
 
-For every built-in config (``hybridkv.models.specs.BUILTIN_CONFIGS``), every KV budget
+For every built-in config (``hybridkv.models.published_shapes.BUILTIN_CONFIGS``), every KV budget
 and every request length, the planner's layout (``plan_layout``) and its report
 (``describe``, what ``hybridkv plan`` prints): the pages of the pool, the requests of that
 many tokens (prompt and output) that fit at once, and the longest single request, under
@@ -24,7 +24,8 @@ from typing import Any
 from benchmarks.common.results import add_json_argument, write_json
 from hybridkv.memory.layout_planner import describe, plan_layout
 from hybridkv.memory.sizes import parse_size
-from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config
+from hybridkv.models.published_shapes import BUILTIN_CONFIGS
+from hybridkv.models.specs import layer_specs_from_config
 
 BUDGETS = ("1GiB", "4GiB", "16GiB")
 REQUEST_TOKENS = (4096, 32768)

@@ -16,8 +16,9 @@ from hybridkv.memory.layout import (
     PoolSpec,
 )
 from hybridkv.memory.layout_planner import plan_layout, policy_label
+from hybridkv.models.published_shapes import BUILTIN_CONFIGS
 from hybridkv.models.shapes.mamba2 import mamba2_shape
-from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config
+from hybridkv.models.specs import layer_specs_from_config
 from hybridkv.policies import FullAttention
 
 # -- models: the published config.json values -----------------------------------------

@@ -43,7 +43,8 @@ import structlog
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.memory import KVCacheManager
 from hybridkv.memory.layout_planner import describe, plan_layout
-from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config
+from hybridkv.models.published_shapes import BUILTIN_CONFIGS
+from hybridkv.models.specs import layer_specs_from_config
 from hybridkv.policies import FullAttention, MemoryPolicy
 from hybridkv.policies.base import cdiv
 from hybridkv.scheduler import EngineConfig, SamplingParams

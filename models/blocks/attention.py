@@ -99,6 +99,8 @@ class PagedAttention(nn.Module):
         self.head_dim = spec.head_dim
         self.scale = config.query_scale
         self.softcap = config.attn_softcap
+        # gpt-oss: a learned logit per head joining each softmax (``kernels/attention.py``).
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
         window = spec.policy.attention_window()
         self.sliding_window = None if window is None else window.size
         self.live_spans = spec.policy.live_spans if window is None else None
@@ -181,6 +183,7 @@ class PagedAttention(nn.Module):
             sliding_window=self.sliding_window,
             live_spans=self.live_spans,
             softcap=self.softcap,
+            sinks=self.sinks,
         )
         projected = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return projected

@@ -39,14 +39,16 @@ class DecoderLayer(nn.Module):
             self.mamba = Mamba2Mixer(config.mamba, eps)
         else:
             self.self_attn = PagedAttention(config, layer)
-        dense = not config.num_experts or layer in config.dense_mlp_layers
+        experts = config.experts
+        dense = experts is None or layer in experts.dense_layers
         if shape.mlp == "gated" or (shape.mlp == "experts" and dense):
             self.add_module(shape.mlp_name, GatedMLP(config, bias=config.mlp_bias))
         elif shape.mlp == "experts":
-            self.add_module(shape.mlp_name, _experts(config))
+            assert experts is not None
+            self.add_module(shape.mlp_name, MixtureOfExperts(size, experts))
         else:
             self.shared_mlp = SharedMLP(size, config.intermediate_size)
-            self.block_sparse_moe = _experts(config) if config.num_experts else None
+            self.block_sparse_moe = None if experts is None else MixtureOfExperts(size, experts)
         self.residual_multiplier = config.residual_multiplier
 
     def mix(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
@@ -83,13 +85,3 @@ class DecoderLayer(nn.Module):
             return x
         out: torch.Tensor = getattr(self, name)(x)
         return out
-
-
-def _experts(config: ModelConfig) -> MixtureOfExperts:
-    return MixtureOfExperts(
-        config.hidden_size,
-        config.expert_intermediate_size,
-        config.num_experts,
-        config.num_experts_per_token,
-        renormalize=config.expert_renormalize,
-    )

@@ -1,10 +1,14 @@
-"""The top-k mixture of experts (Granite 4.0-H's beside its shared MLP, Qwen3-MoE's).
+"""The top-k mixture of experts (Granite 4.0-H's beside its shared MLP, Qwen3-MoE's,
+gpt-oss's), of the shape ``models/shapes/moe.py`` reads.
 
 Weight names follow Granite 4.0-H checkpoints: ``block_sparse_moe.input_linear`` holds
 each expert's gate and up stacked (``[experts, 2 * inner, hidden]``), ``output_linear``
-``[experts, hidden, inner]``, and ``router.layer`` the routing logits. Checkpoints that
-store one MLP per expert (Qwen3-MoE: ``experts.{e}.gate_proj``, ``up_proj``,
-``down_proj``, the router as ``gate``) load into the same stacks.
+``[experts, hidden, inner]``, and ``router.layer`` the routing logits. The other
+checkpoints' layouts load into the same stacks: one MLP per expert (Qwen3-MoE:
+``experts.{e}.gate_proj``, ``up_proj``, ``down_proj``, the router as ``gate``), and
+gpt-oss's transposed stacks with gate and up channels alternating
+(``experts.gate_up_proj`` ``[experts, hidden, 2 * inner]``, ``experts.down_proj``, their
+``_bias``, the router as ``router`` with a bias).
 """
 
 from __future__ import annotations
@@ -17,22 +21,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.shapes.moe import ExpertsShape
+
+#: The router's names in Qwen3-MoE's and gpt-oss's checkpoints -> ours.
+_ROUTER_NAMES = {
+    "gate.weight": "router.layer.weight",
+    "router.weight": "router.layer.weight",
+    "router.bias": "router.layer.bias",
+}
 
 
 class _ExpertWeights(nn.Module):
-    """One stacked parameter named ``weight``, as the checkpoint stores it."""
+    """One stacked parameter named ``weight`` ``[experts, out, in]``, as the checkpoint
+    stores it, and a ``bias`` ``[experts, out]`` where the experts have one."""
 
-    def __init__(self, *shape: int) -> None:
+    def __init__(self, experts: int, out: int, inputs: int, *, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape))
+        self.weight = nn.Parameter(torch.empty(experts, out, inputs))
+        self.bias = nn.Parameter(torch.empty(experts, out)) if bias else None
 
 
 class _Router(nn.Module):
     """The routing projection, as ``router.layer``."""
 
-    def __init__(self, hidden: int, num_experts: int) -> None:
+    def __init__(self, hidden: int, num_experts: int, *, bias: bool) -> None:
         super().__init__()
-        self.layer = nn.Linear(hidden, num_experts, bias=False)
+        self.layer = nn.Linear(hidden, num_experts, bias=bias)
 
 
 class MixtureOfExperts(nn.Module):
@@ -48,23 +62,24 @@ class MixtureOfExperts(nn.Module):
     every released Granite MoE's are.
     """
 
-    def __init__(
-        self, hidden: int, inner: int, num_experts: int, top_k: int, *, renormalize: bool = True
-    ) -> None:
+    def __init__(self, hidden: int, shape: ExpertsShape) -> None:
         super().__init__()
+        inner = shape.inner
         if hidden % 8 or inner % 8:
             raise ModelConfigError(
                 f"experts of hidden size {hidden} and inner size {inner}: both must be "
                 "multiples of 8 (the grouped matmul's rows are 16-byte aligned)"
             )
-        self.router = _Router(hidden, num_experts)
-        self.input_linear = _ExpertWeights(num_experts, 2 * inner, hidden)
-        self.output_linear = _ExpertWeights(num_experts, hidden, inner)
-        self.top_k = top_k
-        self.renormalize = renormalize
+        experts, bias = shape.num_experts, shape.bias
+        self.router = _Router(hidden, experts, bias=bias)
+        self.input_linear = _ExpertWeights(experts, 2 * inner, hidden, bias=bias)
+        self.output_linear = _ExpertWeights(experts, hidden, inner, bias=bias)
+        self.shape = shape
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Take one MLP per expert (``experts.{e}.gate_proj`` ...) as the stacks."""
+        """Take one MLP per expert (``experts.{e}.gate_proj`` ...), or gpt-oss's stacks,
+        as ours."""
+        _gpt_oss_stacks(state_dict, prefix)
         names: dict[str, list[torch.Tensor]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
         for e in range(self.input_linear.weight.shape[0]):
             for part, tensors in names.items():
@@ -75,27 +90,64 @@ class MixtureOfExperts(nn.Module):
             gate_up = [torch.cat(p) for p in zip(names["gate_proj"], names["up_proj"], strict=True)]
             state_dict[f"{prefix}input_linear.weight"] = torch.stack(gate_up)
             state_dict[f"{prefix}output_linear.weight"] = torch.stack(names["down_proj"])
-        if f"{prefix}gate.weight" in state_dict:
-            state_dict[f"{prefix}router.layer.weight"] = state_dict.pop(f"{prefix}gate.weight")
+        for old, new in _ROUTER_NAMES.items():
+            if f"{prefix}{old}" in state_dict:
+                state_dict[f"{prefix}{new}"] = state_dict.pop(f"{prefix}{old}")
         super()._load_from_state_dict(state_dict, prefix, *args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts ``[T, k]`` and their weights, in ``x``'s dtype."""
         logits: torch.Tensor = self.router.layer(x).float()
-        if self.renormalize:  # the softmax of the top k: their probabilities summing to 1
-            top_logits, experts = logits.topk(self.top_k, dim=-1)  # [T, k]
-            weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        else:  # their probabilities among all the experts
-            top, experts = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
-            weights = top.to(x.dtype)
+        top_k = self.shape.top_k
+        if self.shape.router == "sigmoid":
+            top_logits, experts = logits.topk(top_k, dim=-1)
+            return experts, torch.sigmoid(top_logits).to(x.dtype)
+        if self.shape.renormalize:  # the softmax of the top k: their probabilities summing to 1
+            top_logits, experts = logits.topk(top_k, dim=-1)
+            return experts, torch.softmax(top_logits, dim=-1).to(x.dtype)
+        top, experts = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)  # among all experts
+        return experts, top.to(x.dtype)
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.shape.activation == "silu":
+            return F.silu(gate) * up
+        limit = self.shape.limit
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.shape.alpha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self._route(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # pairs by expert, each expert's tokens in order
-        tokens = order // self.top_k
+        tokens, by_expert = order // self.shape.top_k, flat[order]
         every = torch.arange(self.input_linear.weight.shape[0], device=x.device)
-        ends = torch.searchsorted(flat[order], every, right=True).to(torch.int32)
-        up_in = self.input_linear.weight.transpose(1, 2)
-        gate, up = _grouped_mm(x[tokens], up_in, ends).chunk(2, dim=-1)
-        y = _grouped_mm(F.silu(gate) * up, self.output_linear.weight.transpose(1, 2), ends)
+        ends = torch.searchsorted(by_expert, every, right=True).to(torch.int32)
+        gate_up = _grouped_mm(x[tokens], self.input_linear.weight.transpose(1, 2), ends)
+        if self.input_linear.bias is not None:
+            gate_up = gate_up + self.input_linear.bias[by_expert]
+        y = _grouped_mm(self._activate(gate_up), self.output_linear.weight.transpose(1, 2), ends)
+        if self.output_linear.bias is not None:
+            y = y + self.output_linear.bias[by_expert]
         return torch.zeros_like(x).index_add_(0, tokens, y * weights.flatten()[order, None])
+
+
+def _gpt_oss_stacks(state_dict: dict[str, Any], prefix: str) -> None:
+    """gpt-oss's ``experts.gate_up_proj`` ``[E, hidden, 2 * inner]`` (gate and up channels
+    alternating) and ``experts.down_proj`` ``[E, inner, hidden]``, with their biases, as
+    ``input_linear`` (gate rows, then up rows) and ``output_linear``."""
+    stacks = {"gate_up_proj": "input_linear", "down_proj": "output_linear"}
+    for theirs, ours in stacks.items():
+        for suffix, name in (("", "weight"), ("_bias", "bias")):
+            key = f"{prefix}experts.{theirs}{suffix}"
+            if key not in state_dict:
+                continue
+            tensor = state_dict.pop(key)
+            if theirs == "gate_up_proj":  # [..., 2 * inner] alternating -> gate, then up
+                tensor = torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
+            state_dict[f"{prefix}{ours}.{name}"] = (
+                tensor.transpose(1, 2).contiguous() if name == "weight" else tensor
+            )
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ MODULES = {
     "cohere2": "cohere2",
     "olmo3": "olmo3",
     "exaone4": "exaone4",
+    "gpt_oss": "gpt_oss",
     "jamba": "jamba",
     "mixtral": "mistral",
 }

@@ -19,6 +19,7 @@ from hybridkv.models.hf_config import float_field, int_field, text_config
 from hybridkv.models.kinds import MAMBA, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.mamba2 import mamba2_shape, mamba2_state_bytes
+from hybridkv.models.shapes.moe import ExpertsShape
 from hybridkv.models.shapes.rope import RopeSpec, rope_from_hf
 
 
@@ -55,9 +56,13 @@ def parse_granite_hybrid(
         mamba=mamba2_shape(cfg),
         residual_multiplier=float_field(cfg, "residual_multiplier", 1.0),
         logits_scaling=float_field(cfg, "logits_scaling", 1.0),
-        num_experts=num_experts,
-        num_experts_per_token=int_field(cfg, "num_experts_per_tok", 2) if num_experts else 0,
-        expert_intermediate_size=fields["intermediate_size"] if num_experts else 0,
+        experts=ExpertsShape(
+            num_experts=num_experts,
+            top_k=int_field(cfg, "num_experts_per_tok", 2),
+            inner=fields["intermediate_size"],
+        )
+        if num_experts
+        else None,
     )
 
 

@@ -1,7 +1,7 @@
 """Phi-3 (and Phi-4-mini): Llama's layers with q/k/v and gate/up joined in the checkpoint
 (``qkv_proj``, ``gate_up_proj``, read as the parts), rope on a share of each head
-(``partial_rotary_factor``), every layer sliding where ``sliding_window`` is set. LongRoPE
-(``rope_type`` ``longrope``: Phi-3 128k, Phi-4-mini) is refused by name."""
+(``partial_rotary_factor``), every layer sliding where ``sliding_window`` is set, and
+LongRoPE (``rope_type`` ``longrope``: Phi-3 128k, Phi-4-mini; ``models/shapes/rope.py``)."""
 
 from __future__ import annotations
 

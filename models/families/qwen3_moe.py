@@ -15,6 +15,7 @@ from hybridkv.models.families.qwen2 import qwen_kinds
 from hybridkv.models.hf_config import flag_field, int_field
 from hybridkv.models.kinds import PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
+from hybridkv.models.shapes.moe import ExpertsShape
 
 
 def parse_qwen3_moe(
@@ -29,12 +30,14 @@ def parse_qwen3_moe(
     only = {int(i) for i in hf.get("mlp_only_layers") or ()}
     return ModelConfig(
         **{**fields, "qk_norm": True},
-        num_experts=experts,
-        num_experts_per_token=int_field(hf, "num_experts_per_tok"),
-        expert_intermediate_size=int_field(hf, "moe_intermediate_size"),
-        expert_renormalize=flag_field(hf, "norm_topk_prob", False),
-        dense_mlp_layers=frozenset(
-            i for i in range(num_layers) if i in only or (i + 1) % step != 0
+        experts=ExpertsShape(
+            num_experts=experts,
+            top_k=int_field(hf, "num_experts_per_tok"),
+            inner=int_field(hf, "moe_intermediate_size"),
+            renormalize=flag_field(hf, "norm_topk_prob", False),
+            dense_layers=frozenset(
+                i for i in range(num_layers) if i in only or (i + 1) % step != 0
+            ),
         ),
     )
 

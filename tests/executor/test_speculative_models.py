@@ -34,6 +34,7 @@ POOL_PAGES |= {
     "olmo3": 24,
     "exaone4": 24,
     "cohere2": 24,
+    "gpt_oss": 24,
 }  # a group per layer kind: each holds pages
 
 

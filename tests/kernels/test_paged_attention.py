@@ -44,6 +44,7 @@ class Case:
     head_dim: int = 16
     window: int | None = None
     softcap: float | None = None
+    sinks: bool = False  # a learned sink logit per query head (gpt-oss)
     dtype: torch.dtype = torch.float32
     seed: int = 0
     page_padding: int = 0  # extra elements per page: the cache is a view into a wider pool
@@ -80,6 +81,7 @@ def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tenso
     cache = cache.to(device)
     write_kv(cache, torch.cat(new_k).to(device), torch.cat(new_v).to(device), meta)
     scale = d**-0.5
+    sinks = torch.randn(case.num_q_heads, generator=gen) * 2 if case.sinks else None
     out = paged_attention(
         torch.cat(queries).to(device),
         cache,
@@ -87,9 +89,10 @@ def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tenso
         scale=scale,
         sliding_window=case.window,
         softcap=case.softcap,
+        sinks=None if sinks is None else sinks.to(device),
     )
     ref = [
-        reference(q, k, v, scale, case.window, case.softcap)
+        reference(q, k, v, scale, case.window, case.softcap, sinks)
         for q, k, v in zip(queries, keys, values, strict=True)
     ]
     return out.cpu(), torch.cat(ref).to(case.dtype)
@@ -102,8 +105,10 @@ def reference(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Float64 softmax attention of the last len(q) positions of one request."""
+    """Float64 softmax attention of the last len(q) positions of one request (with a
+    sink, a column of the softmax whose value is zero)."""
     q_len, num_q_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_q_heads // num_kv_heads
@@ -118,7 +123,11 @@ def reference(
     if window is not None:
         allowed &= k_pos > q_pos - window
     scores = scores.masked_fill(~allowed, -math.inf)
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v64)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v64)
+    sink = sinks.double()[:, None, None].expand(-1, q_len, 1)
+    weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", weights, v64)
 
 
 def check(case: Case) -> None:
@@ -167,6 +176,22 @@ def test_softcap() -> None:
 def test_softcap_with_sliding_window() -> None:
     """Softcap and a window together (Gemma 2 local layers) match the reference."""
     check(Case(requests=((1, 13), (5, 14)), softcap=2.0, window=5))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_take_a_share_of_each_heads_weight(window, dtype) -> None:
+    """A sink per query head (gpt-oss) joins each softmax's normaliser: decodes,
+    chunks and whole prompts, grouped query heads, with and without a window."""
+    requests = ((1, 13), (5, 14), (1, 3), (9, 9))
+    check(Case(requests=requests, sinks=True, window=window, num_q_heads=8, dtype=dtype))
+
+
+def test_sinks_of_the_wrong_shape_are_refused() -> None:
+    meta = PagedMetadata.build([1], [1], [[1]], 4)
+    cache = torch.zeros(2, 2, 1, 4, 8)
+    with pytest.raises(KernelInputError, match="one per query head"):
+        paged_attention(torch.zeros(1, 2, 8), cache, meta, scale=1.0, sinks=torch.zeros(3))
 
 
 def test_bfloat16_mixed_batch() -> None:

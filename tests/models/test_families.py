@@ -35,7 +35,8 @@ def test_families_read_configs_without_torch() -> None:
         "import sys\n"
         "from hybridkv.models.families import MODULES, family_for\n"
         "[family_for(t) for t in MODULES]\n"
-        "from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config\n"
+        "from hybridkv.models.published_shapes import BUILTIN_CONFIGS\n"
+        "from hybridkv.models.specs import layer_specs_from_config\n"
         "[layer_specs_from_config(c) for c in BUILTIN_CONFIGS.values()]\n"
         "print('torch' in sys.modules)\n"
     )

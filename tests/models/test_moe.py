@@ -9,12 +9,13 @@ import torch.nn.functional as F
 
 from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.shapes.moe import ExpertsShape
 
 HIDDEN, INNER, EXPERTS, TOP_K = 16, 24, 6, 2
 
 
 def _experts() -> MixtureOfExperts:
-    moe = MixtureOfExperts(HIDDEN, INNER, EXPERTS, TOP_K)
+    moe = MixtureOfExperts(HIDDEN, ExpertsShape(num_experts=EXPERTS, top_k=TOP_K, inner=INNER))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in moe.parameters():
@@ -47,4 +48,34 @@ def test_experts_equal_routing_token_by_token(
 
 def test_sizes_not_multiples_of_eight_are_refused() -> None:
     with pytest.raises(ModelConfigError, match="hidden size 60 and inner size 24"):
-        MixtureOfExperts(60, 24, EXPERTS, TOP_K)
+        MixtureOfExperts(60, ExpertsShape(num_experts=EXPERTS, top_k=TOP_K, inner=24))
+
+
+def test_gpt_oss_experts_load_and_match_transformers() -> None:
+    """gpt-oss's stacks (transposed, gate and up alternating, biased), its biased router
+    and its clamped SwiGLU: the same output as transformers' block, with activations
+    wide enough that the clamp cuts."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = GptOssConfig(
+        hidden_size=HIDDEN, intermediate_size=INNER, num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, swiglu_limit=1.5,
+    )  # fmt: skip
+    reference = GptOssMLP(config)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    shape = ExpertsShape(
+        num_experts=EXPERTS, top_k=TOP_K, inner=INNER, bias=True, activation="clamped",
+        limit=1.5,
+    )  # fmt: skip
+    moe = MixtureOfExperts(HIDDEN, shape)
+    moe.load_state_dict(reference.state_dict())
+    x = torch.randn(13, HIDDEN, generator=generator)
+    with torch.no_grad():
+        gate_up = x @ reference.experts.gate_up_proj[0]
+        assert (gate_up.abs() > 1.5).any(), "the clamp cuts"
+        expected, _ = reference(x[None])
+        torch.testing.assert_close(moe(x), expected[0], atol=1e-5, rtol=1e-5)

@@ -9,7 +9,8 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm, apply_rota
 
 from hybridkv.models.blocks.norms import RMSNorm, rms_norm
 from hybridkv.models.blocks.rope import RotaryTable, apply_rope
-from hybridkv.models.shapes.rope import RopeSpec
+from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.shapes.rope import RopeSpec, rope_from_hf
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,3 +71,93 @@ def test_heads_side_by_side_normalise_as_each_norm_alone(dtype, offset):
     joined = rms_norm(qk, scale, 1e-6, scale_first=bool(offset))
     torch.testing.assert_close(joined[:, :4], q_norm(qk[:, :4]), rtol=0, atol=0)
     torch.testing.assert_close(joined[:, 4:], k_norm(qk[:, 4:]), rtol=0, atol=0)
+
+
+def _hf_config(rope: dict, **fields):
+    from transformers import LlamaConfig
+
+    fields = {"max_position_embeddings": 4096, **fields}
+    return LlamaConfig(hidden_size=64, num_attention_heads=2, rope_parameters=rope, **fields)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+         "beta_fast": 16, "beta_slow": 2, "truncate": False},
+        {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
+         "mscale": 1.0, "mscale_all_dim": 0.8},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256,
+         "attention_factor": 1.3},
+        {"rope_type": "linear", "factor": 3.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 256},
+    ],
+    ids=["yarn", "yarn-untruncated", "yarn-mscale", "yarn-attention-factor", "linear", "llama3"],
+)  # fmt: skip
+def test_scaled_frequencies_are_transformers(rope):
+    """Each scaling's frequencies and cos/sin multiplier as transformers computes them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_theta": 10_000.0, **rope}
+    config = _hf_config(dict(rope))
+    expected, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+    spec = RopeSpec.from_hf(rope, theta=1.0, max_positions=4096)
+    table = RotaryTable(spec, head_dim=32, device="cpu")
+    torch.testing.assert_close(table.inv_freq, expected, rtol=1e-6, atol=0)
+    assert spec.attention_factor == pytest.approx(factor)
+    cos, signed_sin = table.cos_sin(torch.tensor([5]), torch.float32)
+    angle = 5 * table.inv_freq
+    torch.testing.assert_close(cos[0, 0, :16], angle.cos() * factor)
+    torch.testing.assert_close(signed_sin[0, 0, 16:], angle.sin() * factor)
+
+
+def test_longrope_rotates_each_position_by_its_side_of_the_pretraining_context():
+    """Positions inside ``original_max_position_embeddings`` by the short factors, those
+    beyond by the long ones: what transformers uses for a sequence ending at each; the
+    top-level fields of a Phi-3 config.json (rotary share, pretraining context) read."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    short, long = [1.0 + i / 10 for i in range(12)], [2.0 + i for i in range(12)]
+    hub = {
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 64,
+        "max_position_embeddings": 1024,
+        "rope_theta": 10_000.0,
+        "rope_scaling": {"type": "longrope", "short_factor": short, "long_factor": long},
+    }
+    config = Phi3Config(hidden_size=128, num_attention_heads=4, **hub)
+    init = ROPE_INIT_FUNCTIONS["longrope"]
+    (short_freq, factor), (long_freq, _) = init(config, "cpu"), init(config, "cpu", seq_len=65)
+    spec = rope_from_hf(hub, default_theta=1.0)
+    assert (spec.original_max_position_embeddings, spec.partial_rotary_factor) == (64, 0.75)
+    assert spec.attention_factor == pytest.approx(factor) and factor > 1
+    table = RotaryTable(spec, head_dim=32, device="cpu")
+    cos, _ = table.cos_sin(torch.tensor([63, 64]), torch.float32)
+    torch.testing.assert_close(cos[0, 0, :12], (63 * short_freq).cos() * factor)
+    torch.testing.assert_close(cos[1, 0, :12], (64 * long_freq).cos() * factor)
+
+
+def test_dynamic_ntk_rotates_each_position_as_a_sequence_ending_there():
+    """Inside ``max_position_embeddings``: plain rope; beyond, position p by the base
+    transformers computes for a sequence of p + 1 tokens."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10_000.0}
+    config = _hf_config(dict(rope), max_position_embeddings=64)
+    spec = RopeSpec.from_hf(rope, theta=1.0, max_positions=64)
+    table = RotaryTable(spec, head_dim=32, device="cpu")
+    plain = RotaryTable(RopeSpec(theta=10_000.0), head_dim=32, device="cpu")
+    positions = torch.tensor([0, 63, 64, 200])
+    cos, _ = table.cos_sin(positions, torch.float32)
+    torch.testing.assert_close(cos[:2], plain.cos_sin(positions[:2], torch.float32)[0])
+    for row, p in ((2, 64), (3, 200)):
+        freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=p + 1)
+        torch.testing.assert_close(cos[row, 0, :16], (p * freq).cos())
+
+
+def test_an_unknown_rope_type_is_refused_by_name():
+    with pytest.raises(ModelConfigError, match="rope_type 'su'"):
+        RopeSpec.from_hf({"rope_type": "su"}, theta=1.0, max_positions=8)

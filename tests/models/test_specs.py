@@ -10,7 +10,8 @@ import pytest
 
 from hybridkv.memory.layout import AttentionSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.specs import BUILTIN_CONFIGS, layer_specs_from_config
+from hybridkv.models.published_shapes import BUILTIN_CONFIGS
+from hybridkv.models.specs import layer_specs_from_config
 from hybridkv.policies import (
     ChunkedLocal,
     FullAttention,

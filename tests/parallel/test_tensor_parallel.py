@@ -99,6 +99,7 @@ def test_two_ranks_match_one_process_bamba(
         ("qwen3_moe", 2, 1, 1),
         ("phi3", 2, 1, 1),
         ("cohere2", 2, 1, 1),
+        ("gpt_oss", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(

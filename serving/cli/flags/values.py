@@ -39,7 +39,7 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
         UsageError: no such model.
         ModelConfigError: the config.json cannot be read as a JSON object.
     """
-    from hybridkv.models.specs import BUILTIN_CONFIGS
+    from hybridkv.models.published_shapes import BUILTIN_CONFIGS
 
     if model in BUILTIN_CONFIGS:
         return model, BUILTIN_CONFIGS[model]

@@ -127,7 +127,10 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     # Not Qwen2's tiny random model: its logits are flat enough that its greedy agreement
     # sits at the bounds (45% in int4; 80-85% in int8, by thread count); Seed-OSS covers
     # biased q/k/v.
-    + [(n, "int8") for n in ("smollm3", "seed_oss", "olmo3", "exaone4", "phi3", "cohere2")],
+    + [
+        (n, "int8")
+        for n in ("smollm3", "seed_oss", "olmo3", "exaone4", "phi3", "cohere2", "gpt_oss")
+    ],
 )
 def test_tiny_model_stays_close_to_float32(name, weights, tiny_models, make_driver, prompt_of):
     """Greedy decoding with quantised weights, prompts prefilled in one chunk (the

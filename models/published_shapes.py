@@ -1,0 +1,187 @@
+"""Configs shaped like public checkpoints, for ``hybridkv plan NAME`` without a download:
+config.json fields as the hub's releases have them (only those the layer specs read), and
+nothing else (``models/specs.py`` reads them as any config)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_GPT_OSS_20B: dict[str, Any] = {
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 24,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "sliding_window": 128,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+}
+
+#: Configs shaped like public checkpoints, for ``hybridkv plan NAME`` without a download.
+BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
+    # Gemma 3 1B: 26 layers, 5 sliding (window 512) to 1 full, one KV head of 256.
+    "gemma3-like": {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 26,
+        "hidden_size": 1152,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+    },
+    # Gemma 2 2B: 26 layers alternating sliding (window 4096) and full, 4 KV heads of 256.
+    "gemma2-like": {
+        "model_type": "gemma2",
+        "num_hidden_layers": 26,
+        "hidden_size": 2304,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 4096,
+    },
+    # Llama 3 8B: 32 full-attention layers, 8 KV heads of 128.
+    "llama-like": {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    # Qwen3 8B: 36 full-attention layers, 8 KV heads of 128.
+    "qwen3-8b-like": {
+        "model_type": "qwen3",
+        "num_hidden_layers": 36,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+    # Qwen3 30B-A3B: 48 full-attention layers, 4 KV heads of 128, 128 experts (8 a token).
+    "qwen3-30b-a3b-like": {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 48,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+    },
+    # Qwen2.5 7B: 28 full-attention layers, 4 KV heads of 128.
+    "qwen2.5-7b-like": {
+        "model_type": "qwen2",
+        "num_hidden_layers": 28,
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+    },
+    # Mistral Small 3.2 (24B): 40 full-attention layers, 8 KV heads of 128.
+    "mistral-small-3.2-like": {
+        "model_type": "mistral",
+        "num_hidden_layers": 40,
+        "hidden_size": 5120,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "sliding_window": None,
+    },
+    # Phi-4-mini: 32 full-attention layers, 8 KV heads of 128 (its LongRoPE does not run
+    # here yet: sized only).
+    "phi-4-mini-like": {
+        "model_type": "phi3",
+        "num_hidden_layers": 32,
+        "hidden_size": 3072,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+    },
+    # Command A: 64 layers, 3 sliding (window 4096) to 1 full, 8 KV heads of 128.
+    "command-a-like": {
+        "model_type": "cohere2",
+        "num_hidden_layers": 64,
+        "hidden_size": 12288,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "sliding_window": 4096,
+    },
+    # SmolLM3 3B: 36 full-attention layers (every 4th without rope), 4 KV heads of 128.
+    "smollm3-3b-like": {
+        "model_type": "smollm3",
+        "num_hidden_layers": 36,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
+    # OLMo 3 7B: 32 layers, 3 sliding (window 4096) to 1 full, 32 KV heads of 128.
+    "olmo3-7b-like": {
+        "model_type": "olmo3",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "sliding_window": 4096,
+    },
+    # EXAONE 4.0 32B: 64 layers, LLLG (3 sliding of 4096 to 1 full), 8 KV heads of 128.
+    "exaone4-32b-like": {
+        "model_type": "exaone4",
+        "num_hidden_layers": 64,
+        "hidden_size": 5120,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "sliding_window": 4096,
+        "sliding_window_pattern": "LLLG",
+    },
+    # Jamba v0.1: 32 layers, one attention layer in 8, the rest mamba.
+    "jamba-like": {
+        "model_type": "jamba",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    },
+    # Bamba 9B: 32 layers, full attention in 3 (9, 18, 27), Mamba2 in the rest: 128 heads
+    # of 64 channels, a state of 128, one group.
+    "bamba-like": {
+        "model_type": "bamba",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attn_layer_indices": [9, 18, 27],
+        "mamba_n_heads": 128,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    },
+    # Granite 4.0-H Micro: 40 layers, full attention in 4 of them, Mamba2 in the rest.
+    "granite-4.0-h-like": {
+        "model_type": "granitemoehybrid",
+        "num_hidden_layers": 40,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "layer_types": ["attention" if i % 10 == 9 else "mamba" for i in range(40)],
+        "mamba_n_heads": 64,
+        "mamba_d_head": 64,
+        "mamba_d_state": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+    },
+    # gpt-oss-20b: 24 layers, sliding (window 128) and full alternating, 8 KV heads of 64,
+    # 32 experts (4 a token).
+    "gpt-oss-20b-like": _GPT_OSS_20B,
+    # gpt-oss-120b: 36 layers of gpt-oss-20b's shape, 128 experts.
+    "gpt-oss-120b-like": _GPT_OSS_20B | {"num_hidden_layers": 36, "num_local_experts": 128},
+}

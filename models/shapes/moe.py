@@ -1,0 +1,60 @@
+"""A mixture of experts' shape, read from config.json (torch-free;
+``hybridkv.models.blocks.moe`` builds it).
+
+The families differ in how a token picks its experts and in what an expert computes:
+
+=====================  =========================================================
+router ``softmax``     softmax of the router's logits; the top k (Qwen3-MoE,
+                       Granite, gpt-oss), their weights renormalised or not
+router ``sigmoid``     sigmoid of the top k logits (Llama 4)
+activation ``silu``    ``silu(gate) * up`` (SwiGLU)
+activation ``clamped`` gpt-oss's: gate clamped above and up on both sides at
+                       ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``
+=====================  =========================================================
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+Router = Literal["softmax", "sigmoid"]
+ExpertActivation = Literal["silu", "clamped"]
+
+
+@attrs.frozen(kw_only=True)
+class ExpertsShape:
+    """The experts of a model's MoE layers.
+
+    Attributes:
+        num_experts: Experts in each MoE layer.
+        top_k: Experts each token is routed to.
+        inner: Width of one expert's gated MLP.
+        renormalize: The chosen experts' weights sum to 1 (else: their share of every
+            expert's probability; Qwen3-MoE's ``norm_topk_prob`` false).
+        dense_layers: The layers with a dense MLP instead.
+        router: ``softmax`` or ``sigmoid`` (see the module).
+        bias: The router and every expert's projections have biases (gpt-oss).
+        activation: ``silu`` or ``clamped`` (see the module).
+        alpha: ``clamped``: the sigmoid's slope.
+        limit: ``clamped``: where gate and up are clamped.
+        shared_inner: Width of a shared expert every token also runs (Llama 4), 0 for none.
+    """
+
+    num_experts: int
+    top_k: int
+    inner: int
+    renormalize: bool = True
+    dense_layers: frozenset[int] = frozenset()
+    router: Router = "softmax"
+    bias: bool = False
+    activation: ExpertActivation = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+    shared_inner: int = 0
+
+    def tensor_share(self, size: int) -> ExpertsShape:
+        """The shape one of ``size`` tensor-parallel ranks holds: each expert's width
+        (and the shared expert's) split."""
+        return attrs.evolve(self, inner=self.inner // size, shared_inner=self.shared_inner // size)
