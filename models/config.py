@@ -18,7 +18,7 @@ from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import FULL, SLIDING
 from hybridkv.models.shapes.mamba2 import Mamba2Shape
 from hybridkv.models.shapes.moe import ExpertsShape
-from hybridkv.models.shapes.rope import RopeSpec
+from hybridkv.models.shapes.rope import QueryTemperature, RopeSpec
 
 __all__ = ["FULL", "SLIDING", "ModelConfig", "activation_of", "eos_ids"]
 
@@ -74,6 +74,9 @@ class ModelConfig:
         logits_scaling: Logits are divided by it (Granite).
         experts: The MoE layers' experts, or None for a dense MLP in every layer.
         attention_sinks: Each attention head has a learned sink logit (gpt-oss).
+        rope_qk_l2_norm: After rope, each q and k head is divided by its root mean square,
+            without a weight, in the layers that rotate (Llama 4's ``use_qk_norm``).
+        query_temperature: Queries scaled by their position (Llama 4, Ministral 3), or None.
     """
 
     model_type: str
@@ -109,6 +112,8 @@ class ModelConfig:
     logits_scaling: float = 1.0
     experts: ExpertsShape | None = None
     attention_sinks: bool = False
+    rope_qk_l2_norm: bool = False
+    query_temperature: QueryTemperature | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:

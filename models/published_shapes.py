@@ -184,4 +184,18 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "gpt-oss-20b-like": _GPT_OSS_20B,
     # gpt-oss-120b: 36 layers of gpt-oss-20b's shape, 128 experts.
     "gpt-oss-120b-like": _GPT_OSS_20B | {"num_hidden_layers": 36, "num_local_experts": 128},
+    # Llama 4 Scout (17B-16E): 48 layers, chunked (8,192) in the 36 that rotate, full
+    # without rope in every 4th, 8 KV heads of 128, 16 experts (1 a token) beside a shared one.
+    "llama4-scout-like": {
+        "model_type": "llama4_text",
+        "num_hidden_layers": 48,
+        "hidden_size": 5120,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_chunk_size": 8192,
+        "no_rope_layer_interval": 4,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+    },
 }

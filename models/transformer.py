@@ -27,7 +27,7 @@ from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.decoder import DecoderLayer
 from hybridkv.models.blocks.mlp import GatedMLP
 from hybridkv.models.blocks.norms import config_norm
-from hybridkv.models.blocks.rope import RotaryTable
+from hybridkv.models.blocks.rope import RotaryTable, query_scales
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
 from hybridkv.models.families import Family
@@ -207,9 +207,15 @@ class CausalLM(nn.Module):
         no_rope = (hidden.new_empty(0), hidden.new_empty(0))
         kinds = self.config.layer_types  # a property that builds the tuple: read it once
         nope = self.config.nope_layers
+        temperature = self.config.query_temperature
+        scales = None if temperature is None else query_scales(temperature, positions)
         for i, (kv_cache, metadata) in zip(self.layer_range, caches, strict=True):
             cos, sin = no_rope if i in nope else tables.get(kinds[i], no_rope)
-            hidden = self.model.layers[i](hidden, LayerInputs(cos, sin, kv_cache, metadata))
+            scaled = (
+                scales if temperature is None or not temperature.nope_only or i in nope else None
+            )
+            inputs = LayerInputs(cos, sin, kv_cache, metadata, query_scale=scaled)
+            hidden = self.model.layers[i](hidden, inputs)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

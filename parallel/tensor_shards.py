@@ -75,6 +75,8 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
     ]
     if config.experts is not None:
         values.append(("expert intermediate_size", config.experts.inner, False))
+        if config.experts.shared_inner:
+            values.append(("shared expert intermediate_size", config.experts.shared_inner, False))
     if config.mamba is not None:
         values += [
             ("mamba_n_heads", config.mamba.num_heads, False),
@@ -137,10 +139,15 @@ class TensorShard:
         full = model.config
         check_tensor_split(full, self.ranks.size)
         rank, size = self.ranks.rank, self.ranks.size
+        shared_experts = {  # cut with their mixture, whose sum they join
+            f"{name}.shared_expert"
+            for name, module in model.named_modules()
+            if isinstance(module, MixtureOfExperts) and module.shared_expert is not None
+        }
         for name, module in list(model.named_modules()):
             if isinstance(module, PagedAttention):
                 self._attention(module)
-            elif isinstance(module, GatedMLP):
+            elif isinstance(module, GatedMLP) and name not in shared_experts:
                 width = module.gate_proj.out_features // size
                 mine = slice(rank * width, (rank + 1) * width)
                 module.set_submodule("gate_proj", rows_of(module.gate_proj, mine))
@@ -191,6 +198,14 @@ class TensorShard:
         if moe.output_linear.bias is not None and self.ranks.rank:
             # Added once to the ranks' sum: by the first rank.
             moe.output_linear.bias = param(torch.zeros_like(moe.output_linear.bias))
+        shared = moe.shared_expert
+        if shared is not None:  # its share of the width, summed with the experts'
+            assert isinstance(shared, GatedMLP)
+            width = shared.gate_proj.out_features // self.ranks.size
+            held = slice(self.ranks.rank * width, (self.ranks.rank + 1) * width)
+            shared.set_submodule("gate_proj", rows_of(shared.gate_proj, held))
+            shared.set_submodule("up_proj", rows_of(shared.up_proj, held))
+            shared.set_submodule("down_proj", columns_of(shared.down_proj, held))
 
     def _summed(self, linear: nn.Module, columns: torch.Tensor | slice) -> SummedOverRanks:
         return SummedOverRanks(columns_of(linear, columns), self.ranks, bias_of(linear))

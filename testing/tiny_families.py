@@ -40,6 +40,17 @@ _YARN: dict[str, Any] = {
     "truncate": False,
     "original_max_position_embeddings": 64,
 }
+#: Llama 3's rope scaling over a pretraining context of 16 (Llama 4 Scout's kind).
+_LLAMA3_ROPE: dict[str, Any] = {
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 5_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+}
 #: Rope on 3/4 of each head (6 frequencies), LongRoPE's short factors inside a
 #: pretraining context of 256 (which the tests' prompts stay inside: beyond it
 #: transformers rotates a whole forward by the long factors, this engine each position by
@@ -238,6 +249,81 @@ def _gpt_oss() -> Any:
     return GptOssForCausalLM(config)
 
 
+def _ministral3() -> Any:
+    """Ministral 3: every layer sliding, YaRN with its mscales, queries scaled by position
+    over a pretraining context of 16 (so the tests' prompts cross several steps)."""
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    rope = {**_YARN, "original_max_position_embeddings": 16, "mscale": 1.0}
+    config = Ministral3Config(
+        **COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        rope_parameters={**rope, "rope_theta": 10_000.0, "llama_4_scaling_beta": 0.3},
+        **_NO_SPECIAL_TOKENS,
+    )
+    return Ministral3ForCausalLM(config)
+
+
+def _llama4() -> Any:
+    """Llama 4 (text): chunks of 8, the last layer NoPE and full, experts (4, one a token)
+    in every second layer beside a shared one, a wider dense MLP in the others; queries
+    of the NoPE layer scaled from position 7 on (``floor_scale`` 8)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        **{**COMMON, "intermediate_size": 32},
+        intermediate_size_mlp=96,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=WINDOW,
+        floor_scale=8,
+        attn_scale=0.3,
+        **_LLAMA3_ROPE,
+        **_NO_SPECIAL_TOKENS,
+    )
+    return Llama4ForCausalLM(config)
+
+
+def _granite_swa_fields() -> dict[str, Any]:
+    """Granite's scalings, sinks, 3 sliding to 1 full, a rope base per layer (the first
+    layer, full, without rope)."""
+    return {
+        **COMMON,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "sliding_window": WINDOW,
+        "layer_rope_theta": [0, 5_000.0, 5_000.0, 5_000.0],
+        "embedding_multiplier": 2.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 3.0,
+        **_NO_SPECIAL_TOKENS,
+    }
+
+
+def _granite_swa() -> Any:
+    """Granite SWA: its dense model."""
+    from transformers import GraniteSWAConfig, GraniteSWAForCausalLM
+
+    return GraniteSWAForCausalLM(GraniteSWAConfig(**_granite_swa_fields()))
+
+
+def _granitemoe_swa() -> Any:
+    """Granite MoE SWA: 4 experts, two a token, beside a shared MLP."""
+    from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM
+
+    fields = {**_granite_swa_fields(), "intermediate_size": 32, "shared_intermediate_size": 48}
+    config = GraniteMoeSWAConfig(**fields, num_local_experts=4, num_experts_per_tok=2)
+    return GraniteMoeSWAForCausalLM(config)
+
+
 #: Each family's builder, by the name the tests know it by.
 FAMILY_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen2": _qwen2,
@@ -251,4 +337,8 @@ FAMILY_BUILDERS: dict[str, Callable[[], Any]] = {
     "phi3": _phi3,
     "cohere2": _cohere2,
     "gpt_oss": _gpt_oss,
+    "ministral3": _ministral3,
+    "llama4": _llama4,
+    "granite_swa": _granite_swa,
+    "granitemoe_swa": _granitemoe_swa,
 }

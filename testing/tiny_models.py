@@ -3,9 +3,8 @@ model folders for tests, made in a moment and without a download.
 
 ``save_tiny(name, folder)`` writes one of :data:`TINY_ARCHITECTURES` (every architecture
 the suite compares with transformers: Llama, Gemma 2 and 3 with windows, Mamba2 hybrids
-with and without experts, Qwen2 and Qwen3 with sliding layers, Mistral, SmolLM3 with NoPE
-layers, Seed-OSS with biases, OLMo 3 and EXAONE 4 with post-norm layers, Qwen3-MoE, Phi-3
-with joined projections); ``make gpu-check`` runs each on the GPU against the CPU.
+with and without experts, and the attention families of ``tiny_families.py``);
+``make gpu-check`` runs each on the GPU against the CPU.
 ``save_tiny_llama(folder)`` writes a 2-layer Llama (64 wide, a vocabulary of the
 257 ids of :func:`~hybridkv.testing.byte_tokenizer`, which it saves beside it), and
 returns the folder; ``ModelExecutor.from_pretrained(folder, ...)`` and ``hybridkv serve

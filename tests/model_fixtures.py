@@ -31,7 +31,8 @@ from hybridkv.testing.tiny_models import TINY_ARCHITECTURES, save_tiny
 #: added on the shared blocks.
 NEW_FAMILIES = (
     *("qwen2", "qwen3", "mistral", "smollm3", "seed_oss", "olmo3", "exaone4"),
-    *("qwen3_moe", "phi3", "cohere2", "gpt_oss"),
+    *("qwen3_moe", "phi3", "cohere2", "gpt_oss", "ministral3", "llama4"),
+    *("granite_swa", "granitemoe_swa"),
 )
 ATTENTION = ("llama", "gemma2", "gemma3", *NEW_FAMILIES)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

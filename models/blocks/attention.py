@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import attrs
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
@@ -52,12 +53,15 @@ class LayerInputs:
         metadata: Slot mapping and block tables of the layer's KV group, or, under context
             parallelism, the step's sharded attention of that group; for a state layer,
             the state pages each request reads and writes.
+        query_scale: ``[num_tokens, 1, 1]``: each token's query multiplier (the model's
+            ``query_temperature``), or None.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     kv_cache: torch.Tensor
     metadata: PagedMetadata | ShardedAttention | StepStates
+    query_scale: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):
@@ -94,6 +98,7 @@ class PagedAttention(nn.Module):
             self.q_norm = config_rms_norm(config, spec.head_dim if self.per_head_norm else q_width)
             self.k_norm = config_rms_norm(config, spec.head_dim if self.per_head_norm else kv_width)
         self._qk_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.rope_l2_eps = config.rms_norm_eps if config.rope_qk_l2_norm else None
         self.num_heads = config.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -162,7 +167,12 @@ class PagedAttention(nn.Module):
             )
         if inputs.cos.numel():  # NoPE layers get empty tables
             qk = apply_rope(qk, inputs.cos, inputs.sin)
+            if self.rope_l2_eps is not None:
+                normed = F.rms_norm(qk.float(), (self.head_dim,), eps=self.rope_l2_eps)
+                qk = normed.to(qk.dtype)
         q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)
+        if inputs.query_scale is not None:
+            q = q * inputs.query_scale.to(q.dtype)
         meta = inputs.metadata
         projected: torch.Tensor
         if not isinstance(meta, PagedMetadata):

@@ -45,9 +45,14 @@ class DecoderLayer(nn.Module):
             self.add_module(shape.mlp_name, GatedMLP(config, bias=config.mlp_bias))
         elif shape.mlp == "experts":
             assert experts is not None
-            self.add_module(shape.mlp_name, MixtureOfExperts(size, experts))
+            shared = None
+            if experts.shared_inner:
+                shared = GatedMLP(config, bias=config.mlp_bias, inner=experts.shared_inner)
+            self.add_module(shape.mlp_name, MixtureOfExperts(size, experts, shared))
         else:
-            self.shared_mlp = SharedMLP(size, config.intermediate_size)
+            # Granite SWA's MoE may have none (``shared_intermediate_size`` 0).
+            inner = config.intermediate_size
+            self.shared_mlp = SharedMLP(size, inner) if inner else None
             self.block_sparse_moe = None if experts is None else MixtureOfExperts(size, experts)
         self.residual_multiplier = config.residual_multiplier
 
@@ -63,10 +68,13 @@ class DecoderLayer(nn.Module):
         if self._names.mlp != "shared_and_experts":
             out: torch.Tensor = getattr(self, self._names.mlp_name)(normed)
             return out
-        out = self.shared_mlp(normed)
-        if self.block_sparse_moe is not None:
-            out = self.block_sparse_moe(normed) + out
-        return out
+        shared, experts = self.shared_mlp, self.block_sparse_moe
+        if experts is None:
+            assert shared is not None, "a Granite layer without experts has a shared MLP"
+            dense: torch.Tensor = shared(normed)
+            return dense
+        routed: torch.Tensor = experts(normed)
+        return routed if shared is None else routed + shared(normed)
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         names, scale = self._names, self.residual_multiplier

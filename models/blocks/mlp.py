@@ -32,9 +32,9 @@ class GatedMLP(nn.Module):
     rows first, read as the two); :meth:`fuse` joins them into ``gate_up_proj``.
     """
 
-    def __init__(self, config: ModelConfig, *, bias: bool) -> None:
+    def __init__(self, config: ModelConfig, *, bias: bool, inner: int | None = None) -> None:
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden, inner = config.hidden_size, inner or config.intermediate_size
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)

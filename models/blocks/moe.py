@@ -6,9 +6,11 @@ each expert's gate and up stacked (``[experts, 2 * inner, hidden]``), ``output_l
 ``[experts, hidden, inner]``, and ``router.layer`` the routing logits. The other
 checkpoints' layouts load into the same stacks: one MLP per expert (Qwen3-MoE:
 ``experts.{e}.gate_proj``, ``up_proj``, ``down_proj``, the router as ``gate``), and
-gpt-oss's transposed stacks with gate and up channels alternating
-(``experts.gate_up_proj`` ``[experts, hidden, 2 * inner]``, ``experts.down_proj``, their
-``_bias``, the router as ``router`` with a bias).
+transposed stacks (``experts.gate_up_proj`` ``[experts, hidden, 2 * inner]``, gate and up
+channels alternating in gpt-oss's and gate's first in Llama 4's; ``experts.down_proj``;
+gpt-oss's ``_bias`` of each; the router as ``router``, with gpt-oss's bias). A shared
+expert every token runs (Llama 4's ``shared_expert``) is added to the routed experts'
+output.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.shapes.moe import ExpertsShape
+from hybridkv.models.shapes.moe import ExpertsShape, Stacks
 
 #: The router's names in Qwen3-MoE's and gpt-oss's checkpoints -> ours.
 _ROUTER_NAMES = {
@@ -62,7 +64,7 @@ class MixtureOfExperts(nn.Module):
     every released Granite MoE's are.
     """
 
-    def __init__(self, hidden: int, shape: ExpertsShape) -> None:
+    def __init__(self, hidden: int, shape: ExpertsShape, shared: nn.Module | None = None) -> None:
         super().__init__()
         inner = shape.inner
         if hidden % 8 or inner % 8:
@@ -74,12 +76,13 @@ class MixtureOfExperts(nn.Module):
         self.router = _Router(hidden, experts, bias=bias)
         self.input_linear = _ExpertWeights(experts, 2 * inner, hidden, bias=bias)
         self.output_linear = _ExpertWeights(experts, hidden, inner, bias=bias)
+        self.shared_expert = shared
         self.shape = shape
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Take one MLP per expert (``experts.{e}.gate_proj`` ...), or gpt-oss's stacks,
         as ours."""
-        _gpt_oss_stacks(state_dict, prefix)
+        _stacks(state_dict, prefix, self.shape.stacks)
         names: dict[str, list[torch.Tensor]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
         for e in range(self.input_linear.weight.shape[0]):
             for part, tensors in names.items():
@@ -123,19 +126,27 @@ class MixtureOfExperts(nn.Module):
         tokens, by_expert = order // self.shape.top_k, flat[order]
         every = torch.arange(self.input_linear.weight.shape[0], device=x.device)
         ends = torch.searchsorted(by_expert, every, right=True).to(torch.int32)
-        gate_up = _grouped_mm(x[tokens], self.input_linear.weight.transpose(1, 2), ends)
+        rows = x[tokens]
+        if self.shape.router == "sigmoid":  # the weight scales the expert's input
+            rows = rows * weights.flatten()[order, None]
+        gate_up = _grouped_mm(rows, self.input_linear.weight.transpose(1, 2), ends)
         if self.input_linear.bias is not None:
             gate_up = gate_up + self.input_linear.bias[by_expert]
         y = _grouped_mm(self._activate(gate_up), self.output_linear.weight.transpose(1, 2), ends)
         if self.output_linear.bias is not None:
             y = y + self.output_linear.bias[by_expert]
-        return torch.zeros_like(x).index_add_(0, tokens, y * weights.flatten()[order, None])
+        if self.shape.router != "sigmoid":
+            y = y * weights.flatten()[order, None]
+        if self.shared_expert is None:
+            return torch.zeros_like(x).index_add_(0, tokens, y)
+        shared: torch.Tensor = self.shared_expert(x)
+        return shared.index_add_(0, tokens, y)
 
 
-def _gpt_oss_stacks(state_dict: dict[str, Any], prefix: str) -> None:
-    """gpt-oss's ``experts.gate_up_proj`` ``[E, hidden, 2 * inner]`` (gate and up channels
-    alternating) and ``experts.down_proj`` ``[E, inner, hidden]``, with their biases, as
-    ``input_linear`` (gate rows, then up rows) and ``output_linear``."""
+def _stacks(state_dict: dict[str, Any], prefix: str, layout: Stacks) -> None:
+    """``experts.gate_up_proj`` and ``experts.down_proj``, with any biases, laid out as
+    ``layout`` says (``models/shapes/moe.py``), as ``input_linear`` (gate rows, then up
+    rows) and ``output_linear``."""
     stacks = {"gate_up_proj": "input_linear", "down_proj": "output_linear"}
     for theirs, ours in stacks.items():
         for suffix, name in (("", "weight"), ("_bias", "bias")):
@@ -143,11 +154,11 @@ def _gpt_oss_stacks(state_dict: dict[str, Any], prefix: str) -> None:
             if key not in state_dict:
                 continue
             tensor = state_dict.pop(key)
-            if theirs == "gate_up_proj":  # [..., 2 * inner] alternating -> gate, then up
+            if theirs == "gate_up_proj" and layout == "transposed_alternating":
                 tensor = torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
-            state_dict[f"{prefix}{ours}.{name}"] = (
-                tensor.transpose(1, 2).contiguous() if name == "weight" else tensor
-            )
+            if name == "weight" and layout != "plain":
+                tensor = tensor.transpose(1, 2).contiguous()
+            state_dict[f"{prefix}{ours}.{name}"] = tensor
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:

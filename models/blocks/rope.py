@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from hybridkv.models.shapes.rope import RopeSpec
+from hybridkv.models.shapes.rope import QueryTemperature, RopeSpec
 
 
 def inv_freq(spec: RopeSpec, dim: int) -> torch.Tensor:
@@ -104,6 +104,12 @@ class RotaryTable:
             sin, cos = sin * self.spec.attention_factor, cos * self.spec.attention_factor
         cos = cos.repeat(1, 2)[:, None, :]
         return cos.to(dtype), torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)
+
+
+def query_scales(temperature: QueryTemperature, positions: torch.Tensor) -> torch.Tensor:
+    """``[num_tokens, 1, 1]`` float32: each position's query multiplier."""
+    steps = torch.floor((positions.to(torch.float32) + temperature.offset) / temperature.every)
+    return (1 + temperature.beta * torch.log1p(steps))[:, None, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

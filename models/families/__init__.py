@@ -42,6 +42,10 @@ MODULES = {
     "olmo3": "olmo3",
     "exaone4": "exaone4",
     "gpt_oss": "gpt_oss",
+    "ministral3": "ministral3",
+    "llama4_text": "llama4",
+    "granite_swa": "granite_swa",
+    "granitemoe_swa": "granitemoe_swa",
     "jamba": "jamba",
     "mixtral": "mistral",
 }

@@ -6,7 +6,8 @@ The families differ in how a token picks its experts and in what an expert compu
 =====================  =========================================================
 router ``softmax``     softmax of the router's logits; the top k (Qwen3-MoE,
                        Granite, gpt-oss), their weights renormalised or not
-router ``sigmoid``     sigmoid of the top k logits (Llama 4)
+router ``sigmoid``     sigmoid of the top k logits, multiplying each expert's
+                       input rather than its output (Llama 4)
 activation ``silu``    ``silu(gate) * up`` (SwiGLU)
 activation ``clamped`` gpt-oss's: gate clamped above and up on both sides at
                        ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``
@@ -21,6 +22,7 @@ import attrs
 
 Router = Literal["softmax", "sigmoid"]
 ExpertActivation = Literal["silu", "clamped"]
+Stacks = Literal["transposed_alternating", "transposed", "plain"]
 
 
 @attrs.frozen(kw_only=True)
@@ -40,6 +42,11 @@ class ExpertsShape:
         alpha: ``clamped``: the sigmoid's slope.
         limit: ``clamped``: where gate and up are clamped.
         shared_inner: Width of a shared expert every token also runs (Llama 4), 0 for none.
+        stacks: How a checkpoint that stacks every expert's gate and up in one tensor
+            (``experts.gate_up_proj``) lays it out: ``[E, hidden, 2 * inner]`` with gate
+            and up channels alternating (``transposed_alternating``: gpt-oss) or gate's
+            first (``transposed``: Llama 4), or ``[E, 2 * inner, hidden]`` gate's first
+            (``plain``: Granite SWA); ``experts.down_proj`` is transposed alike.
     """
 
     num_experts: int
@@ -53,6 +60,7 @@ class ExpertsShape:
     alpha: float = 1.702
     limit: float = 7.0
     shared_inner: int = 0
+    stacks: Stacks = "transposed_alternating"
 
     def tensor_share(self, size: int) -> ExpertsShape:
         """The shape one of ``size`` tensor-parallel ranks holds: each expert's width

@@ -145,6 +145,25 @@ def _attention_factor(spec: RopeSpec, params: Mapping[str, Any]) -> float:
     return 1.0
 
 
+@attrs.frozen(kw_only=True)
+class QueryTemperature:
+    """Queries multiplied by ``1 + beta * log(1 + floor((p + offset) / every))`` at
+    position p: attention sharpened far into long contexts (Llama 4's temperature tuning
+    on its NoPE layers, Ministral 3's ``llama_4_scaling_beta`` on every layer).
+
+    Attributes:
+        beta: The log's multiplier.
+        every: Positions per step of the floor.
+        offset: Added to the position first (Llama 4: 1).
+        nope_only: Only the layers without rope are scaled (Llama 4).
+    """
+
+    beta: float
+    every: float
+    offset: float = 0.0
+    nope_only: bool = False
+
+
 def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float) -> RopeSpec:
     """The one rope spec of a config that shares it across layers (Llama, Gemma 2).
 

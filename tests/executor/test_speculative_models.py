@@ -35,6 +35,9 @@ POOL_PAGES |= {
     "exaone4": 24,
     "cohere2": 24,
     "gpt_oss": 24,
+    "llama4": 24,
+    "granite_swa": 24,
+    "granitemoe_swa": 24,
 }  # a group per layer kind: each holds pages
 
 

@@ -53,7 +53,7 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path, **fields: Any) -> Pa
     return folder
 
 
-@pytest.mark.parametrize("model_type", ["jamba", "mixtral", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["jamba", "mixtral", "gemma3", "minimax"])
 def test_a_type_that_does_not_run_is_refused_naming_what_runs(
     model_type: str, tiny_models: Any, tmp_path: Path
 ) -> None:
@@ -62,3 +62,20 @@ def test_a_type_that_does_not_run_is_refused_naming_what_runs(
         Checkpoint.open(folder)
     assert runnable_model_types()[:2] == ["llama", "gemma2"]
     assert "qwen3" in runnable_model_types() and "jamba" not in runnable_model_types()
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "message"),
+    [
+        ("granite_swa", {"layer_rope_theta": [0, 5e3, 6e3, 5e3]}, "bases \\[5000.0, 6000.0\\]"),
+        ("granite_swa", {"layer_rope_theta": [0, 5e3]}, "layer_rope_theta has 2 entries"),
+        ("phi3", {"rope_parameters": {"rope_type": "su"}}, "rope_type 'su'"),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope"}}, "need 'short_factor'"),
+    ],
+)
+def test_config_fields_a_family_cannot_run_are_refused_by_name(
+    name: str, fields: dict[str, Any], message: str, tiny_models: Any, tmp_path: Path
+) -> None:
+    folder = _folder_of(tiny_models, name, tmp_path, **fields)
+    with pytest.raises(ModelConfigError, match=message):
+        Checkpoint.open(folder)

@@ -9,7 +9,6 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm, apply_rota
 
 from hybridkv.models.blocks.norms import RMSNorm, rms_norm
 from hybridkv.models.blocks.rope import RotaryTable, apply_rope
-from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.shapes.rope import RopeSpec, rope_from_hf
 
 
@@ -156,8 +155,3 @@ def test_dynamic_ntk_rotates_each_position_as_a_sequence_ending_there():
     for row, p in ((2, 64), (3, 200)):
         freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=p + 1)
         torch.testing.assert_close(cos[row, 0, :16], (p * freq).cos())
-
-
-def test_an_unknown_rope_type_is_refused_by_name():
-    with pytest.raises(ModelConfigError, match="rope_type 'su'"):
-        RopeSpec.from_hf({"rope_type": "su"}, theta=1.0, max_positions=8)

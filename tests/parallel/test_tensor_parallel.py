@@ -100,6 +100,10 @@ def test_two_ranks_match_one_process_bamba(
         ("phi3", 2, 1, 1),
         ("cohere2", 2, 1, 1),
         ("gpt_oss", 2, 1, 1),
+        ("ministral3", 2, 1, 1),
+        ("llama4", 2, 1, 1),
+        ("granite_swa", 2, 1, 1),
+        ("granitemoe_swa", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
