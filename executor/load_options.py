@@ -12,10 +12,12 @@ and checked once::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import attrs
 import torch
 
+from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.weights.precision import check_weight_format
 from hybridkv.policies import MemoryPolicy
 
@@ -47,6 +49,8 @@ class LoadOptions:
             mapping or (kind, policy) pairs.
         weights: Storage of the linear layers and LM head: ``dtype`` (exact), ``int8`` or
             ``int4`` weight-only (``models/weights/precision.py``).
+        text_only: Serve a multimodal checkpoint's text model (``models/multimodal.py``);
+            without it such a checkpoint is refused.
     """
 
     kv_cache_bytes: int = attrs.field(validator=attrs.validators.ge(0))
@@ -62,6 +66,7 @@ class LoadOptions:
         default=(), converter=_policy_pairs
     )
     weights: str = attrs.field(default="dtype")
+    text_only: bool = False
 
     @weights.validator
     def _check_weights(self, _: attrs.Attribute[str], value: str) -> None:
@@ -71,3 +76,9 @@ class LoadOptions:
     def policy_choices(self) -> dict[str, MemoryPolicy]:
         """``policies`` as the mapping ``Checkpoint.open`` takes."""
         return dict(self.policies)
+
+    def open_checkpoint(self, path: str | Path, *, dtype_bytes: int = 2) -> Checkpoint:
+        """``Checkpoint.open`` of ``path`` with these options' policies and text choice."""
+        return Checkpoint.open(
+            path, dtype_bytes=dtype_bytes, policies=self.policy_choices, text_only=self.text_only
+        )

@@ -27,7 +27,6 @@ from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.memory.layout import LayerSpec, LayoutPlan
 from hybridkv.memory.layout_planner import plan_layout
-from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.stages import split_layers
 from hybridkv.models.transformer import CausalLM, holds_weight
@@ -109,7 +108,7 @@ def load_checkpoint(
         thread.run(torch.set_num_threads, options.num_threads)
     dtype = options.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
-    checkpoint = Checkpoint.open(path, dtype_bytes=itemsize, policies=options.policy_choices)
+    checkpoint = options.open_checkpoint(path, dtype_bytes=itemsize)
     config = checkpoint.config
     stages = split_layers(config.num_layers, stage.num_stages)
     if not 0 <= stage.index < len(stages):

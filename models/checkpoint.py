@@ -16,11 +16,13 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from hybridkv.models import multimodal
 from hybridkv.models.config import ModelConfig, eos_ids
 from hybridkv.models.errors import CheckpointError, ModelConfigError
 from hybridkv.models.families import Family, running_family
 from hybridkv.models.hf_config import read_config
 from hybridkv.models.specs import PolicyChoices
+from hybridkv.models.weights import mxfp4
 
 
 def _read_index(path: Path) -> dict[str, Any]:
@@ -33,17 +35,20 @@ def _read_index(path: Path) -> dict[str, Any]:
     return data
 
 
-def _refuse_quantized(hf: dict[str, Any]) -> None:
-    """A checkpoint of quantised weights (``quantization_config``: FP8 blocks, MXFP4, GPTQ,
-    AWQ, ...) is refused by its method: its tensors are not the weights the layers take.
+def _quant_method(hf: dict[str, Any]) -> str | None:
+    """The checkpoint's ``quantization_config`` method: None, or ``mxfp4`` (gpt-oss's
+    experts, dequantised at load: ``models/weights/mxfp4.py``). Any other (FP8 blocks,
+    GPTQ, AWQ, ...) is refused by name: its tensors are not the weights the layers take.
 
     Raises:
         ModelConfigError: naming the method.
     """
     quantized = hf.get("quantization_config")
     if quantized is None:
-        return
+        return None
     method = quantized.get("quant_method") if isinstance(quantized, dict) else None
+    if method == "mxfp4":
+        return "mxfp4"
     raise ModelConfigError(
         f"quantization_config (quant_method {method!r}) is not supported: load the "
         "checkpoint's unquantised release; --weights int8 or int4 quantises it at load"
@@ -59,12 +64,17 @@ class Checkpoint:
         config: The parsed model config, its layer specs included.
         family: The model family that reads it.
         eos_token_ids: End tokens of config.json and generation_config.json together.
+        quant_method: ``mxfp4`` where some tensors are stored so (dequantised at load).
+        text_of_multimodal: The text model of a multimodal checkpoint: its tensors are
+            read under a text model's names, the others left out.
     """
 
     path: Path
     config: ModelConfig
     family: Family
     eos_token_ids: tuple[int, ...]
+    quant_method: str | None = None
+    text_of_multimodal: bool = False
 
     @classmethod
     def open(
@@ -73,6 +83,7 @@ class Checkpoint:
         *,
         dtype_bytes: int = 2,
         policies: PolicyChoices | None = None,
+        text_only: bool = False,
     ) -> Checkpoint:
         """Read and check ``path``/config.json (and generation_config.json if present).
 
@@ -83,19 +94,22 @@ class Checkpoint:
             dtype_bytes: Bytes per cached K/V value, for the layer specs.
             policies: Per layer kind, the memory policy its layers keep and attend instead
                 of the config's (see ``hybridkv.models.specs``).
+            text_only: A multimodal checkpoint's text model is read (``multimodal.py``).
 
         Raises:
             CheckpointError: no config.json.
             ModelConfigError: unreadable JSON, an unsupported architecture or config
-                value, or a policy chosen for a layer kind the model does not have.
+                value, a policy chosen for a layer kind the model does not have, or a
+                multimodal checkpoint without ``text_only``.
             PolicyError: a chosen policy that is not a MemoryPolicy.
         """
         folder = Path(path)
         config_file = folder / "config.json"
         if not config_file.is_file():
             raise CheckpointError(f"{folder} has no config.json")
-        hf = read_config(config_file)
-        _refuse_quantized(hf)
+        outer = read_config(config_file)
+        method = _quant_method(outer)
+        hf = dict(multimodal.text_model_config(outer, text_only=text_only))
         family = running_family(str(hf.get("model_type")))
         assert family.parse is not None, "a family that runs parses"
         config = family.parse(hf, dtype_bytes=dtype_bytes, policies=policies)
@@ -104,7 +118,8 @@ class Checkpoint:
         if generation_file.is_file():
             extra = eos_ids(read_config(generation_file).get("eos_token_id"))
             eos += [t for t in extra if t not in eos]
-        return cls(folder, config, family, tuple(eos))
+        multimodal_names = multimodal.is_multimodal(outer)
+        return cls(folder, config, family, tuple(eos), method, multimodal_names)
 
     def weight_files(self) -> list[Path]:
         """The safetensors files of the checkpoint.
@@ -129,8 +144,12 @@ class Checkpoint:
         names: set[str] = set()
         for file in self.weight_files():
             with safe_open(file, framework="pt", device="cpu") as handle:
-                names.update(handle.keys())
+                names.update(n for n in map(self._name, handle.keys()) if n is not None)
         return names
+
+    def _name(self, stored: str) -> str | None:
+        """A stored tensor's name as the model reads it; None for one it does not."""
+        return multimodal.text_weight_name(stored) if self.text_of_multimodal else stored
 
     def load_weights(
         self,
@@ -150,12 +169,13 @@ class Checkpoint:
         weights: dict[str, torch.Tensor] = {}
         for file in self.weight_files():
             with safe_open(file, framework="pt", device=str(device)) as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    if keep is not None and not keep(name):
+                for stored in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    name = self._name(stored)
+                    if name is None or (keep is not None and not keep(name)):
                         continue
-                    tensor = handle.get_tensor(name)
+                    tensor = handle.get_tensor(stored)
                     weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-        return weights
+        return weights if self.quant_method is None else mxfp4.dequantize_all(weights, dtype)
 
     def load_tokenizer(self) -> Tokenizer | None:
         """The folder's ``tokenizer.json``, or None when it has none."""

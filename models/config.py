@@ -77,6 +77,8 @@ class ModelConfig:
         rope_qk_l2_norm: After rope, each q and k head is divided by its root mean square,
             without a weight, in the layers that rotate (Llama 4's ``use_qk_norm``).
         query_temperature: Queries scaled by their position (Llama 4, Ministral 3), or None.
+        attention_output_gate: Attention's output is multiplied by the sigmoid of a gate
+            projection of the layer's input (``gate_proj``) before ``o_proj`` (AFMoE).
     """
 
     model_type: str
@@ -114,6 +116,7 @@ class ModelConfig:
     attention_sinks: bool = False
     rope_qk_l2_norm: bool = False
     query_temperature: QueryTemperature | None = None
+    attention_output_gate: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:

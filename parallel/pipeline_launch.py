@@ -51,7 +51,6 @@ from hybridkv.errors.events import get_logger
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.layout import PoolSpec
-from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.stages import split_layers
 from hybridkv.parallel.context_executor import ContextParallelExecutor, check_context_split
@@ -109,7 +108,7 @@ class StageSettings:
         """
         if options.weights == "auto":
             options = attrs.evolve(options, weights="dtype")
-        checkpoint = Checkpoint.open(path, policies=options.policy_choices)
+        checkpoint = options.open_checkpoint(path)
         split_layers(checkpoint.config.num_layers, pipeline_parallel_size)
         check_tensor_split(checkpoint.config, tensor_parallel_size, options.weights)
         if context_parallel_size > 1:

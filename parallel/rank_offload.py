@@ -44,7 +44,6 @@ from hybridkv.memory.offload.errors import OffloadConfigError
 from hybridkv.memory.offload.keys import KeySpace, with_fingerprint
 from hybridkv.memory.offload.transfers import KVTransfers, LoadReport, LoadTask
 from hybridkv.memory.offload.worker import TransferWorker
-from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.stages import split_layers
 from hybridkv.parallel.context_executor import ContextParallelExecutor
 from hybridkv.parallel.rank_layout import ParallelConfig
@@ -141,7 +140,7 @@ def check_pipeline_tiers(
     """
     if num_stages < 2 or _reaches_every_stage(specs):
         return  # the rest would read and plan the checkpoint for nothing
-    config = Checkpoint.open(path, policies=options.policy_choices).config
+    config = options.open_checkpoint(path).config
     layers, plan = plan_stages(config.layers, options, num_stages)
     kinds = group_kinds(layers, plan)
     _check_lookups(group_stages(plan, layers, num_stages), kinds, specs, num_stages)

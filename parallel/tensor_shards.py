@@ -179,6 +179,8 @@ class TensorShard:
         attn.set_submodule("k_proj", rows_of(attn.k_proj, kv))
         attn.set_submodule("v_proj", rows_of(attn.v_proj, kv))
         attn.set_submodule("o_proj", self._summed(attn.o_proj, q))
+        if attn.gate_proj is not None:  # one gate per query channel: the heads' rows
+            attn.set_submodule("gate_proj", rows_of(attn.gate_proj, q))
         if attn.sinks is not None:
             attn.sinks = param(attn.sinks.detach()[rank * num_heads : (rank + 1) * num_heads])
         attn.num_heads, attn.num_kv_heads = num_heads, num_kv

@@ -324,6 +324,30 @@ def _granitemoe_swa() -> Any:
     return GraniteMoeSWAForCausalLM(config)
 
 
+def _afmoe() -> Any:
+    """AFMoE (Trinity): every second layer full without rope, output gates, a dense
+    first layer, experts (4, two a token) chosen with a bias beside two shared ones,
+    muP's embedding scale."""
+    from transformers import AfmoeConfig, AfmoeForCausalLM
+
+    config = AfmoeConfig(
+        **COMMON,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_shared_experts=2,
+        route_scale=1.5,
+        sliding_window=WINDOW,
+        global_attn_every_n_layers=2,
+        mup_enabled=True,
+        **_NO_SPECIAL_TOKENS,
+    )
+    return AfmoeForCausalLM(config)
+
+
 #: Each family's builder, by the name the tests know it by.
 FAMILY_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen2": _qwen2,
@@ -341,4 +365,5 @@ FAMILY_BUILDERS: dict[str, Callable[[], Any]] = {
     "llama4": _llama4,
     "granite_swa": _granite_swa,
     "granitemoe_swa": _granitemoe_swa,
+    "afmoe": _afmoe,
 }

@@ -194,9 +194,14 @@ def save_tiny(name: str, folder: Path, *, seed: int = 0) -> Path:
         KeyError: ``name`` is not one of them.
         ModuleNotFoundError: transformers is not installed.
     """
+    return save_redrawn(TINY_ARCHITECTURES[name](), folder, seed=seed)
+
+
+def save_redrawn(model: Any, folder: Path, *, seed: int = 0) -> Path:
+    """Save the transformers ``model`` into ``folder`` as :func:`save_tiny` does, every
+    weight redrawn around its own mean first; return the folder."""
     import torch
 
-    model = TINY_ARCHITECTURES[name]()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():

@@ -32,7 +32,7 @@ from hybridkv.testing.tiny_models import TINY_ARCHITECTURES, save_tiny
 NEW_FAMILIES = (
     *("qwen2", "qwen3", "mistral", "smollm3", "seed_oss", "olmo3", "exaone4"),
     *("qwen3_moe", "phi3", "cohere2", "gpt_oss", "ministral3", "llama4"),
-    *("granite_swa", "granitemoe_swa"),
+    *("granite_swa", "granitemoe_swa", "afmoe"),
 )
 ATTENTION = ("llama", "gemma2", "gemma3", *NEW_FAMILIES)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
@@ -75,6 +75,27 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel
             path, attn_implementation="eager", dtype=torch.float32
         ).eval()
         out[name] = TinyModel(name, path, reference)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_multimodal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    """One tiny multimodal checkpoint per builder (with the byte tokenizer), and the
+    whole multimodal model as its reference."""
+    from transformers import AutoModelForImageTextToText
+
+    from hybridkv.testing import byte_tokenizer
+    from hybridkv.testing.tiny_models import save_redrawn
+    from hybridkv.testing.tiny_multimodal import MULTIMODAL_BUILDERS
+
+    out = {}
+    for name, build in MULTIMODAL_BUILDERS.items():
+        folder = save_redrawn(build(), tmp_path_factory.mktemp(f"multimodal_{name}"))
+        byte_tokenizer().save(str(folder / "tokenizer.json"))
+        reference = AutoModelForImageTextToText.from_pretrained(
+            folder, attn_implementation="eager", dtype=torch.float32
+        ).eval()
+        out[name] = TinyModel(name, folder, reference)
     return out
 
 

@@ -87,6 +87,9 @@ class PagedAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_out_bias)
+        self.gate_proj: nn.Module | None = None
+        if config.attention_output_gate:
+            self.gate_proj = nn.Linear(config.hidden_size, q_width, bias=False)
         self.qkv_proj: nn.Module | None = None
         # The joined projection's output: q and k heads side by side, then v.
         self._qk_v_widths = (q_width + kv_width, kv_width)
@@ -174,7 +177,6 @@ class PagedAttention(nn.Module):
         if inputs.query_scale is not None:
             q = q * inputs.query_scale.to(q.dtype)
         meta = inputs.metadata
-        projected: torch.Tensor
         if not isinstance(meta, PagedMetadata):
             assert not isinstance(meta, StepStates), "an attention layer in a state group"
             # Context parallelism refuses policies without one window (live_spans).
@@ -182,8 +184,7 @@ class PagedAttention(nn.Module):
                 q, k, v, inputs.kv_cache, scale=self.scale,
                 sliding_window=self.sliding_window, softcap=self.softcap,
             )  # fmt: skip
-            projected = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-            return projected
+            return self._project(out, x)
         write_kv(inputs.kv_cache, k, v, meta)
         out = paged_attention(
             q,
@@ -195,7 +196,15 @@ class PagedAttention(nn.Module):
             softcap=self.softcap,
             sinks=self.sinks,
         )
-        projected = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self._project(out, x)
+
+    def _project(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs ``[num_tokens, heads, head_dim]`` through the output gate
+        (where the layer has one) and ``o_proj``."""
+        out = out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        if self.gate_proj is not None:
+            out = out * torch.sigmoid(self.gate_proj(x))
+        projected: torch.Tensor = self.o_proj(out)
         return projected
 
 

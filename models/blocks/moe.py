@@ -25,11 +25,12 @@ from torch import nn
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.shapes.moe import ExpertsShape, Stacks
 
-#: The router's names in Qwen3-MoE's and gpt-oss's checkpoints -> ours.
+#: The router's names in Qwen3-MoE's, gpt-oss's and AFMoE's checkpoints -> ours.
 _ROUTER_NAMES = {
     "gate.weight": "router.layer.weight",
     "router.weight": "router.layer.weight",
     "router.bias": "router.layer.bias",
+    "router.gate.weight": "router.layer.weight",
 }
 
 
@@ -43,12 +44,19 @@ class _ExpertWeights(nn.Module):
         self.bias = nn.Parameter(torch.empty(experts, out)) if bias else None
 
 
+class RouterLinear(nn.Linear):
+    """The router's projection: kept in the model's dtype by ``--weights int8/int4``
+    (which replace plain ``nn.Linear`` only), as vLLM keeps its gates: it is a few
+    thousandths of a layer's weights, and a rounding that flips a token's experts
+    changes its output far more than the rounding of any expert does."""
+
+
 class _Router(nn.Module):
     """The routing projection, as ``router.layer``."""
 
     def __init__(self, hidden: int, num_experts: int, *, bias: bool) -> None:
         super().__init__()
-        self.layer = nn.Linear(hidden, num_experts, bias=bias)
+        self.layer = RouterLinear(hidden, num_experts, bias=bias)
 
 
 class MixtureOfExperts(nn.Module):
@@ -77,6 +85,7 @@ class MixtureOfExperts(nn.Module):
         self.input_linear = _ExpertWeights(experts, 2 * inner, hidden, bias=bias)
         self.output_linear = _ExpertWeights(experts, hidden, inner, bias=bias)
         self.shared_expert = shared
+        self.expert_bias = nn.Parameter(torch.empty(experts)) if shape.selection_bias else None
         self.shape = shape
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -96,20 +105,30 @@ class MixtureOfExperts(nn.Module):
         for old, new in _ROUTER_NAMES.items():
             if f"{prefix}{old}" in state_dict:
                 state_dict[f"{prefix}{new}"] = state_dict.pop(f"{prefix}{old}")
+        shared = f"{prefix}shared_experts."  # AFMoE's name of the shared expert
+        for key in [k for k in state_dict if k.startswith(shared)]:
+            state_dict[f"{prefix}shared_expert.{key[len(shared) :]}"] = state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts ``[T, k]`` and their weights, in ``x``'s dtype."""
         logits: torch.Tensor = self.router.layer(x).float()
-        top_k = self.shape.top_k
-        if self.shape.router == "sigmoid":
-            top_logits, experts = logits.topk(top_k, dim=-1)
-            return experts, torch.sigmoid(top_logits).to(x.dtype)
-        if self.shape.renormalize:  # the softmax of the top k: their probabilities summing to 1
-            top_logits, experts = logits.topk(top_k, dim=-1)
-            return experts, torch.softmax(top_logits, dim=-1).to(x.dtype)
-        top, experts = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)  # among all experts
-        return experts, top.to(x.dtype)
+        shape = self.shape
+        if shape.router == "sigmoid":
+            scores = torch.sigmoid(logits)
+            chosen = scores if self.expert_bias is None else scores + self.expert_bias.float()
+            experts = chosen.topk(shape.top_k, dim=-1).indices
+            weights = scores.gather(1, experts)
+            if shape.renormalize:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        elif shape.renormalize:  # the softmax of the top k: their probabilities summing to 1
+            top_logits, experts = logits.topk(shape.top_k, dim=-1)
+            weights = torch.softmax(top_logits, dim=-1)
+        else:  # their probabilities among all the experts
+            weights, experts = torch.softmax(logits, dim=-1).topk(shape.top_k, dim=-1)
+        if shape.route_scale != 1.0:
+            weights = weights * shape.route_scale
+        return experts, weights.to(x.dtype)
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -127,7 +146,7 @@ class MixtureOfExperts(nn.Module):
         every = torch.arange(self.input_linear.weight.shape[0], device=x.device)
         ends = torch.searchsorted(by_expert, every, right=True).to(torch.int32)
         rows = x[tokens]
-        if self.shape.router == "sigmoid":  # the weight scales the expert's input
+        if self.shape.weight_inputs:
             rows = rows * weights.flatten()[order, None]
         gate_up = _grouped_mm(rows, self.input_linear.weight.transpose(1, 2), ends)
         if self.input_linear.bias is not None:
@@ -135,7 +154,7 @@ class MixtureOfExperts(nn.Module):
         y = _grouped_mm(self._activate(gate_up), self.output_linear.weight.transpose(1, 2), ends)
         if self.output_linear.bias is not None:
             y = y + self.output_linear.bias[by_expert]
-        if self.shape.router != "sigmoid":
+        if not self.shape.weight_inputs:
             y = y * weights.flatten()[order, None]
         if self.shared_expert is None:
             return torch.zeros_like(x).index_add_(0, tokens, y)

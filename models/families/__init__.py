@@ -46,6 +46,7 @@ MODULES = {
     "llama4_text": "llama4",
     "granite_swa": "granite_swa",
     "granitemoe_swa": "granitemoe_swa",
+    "afmoe": "afmoe",
     "jamba": "jamba",
     "mixtral": "mistral",
 }

@@ -55,6 +55,8 @@ def parse_llama4(
             inner=inner,
             dense_layers=frozenset(set(range(num_layers)) - moe_layers),
             router="sigmoid",
+            renormalize=False,
+            weight_inputs=True,
             shared_inner=inner,
             stacks="transposed",
         ),

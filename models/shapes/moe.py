@@ -6,8 +6,10 @@ The families differ in how a token picks its experts and in what an expert compu
 =====================  =========================================================
 router ``softmax``     softmax of the router's logits; the top k (Qwen3-MoE,
                        Granite, gpt-oss), their weights renormalised or not
-router ``sigmoid``     sigmoid of the top k logits, multiplying each expert's
-                       input rather than its output (Llama 4)
+router ``sigmoid``     sigmoid of each logit; the top k, chosen by score plus a
+                       learned per-expert bias where ``selection_bias`` (AFMoE),
+                       weighted by their scores, renormalised or not (Llama 4:
+                       not, and the weight multiplies the expert's input)
 activation ``silu``    ``silu(gate) * up`` (SwiGLU)
 activation ``clamped`` gpt-oss's: gate clamped above and up on both sides at
                        ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``
@@ -41,7 +43,13 @@ class ExpertsShape:
         activation: ``silu`` or ``clamped`` (see the module).
         alpha: ``clamped``: the sigmoid's slope.
         limit: ``clamped``: where gate and up are clamped.
-        shared_inner: Width of a shared expert every token also runs (Llama 4), 0 for none.
+        shared_inner: Width of a shared expert every token also runs (Llama 4, AFMoE),
+            0 for none.
+        weight_inputs: The routing weight multiplies each expert's input, not its output
+            (Llama 4).
+        selection_bias: A learned per-expert bias added to the scores that choose the
+            experts, not to their weights (``expert_bias``: AFMoE).
+        route_scale: The routing weights are multiplied by it (AFMoE).
         stacks: How a checkpoint that stacks every expert's gate and up in one tensor
             (``experts.gate_up_proj``) lays it out: ``[E, hidden, 2 * inner]`` with gate
             and up channels alternating (``transposed_alternating``: gpt-oss) or gate's
@@ -60,6 +68,9 @@ class ExpertsShape:
     alpha: float = 1.702
     limit: float = 7.0
     shared_inner: int = 0
+    weight_inputs: bool = False
+    selection_bias: bool = False
+    route_scale: float = 1.0
     stacks: Stacks = "transposed_alternating"
 
     def tensor_share(self, size: int) -> ExpertsShape:

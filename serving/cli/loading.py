@@ -175,6 +175,7 @@ def load_options(settings: EngineArgs, weights: str = "dtype") -> LoadOptions:
         policies=settings.layer_policies,
         weights=weights,
         seed=settings.seed,
+        text_only=settings.text_only,
     )
 
 

@@ -38,6 +38,7 @@ POOL_PAGES |= {
     "llama4": 24,
     "granite_swa": 24,
     "granitemoe_swa": 24,
+    "afmoe": 24,
 }  # a group per layer kind: each holds pages
 
 

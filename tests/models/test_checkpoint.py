@@ -83,10 +83,10 @@ def test_unreadable_config_is_a_model_config_error(tmp_path):
         Checkpoint.open(tmp_path)
 
 
-@pytest.mark.parametrize("method", ["fp8", "mxfp4", "gptq"])
+@pytest.mark.parametrize("method", ["fp8", "gptq", "awq"])
 def test_a_quantised_checkpoint_is_refused_by_its_method(tiny_models, tmp_path, method):
-    """Block-scaled FP8, MXFP4 and the rest are refused naming the method, not loaded as
-    if their tensors were the weights."""
+    """Block-scaled FP8 and the rest but MXFP4 (``tests/models/weights/test_mxfp4.py``) are
+    refused naming the method, not loaded as if their tensors were the weights."""
     shutil.copytree(tiny_models["llama"].path, tmp_path / "q")
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}

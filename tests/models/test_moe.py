@@ -79,3 +79,16 @@ def test_gpt_oss_experts_load_and_match_transformers() -> None:
         assert (gate_up.abs() > 1.5).any(), "the clamp cuts"
         expected, _ = reference(x[None])
         torch.testing.assert_close(moe(x), expected[0], atol=1e-5, rtol=1e-5)
+
+
+def test_weight_quantisation_leaves_the_router_in_the_model_dtype() -> None:
+    """``--weights int8`` replaces the experts' neighbours, never the router: a flipped
+    expert choice costs more than the router's bytes."""
+    from torch import nn
+
+    from hybridkv.models.blocks.moe import RouterLinear
+    from hybridkv.models.weights.precision import quantize_linears
+
+    model = nn.ModuleDict({"moe": _experts(), "proj": nn.Linear(HIDDEN, HIDDEN)})
+    assert quantize_linears(model, "int8", device=torch.device("cpu")) == 1
+    assert type(model["moe"].router.layer) is RouterLinear

@@ -104,6 +104,7 @@ def test_two_ranks_match_one_process_bamba(
         ("llama4", 2, 1, 1),
         ("granite_swa", 2, 1, 1),
         ("granitemoe_swa", 2, 1, 1),
+        ("afmoe", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(

@@ -62,6 +62,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     #: ``--kv-offload`` values (a pipeline then keeps one step in flight).
     kv_offload: tuple[str, ...] = ()
+    #: ``--text-only``: serve a multimodal checkpoint's text model.
+    text_only: bool = False
 
     @property
     def num_ranks(self) -> int:
@@ -88,6 +90,12 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="REV",
         help="a hub name's branch, tag or commit (default: its default branch)",
+    )
+    parser.add_argument(
+        "--text-only",
+        action="store_true",
+        help="serve a multimodal checkpoint's text model, without its vision tower (such "
+        "a checkpoint is refused without it)",
     )
 
 
@@ -373,4 +381,5 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         kv_interleave=getattr(args, "kv_interleave", "token"),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         kv_offload=tuple(getattr(args, "kv_offload", None) or ()),
+        text_only=getattr(args, "text_only", False),
     )

@@ -124,7 +124,7 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 #: The families checked in int8 only (one of each block they add is enough).
 INT8_ONLY = (
     *("smollm3", "seed_oss", "olmo3", "exaone4", "phi3", "cohere2", "gpt_oss"),
-    *("ministral3", "llama4", "granite_swa", "granitemoe_swa"),
+    *("ministral3", "llama4", "granite_swa", "granitemoe_swa", "afmoe"),
 )
 
 

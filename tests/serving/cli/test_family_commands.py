@@ -49,3 +49,17 @@ def test_serve_answers_with_a_new_family(tiny_models: Any, tmp_path: Path) -> No
         assert answer.get("usage", {}).get("completion_tokens") == 4, answer
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama4"])
+def test_generate_serves_a_multimodal_checkpoints_text_only_when_asked(
+    name: str, tiny_multimodal: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``--text-only`` the command fails naming the flag; with it, it generates."""
+    folder = str(tiny_multimodal[name].path)
+    args = ["generate", folder, "a prompt longer than the window", "--max-tokens", "4",
+            "--ignore-eos", "--kv-memory", "1MiB", "--block-size", "4"]  # fmt: skip
+    assert main(args) != 0
+    assert "--text-only" in capsys.readouterr().err
+    assert main([*args, "--text-only"]) == 0, capsys.readouterr().err
+    assert "4 generated (length)" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +66,29 @@ def test_hub_names_are_org_slash_name() -> None:
     assert is_hub_name("Qwen/Qwen3-0.6B") and is_hub_name("openai/gpt-oss-20b")
     assert not is_hub_name("gemma-3-270m") and not is_hub_name("a/b/c")
     assert not is_hub_name("../x") and not is_hub_name("/abs/path")
+
+
+def test_serve_answers_from_a_hub_name_in_the_cache(tmp_path: Path, tiny_models: Any) -> None:
+    """``hybridkv serve Qwen/Qwen3-0.6B`` in its own process, offline, from a hub cache
+    holding a tiny Qwen3 under that name: it answers a completion with that model name."""
+    import httpx
+    from server_process import Server
+
+    from hybridkv.testing import byte_tokenizer
+
+    repo = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3-0.6B"
+    snapshot = repo / "snapshots" / COMMIT
+    shutil.copytree(tiny_models["qwen3"].path, snapshot)
+    byte_tokenizer().save(str(snapshot / "tokenizer.json"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    server = Server(["serve", "Qwen/Qwen3-0.6B", "--port", "0", "--kv-memory", "1MiB"], env=env)
+    try:
+        body = {"model": "Qwen/Qwen3-0.6B", "prompt": "hello there", "max_tokens": 3,
+                "ignore_eos": True}  # fmt: skip
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+        assert answer.get("usage", {}).get("completion_tokens") == 3, answer
+        assert answer["model"] == "Qwen/Qwen3-0.6B"
+    finally:
+        server.stop()
