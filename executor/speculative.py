@@ -37,7 +37,6 @@ from hybridkv.executor.host_copy import to_host_list, to_host_tensor
 from hybridkv.executor.sampler import Sampler, position_seed
 from hybridkv.executor.verification import verify_greedy, verify_sampled
 from hybridkv.memory.state_pages import StepStates
-from hybridkv.models.blocks.mamba2 import write_verified_states
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
 
 
@@ -118,7 +117,7 @@ def write_kept_states(caches: Sequence[tuple[torch.Tensor, object]], kept: Seque
         for _, metadata in caches:
             if isinstance(metadata, StepStates) and id(metadata) not in seen:
                 seen.add(id(metadata))
-                write_verified_states(metadata, kept)
+                metadata.write_verified(kept)
 
 
 __all__ = ["draft_rows", "kept_tokens", "position_requests", "verify_rows", "write_kept_states"]

@@ -36,13 +36,16 @@ the fake's checks) agree on what each page holds::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from hybridkv.errors import HybridKVError
 from hybridkv.memory.pool import NULL_BLOCK
+
+#: A state layer's writer of a request's states: ``write(page_ids, token_rows)`` writes
+#: the state after each of those tokens (rows of the step's own record) into those pages.
+StateWriter = Callable[[list[int], list[int]], None]
 
 
 class StateContractError(HybridKVError):
@@ -138,14 +141,25 @@ class StepStates:
             empty: none). A layer keeps such a request's state after each of its tokens
             in ``pending`` instead of writing its pages; once verification has said how
             many tokens are kept, :func:`verified_writes` says where their states go.
-        pending: What the layers kept for the executor to write after verification
-            (opaque here: a layer's own record).
+        pending: What the layers kept for the executor to write after verification: per
+            (layer, request), the request's index and the layer's writer of the states
+            after some of its tokens (``write(page_ids, token_rows)``), whatever its mixer.
     """
 
     accesses: tuple[StateAccess, ...]
     query_lens: tuple[int, ...]
     num_drafts: tuple[int, ...] = ()
-    pending: list[Any] = attrs.field(factory=list, eq=False, repr=False)
+    pending: list[tuple[int, StateWriter]] = attrs.field(factory=list, eq=False, repr=False)
+
+    def write_verified(self, num_kept: Sequence[int]) -> None:
+        """Write the states of the tokens verification kept (``num_kept``: per request of
+        the step, its tokens kept; 0 for a request that failed) into the pages the
+        contract names (:func:`verified_writes`); the rest are dropped."""
+        for index, write in self.pending:
+            if num_kept[index]:
+                writes = verified_writes(self.accesses[index], num_kept[index])
+                write([page for _, page in writes], [count - 1 for count, _ in writes])
+        self.pending.clear()
 
     @classmethod
     def build(

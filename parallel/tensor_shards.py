@@ -7,9 +7,12 @@ its share (Megatron's split, as vLLM does it)::
     o_proj                     input columns of its heads        SummedOverRanks: all-reduce
     gate/up (input_linear)     output rows of its MLP width      (column split)
     down (output_linear)       input columns of its MLP width    SummedOverRanks: all-reduce
-    experts                    each expert's MLP, split so       SummedOverRanks: all-reduce
-    Mamba2 mixer               its heads and groups              (``tensor_mamba.py``)
+    experts                    each expert's MLP, split so       all-reduce of their sum
+    Mamba2 mixer               its heads and groups              SummedOverRanks: all-reduce
     embed_tokens, lm_head      a run of the vocabulary           VocabParallel*: reduce, gather
+
+Each block cuts itself (``shard``, with what ``RankCut`` gives it); this module checks the
+split, calls them, and cuts the vocabulary.
 
 Query heads split evenly; KV heads too where there are at least as many as ranks, and are
 otherwise replicated, each rank keeping the one its query heads read (``tp // kv`` ranks
@@ -29,23 +32,19 @@ import attrs
 import torch
 from torch import nn
 
-from hybridkv.models.blocks.attention import PagedAttention
-from hybridkv.models.blocks.mamba2 import Mamba2Mixer
-from hybridkv.models.blocks.mlp import GatedMLP, SharedMLP
-from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.specs import tensor_rank_spec
 from hybridkv.models.transformer import CausalLM
+from hybridkv.models.weights.cuts import Shardable, rows_of
 from hybridkv.models.weights.quantized_linear import INT4_GROUP, QuantizedLinear
-from hybridkv.parallel.tensor_cuts import bias_of, columns_of, held_run, param, rows_of
 from hybridkv.parallel.tensor_group import TensorRanks
 from hybridkv.parallel.tensor_layers import (
     SummedOverRanks,
     VocabParallelEmbedding,
     VocabParallelHead,
+    all_reduce,
 )
-from hybridkv.parallel.tensor_mamba import shard_mamba
 
 
 def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -> None:
@@ -114,6 +113,31 @@ def _check_int4_groups(config: ModelConfig, size: int) -> None:
 
 
 @attrs.frozen
+class RankCut:
+    """A rank of a tensor group as the blocks cut themselves for it (``TensorCut``)."""
+
+    ranks: TensorRanks
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        return self.ranks.rank
+
+    @property
+    def size(self) -> int:
+        """tp."""
+        return self.ranks.size
+
+    def summed(self, part: nn.Module, bias: torch.Tensor | None) -> nn.Module:
+        """``part``'s output summed over the group, then ``bias`` added."""
+        return SummedOverRanks(part, self.ranks, bias)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group in place (counted)."""
+        all_reduce(tensor, self.ranks)
+
+
+@attrs.frozen
 class TensorShard:
     """Cuts a loaded model to one rank's share (``executor/loader.py`` calls it after
     quantising the whole model, before projections are joined)."""
@@ -135,82 +159,19 @@ class TensorShard:
         return attrs.evolve(config, **shares)
 
     def apply(self, model: CausalLM) -> None:
-        """Keep this rank's share of every layer, the embedding and the head, in place."""
+        """Keep this rank's share of every layer, the embedding and the head, in place:
+        each block cuts itself (``shard``: ``models/weights/cuts.py``), blocks inside a
+        block with its own ``shard`` (a mixture's shared expert) cut by it."""
         full = model.config
         check_tensor_split(full, self.ranks.size)
-        rank, size = self.ranks.rank, self.ranks.size
-        shared_experts = {  # cut with their mixture, whose sum they join
-            f"{name}.shared_expert"
-            for name, module in model.named_modules()
-            if isinstance(module, MixtureOfExperts) and module.shared_expert is not None
-        }
+        cut = RankCut(self.ranks)
+        cut_blocks: list[str] = []
         for name, module in list(model.named_modules()):
-            if isinstance(module, PagedAttention):
-                self._attention(module)
-            elif isinstance(module, GatedMLP) and name not in shared_experts:
-                width = module.gate_proj.out_features // size
-                mine = slice(rank * width, (rank + 1) * width)
-                module.set_submodule("gate_proj", rows_of(module.gate_proj, mine))
-                module.set_submodule("up_proj", rows_of(module.up_proj, mine))
-                module.set_submodule("down_proj", self._summed(module.down_proj, mine))
-            elif isinstance(module, SharedMLP):
-                stacked = module.input_linear
-                width = stacked.out_features // 2 // size
-                held = torch.arange(rank * width, (rank + 1) * width)
-                module.set_submodule(
-                    "input_linear", rows_of(stacked, torch.cat((held, held + width * size)))
-                )
-                module.set_submodule("output_linear", self._summed(module.output_linear, held))
-            elif isinstance(module, MixtureOfExperts):
-                self._experts(module)
-                model.set_submodule(name, SummedOverRanks(module, self.ranks))
-            elif isinstance(module, Mamba2Mixer):
-                shard_mamba(module, self.ranks)
+            if isinstance(module, Shardable) and not name.startswith(tuple(cut_blocks)):
+                module.shard(cut)
+                cut_blocks.append(f"{name}.")
         self._vocabulary(model, full.vocab_size)
         model.config = self.shapes(full)
-
-    def _attention(self, attn: PagedAttention) -> None:
-        rank, size, dim = self.ranks.rank, self.ranks.size, attn.head_dim
-        num_heads = attn.num_heads // size
-        first_kv, num_kv = held_run(attn.num_kv_heads, size, rank)
-        q = slice(rank * num_heads * dim, (rank + 1) * num_heads * dim)
-        kv = slice(first_kv * dim, (first_kv + num_kv) * dim)
-        attn.set_submodule("q_proj", rows_of(attn.q_proj, q))
-        attn.set_submodule("k_proj", rows_of(attn.k_proj, kv))
-        attn.set_submodule("v_proj", rows_of(attn.v_proj, kv))
-        attn.set_submodule("o_proj", self._summed(attn.o_proj, q))
-        if attn.gate_proj is not None:  # one gate per query channel: the heads' rows
-            attn.set_submodule("gate_proj", rows_of(attn.gate_proj, q))
-        if attn.sinks is not None:
-            attn.sinks = param(attn.sinks.detach()[rank * num_heads : (rank + 1) * num_heads])
-        attn.num_heads, attn.num_kv_heads = num_heads, num_kv
-        attn._qk_v_widths = ((num_heads + num_kv) * dim, num_kv * dim)
-
-    def _experts(self, moe: MixtureOfExperts) -> None:
-        """Every expert's gate and up rows (and biases), and down columns, of this rank's
-        width."""
-        stacked, out = moe.input_linear.weight.detach(), moe.output_linear.weight.detach()
-        width = stacked.shape[1] // 2 // self.ranks.size
-        mine = torch.arange(self.ranks.rank * width, (self.ranks.rank + 1) * width)
-        rows = torch.cat((mine, mine + width * self.ranks.size))
-        moe.input_linear.weight = param(stacked[:, rows])
-        moe.output_linear.weight = param(out[:, :, mine])
-        if moe.input_linear.bias is not None:
-            moe.input_linear.bias = param(moe.input_linear.bias.detach()[:, rows])
-        if moe.output_linear.bias is not None and self.ranks.rank:
-            # Added once to the ranks' sum: by the first rank.
-            moe.output_linear.bias = param(torch.zeros_like(moe.output_linear.bias))
-        shared = moe.shared_expert
-        if shared is not None:  # its share of the width, summed with the experts'
-            assert isinstance(shared, GatedMLP)
-            width = shared.gate_proj.out_features // self.ranks.size
-            held = slice(self.ranks.rank * width, (self.ranks.rank + 1) * width)
-            shared.set_submodule("gate_proj", rows_of(shared.gate_proj, held))
-            shared.set_submodule("up_proj", rows_of(shared.up_proj, held))
-            shared.set_submodule("down_proj", columns_of(shared.down_proj, held))
-
-    def _summed(self, linear: nn.Module, columns: torch.Tensor | slice) -> SummedOverRanks:
-        return SummedOverRanks(columns_of(linear, columns), self.ranks, bias_of(linear))
 
     def _vocabulary(self, model: CausalLM, vocab_size: int) -> None:
         """The embedding's and the head's run of the vocabulary: equal runs of

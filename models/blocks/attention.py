@@ -20,6 +20,7 @@ from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.norms import config_rms_norm, rms_norm
 from hybridkv.models.blocks.rope import apply_rope
 from hybridkv.models.config import ModelConfig
+from hybridkv.models.weights.cuts import TensorCut, held_run, param, rows_of, summed_columns
 from hybridkv.models.weights.fused_linear import cat_linears, split_joined
 
 
@@ -138,6 +139,27 @@ class PagedAttention(nn.Module):
         if self.rope_interleaved:
             _evens_first(state_dict, prefix, self.head_dim)
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def shard(self, cut: TensorCut) -> None:
+        """Keep the rank's query heads (their rows of ``q_proj``, of the output gate and
+        their sinks), its KV heads (an even run, or, with fewer than ranks, the one its
+        query heads read), and its columns of ``o_proj``, summed over the group."""
+        dim, num_heads = self.head_dim, self.num_heads // cut.size
+        first_kv, num_kv = held_run(self.num_kv_heads, cut.size, cut.rank)
+        q = slice(cut.rank * num_heads * dim, (cut.rank + 1) * num_heads * dim)
+        kv = slice(first_kv * dim, (first_kv + num_kv) * dim)
+        self.set_submodule("q_proj", rows_of(self.q_proj, q))
+        self.set_submodule("k_proj", rows_of(self.k_proj, kv))
+        self.set_submodule("v_proj", rows_of(self.v_proj, kv))
+        self.set_submodule("o_proj", summed_columns(cut, self.o_proj, q))
+        if self.gate_proj is not None:  # one gate per query channel
+            self.gate_proj = rows_of(self.gate_proj, q)
+        if self.sinks is not None:
+            self.sinks = param(
+                self.sinks.detach()[cut.rank * num_heads : (cut.rank + 1) * num_heads]
+            )
+        self.num_heads, self.num_kv_heads = num_heads, num_kv
+        self._qk_v_widths = ((num_heads + num_kv) * dim, num_kv * dim)
 
     def fuse(self) -> bool:
         """Join q, k and v into one product (``models/weights/fused_linear.py``); False where

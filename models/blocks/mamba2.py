@@ -14,8 +14,6 @@ step fills); consecutive one-token steps run as one batched recurrence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,8 +26,9 @@ from hybridkv.kernels.ssm import (
 )
 from hybridkv.memory.state_pages import StateAccess, StepStates, verified_writes
 from hybridkv.models.blocks.attention import LayerInputs
-from hybridkv.models.blocks.norms import GatedRMSNorm
+from hybridkv.models.blocks.norms import GatedRMSNorm, SpreadGatedRMSNorm
 from hybridkv.models.shapes.mamba2 import Mamba2Shape
+from hybridkv.models.weights.cuts import TensorCut, held_run, param, rows_of, summed_columns
 
 
 class Mamba2Mixer(nn.Module):
@@ -59,6 +58,66 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(inner, inner // shape.num_groups, eps)
         self.out_proj = nn.Linear(inner, shape.hidden_size, bias=shape.proj_bias)
         self._conv_values = shape.conv_dim * (shape.conv_kernel - 1)
+
+    def shard(self, cut: TensorCut) -> None:
+        """Keep the rank's heads, their channels, their B/C groups (an even run, or, with
+        fewer than ranks, the one its heads read) and their state; ``out_proj`` is summed
+        over the group, and a norm group spread over ranks sums its squares over them:
+
+            in_proj rows   [ gate: inner | x: inner | B: G*N | C: G*N | dt: H ]
+            rank r keeps     inner/tp      inner/tp   its groups' N each   H/tp
+
+        The convolution is per channel and the scan per head, so both run on the share
+        alone, and the rank's state pages hold its heads' states only
+        (``Mamba2Shape.tensor_share``).
+        """
+        rank, size = cut.rank, cut.size
+        shape, share = self.shape, self.shape.tensor_share(size)
+        inner, num_state = shape.intermediate_size, shape.num_groups * shape.state_size
+        first_group, _ = held_run(shape.num_groups, size, rank)
+        mine = torch.arange(rank * share.intermediate_size, (rank + 1) * share.intermediate_size)
+        groups = torch.arange(
+            first_group * shape.state_size, (first_group + share.num_groups) * shape.state_size
+        )
+        heads = torch.arange(rank * share.num_heads, (rank + 1) * share.num_heads)
+        channels = torch.cat((mine, inner + groups, inner + num_state + groups))  # of x, B, C
+        rows = torch.cat((mine, inner + channels, inner + shape.conv_dim + heads))
+        self.set_submodule("in_proj", rows_of(self.in_proj, rows))
+        conv = self.conv1d
+        with torch.device("meta"):
+            conv_share = nn.Conv1d(
+                share.conv_dim,
+                share.conv_dim,
+                shape.conv_kernel,
+                groups=share.conv_dim,
+                bias=conv.bias is not None,
+            )
+        conv_share.weight = param(conv.weight.detach()[channels])
+        if conv.bias is not None:
+            conv_share.bias = param(conv.bias.detach()[channels])
+        self.conv1d = conv_share
+        self.dt_bias = param(self.dt_bias.detach()[heads])
+        self.A_log = param(self.A_log.detach()[heads])
+        self.D = param(self.D.detach()[heads])
+        norm = self.norm
+        weight = norm.weight.detach()[mine]
+        if shape.num_groups % size == 0:  # whole norm groups on every rank
+            local = GatedRMSNorm(share.intermediate_size, norm.group_size, norm.eps)
+            local.weight = param(weight)
+            self.norm = local
+        else:
+            spread = SpreadGatedRMSNorm(
+                weight,
+                group_index=rank * share.intermediate_size // norm.group_size,
+                num_groups=shape.num_groups,
+                group_size=norm.group_size,
+                eps=norm.eps,
+                reduce=cut.all_reduce,
+            )
+            self.set_submodule("norm", spread)
+        self.set_submodule("out_proj", summed_columns(cut, self.out_proj, mine))
+        self.shape = share
+        self._conv_values = share.conv_dim * (share.conv_kernel - 1)
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         shape = self.shape
@@ -172,7 +231,7 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:
         """A request's last token and its proposed ones, one recurrence step at a time (the
         arithmetic of a decode, so kept tokens match decoding them one by one). The state
-        after each token is kept in ``states.pending`` for :func:`write_verified_states`;
+        after each token is kept in ``states.pending`` for ``StepStates.write_verified``;
         only the state after the request's own token is written here."""
         conv, ssm = self._split(self._read(pages, [access.read_page]))
         weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
@@ -191,7 +250,11 @@ class Mamba2Mixer(nn.Module):
         # before this step's verdict reaches a pipeline stage.
         first = verified_writes(access, 1)
         self._write(pages, [page for _, page in first], conv_all[:1], ssm_all[:1])
-        states.pending.append((self, pages, index, conv_all, ssm_all))
+
+        def write(page_ids: list[int], rows: list[int]) -> None:
+            self._write(pages, page_ids, conv_all[rows], ssm_all[rows])
+
+        states.pending.append((index, write))
         return torch.cat(outputs)
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,17 +270,3 @@ class Mamba2Mixer(nn.Module):
 
     def _a(self) -> torch.Tensor:
         return -torch.exp(self.A_log.float())
-
-
-def write_verified_states(states: StepStates, num_kept: Sequence[int]) -> None:
-    """Write the states of the tokens verification kept (``num_kept``: per request of the
-    step, its tokens kept; 0 for a request that failed) into the pages the contract names
-    (:func:`~hybridkv.memory.state_pages.verified_writes`); the rest are dropped."""
-    for layer, pages, index, convs, ssms in states.pending:
-        kept = num_kept[index]
-        if not kept:
-            continue
-        writes = verified_writes(states.accesses[index], kept)
-        rows = [count - 1 for count, _ in writes]
-        layer._write(pages, [page for _, page in writes], convs[rows], ssms[rows])
-    states.pending.clear()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.models.config import ModelConfig
+from hybridkv.models.weights.cuts import TensorCut, gated_share, rows_of, summed_columns
 from hybridkv.models.weights.fused_linear import cat_linears, split_joined
 
 
@@ -46,6 +47,13 @@ class GatedMLP(nn.Module):
         split_joined(state_dict, prefix, "gate_up_proj", [("gate_proj", inner), ("up_proj", inner)])
         super()._load_from_state_dict(state_dict, prefix, *args)
 
+    def shard(self, cut: TensorCut) -> None:
+        """Keep the rank's run of the width: rows of gate and up, columns of down
+        (summed over the group)."""
+        parts = gated_share(cut, self.gate_proj, self.up_proj, self.down_proj)
+        for name, part in zip(("gate_proj", "up_proj", "down_proj"), parts, strict=True):
+            self.set_submodule(name, part)
+
     def fuse(self) -> bool:
         """Join gate and up into one product (``models/weights/fused_linear.py``); False where
         their storage differs and they stay apart."""
@@ -72,6 +80,15 @@ class SharedMLP(nn.Module):
         super().__init__()
         self.input_linear = nn.Linear(hidden, 2 * inner, bias=False)
         self.output_linear = nn.Linear(inner, hidden, bias=False)
+
+    def shard(self, cut: TensorCut) -> None:
+        """Keep the rank's run of the width, in both halves of the stacked projection,
+        and its columns of the output (summed over the group)."""
+        width = self.input_linear.out_features // 2 // cut.size
+        held = torch.arange(cut.rank * width, (cut.rank + 1) * width)
+        rows = torch.cat((held, held + width * cut.size))
+        self.set_submodule("input_linear", rows_of(self.input_linear, rows))
+        self.set_submodule("output_linear", summed_columns(cut, self.output_linear, held))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)

@@ -16,14 +16,17 @@ output.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.models.blocks.mlp import GatedMLP
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.shapes.moe import ExpertsShape, Stacks
+from hybridkv.models.weights.cuts import TensorCut, gated_share, param
 
 #: The router's names in Qwen3-MoE's, gpt-oss's and AFMoE's checkpoints -> ours.
 _ROUTER_NAMES = {
@@ -72,7 +75,7 @@ class MixtureOfExperts(nn.Module):
     every released Granite MoE's are.
     """
 
-    def __init__(self, hidden: int, shape: ExpertsShape, shared: nn.Module | None = None) -> None:
+    def __init__(self, hidden: int, shape: ExpertsShape, shared: GatedMLP | None = None) -> None:
         super().__init__()
         inner = shape.inner
         if hidden % 8 or inner % 8:
@@ -85,6 +88,7 @@ class MixtureOfExperts(nn.Module):
         self.input_linear = _ExpertWeights(experts, 2 * inner, hidden, bias=bias)
         self.output_linear = _ExpertWeights(experts, hidden, inner, bias=bias)
         self.shared_expert = shared
+        self._sum: Callable[[torch.Tensor], None] | None = None
         self.expert_bias = nn.Parameter(torch.empty(experts)) if shape.selection_bias else None
         self.shape = shape
 
@@ -109,6 +113,31 @@ class MixtureOfExperts(nn.Module):
         for key in [k for k in state_dict if k.startswith(shared)]:
             state_dict[f"{prefix}shared_expert.{key[len(shared) :]}"] = state_dict.pop(key)
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def shard(self, cut: TensorCut) -> None:
+        """Keep every expert's run of the width (gate and up rows with their biases, down
+        columns) and the shared expert's; the output is then summed over the group
+        (the router runs whole on every rank, so each routes a token alike; the down
+        biases are added by the first rank only)."""
+        stacked, out = self.input_linear.weight.detach(), self.output_linear.weight.detach()
+        width = stacked.shape[1] // 2 // cut.size
+        held = torch.arange(cut.rank * width, (cut.rank + 1) * width)
+        rows = torch.cat((held, held + width * cut.size))
+        self.input_linear.weight = param(stacked[:, rows])
+        self.output_linear.weight = param(out[:, :, held])
+        if self.input_linear.bias is not None:
+            self.input_linear.bias = param(self.input_linear.bias.detach()[:, rows])
+        if self.output_linear.bias is not None and cut.rank:
+            self.output_linear.bias = param(torch.zeros_like(self.output_linear.bias))
+        shared = self.shared_expert
+        if shared is not None:  # its share of the width, summed with the experts'
+            parts = gated_share(
+                cut, shared.gate_proj, shared.up_proj, shared.down_proj, summed=False
+            )
+            for name, part in zip(("gate_proj", "up_proj", "down_proj"), parts, strict=True):
+                shared.set_submodule(name, part)
+        self._sum = cut.all_reduce
+        self.shape = self.shape.tensor_share(cut.size)
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts ``[T, k]`` and their weights, in ``x``'s dtype."""
@@ -156,10 +185,11 @@ class MixtureOfExperts(nn.Module):
             y = y + self.output_linear.bias[by_expert]
         if not self.shape.weight_inputs:
             y = y * weights.flatten()[order, None]
-        if self.shared_expert is None:
-            return torch.zeros_like(x).index_add_(0, tokens, y)
-        shared: torch.Tensor = self.shared_expert(x)
-        return shared.index_add_(0, tokens, y)
+        base = torch.zeros_like(x) if self.shared_expert is None else self.shared_expert(x)
+        out: torch.Tensor = base.index_add_(0, tokens, y)
+        if self._sum is not None:  # a tensor-parallel rank's share
+            self._sum(out)
+        return out
 
 
 def _stacks(state_dict: dict[str, Any], prefix: str, layout: Stacks) -> None:

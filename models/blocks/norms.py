@@ -1,10 +1,13 @@
-"""Norms: RMSNorm (Llama's and Gemma's conventions) and Mamba2's gated RMSNorm.
+"""Norms: RMSNorm (Llama's and Gemma's conventions), LayerNorm, and Mamba2's gated
+RMSNorm (whole, or spread over tensor-parallel ranks).
 
 Parameter names follow Hugging Face checkpoints (``weight``); every norm works on a flat
 batch of tokens, ``[num_tokens, ...]``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +36,12 @@ class RMSNorm(nn.Module):
 
     def scale(self) -> torch.Tensor:
         """What normalised values are multiplied by: ``weight + offset`` in float32 where
-        the scale applies in float32 (``offset``), else ``weight``. Kept per weight: a
-        decode step runs some 100 norms, and the sum was an op of each."""
+        there is an offset or the scale applies in float32 (``scale_first``), else
+        ``weight``. Kept per weight: a decode step runs some 100 norms, and the sum was an
+        op of each (and a bfloat16 weight beside float32 values takes torch's unfused
+        norm)."""
         weight = self.weight
-        if not self.offset:
+        if not (self.offset or self.scale_first):
             return weight
         kept = self._scale
         if kept is None or kept[0] is not weight or kept[1] != weight.data_ptr():
@@ -109,3 +114,41 @@ class GatedRMSNorm(nn.Module):
         grouped = h.view(*h.shape[:-1], -1, self.group_size)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * grouped.view(h.shape).to(x.dtype)
+
+
+class SpreadGatedRMSNorm(nn.Module):
+    """Mamba2's gated norm on a tensor-parallel rank whose channels are part of a norm
+    group spread over several ranks: each group's sum of squares is summed over the
+    ranks (``reduce``) before it scales.
+
+    Args:
+        weight: The rank's channels of the norm weight.
+        group_index: The norm group its channels belong to, of ``num_groups``.
+        group_size: Channels in a whole norm group.
+        eps: The norm's epsilon.
+        reduce: Sums a tensor over the tensor-parallel group, in place.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        *,
+        group_index: int,
+        num_groups: int,
+        group_size: int,
+        eps: float,
+        reduce: Callable[[torch.Tensor], None],
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.group_index, self.num_groups, self.group_size = group_index, num_groups, group_size
+        self.eps = eps
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * F.silu(gate.float())
+        sums = h.new_zeros(h.shape[0], self.num_groups)
+        sums[:, self.group_index] = h.pow(2).sum(-1)
+        self.reduce(sums)
+        scale = torch.rsqrt(sums[:, self.group_index] / self.group_size + self.eps)
+        return self.weight * (h * scale[:, None]).to(x.dtype)

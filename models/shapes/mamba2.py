@@ -61,7 +61,7 @@ class Mamba2Shape:
     def tensor_share(self, size: int) -> Mamba2Shape:
         """The mixer as each of ``size`` tensor-parallel ranks holds it: its share of the
         heads and channels, its share of the B/C groups or, where there are fewer groups
-        than ranks, the one its heads read (``hybridkv.parallel.tensor_mamba``)."""
+        than ranks, the one its heads read (``Mamba2Mixer.shard``)."""
         return attrs.evolve(
             self,
             intermediate_size=self.intermediate_size // size,

@@ -1,17 +1,53 @@
-"""Cutting one rank's share out of a loaded weight: runs of heads, rows and columns.
+"""Cutting one tensor-parallel rank's share out of a loaded block: runs of heads, rows
+and columns, and what a block needs from its group to cut itself (:class:`TensorCut`).
 
-``tensor_shards`` and ``tensor_mamba`` build every rank's layers from these. A float
-weight is cut as loaded; a quantised one (``--weights int8``/``int4``: the whole model is
-quantised first) is cut in its stored form, rows with their scales and columns under the
-whole row's, so that the ranks' shares sum to what one process's layer computes.
+Each block of ``models/blocks`` has ``shard(cut)``, which keeps the rank's share of its
+weights in place; ``hybridkv.parallel.tensor_shards`` calls it with the rank's group. A
+float weight is cut as loaded; a quantised one (``--weights int8``/``int4``: the whole
+model is quantised first) is cut in its stored form, rows with their scales and columns
+under the whole row's, so that the ranks' shares sum to what one process's layer computes.
 """
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from hybridkv.models.weights.quantized_linear import QuantizedLinear
+
+
+class TensorCut(Protocol):
+    """One rank of a tensor-parallel group, as a block cutting itself sees it."""
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """The group's size (tp)."""
+        ...
+
+    def summed(self, part: nn.Module, bias: torch.Tensor | None) -> nn.Module:
+        """A module running ``part`` (whose output on each rank is a partial sum: a
+        row-split linear), summing its output over the group, then adding ``bias``."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group, in place."""
+        ...
+
+
+@runtime_checkable
+class Shardable(Protocol):
+    """A block that keeps one rank's share of itself (and of the blocks inside it)."""
+
+    def shard(self, cut: TensorCut) -> None:
+        """Keep ``cut``'s rank's share of the weights, in place."""
+        ...
 
 
 def held_run(count: int, size: int, rank: int) -> tuple[int, int]:
@@ -75,4 +111,22 @@ def _as_slice(columns: torch.Tensor | slice) -> slice:
     return slice(first, first + count)
 
 
-__all__ = ["bias_of", "columns_of", "held_run", "param", "rows_of"]
+def summed_columns(cut: TensorCut, linear: nn.Module, columns: torch.Tensor | slice) -> nn.Module:
+    """``linear``'s input ``columns``, summed over the group, its bias added once."""
+    return cut.summed(columns_of(linear, columns), bias_of(linear))
+
+
+def gated_share(
+    cut: TensorCut, gate: nn.Module, up: nn.Module, down: nn.Module, *, summed: bool = True
+) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """A gated MLP's share: the rank's run of the width in ``gate`` and ``up`` rows and in
+    ``down`` columns, summed over the group unless the caller sums (``summed``)."""
+    width = _out_features(gate) // cut.size
+    held = slice(cut.rank * width, (cut.rank + 1) * width)
+    down = summed_columns(cut, down, held) if summed else columns_of(down, held)
+    return rows_of(gate, held), rows_of(up, held), down
+
+
+def _out_features(linear: nn.Module) -> int:
+    assert isinstance(linear, (nn.Linear, QuantizedLinear)), "tensor parallelism splits linears"
+    return int(linear.out_features)
