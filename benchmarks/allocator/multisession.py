@@ -44,7 +44,10 @@ hit). With ``--reference-src DIR`` (a vLLM source tree, see ``common/vllm_refere
 vLLM's own KVCacheManager serves the same workload in a run of its own.
 
     python -m benchmarks.allocator.multisession [--repeats N] [--per-turn] [--reference-src DIR]
-                                      [--json FILE]
+                                      [--hybrid gemma3|gpt-oss] [--json FILE]
+
+``--hybrid gpt-oss`` compares gpt-oss's layers (sliding of 128 and full alternating: one
+group of each) with full attention instead of the Gemma-3-like 1 full + 5 sliding.
 
 The last line printed is one JSON object: per working-set definition, allocator, layout
 and occupancy the hit rate, preemptions and the allocator's microseconds per step (the
@@ -69,7 +72,14 @@ from typing import Any
 import attrs
 
 from benchmarks.allocator.allocator import OursAllocator
-from benchmarks.allocator.multisession_run import BLOCK_SIZE, LAYOUTS, OCCUPANCIES, WINDOW, Run
+from benchmarks.allocator.multisession_run import (
+    BLOCK_SIZE,
+    GPT_OSS,
+    LAYOUTS,
+    OCCUPANCIES,
+    WINDOW,
+    Run,
+)
 from benchmarks.common.results import add_json_argument, write_json
 from hybridkv.scheduler.config import EngineConfig
 
@@ -133,20 +143,21 @@ def main() -> None:
 def report(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
     """Every allocator and layout at every occupancy, under ``args.definition``; printed."""
     occ = [str(o) for o in args.occupancy]
+    layouts = LAYOUTS if args.hybrid == "gemma3" else {"full": LAYOUTS["full"], **GPT_OSS}
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for name, make in allocators(args).items():
-        for layout, groups in LAYOUTS.items():
+        for layout, groups in layouts.items():
             row = {str(o): measure(make, groups, o, args) for o in args.occupancy}
             results[f"{layout}, {name}"] = row
-    width = max(*map(len, results), *(len(f"{lay}, capacity estimate") for lay in LAYOUTS)) + 2
+    width = max(*map(len, results), *(len(f"{lay}, capacity estimate") for lay in layouts)) + 2
     head = f"{'occupancy':<{width}}" + "".join(f"{o:>8}" for o in occ)
     print(f"prefix hit rate over turns 2-{args.turns}\n{head}")
     for label, row in results.items():
         print(f"{label:<{width}}" + "".join(f"{row[o]['hit_rate']:>8.3f}" for o in occ))
-    full, hybrid = (results[f"{layout}, hybridkv"] for layout in LAYOUTS)
+    full, hybrid = (results[f"{layout}, hybridkv"] for layout in layouts)
     gaps = "".join(f"{full[o]['hit_rate'] - hybrid[o]['hit_rate']:>8.3f}" for o in occ)
     print(f"{'full minus hybrid, hybridkv':<{width}}{gaps}")
-    for layout, row in zip(LAYOUTS, (full, hybrid), strict=True):
+    for layout, row in zip(layouts, (full, hybrid), strict=True):
         label = f"{layout}, capacity estimate"
         print(f"{label:<{width}}" + "".join(f"{row[o]['capacity_estimate']:>8.3f}" for o in occ))
     print(f"\nallocator us per step, mean over steps (best of {args.repeats} runs)\n{head}")
@@ -157,7 +168,7 @@ def report(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
         print(f"{label:<{width}}" + "".join(f"{row[o]['preemptions']:>8}" for o in occ))
     if args.per_turn:
         print("\nsessions' prefixes after each turn, in pages, over the peak working set")
-        for layout in LAYOUTS:
+        for layout in layouts:
             row = next(r for label, r in results.items() if label.startswith(layout + ","))
             shares = " ".join(f"{x:.2f}" for x in row[occ[0]]["prefix_share"])
             print(f"{layout:<{width}} {'':>5}  {shares}")
@@ -196,6 +207,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="both",
         help="what occupancy 1.0 holds: every session at its longest (peak), or the "
         "sessions' resumable prefixes averaged over the turns (mean: equal pressure)",
+    )
+    p.add_argument(
+        "--hybrid",
+        choices=("gemma3", "gpt-oss"),
+        default="gemma3",
+        help="the hybrid layout set beside full attention: Gemma 3's (1 full + 5 sliding "
+        f"of {WINDOW}) or gpt-oss's (1 full + 1 sliding of 128)",
     )
     p.add_argument("--seed", type=int, default=0)
     add_json_argument(p)

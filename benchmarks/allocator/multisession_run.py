@@ -21,6 +21,13 @@ LAYOUTS: dict[str, list[dict[str, Any]]] = {
     "1 full + 5 sliding": [{"type": "full"}]
     + [{"type": "sliding_window", "sliding_window": WINDOW}] * 5,
 }
+#: gpt-oss's layers: sliding (window 128) and full alternating, one group of each.
+GPT_OSS: dict[str, list[dict[str, Any]]] = {
+    "gpt-oss, 1 full + 1 sliding (128)": [
+        {"type": "full"},
+        {"type": "sliding_window", "sliding_window": 128},
+    ]
+}
 OCCUPANCIES = (0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 
 

@@ -15,26 +15,23 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
-import shutil
-import sys
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import attrs
 
-from hybridkv.serving.cli.model_errors import CacheDirError, MissingExtraError, ModelNotFoundError
+from hybridkv.serving.cli.conversion import (
+    Progress,
+    cache_dir,
+    convert_once,
+    gguf_checkpoint,
+    stderr_progress,
+)
+from hybridkv.serving.cli.gguf_files import gguf_folder
+from hybridkv.serving.cli.model_errors import MissingExtraError, ModelNotFoundError
 
 #: The model ``hybridkv demo``, ``serve`` and ``generate`` use when none is named.
 DEFAULT_MODEL = "gemma-3-270m"
-
-#: Files whose presence marks a finished conversion.
-_CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-
-Progress = Callable[[str], None]
-
 
 # Gemma's turn format, written for the converted folder (the GGUF file carries none).
 _GEMMA_CHAT_TEMPLATE = (
@@ -105,27 +102,14 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 }
 
 
-def cache_dir() -> Path:
-    """Where converted built-in models live: ``$HYBRIDKV_CACHE_DIR``, else the XDG cache."""
-    explicit = os.environ.get("HYBRIDKV_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "hybridkv"
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def resolve_model(
-    model: str | None, *, revision: str | None = None, progress: Progress = _stderr
+    model: str | None, *, revision: str | None = None, progress: Progress = stderr_progress
 ) -> tuple[str, Path]:
-    """The display name and checkpoint folder of ``model``: a folder, a built-in name, or
-    a hub name (``org/name``, at ``revision``; ``serving/cli/hub.py``).
+    """The display name and checkpoint folder of ``model``: a folder, a ``.gguf`` file
+    (``serving/cli/gguf_files.py``), a built-in name, or a hub name (``org/name``, at
+    ``revision``; ``serving/cli/hub.py``).
 
-    Converts a built-in model on first use. ``None`` means :data:`DEFAULT_MODEL`.
+    Converts a built-in model or a GGUF file on first use. ``None`` means :data:`DEFAULT_MODEL`.
 
     Raises:
         ModelNotFoundError: ``model`` is none of those, or not in the hub cache while
@@ -136,6 +120,8 @@ def resolve_model(
     folder = Path(model).expanduser()
     if (folder / "config.json").is_file():
         return folder.resolve().name, folder
+    if folder.suffix == ".gguf" and folder.is_file():
+        return folder.name, gguf_folder(folder, progress=progress)
     if model in BUILTIN_MODELS:
         return model, ensure_converted(BUILTIN_MODELS[model], progress=progress)
     from hybridkv.serving.cli.hub import hub_snapshot, is_hub_name
@@ -144,21 +130,16 @@ def resolve_model(
         return model, hub_snapshot(model, revision)
     names = ", ".join(sorted(BUILTIN_MODELS))
     raise ModelNotFoundError(
-        f"model {model!r} is neither a checkpoint folder with config.json, a built-in "
-        f"model ({names}) nor a hub name (org/name)"
+        f"model {model!r} is neither a checkpoint folder with config.json, a .gguf file, "
+        f"a built-in model ({names}) nor a hub name (org/name)"
     )
-
-
-def is_converted(folder: Path) -> bool:
-    """Whether ``folder`` holds a finished conversion."""
-    return all((folder / name).is_file() for name in _CHECKPOINT_FILES)
 
 
 Converter = Callable[[BuiltinModel, Path, Path], None]
 
 
 def ensure_converted(
-    model: BuiltinModel, *, progress: Progress = _stderr, convert: Converter | None = None
+    model: BuiltinModel, *, progress: Progress = stderr_progress, convert: Converter | None = None
 ) -> Path:
     """The checkpoint folder of ``model``, converting it first if the cache lacks it.
 
@@ -168,35 +149,14 @@ def ensure_converted(
         convert: ``(model, scratch, out)`` writes the checkpoint into ``out``
             (default: :func:`convert_gguf`).
     """
-    target = cache_dir() / model.name
-    if is_converted(target):
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CacheDirError(
-            f"cannot create the model cache {str(target.parent)!r} ({exc.strerror}); "
-            "set HYBRIDKV_CACHE_DIR to a writable folder"
-        ) from None
-    started = time.monotonic()
-    progress(f"First use of {model.name}: converting it once into {target} (about a minute)")
-    with tempfile.TemporaryDirectory(prefix=f".{model.name}-", dir=target.parent) as tmp:
-        scratch = Path(tmp)
-        staging = scratch / "checkpoint"
+
+    def write(scratch: Path, out: Path) -> None:
         if convert is None:
-            convert_gguf(model, scratch, staging, progress=progress)
+            convert_gguf(model, scratch, out, progress=progress)
         else:
-            convert(model, scratch, staging)
-        if target.exists() and not is_converted(target):
-            shutil.rmtree(target)  # a leftover from an older, unfinished layout
-        try:
-            staging.rename(target)
-        except OSError:
-            # Another process finished first; its folder is as good as ours.
-            if not is_converted(target):
-                raise
-    progress(f"Converted {model.name} in {time.monotonic() - started:.0f} s")
-    return target
+            convert(model, scratch, out)
+
+    return convert_once(cache_dir() / model.name, model.name, write, progress=progress)
 
 
 def _import(model: BuiltinModel, name: str) -> object:
@@ -221,34 +181,16 @@ def _missing(model: BuiltinModel, package: str) -> MissingExtraError:
 
 
 def convert_gguf(
-    model: BuiltinModel, scratch: Path, out: Path, *, progress: Progress = _stderr
+    model: BuiltinModel, scratch: Path, out: Path, *, progress: Progress = stderr_progress
 ) -> None:
     """Write ``model`` as a safetensors checkpoint folder ``out``, using ``scratch``."""
     package = _package_folder(model)
     for needed in ("gguf", "accelerate"):
         _import(model, needed)
-    transformers = _import(model, "transformers")
-    import torch
-
+    _import(model, "transformers")
     progress("  [1/4] reading the GGUF file")
-    gguf = model.gguf_file(package, scratch)
-    folder, name = str(gguf.parent), gguf.name
-    progress("  [2/4] converting the tokenizer")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)  # type: ignore[attr-defined]
-    progress("  [3/4] dequantising the weights")
-    lm = transformers.AutoModelForCausalLM.from_pretrained(  # type: ignore[attr-defined]
-        folder, gguf_file=name, dtype=torch.float32
-    )
-    # The weights are plain float32 now: drop the GGUF marker so the model saves normally.
-    if hasattr(lm.config, "quantization_config"):
-        del lm.config.quantization_config
-    lm.hf_quantizer = None
-    lm.is_quantized = False
-    progress("  [4/4] writing config.json, model.safetensors, tokenizer.json")
-    if model.chat_template and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = model.chat_template
-    lm.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    gguf_checkpoint(model.gguf_file(package, scratch), out, progress=progress,
+                    chat_template=model.chat_template)  # fmt: skip
     _add_eos_tokens(out / "generation_config.json", model.extra_eos_token_ids)
 
 

@@ -80,8 +80,8 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         nargs="?",
         default=None,
-        help=f"checkpoint folder (config.json, safetensors, tokenizer.json), built-in "
-        f"name ({names}) or hub name (org/name: the local hub cache first, else "
+        help=f"checkpoint folder (config.json, safetensors, tokenizer.json), .gguf file, "
+        f"built-in name ({names}) or hub name (org/name: the local hub cache first, else "
         f"downloaded unless HF_HUB_OFFLINE is set); default: {DEFAULT_MODEL}",
     )
     parser.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as MODEL")

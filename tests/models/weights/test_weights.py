@@ -121,10 +121,13 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
-#: The families checked in int8 only (one of each block they add is enough).
+#: The families checked in int8 only (one of each block they add is enough). Not AFMoE's
+#: tiny model (its embeddings scaled x8 by muP): its mean KL was under the 1e-3 bound in
+#: runs here and 2.3e-3 in one full-suite run (int8 sums vary with the thread count); its
+#: output gate and biased routing are checked in float32.
 INT8_ONLY = (
     *("smollm3", "seed_oss", "olmo3", "exaone4", "phi3", "cohere2", "gpt_oss"),
-    *("ministral3", "llama4", "granite_swa", "granitemoe_swa", "afmoe"),
+    *("ministral3", "llama4", "granite_swa", "granitemoe_swa"),
 )
 
 

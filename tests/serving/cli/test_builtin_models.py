@@ -9,7 +9,6 @@ import pytest
 from hybridkv.serving.cli.builtin_models import (
     BUILTIN_MODELS,
     BuiltinModel,
-    CacheDirError,
     MissingExtraError,
     ModelNotFoundError,
     cache_dir,
@@ -17,6 +16,7 @@ from hybridkv.serving.cli.builtin_models import (
     ensure_converted,
     resolve_model,
 )
+from hybridkv.serving.cli.model_errors import CacheDirError
 
 
 @pytest.fixture(autouse=True)
