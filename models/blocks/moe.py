@@ -8,9 +8,9 @@ checkpoints' layouts load into the same stacks: one MLP per expert (Qwen3-MoE:
 ``experts.{e}.gate_proj``, ``up_proj``, ``down_proj``, the router as ``gate``), and
 transposed stacks (``experts.gate_up_proj`` ``[experts, hidden, 2 * inner]``, gate and up
 channels alternating in gpt-oss's and gate's first in Llama 4's; ``experts.down_proj``;
-gpt-oss's ``_bias`` of each; the router as ``router``, with gpt-oss's bias). A shared
-expert every token runs (Llama 4's ``shared_expert``) is added to the routed experts'
-output.
+gpt-oss's ``_bias`` of each; the router as ``router``, with gpt-oss's bias, or
+``router.gate``). A shared expert every token runs (Llama 4's ``shared_expert``, AFMoE's
+``shared_experts``) is added to the routed experts' output.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class _Router(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """Each token goes to its ``top_k`` experts, weighted by the softmax of their logits.
+    """Each token goes to its ``top_k`` experts, weighted as the shape's router says
+    (``models/shapes/moe.py``), plus the shared expert where there is one.
 
     The (token, expert) pairs are sorted by expert, and one grouped matmul
     (``F.grouped_mm``) runs each expert over its run of them, the runs' ends found on the
@@ -93,8 +94,8 @@ class MixtureOfExperts(nn.Module):
         self.shape = shape
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Take one MLP per expert (``experts.{e}.gate_proj`` ...), or gpt-oss's stacks,
-        as ours."""
+        """Take one MLP per expert (``experts.{e}.gate_proj`` ...), or another layout of
+        stacks (``shape.stacks``), as ours; the routers' and shared experts' names."""
         _stacks(state_dict, prefix, self.shape.stacks)
         names: dict[str, list[torch.Tensor]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
         for e in range(self.input_linear.weight.shape[0]):

@@ -25,11 +25,15 @@ from hybridkv.models.weights.quantized_linear import (
 
 # Bounds on a tiny random model (near-flat logits, random weights: the worst case for
 # 4 bits): mean KL of the next-token distribution against float32, and the share of
-# greedy steps whose argmax agrees.
-# Measured: int8 2e-4 and 0.90-1.0 (18 to 20 of 20 steps, by thread count), int4 0.027 and
-# 0.55-0.75 (a real model's logits are far more peaked: benchmarks/decode/weight_quality.py
-# measures the built-in one).
+# greedy steps whose argmax agrees among those the reference decides (its top logit at
+# least DECIDED above the next: a near-tie flips under any rounding, and a tiny model's
+# steps are near-ties often; a full-suite run saw 4 of 20 flip in int8 at gaps of 0.01-0.03).
+# Measured, 1 and 2 threads: int8 KL 1e-5-5e-4, every decided step agrees (12-20 of 20
+# decided) but one of Llama 4's 13 on two threads (a token routed to another expert);
+# int4 KL 0.024-0.028, 0.62-0.88 of the decided ones (a real model's logits are far more
+# peaked: benchmarks/decode/weight_quality.py measures the built-in one).
 BOUNDS = {"int8": (1e-3, 0.85), "int4": (0.06, 0.5)}
+DECIDED = 0.05
 
 
 def _weight(rows: int = 96, cols: int = 640, seed: int = 0) -> torch.Tensor:
@@ -121,13 +125,14 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
-#: The families checked in int8 only (one of each block they add is enough). Not AFMoE's
-#: tiny model (its embeddings scaled x8 by muP): its mean KL was under the 1e-3 bound in
-#: runs here and 2.3e-3 in one full-suite run (int8 sums vary with the thread count); its
-#: output gate and biased routing are checked in float32.
+#: The families checked in int8 only (one of each block they add is enough). Not the
+#: tiny AFMoE and gpt-oss: a rounding that flips one token's experts in one layer moves
+#: their KL by up to 2e-3 (AFMoE's embeddings scaled x8 by muP: 2.3e-3 in one full-suite
+#: run; gpt-oss: 9e-5 on one thread, 7e-4 on two); their experts' blocks are checked in
+#: float32, and a mixture in int8 through Qwen3-MoE's, Llama 4's and Granite's.
 INT8_ONLY = (
-    *("smollm3", "seed_oss", "olmo3", "exaone4", "phi3", "cohere2", "gpt_oss"),
-    *("ministral3", "llama4", "granite_swa", "granitemoe_swa"),
+    *("smollm3", "seed_oss", "olmo3", "exaone4", "phi3", "cohere2"),
+    *("ministral3", "llama4", "granite_swa", "granitemoe_swa", "qwen3_moe"),
 )
 
 
@@ -142,7 +147,8 @@ INT8_ONLY = (
 def test_tiny_model_stays_close_to_float32(name, weights, tiny_models, make_driver, prompt_of):
     """Greedy decoding with quantised weights, prompts prefilled in one chunk (the
     expanded path) and decoded a token at a time (the kernel path): the mean KL against
-    the float32 reference on the same tokens and the greedy agreement stay in bounds."""
+    the float32 reference on the same tokens, and the greedy agreement where the
+    reference decides, stay in bounds."""
     driver = make_driver(name, weights=weights)
     for i in range(2):
         driver.add(f"r{i}", prompt_of(40, i))
@@ -154,9 +160,13 @@ def test_tiny_model_stays_close_to_float32(name, weights, tiny_models, make_driv
         expected = tiny_models[name].reference_logits(seq.prompt + seq.output[:-1])
         expected = expected[len(seq.prompt) - 1 :]
         kls.append(_kl(expected, recorded))
-        agree.append(recorded.argmax(-1) == expected.argmax(-1))
+        top = expected.topk(2, dim=-1).values
+        decided = top[:, 0] - top[:, 1] > DECIDED
+        agree.append((recorded.argmax(-1) == expected.argmax(-1))[decided])
     assert float(torch.cat(kls).mean()) < max_kl
-    assert torch.cat(agree).double().mean().item() >= min_agree
+    agreed = torch.cat(agree)
+    assert len(agreed) >= 5, "too few decided steps to judge"
+    assert agreed.double().mean().item() >= min_agree
 
 
 def _on_grid(levels: int, group: int, seed: int = 3) -> torch.Tensor:
