@@ -19,7 +19,8 @@ spread; the ratio is transformers' time per step over ours.
     python -m benchmarks.decode.families [--models qwen3-0.6b gpt-oss-20b] [--quick]
 
 Memory: gpt-oss's two layers hold 3.2 GB of experts in bfloat16, loaded twice (ours and
-transformers'), 11 GB in all. The last line printed is one JSON object.
+transformers'), 11 GB in all. The last line printed is one JSON object. Results: the
+section "Decode step of the new families against transformers" of docs/benchmarks.md.
 """
 
 from __future__ import annotations
