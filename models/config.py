@@ -73,7 +73,11 @@ class ModelConfig:
             (Granite).
         logits_scaling: Logits are divided by it (Granite).
         experts: The MoE layers' experts, or None for a dense MLP in every layer.
-        attention_sinks: Each attention head has a learned sink logit (gpt-oss).
+        attention_sinks: The layer kinds whose attention heads each have a learned sink
+            logit (gpt-oss: every kind; MiMo-V2-Flash: the sliding layers).
+        v_head_dim: Width of a value head where it differs from ``head_dim`` (MiMo-V2-Flash:
+            128 beside 192); the cache keeps values at the key's width, zero-padded.
+        value_scale: Values are multiplied by it before they are cached (MiMo-V2-Flash).
         rope_qk_l2_norm: After rope, each q and k head is divided by its root mean square,
             without a weight, in the layers that rotate (Llama 4's ``use_qk_norm``).
         query_temperature: Queries scaled by their position (Llama 4, Ministral 3), or None.
@@ -113,7 +117,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     experts: ExpertsShape | None = None
-    attention_sinks: bool = False
+    attention_sinks: frozenset[str] = frozenset()
+    v_head_dim: int | None = None
+    value_scale: float = 1.0
     rope_qk_l2_norm: bool = False
     query_temperature: QueryTemperature | None = None
     attention_output_gate: bool = False
@@ -121,17 +127,17 @@ class ModelConfig:
     def __attrs_post_init__(self) -> None:
         if not self.layers:
             raise ModelConfigError("a model needs at least one layer, got none")
-        # One projection shape for every layer: the decoder layers are built from it.
-        shapes = sorted({(s.num_kv_heads, s.head_dim) for s in self.attention_layers})
-        if len(shapes) > 1:
-            raise ModelConfigError(
-                f"layers differ in (KV heads, head dim): {shapes}; one shape is supported"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ModelConfigError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}"
-            )
+        # One head width for every layer (one rope table per kind is built from it); the
+        # KV heads may differ by layer (MiMo-V2-Flash's sliding layers have twice as many).
+        widths = sorted({s.head_dim for s in self.attention_layers})
+        if len(widths) > 1:
+            raise ModelConfigError(f"layers differ in head dim: {widths}; one is supported")
+        for kv_heads in sorted({s.num_kv_heads for s in self.attention_layers}):
+            if self.num_heads % kv_heads:
+                raise ModelConfigError(
+                    f"num_attention_heads={self.num_heads} is not a multiple of "
+                    f"num_key_value_heads={kv_heads}"
+                )
         missing = sorted({str(s.kind) for s in self.attention_layers} - set(self.rope))
         if missing:
             raise ModelConfigError(f"no rope parameters for layer types {missing}")
@@ -148,7 +154,8 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        """Key/value heads of every attention layer (GQA when fewer than query heads)."""
+        """Key/value heads of the first attention layer (GQA when fewer than query heads;
+        each layer's spec has its own)."""
         attention = self.attention_layers
         return attention[0].num_kv_heads if attention else self.num_heads
 

@@ -198,4 +198,19 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "num_local_experts": 16,
         "num_experts_per_tok": 1,
     },
+    # MiMo-V2-Flash: 48 layers, the first and every 6th full (4 KV heads), the other 39
+    # sliding (window 128 plus the query, 8 KV heads); keys of 192, values of 128 (cached
+    # at 192 here), 256 experts (8 a token).
+    "mimo-v2-flash-like": {
+        "model_type": "mimo_v2_flash",
+        "num_hidden_layers": 48,
+        "hidden_size": 4096,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 192,
+        "v_head_dim": 128,
+        "sliding_window": 129,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+    },
 }

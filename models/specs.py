@@ -152,10 +152,15 @@ def _spec(
             name=f"model.layers.{layer}.mamba", policy=policy, state_bytes=state_bytes, kind=kind
         )
     num_heads = int_field(cfg, "num_attention_heads")
+    family = family_for(cfg["model_type"])
+    if family is not None and family.kv_heads is not None:
+        kv_heads = family.kv_heads(cfg, kind)
+    else:
+        kv_heads = int_field(cfg, "num_key_value_heads", num_heads)
     return AttentionSpec(
         name=f"model.layers.{layer}.self_attn",
         policy=policy,
-        num_kv_heads=int_field(cfg, "num_key_value_heads", num_heads),
+        num_kv_heads=kv_heads,
         head_dim=_head_dim(cfg),
         dtype_bytes=dtype_bytes,
         kind=kind,

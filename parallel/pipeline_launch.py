@@ -112,7 +112,9 @@ class StageSettings:
         split_layers(checkpoint.config.num_layers, pipeline_parallel_size)
         check_tensor_split(checkpoint.config, tensor_parallel_size, options.weights)
         if context_parallel_size > 1:
-            check_context_split(checkpoint.config.layers, sinks=checkpoint.config.attention_sinks)
+            check_context_split(
+                checkpoint.config.layers, sinks=bool(checkpoint.config.attention_sinks)
+            )
         layout = ParallelConfig(
             pipeline=pipeline_parallel_size,
             context=context_parallel_size,

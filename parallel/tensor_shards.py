@@ -67,9 +67,10 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
         )
     if weights == "int4":
         _check_int4_groups(config, size)
+    kv_heads = sorted({s.num_kv_heads for s in config.attention_layers})
     values = [
         ("num_attention_heads", config.num_heads, False),
-        ("num_key_value_heads", config.num_kv_heads, True),
+        *[("num_key_value_heads", heads, True) for heads in kv_heads],
         ("intermediate_size", config.intermediate_size, False),
     ]
     if config.experts is not None:

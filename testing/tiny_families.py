@@ -348,6 +348,30 @@ def _afmoe() -> Any:
     return AfmoeForCausalLM(config)
 
 
+def _mimo_v2_flash() -> Any:
+    """MiMo-V2-Flash: keys of 24 and values of 16, the sliding layers with twice the KV
+    heads and sinks, rope on a third of each head, a dense first layer, experts (4 in 2
+    groups, the best group's two a token) chosen with a bias."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    config = MiMoV2FlashConfig(
+        **COMMON,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_key_value_heads=1,
+        head_dim=24,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        sliding_window=WINDOW,
+        **_NO_SPECIAL_TOKENS,
+    )
+    return MiMoV2FlashForCausalLM(config)
+
+
 #: Each family's builder, by the name the tests know it by.
 FAMILY_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen2": _qwen2,
@@ -366,4 +390,5 @@ FAMILY_BUILDERS: dict[str, Callable[[], Any]] = {
     "granite_swa": _granite_swa,
     "granitemoe_swa": _granitemoe_swa,
     "afmoe": _afmoe,
+    "mimo_v2_flash": _mimo_v2_flash,
 }

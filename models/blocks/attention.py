@@ -84,16 +84,21 @@ class PagedAttention(nn.Module):
         bias = config.attention_bias
         q_width = config.num_heads * spec.head_dim
         kv_width = spec.num_kv_heads * spec.head_dim
+        # Values may be narrower than keys (MiMo-V2-Flash); they are cached zero-padded.
+        self.v_head_dim = config.v_head_dim or spec.head_dim
+        v_width = spec.num_kv_heads * self.v_head_dim
+        out_width = config.num_heads * self.v_head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
-        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_out_bias)
+        self.v_proj = nn.Linear(config.hidden_size, v_width, bias=bias)
+        self.o_proj = nn.Linear(out_width, config.hidden_size, bias=config.attention_out_bias)
         self.gate_proj: nn.Module | None = None
         if config.attention_output_gate:
-            self.gate_proj = nn.Linear(config.hidden_size, q_width, bias=False)
+            self.gate_proj = nn.Linear(config.hidden_size, out_width, bias=False)
         self.qkv_proj: nn.Module | None = None
         # The joined projection's output: q and k heads side by side, then v.
-        self._qk_v_widths = (q_width + kv_width, kv_width)
+        self._qk_v_widths = (q_width + kv_width, v_width)
+        self.value_scale = config.value_scale
         # Over each head (one weight of head_dim) or over the whole projection (OLMo).
         self.rope_interleaved = config.rope_interleaved
         self.qk_norm = config.qk_norm
@@ -109,7 +114,9 @@ class PagedAttention(nn.Module):
         self.scale = config.query_scale
         self.softcap = config.attn_softcap
         # gpt-oss: a learned logit per head joining each softmax (``kernels/attention.py``).
-        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
+        self.sinks: nn.Parameter | None = None
+        if spec.kind in config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(config.num_heads))
         window = spec.policy.attention_window()
         self.sliding_window = None if window is None else window.size
         self.live_spans = spec.policy.live_spans if window is None else None
@@ -134,8 +141,10 @@ class PagedAttention(nn.Module):
         """A checkpoint's joined ``qkv_proj`` (Phi-3) read as q, k and v; interleaved rope
         (Cohere) read as the half-split one."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+        parts = [("q_proj", q), ("k_proj", kv), ("v_proj", self.num_kv_heads * self.v_head_dim)]
         split_joined(state_dict, prefix, "qkv_proj", parts)
+        if f"{prefix}attention_sink_bias" in state_dict:  # MiMo-V2-Flash's name of the sinks
+            state_dict[f"{prefix}sinks"] = state_dict.pop(f"{prefix}attention_sink_bias")
         if self.rope_interleaved:
             _evens_first(state_dict, prefix, self.head_dim)
         super()._load_from_state_dict(state_dict, prefix, *args)
@@ -144,22 +153,25 @@ class PagedAttention(nn.Module):
         """Keep the rank's query heads (their rows of ``q_proj``, of the output gate and
         their sinks), its KV heads (an even run, or, with fewer than ranks, the one its
         query heads read), and its columns of ``o_proj``, summed over the group."""
-        dim, num_heads = self.head_dim, self.num_heads // cut.size
+        dim, v_dim, num_heads = self.head_dim, self.v_head_dim, self.num_heads // cut.size
         first_kv, num_kv = held_run(self.num_kv_heads, cut.size, cut.rank)
         q = slice(cut.rank * num_heads * dim, (cut.rank + 1) * num_heads * dim)
+        out = slice(cut.rank * num_heads * v_dim, (cut.rank + 1) * num_heads * v_dim)
         kv = slice(first_kv * dim, (first_kv + num_kv) * dim)
         self.set_submodule("q_proj", rows_of(self.q_proj, q))
         self.set_submodule("k_proj", rows_of(self.k_proj, kv))
-        self.set_submodule("v_proj", rows_of(self.v_proj, kv))
-        self.set_submodule("o_proj", summed_columns(cut, self.o_proj, q))
-        if self.gate_proj is not None:  # one gate per query channel
-            self.gate_proj = rows_of(self.gate_proj, q)
+        self.set_submodule(
+            "v_proj", rows_of(self.v_proj, slice(first_kv * v_dim, (first_kv + num_kv) * v_dim))
+        )
+        self.set_submodule("o_proj", summed_columns(cut, self.o_proj, out))
+        if self.gate_proj is not None:  # one gate per output channel
+            self.gate_proj = rows_of(self.gate_proj, out)
         if self.sinks is not None:
             self.sinks = param(
                 self.sinks.detach()[cut.rank * num_heads : (cut.rank + 1) * num_heads]
             )
         self.num_heads, self.num_kv_heads = num_heads, num_kv
-        self._qk_v_widths = ((num_heads + num_kv) * dim, num_kv * dim)
+        self._qk_v_widths = ((num_heads + num_kv) * dim, num_kv * v_dim)
 
     def fuse(self) -> bool:
         """Join q, k and v into one product (``models/weights/fused_linear.py``); False where
@@ -185,7 +197,11 @@ class PagedAttention(nn.Module):
         # q and k heads side by side: one norm and one rotation for both (apart they were
         # some 20 ops a layer, a decode step's ops: benchmarks/decode/bandwidth.py).
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.v_head_dim)
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
+        if self.v_head_dim < self.head_dim:  # cached at the key's width
+            v = F.pad(v, (0, self.head_dim - self.v_head_dim))
         if self.qk_norm and self.per_head_norm:
             qk = rms_norm(
                 qk, self._qk_scale(), self.q_norm.eps, scale_first=self.q_norm.scale_first
@@ -223,7 +239,7 @@ class PagedAttention(nn.Module):
     def _project(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The heads' outputs ``[num_tokens, heads, head_dim]`` through the output gate
         (where the layer has one) and ``o_proj``."""
-        out = out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        out = out[..., : self.v_head_dim].reshape(out.shape[0], self.num_heads * self.v_head_dim)
         if self.gate_proj is not None:
             out = out * torch.sigmoid(self.gate_proj(x))
         projected: torch.Tensor = self.o_proj(out)

@@ -28,12 +28,14 @@ from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.shapes.moe import ExpertsShape, Stacks
 from hybridkv.models.weights.cuts import TensorCut, gated_share, param
 
-#: The router's names in Qwen3-MoE's, gpt-oss's and AFMoE's checkpoints -> ours.
+#: The router's names in Qwen3-MoE's, gpt-oss's, AFMoE's and MiMo-V2-Flash's checkpoints
+#: -> ours.
 _ROUTER_NAMES = {
     "gate.weight": "router.layer.weight",
     "router.weight": "router.layer.weight",
     "router.bias": "router.layer.bias",
     "router.gate.weight": "router.layer.weight",
+    "gate.e_score_correction_bias": "expert_bias",
 }
 
 
@@ -147,6 +149,8 @@ class MixtureOfExperts(nn.Module):
         if shape.router == "sigmoid":
             scores = torch.sigmoid(logits)
             chosen = scores if self.expert_bias is None else scores + self.expert_bias.float()
+            if shape.groups > 1:
+                chosen = _in_top_groups(chosen, shape.groups, shape.top_groups)
             experts = chosen.topk(shape.top_k, dim=-1).indices
             weights = scores.gather(1, experts)
             if shape.renormalize:
@@ -191,6 +195,15 @@ class MixtureOfExperts(nn.Module):
         if self._sum is not None:  # a tensor-parallel rank's share
             self._sum(out)
         return out
+
+
+def _in_top_groups(scores: torch.Tensor, groups: int, top_groups: int) -> torch.Tensor:
+    """``scores`` ``[T, experts]`` with every expert outside each token's ``top_groups``
+    groups (ranked by the sum of their two best scores) set to -inf."""
+    grouped = scores.view(scores.shape[0], groups, -1)
+    best = grouped.topk(2, dim=-1).values.sum(-1).topk(top_groups, dim=-1).indices
+    keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
 
 
 def _stacks(state_dict: dict[str, Any], prefix: str, layout: Stacks) -> None:

@@ -47,6 +47,7 @@ MODULES = {
     "granite_swa": "granite_swa",
     "granitemoe_swa": "granitemoe_swa",
     "afmoe": "afmoe",
+    "mimo_v2_flash": "mimo_v2_flash",
     "jamba": "jamba",
     "mixtral": "mistral",
 }
@@ -74,6 +75,8 @@ class Family:
         state_bytes: ``(config, dtype_bytes)`` -> bytes of one ``mamba`` layer's state.
         mamba2: Its state layers are Mamba2 (tensor parallelism splits their heads).
         sized_types: Further ``model_type`` values it sizes but does not run.
+        kv_heads: ``(config, kind)`` -> the KV heads of that kind's layers, where they
+            differ by kind (MiMo-V2-Flash); None: ``num_key_value_heads`` for every layer.
     """
 
     model_types: tuple[str, ...]
@@ -84,6 +87,7 @@ class Family:
     state_bytes: Callable[[Mapping[str, Any], int], int] | None = None
     mamba2: bool = False
     sized_types: tuple[str, ...] = ()
+    kv_heads: Callable[[Mapping[str, Any], str], int] | None = None
 
 
 def family_for(model_type: str) -> Family | None:

@@ -43,7 +43,7 @@ def parse_gpt_oss(
             "rope": {FULL: rope, SLIDING: rope},
         },
         norm_scale_first=True,
-        attention_sinks=True,
+        attention_sinks=frozenset({FULL, SLIDING}),
         experts=ExpertsShape(
             num_experts=int_field(hf, "num_local_experts"),
             top_k=int_field(hf, "num_experts_per_tok", 4),

@@ -67,7 +67,7 @@ def parse_granite_swa(
         )
     return ModelConfig(
         **fields,
-        attention_sinks=True,
+        attention_sinks=frozenset({FULL, SLIDING}),
         residual_multiplier=float_field(hf, "residual_multiplier", 1.0),
         logits_scaling=float_field(hf, "logits_scaling", 1.0),
         experts=experts,

@@ -49,7 +49,11 @@ class ExpertsShape:
             (Llama 4).
         selection_bias: A learned per-expert bias added to the scores that choose the
             experts, not to their weights (``expert_bias``: AFMoE).
-        route_scale: The routing weights are multiplied by it (AFMoE).
+        route_scale: The routing weights are multiplied by it (AFMoE, MiMo-V2-Flash).
+        groups: The experts form this many groups, and a token chooses only among those
+            of the ``top_groups`` groups whose two best biased scores sum highest
+            (DeepSeek V3's ``n_group`` and ``topk_group``; 1: no groups).
+        top_groups: See ``groups``.
         stacks: How a checkpoint that stacks every expert's gate and up in one tensor
             (``experts.gate_up_proj``) lays it out: ``[E, hidden, 2 * inner]`` with gate
             and up channels alternating (``transposed_alternating``: gpt-oss) or gate's
@@ -71,6 +75,8 @@ class ExpertsShape:
     weight_inputs: bool = False
     selection_bias: bool = False
     route_scale: float = 1.0
+    groups: int = 1
+    top_groups: int = 1
     stacks: Stacks = "transposed_alternating"
 
     def tensor_share(self, size: int) -> ExpertsShape:

@@ -39,6 +39,7 @@ POOL_PAGES |= {
     "granite_swa": 24,
     "granitemoe_swa": 24,
     "afmoe": 24,
+    "mimo_v2_flash": 24,
 }  # a group per layer kind: each holds pages
 
 

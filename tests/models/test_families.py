@@ -71,6 +71,8 @@ def test_a_type_that_does_not_run_is_refused_naming_what_runs(
         ("granite_swa", {"layer_rope_theta": [0, 5e3]}, "layer_rope_theta has 2 entries"),
         ("phi3", {"rope_parameters": {"rope_type": "su"}}, "rope_type 'su'"),
         ("phi3", {"rope_parameters": {"rope_type": "longrope"}}, "need 'short_factor'"),
+        ("mimo_v2_flash", {"n_group": 3}, "not a multiple of n_group=3"),
+        ("mimo_v2_flash", {"mlp_layer_types": ["dense"]}, "'mlp_layer_types' must hold 4"),
     ],
 )
 def test_config_fields_a_family_cannot_run_are_refused_by_name(

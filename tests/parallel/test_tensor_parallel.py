@@ -105,6 +105,7 @@ def test_two_ranks_match_one_process_bamba(
         ("granite_swa", 2, 1, 1),
         ("granitemoe_swa", 2, 1, 1),
         ("afmoe", 2, 1, 1),
+        ("mimo_v2_flash", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
