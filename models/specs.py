@@ -25,7 +25,7 @@ import attrs
 
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.families import MODULES, family_for
+from hybridkv.models.families import MODULES, Family, family_for
 from hybridkv.models.hf_config import int_field, text_config
 from hybridkv.models.kinds import (
     CHUNKED,
@@ -85,19 +85,19 @@ def layer_specs_from_config(
     """
     cfg = text_config(config)
     num_layers = int_field(cfg, "num_hidden_layers")
-    kinds = _layer_kinds(cfg, num_layers)
+    family = family_for(cfg["model_type"])
+    kinds = _layer_kinds(cfg, num_layers, family)
     chosen = _check_choices(policies or {}, kinds)
     by_kind: dict[str, MemoryPolicy] = {}
     specs: list[LayerSpec] = []
     for i, kind in enumerate(kinds):
         if kind not in by_kind:
             by_kind[kind] = chosen[kind] if kind in chosen else _policy(cfg, kind)
-        specs.append(_spec(cfg, kind, i, by_kind[kind], dtype_bytes))
+        specs.append(_spec(cfg, family, kind, i, by_kind[kind], dtype_bytes))
     return specs
 
 
-def _layer_kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
-    family = family_for(cfg["model_type"])
+def _layer_kinds(cfg: Mapping[str, Any], num_layers: int, family: Family | None) -> list[str]:
     if family is not None:
         return family.layer_kinds(cfg, num_layers)
     if cfg.get("layer_types") is None:
@@ -142,17 +142,20 @@ def _policy(cfg: Mapping[str, Any], kind: str) -> MemoryPolicy:
 
 
 def _spec(
-    cfg: Mapping[str, Any], kind: str, layer: int, policy: MemoryPolicy, dtype_bytes: int
+    cfg: Mapping[str, Any],
+    family: Family | None,
+    kind: str,
+    layer: int,
+    policy: MemoryPolicy,
+    dtype_bytes: int,
 ) -> LayerSpec:
     if kind == MAMBA:
-        family = family_for(cfg["model_type"])
         assert family is not None and family.state_bytes is not None, "mamba from a family"
         state_bytes = family.state_bytes(cfg, dtype_bytes)
         return StateSpec(
             name=f"model.layers.{layer}.mamba", policy=policy, state_bytes=state_bytes, kind=kind
         )
     num_heads = int_field(cfg, "num_attention_heads")
-    family = family_for(cfg["model_type"])
     if family is not None and family.kv_heads is not None:
         kv_heads = family.kv_heads(cfg, kind)
     else:

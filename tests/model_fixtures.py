@@ -47,6 +47,18 @@ class TinyModel:
     path: Path
     reference: Any
 
+    @classmethod
+    def load(cls, name: str, path: Path, *, multimodal: bool = False) -> TinyModel:
+        """The checkpoint at ``path`` with transformers' eager float32 model of it (the
+        whole image-text model where ``multimodal``) as the reference."""
+        import transformers
+
+        auto = "AutoModelForImageTextToText" if multimodal else "AutoModelForCausalLM"
+        reference = getattr(transformers, auto).from_pretrained(
+            path, attn_implementation="eager", dtype=torch.float32
+        )
+        return cls(name, path, reference.eval())
+
     def reference_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Reference logits at every position of ``token_ids``, float32 ``[len, vocab]``."""
         with torch.no_grad():
@@ -65,25 +77,17 @@ def _one_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
     """One tiny checkpoint per architecture, saved as safetensors, with its reference."""
-    from transformers import AutoModelForCausalLM
-
     torch.set_num_threads(1)
-    out = {}
-    for seed, name in enumerate(TINY_ARCHITECTURES):
-        path = save_tiny(name, tmp_path_factory.mktemp(name), seed=seed)
-        reference = AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation="eager", dtype=torch.float32
-        ).eval()
-        out[name] = TinyModel(name, path, reference)
-    return out
+    return {
+        name: TinyModel.load(name, save_tiny(name, tmp_path_factory.mktemp(name), seed=seed))
+        for seed, name in enumerate(TINY_ARCHITECTURES)
+    }
 
 
 @pytest.fixture(scope="session")
 def tiny_multimodal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
     """One tiny multimodal checkpoint per builder (with the byte tokenizer), and the
     whole multimodal model as its reference."""
-    from transformers import AutoModelForImageTextToText
-
     from hybridkv.testing import byte_tokenizer
     from hybridkv.testing.tiny_models import save_redrawn
     from hybridkv.testing.tiny_multimodal import MULTIMODAL_BUILDERS
@@ -92,10 +96,7 @@ def tiny_multimodal(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyM
     for name, build in MULTIMODAL_BUILDERS.items():
         folder = save_redrawn(build(), tmp_path_factory.mktemp(f"multimodal_{name}"))
         byte_tokenizer().save(str(folder / "tokenizer.json"))
-        reference = AutoModelForImageTextToText.from_pretrained(
-            folder, attn_implementation="eager", dtype=torch.float32
-        ).eval()
-        out[name] = TinyModel(name, folder, reference)
+        out[name] = TinyModel.load(name, folder, multimodal=True)
     return out
 
 

@@ -23,6 +23,17 @@ from hybridkv.models.shapes.moe import ExpertsShape
 from hybridkv.models.shapes.rope import RopeSpec, rope_from_hf
 
 
+def granite_scalings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Granite's four multipliers as ``ModelConfig`` fields (Granite 4.0-H, Granite SWA):
+    embeddings, attention scores, residual branches, and the logits' divisor."""
+    return {
+        "embed_scale": float_field(cfg, "embedding_multiplier", 1.0),
+        "query_scale": float_field(cfg, "attention_multiplier", 1.0),
+        "residual_multiplier": float_field(cfg, "residual_multiplier", 1.0),
+        "logits_scaling": float_field(cfg, "logits_scaling", 1.0),
+    }
+
+
 def parse_granite_hybrid(
     hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
 ) -> ModelConfig:
@@ -44,18 +55,15 @@ def parse_granite_hybrid(
         )
     return ModelConfig(
         **{**fields, "intermediate_size": int_field(cfg, "shared_intermediate_size", 1024)},
+        **granite_scalings(cfg),
         norm_offset=0.0,
         activation=activation,
         qk_norm=False,
-        embed_scale=float_field(cfg, "embedding_multiplier", 1.0),
-        query_scale=float_field(cfg, "attention_multiplier", 1.0),
         attn_softcap=None,
         final_softcap=None,
         rope={FULL: rope},
         mlp_bias=False,
         mamba=mamba2_shape(cfg),
-        residual_multiplier=float_field(cfg, "residual_multiplier", 1.0),
-        logits_scaling=float_field(cfg, "logits_scaling", 1.0),
         experts=ExpertsShape(
             num_experts=num_experts,
             top_k=int_field(cfg, "num_experts_per_tok", 2),

@@ -1,8 +1,7 @@
-"""Granite SWA: Granite's scalings (embeddings, attention scores, residual branches and
-logits multiplied or divided, as Granite 4.0-H's), a learned attention sink per head,
-sliding layers (3 to 1 full) and a rope base per layer (``layer_rope_theta``, 0 for a
-layer without rope). Granite MoE SWA (``granitemoe_swa.py``) reads the same, with
-experts."""
+"""Granite SWA: Granite's scalings (``granite_scalings``, Granite 4.0-H's), a learned
+attention sink per head, sliding layers (3 to 1 full) and a rope base per layer
+(``layer_rope_theta``, 0 for a layer without rope). Granite MoE SWA
+(``granitemoe_swa.py``) reads the same, with experts."""
 
 from __future__ import annotations
 
@@ -14,8 +13,9 @@ import attrs
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.families import Family
+from hybridkv.models.families.granite_hybrid import granite_scalings
 from hybridkv.models.families.llama import llama_fields
-from hybridkv.models.hf_config import flag_field, float_field, int_field
+from hybridkv.models.hf_config import flag_field, int_field
 from hybridkv.models.kinds import FULL, SLIDING, PolicyChoices, kinds_by
 from hybridkv.models.shapes.moe import ExpertsShape
 
@@ -51,8 +51,7 @@ def parse_granite_swa(
     fields = llama_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
     thetas = hf.get("layer_rope_theta")
     fields |= {
-        "embed_scale": float_field(hf, "embedding_multiplier", 1.0),
-        "query_scale": float_field(hf, "attention_multiplier", 1.0),
+        **granite_scalings(hf),
         "tie_word_embeddings": flag_field(hf, "tie_word_embeddings", hf["model_type"] == _DENSE),
         **({} if thetas is None else _layer_bases(fields, [float(t) for t in thetas])),
     }
@@ -68,8 +67,6 @@ def parse_granite_swa(
     return ModelConfig(
         **fields,
         attention_sinks=frozenset({FULL, SLIDING}),
-        residual_multiplier=float_field(hf, "residual_multiplier", 1.0),
-        logits_scaling=float_field(hf, "logits_scaling", 1.0),
         experts=experts,
     )
 
