@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan, StateSpec
+from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan, StateSpec, owns_pages
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.policies.base import MemoryPolicy
@@ -31,10 +31,11 @@ def allocate_kv_caches(
     plan: LayoutPlan, specs: Sequence[LayerSpec], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One zeroed tensor per slot the ``specs`` use, and per layer (in ``specs`` order) its
-    paged view. A pipeline stage passes only its layers, and allocates only their slots."""
+    paged view. A pipeline stage passes only its layers, and allocates only their slots.
+    A layer that reads another's pages (``AttentionSpec.reads``) gets its owner's view."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     page_elems = plan.block_bytes // itemsize
-    num_slots = max((plan.layer_slots[s.name][1] + 1 for s in specs), default=0)
+    num_slots = max((plan.slot_of(s)[1] + 1 for s in specs), default=0)
     # Zeros, not empty: a masked read of garbage NaN would still poison the output.
     slots = [
         torch.zeros(plan.num_blocks, page_elems, dtype=dtype, device=device)
@@ -42,7 +43,7 @@ def allocate_kv_caches(
     ]
     views = []
     for spec in specs:
-        _, slot = plan.layer_slots[spec.name]
+        _, slot = plan.slot_of(spec)
         if isinstance(spec, StateSpec):
             span = plan.state_span
             rows = slots[slot].view(plan.num_blocks // span, span * page_elems)
@@ -64,7 +65,7 @@ def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> lis
         ModelConfigError: the plan and the model disagree on layers, the cached dtype, or
             what a layer's group keeps.
     """
-    names = [s.name for s in config.layers]
+    names = [s.name for s in config.layers if owns_pages(s)]
     if sorted(names) != sorted(plan.layer_slots):
         raise ModelConfigError(
             f"the layout's layers {sorted(plan.layer_slots)[:4]}... are not the model's "
@@ -78,7 +79,7 @@ def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> lis
                 f"layer spec {spec.name!r} caches {spec.dtype_bytes} bytes per value, the "
                 f"model's dtype {dtype} has {itemsize}"
             )
-        policy = plan.groups[plan.layer_slots[spec.name][0]].policy
+        policy = plan.groups[plan.slot_of(spec)[0]].policy
         if policy != spec.policy:
             n = _first_unkept(policy, spec.policy, config.max_position_embeddings)
             if n is not None:

@@ -3,7 +3,7 @@
 ::
 
     Checkpoint.open(path)          config.json parsed once into per-layer specs
-    split_layers                   the layers this pipeline stage holds (all, without stages)
+    check_stage_cuts               the layers this pipeline stage holds (all, without stages)
     load on the torch thread       weights of those layers, quantised, cut to a tensor-
                                    parallel rank's share (``shard``), projections joined
     plan_layout                    the pool for every stage's layers in kv_cache_bytes
@@ -28,7 +28,7 @@ from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.memory.layout import LayerSpec, LayoutPlan
 from hybridkv.memory.layout_planner import plan_layout
 from hybridkv.models.errors import ParallelConfigError
-from hybridkv.models.stages import split_layers
+from hybridkv.models.stages import check_stage_cuts, split_layers
 from hybridkv.models.transformer import CausalLM, holds_weight
 from hybridkv.models.weights.precision import quantize_linears
 from hybridkv.policies.builtin import FullAttention
@@ -110,7 +110,9 @@ def load_checkpoint(
     itemsize = torch.empty((), dtype=dtype).element_size()
     checkpoint = options.open_checkpoint(path, dtype_bytes=itemsize)
     config = checkpoint.config
-    stages = split_layers(config.num_layers, stage.num_stages)
+    stages = check_stage_cuts(
+        config.layers, stage.num_stages, per_layer_inputs=config.per_layer_inputs is not None
+    )
     if not 0 <= stage.index < len(stages):
         raise ParallelConfigError(
             f"pipeline_stage={stage.index} is not one of {len(stages)} stages"

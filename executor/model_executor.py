@@ -37,7 +37,7 @@ from hybridkv.executor.sampler import Sampler
 from hybridkv.executor.speculative import draft_rows, kept_tokens, verify_rows, write_kept_states
 from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
-from hybridkv.memory.layout import LayoutPlan, PoolSpec
+from hybridkv.memory.layout import LayoutPlan, PoolSpec, owns_pages
 from hybridkv.memory.offload import KeySpace, LoadReport, OffloadConfig, TransferWorker
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
@@ -94,7 +94,7 @@ class ModelExecutor:
         self.specs = tuple(kept_specs(self.config, plan, dtype))
         held = [self.specs[i] for i in model.layer_range]
         self.kv_caches = self.torch_thread.run(allocate_kv_caches, plan, held, dtype, device)
-        self._layer_groups = [plan.layer_slots[s.name][0] for s in held]
+        self._layer_groups = [plan.slot_of(s)[0] for s in held]
         # Metadata is built only for the groups of the layers held (all, without stages).
         self._groups = sorted(set(self._layer_groups))
         self.tokenizer = tokenizer
@@ -182,10 +182,15 @@ class ModelExecutor:
         return self.torch_thread.run(key_space, self.model, self.config, self.plan, dtype)
 
     def kv_pages(self) -> KVPages:
-        """Page access to the groups of the layers held, for a transfer worker."""
+        """Page access to the groups of the layers held, for a transfer worker (each page
+        once: a layer reading another's pages adds none)."""
         span = self.plan.state_span
         spans = {g.group_id: span for g in self.plan.groups if g.policy.keeps_state}
-        return KVPages(self.kv_caches, self._layer_groups, self.device, state_spans=spans)
+        held = [self.specs[i] for i in self.model.layer_range]
+        owned = [i for i, spec in enumerate(held) if owns_pages(spec)]
+        caches = [self.kv_caches[i] for i in owned]
+        groups = [self._layer_groups[i] for i in owned]
+        return KVPages(caches, groups, self.device, state_spans=spans)
 
     def compile_grammar(self, spec: StructuredOutput) -> None:
         """Read the vocabulary (once) and compile ``spec`` for the steps to come, on the
@@ -284,7 +289,10 @@ class ModelExecutor:
         with torch.inference_mode():
             if hidden is None:
                 assert inputs.input_ids is not None, "a later stage needs hidden states"
-                hidden = self.model.embed(inputs.input_ids)
+                ids = inputs.input_ids
+                return self.model.run_layers(
+                    self.model.embed(ids), inputs.positions, inputs.caches, input_ids=ids
+                )
             return self.model.run_layers(hidden, inputs.positions, inputs.caches)
 
     def finish(self, batch: StepBatch, inputs: StageInputs, hidden: torch.Tensor) -> StepResult:

@@ -47,6 +47,9 @@ class AttentionSpec:
         kind: The config's layer type (``full_attention``, ``sliding_attention``, ...), or
             None for a spec not read from a config. Models key per-kind settings by it
             (rope parameters, user policy choices); the layout ignores it.
+        reads: The name of an earlier layer whose pages this layer attends instead of
+            keeping its own (Gemma 4's KV-shared layers), or None. Such a layer owns no
+            memory: the planner leaves it out, and it reads its owner's slot and group.
     """
 
     name: str
@@ -55,6 +58,7 @@ class AttentionSpec:
     head_dim: int = attrs.field(validator=_at_least_one)
     dtype_bytes: int = attrs.field(validator=_at_least_one)
     kind: str | None = None
+    reads: str | None = None
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one page of this layer: K and V of ``block_size`` tokens."""
@@ -79,6 +83,17 @@ class StateSpec:
 
 
 LayerSpec = AttentionSpec | StateSpec
+
+
+def page_owner(spec: LayerSpec) -> str:
+    """The name of the layer whose pages ``spec``'s layer reads: its own, or for a layer
+    that reads another's cache (``AttentionSpec.reads``), that layer's."""
+    return spec.reads if isinstance(spec, AttentionSpec) and spec.reads else spec.name
+
+
+def owns_pages(spec: LayerSpec) -> bool:
+    """Whether the layer keeps pages of its own (every layer but those reading another's)."""
+    return page_owner(spec) == spec.name
 
 
 def _policy_tuple(policies: Iterable[MemoryPolicy]) -> tuple[MemoryPolicy, ...]:
@@ -149,6 +164,11 @@ class LayoutPlan:
     uniform_num_blocks: int
     stages: tuple[tuple[str, ...], ...] = ()
     state_span: int = 1
+
+    def slot_of(self, spec: LayerSpec) -> tuple[int, int]:
+        """``(group id, slot)`` of the pages the layer of ``spec`` reads (its owner's, for a
+        layer reading another's cache)."""
+        return self.layer_slots[page_owner(spec)]
 
     @property
     def policies(self) -> tuple[MemoryPolicy, ...]:

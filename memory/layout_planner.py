@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridkv.memory.errors import LayoutError
-from hybridkv.memory.layout import KVGroup, LayerSpec, LayoutPlan, StateSpec
+from hybridkv.memory.layout import KVGroup, LayerSpec, LayoutPlan, StateSpec, owns_pages, page_owner
 from hybridkv.memory.plan_report import (
     GroupReport,
     PlanReport,
@@ -82,7 +82,8 @@ def plan_layout(
     """Plan groups, page size and pool size for ``specs`` in ``budget_bytes`` per device.
 
     Args:
-        specs: One spec per KV layer, in model order (layers without KV are left out).
+        specs: One spec per KV layer, in model order (layers without KV are left out, and
+            so are those reading another layer's pages: ``AttentionSpec.reads``).
         budget_bytes: KV memory of one device (of each pipeline stage).
         block_size: Tokens per block, for every group.
         stages: Per pipeline stage, the names of the layers it holds; None is one stage.
@@ -97,6 +98,10 @@ def plan_layout(
             budget below one block per group plus the null block.
     """
     _check_inputs(specs, budget_bytes, block_size)
+    readers = {s.name for s in specs if not owns_pages(s)}
+    specs = [s for s in specs if s.name not in readers]
+    if stages is not None:
+        stages = [[n for n in stage if n not in readers] for stage in stages]
     names = [s.name for s in specs]
     stage_names = _check_stages(names, stages)
     if not specs:
@@ -171,6 +176,13 @@ def _check_inputs(specs: Sequence[LayerSpec], budget_bytes: int, block_size: int
         if not spec.name or spec.name in seen:
             raise LayoutError(f"layer names must be unique and non-empty, got {spec.name!r}")
         seen.add(spec.name)
+    owners = {s.name for s in specs if owns_pages(s)}
+    for spec in specs:
+        if page_owner(spec) not in owners:
+            raise LayoutError(
+                f"layer {spec.name!r} reads the pages of {page_owner(spec)!r}, which is not "
+                "a layer that keeps pages of its own"
+            )
 
 
 def _check_stages(

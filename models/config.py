@@ -16,6 +16,7 @@ import attrs
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import FULL, SLIDING
+from hybridkv.models.shapes.decoder import PerLayerInputs
 from hybridkv.models.shapes.mamba2 import Mamba2Shape
 from hybridkv.models.shapes.moe import ExpertsShape
 from hybridkv.models.shapes.rope import QueryTemperature, RopeSpec
@@ -83,6 +84,16 @@ class ModelConfig:
         query_temperature: Queries scaled by their position (Llama 4, Ministral 3), or None.
         attention_output_gate: Attention's output is multiplied by the sigmoid of a gate
             projection of the layer's input (``gate_proj``) before ``o_proj`` (AFMoE).
+        value_norm: Each value head is RMS-normalised, without a weight, before it is
+            cached (Gemma 4).
+        values_from_keys: The layer kinds whose values are their key projection's output,
+            before the key norm and rope (no ``v_proj``: Gemma 4's ``attention_k_eq_v``).
+        per_layer_inputs: Each layer adds a gated projection of a per-layer embedding of
+            the token to its output (Gemma 4's PLE), or None.
+        layer_scalar: Each layer's output is multiplied by a learned scalar
+            (``layer_scalar``: Gemma 4).
+        wide_mlp_layers: The layers whose MLP is twice ``intermediate_size`` wide (Gemma
+            4's KV-shared layers under ``use_double_wide_mlp``).
     """
 
     model_type: str
@@ -123,15 +134,21 @@ class ModelConfig:
     rope_qk_l2_norm: bool = False
     query_temperature: QueryTemperature | None = None
     attention_output_gate: bool = False
+    value_norm: bool = False
+    values_from_keys: frozenset[str] = frozenset()
+    per_layer_inputs: PerLayerInputs | None = None
+    layer_scalar: bool = False
+    wide_mlp_layers: frozenset[int] = frozenset()
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
             raise ModelConfigError("a model needs at least one layer, got none")
-        # One head width for every layer (one rope table per kind is built from it); the
-        # KV heads may differ by layer (MiMo-V2-Flash's sliding layers have twice as many).
-        widths = sorted({s.head_dim for s in self.attention_layers})
-        if len(widths) > 1:
-            raise ModelConfigError(f"layers differ in head dim: {widths}; one is supported")
+        # One head width per layer kind (one rope table per kind is built from it: Gemma
+        # 4's full layers are twice as wide); the KV heads may differ by layer.
+        for kind in {str(s.kind) for s in self.attention_layers}:
+            widths = sorted({s.head_dim for s in self.attention_layers if str(s.kind) == kind})
+            if len(widths) > 1:
+                raise ModelConfigError(f"{kind} layers differ in head dim: {widths}")
         for kv_heads in sorted({s.num_kv_heads for s in self.attention_layers}):
             if self.num_heads % kv_heads:
                 raise ModelConfigError(
@@ -161,9 +178,14 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one head, in every attention layer."""
+        """Width of one head of the first attention layer (each kind's: ``head_dims``)."""
         attention = self.attention_layers
         return attention[0].head_dim if attention else self.hidden_size // self.num_heads
+
+    @property
+    def head_dims(self) -> dict[str, int]:
+        """Per attention layer kind, the width of its heads."""
+        return {str(s.kind): s.head_dim for s in self.attention_layers}
 
     @property
     def layer_types(self) -> tuple[str, ...]:

@@ -213,4 +213,32 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 256,
         "num_experts_per_tok": 8,
     },
+    # Gemma 4 31B (its largest): 60 layers, 5 sliding (window 1024, 16 KV heads of 256)
+    # to 1 full (4 KV heads of 512, values the keys' projection).
+    "gemma-4-31b-like": {
+        "model_type": "gemma4_text",
+        "num_hidden_layers": 60,
+        "hidden_size": 5376,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "num_global_key_value_heads": 4,
+        "attention_k_eq_v": True,
+        "sliding_window": 1024,
+        "num_kv_shared_layers": 0,
+    },
+    # Gemma 4 E4B: 42 layers, 5 sliding (window 512, 2 KV heads of 256) to 1 full (2 of
+    # 512); the last 18 read the caches of the last earlier layer of their kind.
+    "gemma-4-e4b-like": {
+        "model_type": "gemma4_text",
+        "num_hidden_layers": 42,
+        "hidden_size": 2560,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "sliding_window": 512,
+        "num_kv_shared_layers": 18,
+    },
 }

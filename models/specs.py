@@ -94,7 +94,29 @@ def layer_specs_from_config(
         if kind not in by_kind:
             by_kind[kind] = chosen[kind] if kind in chosen else _policy(cfg, kind)
         specs.append(_spec(cfg, family, kind, i, by_kind[kind], dtype_bytes))
+    if family is not None and family.shared_kv is not None:
+        specs = _shared(specs, family.shared_kv(cfg, kinds))
     return specs
+
+
+def _shared(specs: list[LayerSpec], owners: Mapping[int, int]) -> list[LayerSpec]:
+    """``specs`` with each layer of ``owners`` reading its owner's pages: an earlier
+    attention layer of the same kind and shape that keeps its own."""
+    out = list(specs)
+    for reader, owner in owners.items():
+        spec, source = specs[reader], specs[owner]
+        same = isinstance(spec, AttentionSpec) and isinstance(source, AttentionSpec)
+        if not same or owner >= reader or owner in owners or spec.kind != source.kind:
+            raise ModelConfigError(
+                f"layer {reader} cannot read the KV cache of layer {owner}: a layer reads "
+                "an earlier attention layer of its own kind that keeps its own"
+            )
+        assert isinstance(spec, AttentionSpec) and isinstance(source, AttentionSpec)
+        same_shape = (spec.num_kv_heads, spec.head_dim) == (source.num_kv_heads, source.head_dim)
+        if not same_shape:
+            raise ModelConfigError(f"layer {reader} reads layer {owner}'s cache of another shape")
+        out[reader] = attrs.evolve(spec, reads=source.name)
+    return out
 
 
 def _layer_kinds(cfg: Mapping[str, Any], num_layers: int, family: Family | None) -> list[str]:
@@ -156,15 +178,16 @@ def _spec(
             name=f"model.layers.{layer}.mamba", policy=policy, state_bytes=state_bytes, kind=kind
         )
     num_heads = int_field(cfg, "num_attention_heads")
-    if family is not None and family.kv_heads is not None:
-        kv_heads = family.kv_heads(cfg, kind)
+    if family is not None and family.kv_shape is not None:
+        kv_heads, head_dim = family.kv_shape(cfg, kind)
     else:
         kv_heads = int_field(cfg, "num_key_value_heads", num_heads)
+        head_dim = _head_dim(cfg)
     return AttentionSpec(
         name=f"model.layers.{layer}.self_attn",
         policy=policy,
         num_kv_heads=kv_heads,
-        head_dim=_head_dim(cfg),
+        head_dim=head_dim,
         dtype_bytes=dtype_bytes,
         kind=kind,
     )

@@ -14,8 +14,11 @@ This module imports no torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 
+from hybridkv.memory.layout import LayerSpec, page_owner
 from hybridkv.models.errors import ParallelConfigError
 
 
@@ -64,4 +67,35 @@ def split_layers(num_layers: int, num_stages: int) -> list[PipelineStage]:
         stop = start + base + (1 if i < extra else 0)
         stages.append(PipelineStage(i, num_stages, start, stop))
         start = stop
+    return stages
+
+
+def check_stage_cuts(
+    layers: Sequence[LayerSpec], num_stages: int, *, per_layer_inputs: bool = False
+) -> list[PipelineStage]:
+    """The stages of :func:`split_layers`, once every layer that reads another layer's
+    cache finds it in its own stage.
+
+    Raises:
+        ParallelConfigError: as :func:`split_layers`; a cut between a layer and the layer
+            whose cache it reads (Gemma 4's KV-shared layers), or, with
+            ``per_layer_inputs``, any cut: each layer's per-layer input is computed from
+            the token embeddings, which only the first stage holds.
+    """
+    stages = split_layers(len(layers), num_stages)
+    if per_layer_inputs and num_stages > 1:
+        raise ParallelConfigError(
+            f"pipeline_parallel_size={num_stages}: the model's layers each read a per-layer "
+            "input computed from the token embeddings (Gemma 4's per-layer inputs), which "
+            "only the first stage holds; serve it in one stage"
+        )
+    stage_of = {layers[i].name: stage.index for stage in stages for i in stage.layers}
+    for spec in layers:
+        owner = page_owner(spec)
+        if stage_of.get(owner, stage_of[spec.name]) != stage_of[spec.name]:
+            raise ParallelConfigError(
+                f"pipeline_parallel_size={num_stages} puts layer {spec.name!r} in stage "
+                f"{stage_of[spec.name]} and {owner!r}, whose KV cache it reads, in stage "
+                f"{stage_of[owner]}; choose a stage count that keeps them together"
+            )
     return stages

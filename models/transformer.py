@@ -27,6 +27,7 @@ from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.decoder import DecoderLayer
 from hybridkv.models.blocks.mlp import GatedMLP
 from hybridkv.models.blocks.norms import config_norm
+from hybridkv.models.blocks.per_layer import PerLayerEmbedding
 from hybridkv.models.blocks.rope import RotaryTable, query_scales
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
@@ -55,6 +56,8 @@ class _Backbone(nn.Module):
         )
         is_last = layers.stop == config.num_layers
         self.norm = config_norm(config, config.hidden_size) if is_last else None
+        has_inputs = config.per_layer_inputs is not None and layers.start == 0
+        self.per_layer_inputs = PerLayerEmbedding(config) if has_inputs else None
 
 
 class CausalLM(nn.Module):
@@ -128,7 +131,9 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings and head is not None and embedding is not None:
             head.weight = embedding.weight
         model.rope_tables = {  # state layers have no rope
-            kind: RotaryTable(config.rope[kind], config.head_dim, device)
+            kind: RotaryTable(
+                config.rope[kind], config.head_dims.get(kind, config.head_dim), device
+            )
             for kind in sorted({config.layer_types[i] for i in model.layer_range} & {*config.rope})
         }
         return model.eval()
@@ -177,7 +182,7 @@ class CausalLM(nn.Module):
             positions: ``[num_tokens]`` position of each token within its request.
             caches: Per layer, its KV cache tensor and its group's paged metadata.
         """
-        return self.run_layers(self.embed(input_ids), positions, caches)
+        return self.run_layers(self.embed(input_ids), positions, caches, input_ids=input_ids)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[num_tokens]`` ids -> ``[num_tokens, hidden]`` (scaled where the model scales)."""
@@ -193,6 +198,8 @@ class CausalLM(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         caches: Sequence[tuple[torch.Tensor, PagedMetadata | StepStates]],
+        *,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the layers this model holds, in order, over ``[num_tokens, hidden]``.
 
@@ -200,7 +207,13 @@ class CausalLM(nn.Module):
             hidden: Embeddings, or the previous stage's output.
             positions: ``[num_tokens]`` position of each token within its request.
             caches: Per layer held (``layer_range`` order), its KV cache and metadata.
+            input_ids: The tokens, where ``hidden`` is their embeddings (the first
+                stage): a model with per-layer inputs reads them.
         """
+        per_layer = None
+        if self.model.per_layer_inputs is not None:
+            assert input_ids is not None, "per-layer inputs are read from the token ids"
+            per_layer = self.model.per_layer_inputs(input_ids, hidden)
         tables = {
             kind: table.cos_sin(positions, hidden.dtype) for kind, table in self.rope_tables.items()
         }
@@ -214,7 +227,10 @@ class CausalLM(nn.Module):
             scaled = (
                 scales if temperature is None or not temperature.nope_only or i in nope else None
             )
-            inputs = LayerInputs(cos, sin, kv_cache, metadata, query_scale=scaled)
+            inputs = LayerInputs(
+                cos, sin, kv_cache, metadata, query_scale=scaled,
+                per_layer=None if per_layer is None else per_layer[:, i],
+            )  # fmt: skip
             hidden = self.model.layers[i](hidden, inputs)
         return hidden
 

@@ -40,7 +40,9 @@ def check_context_split(specs: Sequence[LayerSpec], *, sinks: bool = False) -> N
             request's tokens cannot be split among ranks), an attention layer whose
             keys are not one window (a multi-span policy, chunked-local: the ring
             attends each shard to one window of keys), or, with ``sinks``, attention
-            with a learned sink per head (gpt-oss), which the ring's merge leaves out.
+            with a learned sink per head (gpt-oss), which the ring's merge leaves out;
+            a layer reading another layer's cache (Gemma 4), which computes no keys for
+            the ring to attend.
     """
     if sinks:
         raise ParallelConfigError(
@@ -52,6 +54,11 @@ def check_context_split(specs: Sequence[LayerSpec], *, sinks: bool = False) -> N
             raise ParallelConfigError(
                 f"context parallelism splits a request's tokens among ranks; layer "
                 f"{spec.name!r} is a state layer, whose recurrence runs them in order"
+            )
+        if spec.reads is not None:
+            raise ParallelConfigError(
+                f"context parallelism attends each rank's new keys; layer {spec.name!r} "
+                f"computes none (it reads the cache of {spec.reads!r})"
             )
         if spec.policy.attention_window() is None:
             raise ParallelConfigError(
@@ -97,7 +104,7 @@ class ContextParallelExecutor:
         self.eos_token_ids = inner.eos_token_ids
         self.max_model_len = inner.max_model_len
         held = [self.specs[i] for i in self.model.layer_range]
-        self._layer_groups = [self.plan.layer_slots[s.name][0] for s in held]
+        self._layer_groups = [self.plan.slot_of(s)[0] for s in held]
 
     @property
     def pool(self) -> PoolSpec:

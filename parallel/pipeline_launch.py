@@ -52,7 +52,7 @@ from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.layout import PoolSpec
 from hybridkv.models.errors import ParallelConfigError
-from hybridkv.models.stages import split_layers
+from hybridkv.models.stages import check_stage_cuts
 from hybridkv.parallel.context_executor import ContextParallelExecutor, check_context_split
 from hybridkv.parallel.context_group import ContextRanks, open_context_group
 from hybridkv.parallel.parent_watch import watch_parent
@@ -109,7 +109,12 @@ class StageSettings:
         if options.weights == "auto":
             options = attrs.evolve(options, weights="dtype")
         checkpoint = options.open_checkpoint(path)
-        split_layers(checkpoint.config.num_layers, pipeline_parallel_size)
+        config = checkpoint.config
+        check_stage_cuts(
+            config.layers,
+            pipeline_parallel_size,
+            per_layer_inputs=config.per_layer_inputs is not None,
+        )
         check_tensor_split(checkpoint.config, tensor_parallel_size, options.weights)
         if context_parallel_size > 1:
             check_context_split(

@@ -88,7 +88,7 @@ def group_stages(plan: LayoutPlan, specs: Sequence[LayerSpec], num_stages: int) 
     first: dict[int, int] = {}
     for stage in split_layers(len(specs), num_stages):
         for i in stage.layers:
-            first.setdefault(plan.layer_slots[specs[i].name][0], stage.index)
+            first.setdefault(plan.slot_of(specs[i])[0], stage.index)
     return [first[g] for g in range(len(plan.groups))]
 
 

@@ -1,5 +1,6 @@
-"""Tiny random-weight models of the attention families on the shared blocks (Qwen2 and
-on), as transformers builds them: ``hybridkv.testing.tiny_models`` saves them.
+"""Tiny random-weight models of the dense attention families on the shared blocks (Qwen2
+and on; those with experts: ``tiny_expert_families.py``), as transformers builds them:
+``hybridkv.testing.tiny_models`` saves them.
 
 Each builder returns a fresh (untrained) transformers model whose config exercises what
 the family adds: windows, NoPE layers, biases, post-norms, experts, joined projections,
@@ -25,31 +26,20 @@ COMMON: dict[str, Any] = {
 
 
 #: Special tokens past the tiny vocabulary (SmolLM3's defaults) would not embed.
-_NO_SPECIAL_TOKENS: dict[str, Any] = {
+NO_SPECIAL_TOKENS: dict[str, Any] = {
     "pad_token_id": None,
     "bos_token_id": None,
     "eos_token_id": None,
 }
 #: YaRN over a pretraining context of 64, so the ramp between kept and scaled
 #: frequencies lies inside the tiny heads.
-_YARN: dict[str, Any] = {
+YARN: dict[str, Any] = {
     "rope_type": "yarn",
     "factor": 8.0,
     "beta_fast": 32.0,
     "beta_slow": 1.0,
     "truncate": False,
     "original_max_position_embeddings": 64,
-}
-#: Llama 3's rope scaling over a pretraining context of 16 (Llama 4 Scout's kind).
-_LLAMA3_ROPE: dict[str, Any] = {
-    "rope_parameters": {
-        "rope_type": "llama3",
-        "rope_theta": 5_000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,
-    }
 }
 #: Rope on 3/4 of each head (6 frequencies), LongRoPE's short factors inside a
 #: pretraining context of 256 (which the tests' prompts stay inside: beyond it
@@ -127,7 +117,7 @@ def _smollm3() -> Any:
         no_rope_layer_interval=2,
         use_sliding_window=True,
         sliding_window=WINDOW,
-        **_NO_SPECIAL_TOKENS,
+        **NO_SPECIAL_TOKENS,
     )
     return SmolLM3ForCausalLM(config)
 
@@ -159,7 +149,7 @@ def _olmo3() -> Any:
         num_key_value_heads=2,
         sliding_window=WINDOW,
         **_OLMO3_ROPE,
-        **_NO_SPECIAL_TOKENS,
+        **NO_SPECIAL_TOKENS,
     )
     return Olmo3ForCausalLM(config)
 
@@ -174,27 +164,9 @@ def _exaone4() -> Any:
         num_key_value_heads=2,
         sliding_window=WINDOW,
         sliding_window_pattern=4,
-        **_NO_SPECIAL_TOKENS,
+        **NO_SPECIAL_TOKENS,
     )
     return Exaone4ForCausalLM(config)
-
-
-def _qwen3_moe() -> Any:
-    """Qwen3-MoE: 4 experts, 2 a token, weights not renormalised, a dense first layer."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        **COMMON,
-        num_hidden_layers=3,
-        num_key_value_heads=2,
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        mlp_only_layers=[0],
-        **_NO_SPECIAL_TOKENS,
-    )
-    return Qwen3MoeForCausalLM(config)
 
 
 def _phi3() -> Any:
@@ -208,7 +180,7 @@ def _phi3() -> Any:
         num_key_value_heads=2,
         sliding_window=WINDOW,
         **_PHI3_ROPE,
-        **_NO_SPECIAL_TOKENS,
+        **NO_SPECIAL_TOKENS,
     )
     return Phi3ForCausalLM(config)
 
@@ -224,29 +196,9 @@ def _cohere2() -> Any:
         num_key_value_heads=2,
         sliding_window=WINDOW,
         logit_scale=0.25,
-        **_NO_SPECIAL_TOKENS,
+        **NO_SPECIAL_TOKENS,
     )
     return Cohere2ForCausalLM(config)
-
-
-def _gpt_oss() -> Any:
-    """gpt-oss: sliding and full layers alternating, sinks, biased experts (4, two a
-    token) whose SwiGLU clamps inside the tiny activations' range, YaRN rope."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    config = GptOssConfig(
-        **{**COMMON, "intermediate_size": 32},
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=WINDOW,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        swiglu_limit=0.5,
-        rope_parameters={**_YARN, "rope_theta": 10_000.0},
-        **_NO_SPECIAL_TOKENS,
-    )
-    return GptOssForCausalLM(config)
 
 
 def _ministral3() -> Any:
@@ -254,7 +206,7 @@ def _ministral3() -> Any:
     over a pretraining context of 16 (so the tests' prompts cross several steps)."""
     from transformers import Ministral3Config, Ministral3ForCausalLM
 
-    rope = {**_YARN, "original_max_position_embeddings": 16, "mscale": 1.0}
+    rope = {**YARN, "original_max_position_embeddings": 16, "mscale": 1.0}
     config = Ministral3Config(
         **COMMON,
         num_hidden_layers=3,
@@ -262,36 +214,12 @@ def _ministral3() -> Any:
         head_dim=16,
         sliding_window=WINDOW,
         rope_parameters={**rope, "rope_theta": 10_000.0, "llama_4_scaling_beta": 0.3},
-        **_NO_SPECIAL_TOKENS,
+        **NO_SPECIAL_TOKENS,
     )
     return Ministral3ForCausalLM(config)
 
 
-def _llama4() -> Any:
-    """Llama 4 (text): chunks of 8, the last layer NoPE and full, experts (4, one a token)
-    in every second layer beside a shared one, a wider dense MLP in the others; queries
-    of the NoPE layer scaled from position 7 on (``floor_scale`` 8)."""
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-
-    config = Llama4TextConfig(
-        **{**COMMON, "intermediate_size": 32},
-        intermediate_size_mlp=96,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=1,
-        interleave_moe_layer_step=2,
-        attention_chunk_size=WINDOW,
-        floor_scale=8,
-        attn_scale=0.3,
-        **_LLAMA3_ROPE,
-        **_NO_SPECIAL_TOKENS,
-    )
-    return Llama4ForCausalLM(config)
-
-
-def _granite_swa_fields() -> dict[str, Any]:
+def granite_swa_fields() -> dict[str, Any]:
     """Granite's scalings, sinks, 3 sliding to 1 full, a rope base per layer (the first
     layer, full, without rope)."""
     return {
@@ -304,7 +232,7 @@ def _granite_swa_fields() -> dict[str, Any]:
         "residual_multiplier": 0.5,
         "attention_multiplier": 0.2,
         "logits_scaling": 3.0,
-        **_NO_SPECIAL_TOKENS,
+        **NO_SPECIAL_TOKENS,
     }
 
 
@@ -312,64 +240,7 @@ def _granite_swa() -> Any:
     """Granite SWA: its dense model."""
     from transformers import GraniteSWAConfig, GraniteSWAForCausalLM
 
-    return GraniteSWAForCausalLM(GraniteSWAConfig(**_granite_swa_fields()))
-
-
-def _granitemoe_swa() -> Any:
-    """Granite MoE SWA: 4 experts, two a token, beside a shared MLP."""
-    from transformers import GraniteMoeSWAConfig, GraniteMoeSWAForCausalLM
-
-    fields = {**_granite_swa_fields(), "intermediate_size": 32, "shared_intermediate_size": 48}
-    config = GraniteMoeSWAConfig(**fields, num_local_experts=4, num_experts_per_tok=2)
-    return GraniteMoeSWAForCausalLM(config)
-
-
-def _afmoe() -> Any:
-    """AFMoE (Trinity): every second layer full without rope, output gates, a dense
-    first layer, experts (4, two a token) chosen with a bias beside two shared ones,
-    muP's embedding scale."""
-    from transformers import AfmoeConfig, AfmoeForCausalLM
-
-    config = AfmoeConfig(
-        **COMMON,
-        moe_intermediate_size=16,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_shared_experts=2,
-        route_scale=1.5,
-        sliding_window=WINDOW,
-        global_attn_every_n_layers=2,
-        mup_enabled=True,
-        **_NO_SPECIAL_TOKENS,
-    )
-    return AfmoeForCausalLM(config)
-
-
-def _mimo_v2_flash() -> Any:
-    """MiMo-V2-Flash: keys of 24 and values of 16, the sliding layers with twice the KV
-    heads and sinks, rope on a third of each head, a dense first layer, experts (4 in 2
-    groups, the best group's two a token) chosen with a bias."""
-    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
-
-    config = MiMoV2FlashConfig(
-        **COMMON,
-        moe_intermediate_size=16,
-        num_hidden_layers=4,
-        num_key_value_heads=1,
-        head_dim=24,
-        v_head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=1.5,
-        sliding_window=WINDOW,
-        **_NO_SPECIAL_TOKENS,
-    )
-    return MiMoV2FlashForCausalLM(config)
+    return GraniteSWAForCausalLM(GraniteSWAConfig(**granite_swa_fields()))
 
 
 #: Each family's builder, by the name the tests know it by.
@@ -381,14 +252,8 @@ FAMILY_BUILDERS: dict[str, Callable[[], Any]] = {
     "seed_oss": _seed_oss,
     "olmo3": _olmo3,
     "exaone4": _exaone4,
-    "qwen3_moe": _qwen3_moe,
     "phi3": _phi3,
     "cohere2": _cohere2,
-    "gpt_oss": _gpt_oss,
     "ministral3": _ministral3,
-    "llama4": _llama4,
     "granite_swa": _granite_swa,
-    "granitemoe_swa": _granitemoe_swa,
-    "afmoe": _afmoe,
-    "mimo_v2_flash": _mimo_v2_flash,
 }

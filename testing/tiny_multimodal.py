@@ -1,4 +1,4 @@
-"""Tiny multimodal checkpoints (Gemma 3, Llama 4 with tiny vision towers), as
+"""Tiny multimodal checkpoints (Gemma 3, Llama 4, Gemma 4 with tiny vision towers), as
 transformers builds them: the tests serve their text models (``--text-only``)."""
 
 from __future__ import annotations
@@ -51,5 +51,30 @@ def _llama4() -> Any:
     )
 
 
+def _gemma4() -> Any:
+    """Gemma 4 with per-layer inputs and its last layer reading layer 2's cache."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    vision = {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+              "patch_size": 4, "pooling_kernel_size": 2,
+              "position_embedding_size": 64}  # fmt: skip
+    text = {**_TEXT, "intermediate_size": 96, "global_head_dim": 32,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                            "full_attention"],
+            "num_kv_shared_layers": 1, "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": 256, "pad_token_id": 0}  # fmt: skip
+    config = Gemma4Config(
+        text_config=text, vision_config=vision, image_token_id=255, boi_token_id=254,
+        eoi_token_id=253, video_token_id=252, audio_token_id=251, boa_token_id=250,
+        eoa_token_index=249,
+    )  # fmt: skip
+    return Gemma4ForConditionalGeneration(config)
+
+
 #: Each multimodal model's builder, by name.
-MULTIMODAL_BUILDERS: dict[str, Callable[[], Any]] = {"gemma3": _gemma3, "llama4": _llama4}
+MULTIMODAL_BUILDERS: dict[str, Callable[[], Any]] = {
+    "gemma3": _gemma3,
+    "llama4": _llama4,
+    "gemma4": _gemma4,
+}

@@ -56,6 +56,8 @@ class LayerInputs:
             the state pages each request reads and writes.
         query_scale: ``[num_tokens, 1, 1]``: each token's query multiplier (the model's
             ``query_temperature``), or None.
+        per_layer: ``[num_tokens, width]``: each token's input to this layer (Gemma 4's
+            per-layer inputs), or None.
     """
 
     cos: torch.Tensor
@@ -63,6 +65,7 @@ class LayerInputs:
     kv_cache: torch.Tensor
     metadata: PagedMetadata | ShardedAttention | StepStates
     query_scale: torch.Tensor | None = None
+    per_layer: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):
@@ -88,28 +91,39 @@ class PagedAttention(nn.Module):
         self.v_head_dim = config.v_head_dim or spec.head_dim
         v_width = spec.num_kv_heads * self.v_head_dim
         out_width = config.num_heads * self.v_head_dim
+        # A layer reading another's cache (Gemma 4's KV-shared layers) computes queries
+        # only; one whose values are its keys (``values_from_keys``) has no v_proj.
+        self.reads_cache = spec.reads is not None
+        self.values_from_keys = spec.kind in config.values_from_keys
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, v_width, bias=bias)
+        if not self.reads_cache:
+            self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
+            if not self.values_from_keys:
+                self.v_proj = nn.Linear(config.hidden_size, v_width, bias=bias)
         self.o_proj = nn.Linear(out_width, config.hidden_size, bias=config.attention_out_bias)
         self.gate_proj: nn.Module | None = None
         if config.attention_output_gate:
             self.gate_proj = nn.Linear(config.hidden_size, out_width, bias=False)
         self.qkv_proj: nn.Module | None = None
         # The joined projection's output: q and k heads side by side, then v.
-        self._qk_v_widths = (q_width + kv_width, v_width)
+        self._qk_v_widths = (q_width + kv_width, 0 if self.values_from_keys else v_width)
         self.value_scale = config.value_scale
+        self.value_norm_eps = config.rms_norm_eps if config.value_norm else None
         # Over each head (one weight of head_dim) or over the whole projection (OLMo).
         self.rope_interleaved = config.rope_interleaved
         self.qk_norm = config.qk_norm
         self.per_head_norm = config.qk_norm_width == "head"
         if config.qk_norm:
             self.q_norm = config_rms_norm(config, spec.head_dim if self.per_head_norm else q_width)
-            self.k_norm = config_rms_norm(config, spec.head_dim if self.per_head_norm else kv_width)
-        self._qk_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            if not self.reads_cache:
+                width = spec.head_dim if self.per_head_norm else kv_width
+                self.k_norm = config_rms_norm(config, width)
+        self._qk_scales: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
         self.rope_l2_eps = config.rms_norm_eps if config.rope_qk_l2_norm else None
         self.num_heads = config.num_heads
         self.num_kv_heads = spec.num_kv_heads
+        # The key heads this layer computes (none where it reads another's cache).
+        self._new_kv_heads = 0 if self.reads_cache else spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.scale = config.query_scale
         self.softcap = config.attn_softcap
@@ -122,18 +136,17 @@ class PagedAttention(nn.Module):
         self.live_spans = spec.policy.live_spans if window is None else None
 
     def _qk_scale(self) -> torch.Tensor:
-        """``[num_heads + num_kv_heads, head_dim]``: the q norm's scale for each query
-        head, then the k norm's for each key head (kept while the two are unchanged)."""
-        q_scale, k_scale = self.q_norm.scale(), self.k_norm.scale()
+        """``[num_heads + new KV heads, head_dim]``: the q norm's scale for each query
+        head, then the k norm's for each key head it computes (kept while the two are
+        unchanged)."""
+        q_scale = self.q_norm.scale()
+        k_scale = None if self.reads_cache else self.k_norm.scale()
         kept = self._qk_scales
         if kept is None or kept[0] is not q_scale or kept[1] is not k_scale:
-            joined = torch.cat(
-                (
-                    q_scale.detach().expand(self.num_heads, -1),
-                    k_scale.detach().expand(self.num_kv_heads, -1),
-                )
-            )
-            kept = (q_scale, k_scale, joined)
+            parts = [q_scale.detach().expand(self.num_heads, -1)]
+            if k_scale is not None:
+                parts.append(k_scale.detach().expand(self._new_kv_heads, -1))
+            kept = (q_scale, k_scale, torch.cat(parts))
             self._qk_scales = kept
         return kept[2]
 
@@ -159,10 +172,11 @@ class PagedAttention(nn.Module):
         out = slice(cut.rank * num_heads * v_dim, (cut.rank + 1) * num_heads * v_dim)
         kv = slice(first_kv * dim, (first_kv + num_kv) * dim)
         self.set_submodule("q_proj", rows_of(self.q_proj, q))
-        self.set_submodule("k_proj", rows_of(self.k_proj, kv))
-        self.set_submodule(
-            "v_proj", rows_of(self.v_proj, slice(first_kv * v_dim, (first_kv + num_kv) * v_dim))
-        )
+        if not self.reads_cache:
+            self.set_submodule("k_proj", rows_of(self.k_proj, kv))
+        if not (self.reads_cache or self.values_from_keys):
+            v = slice(first_kv * v_dim, (first_kv + num_kv) * v_dim)
+            self.set_submodule("v_proj", rows_of(self.v_proj, v))
         self.set_submodule("o_proj", summed_columns(cut, self.o_proj, out))
         if self.gate_proj is not None:  # one gate per output channel
             self.gate_proj = rows_of(self.gate_proj, out)
@@ -171,37 +185,42 @@ class PagedAttention(nn.Module):
                 self.sinks.detach()[cut.rank * num_heads : (cut.rank + 1) * num_heads]
             )
         self.num_heads, self.num_kv_heads = num_heads, num_kv
-        self._qk_v_widths = ((num_heads + num_kv) * dim, num_kv * v_dim)
+        self._new_kv_heads = 0 if self.reads_cache else num_kv
+        v_width = 0 if self.values_from_keys else num_kv * v_dim
+        self._qk_v_widths = ((num_heads + self._new_kv_heads) * dim, v_width)
 
     def fuse(self) -> bool:
-        """Join q, k and v into one product (``models/weights/fused_linear.py``); False where
-        their storage differs and they stay apart."""
-        joined = cat_linears([self.q_proj, self.k_proj, self.v_proj])
+        """Join q, k and v (those the layer has) into one product
+        (``models/weights/fused_linear.py``); False where their storage differs and they
+        stay apart, or where there are only queries."""
+        if self.reads_cache:
+            return False
+        names = ["q_proj", "k_proj"] + ([] if self.values_from_keys else ["v_proj"])
+        joined = cat_linears([getattr(self, name) for name in names])
         if joined is None:
             return False
-        del self.q_proj, self.k_proj, self.v_proj
+        for name in names:
+            delattr(self, name)
         self.qkv_proj = joined
         return True
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        if self.qkv_proj is None:
-            qk = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1)
-            v = self.v_proj(x)
-        else:
+        num_tokens, heads, q_width = x.shape[0], self.num_heads, self.num_heads * self.head_dim
+        if self.qkv_proj is not None:
             qk, v = self.qkv_proj(x).split(self._qk_v_widths, dim=-1)
+        elif self.reads_cache:
+            qk, v = self.q_proj(x), None
+        else:
+            qk = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1)
+            v = None if self.values_from_keys else self.v_proj(x)
+        if self.values_from_keys:  # the key projection's output, before its norm and rope
+            v = qk[:, q_width:]
         if self.qk_norm and not self.per_head_norm:
-            widths = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim]
-            q, k = torch.split(qk, widths, dim=-1)
+            q, k = torch.split(qk, [q_width, qk.shape[-1] - q_width], dim=-1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-1)
         # q and k heads side by side: one norm and one rotation for both (apart they were
         # some 20 ops a layer, a decode step's ops: benchmarks/decode/bandwidth.py).
-        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.v_head_dim)
-        if self.value_scale != 1.0:
-            v = v * self.value_scale
-        if self.v_head_dim < self.head_dim:  # cached at the key's width
-            v = F.pad(v, (0, self.head_dim - self.v_head_dim))
+        qk = qk.view(num_tokens, heads + self._new_kv_heads, self.head_dim)
         if self.qk_norm and self.per_head_norm:
             qk = rms_norm(
                 qk, self._qk_scale(), self.q_norm.eps, scale_first=self.q_norm.scale_first
@@ -211,19 +230,23 @@ class PagedAttention(nn.Module):
             if self.rope_l2_eps is not None:
                 normed = F.rms_norm(qk.float(), (self.head_dim,), eps=self.rope_l2_eps)
                 qk = normed.to(qk.dtype)
-        q, k = torch.split(qk, [self.num_heads, self.num_kv_heads], dim=1)
+        q, k = torch.split(qk, [heads, self._new_kv_heads], dim=1)
         if inputs.query_scale is not None:
             q = q * inputs.query_scale.to(q.dtype)
         meta = inputs.metadata
+        if v is not None:
+            v = self._values(v.reshape(num_tokens, self._new_kv_heads, self.v_head_dim))
         if not isinstance(meta, PagedMetadata):
             assert not isinstance(meta, StepStates), "an attention layer in a state group"
+            assert v is not None, "context parallelism refuses layers reading another's cache"
             # Context parallelism refuses policies without one window (live_spans).
             out = meta.attend(
                 q, k, v, inputs.kv_cache, scale=self.scale,
                 sliding_window=self.sliding_window, softcap=self.softcap,
             )  # fmt: skip
             return self._project(out, x)
-        write_kv(inputs.kv_cache, k, v, meta)
+        if v is not None:  # a layer reading another's cache finds this step's K/V there
+            write_kv(inputs.kv_cache, k, v, meta)
         out = paged_attention(
             q,
             inputs.kv_cache,
@@ -235,6 +258,17 @@ class PagedAttention(nn.Module):
             sinks=self.sinks,
         )
         return self._project(out, x)
+
+    def _values(self, v: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, kv_heads, v_head_dim]`` values as the cache keeps them: normed,
+        scaled, and padded to the key's width where the model says so."""
+        if self.value_norm_eps is not None:
+            v = F.rms_norm(v.float(), (v.shape[-1],), eps=self.value_norm_eps).to(v.dtype)
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
+        if self.v_head_dim < self.head_dim:  # cached at the key's width
+            v = F.pad(v, (0, self.head_dim - self.v_head_dim))
+        return v
 
     def _project(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The heads' outputs ``[num_tokens, heads, head_dim]`` through the output gate

@@ -7,17 +7,26 @@ attention (``self_attn``) for an attention spec, Mamba2 (``mamba``) for a state 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from hybridkv.memory.layout import StateSpec
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.mamba2 import Mamba2Mixer
-from hybridkv.models.blocks.mlp import GatedMLP, SharedMLP
+from hybridkv.models.blocks.mlp import ACTIVATIONS, GatedMLP, SharedMLP
 from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.shapes.decoder import DecoderShape
+
+#: Gemma 4's norms of its MLP and experts side by side (``dense_and_experts``).
+_BESIDE_NORMS = (
+    "post_feedforward_layernorm_1",
+    "pre_feedforward_layernorm_2",
+    "post_feedforward_layernorm_2",
+)
 
 
 class DecoderLayer(nn.Module):
@@ -41,8 +50,16 @@ class DecoderLayer(nn.Module):
             self.self_attn = PagedAttention(config, layer)
         experts = config.experts
         dense = experts is None or layer in experts.dense_layers
-        if shape.mlp == "gated" or (shape.mlp == "experts" and dense):
-            self.add_module(shape.mlp_name, GatedMLP(config, bias=config.mlp_bias))
+        wide = 2 * config.intermediate_size if layer in config.wide_mlp_layers else None
+        self.moe: MixtureOfExperts | None = None
+        if shape.mlp == "dense_and_experts":
+            self.mlp = GatedMLP(config, bias=config.mlp_bias, inner=wide)
+            if experts is not None:
+                self.moe = MixtureOfExperts(size, experts)
+                for name in _BESIDE_NORMS:
+                    self.add_module(name, config_norm(config, size))
+        elif shape.mlp == "gated" or (shape.mlp == "experts" and dense):
+            self.add_module(shape.mlp_name, GatedMLP(config, bias=config.mlp_bias, inner=wide))
         elif shape.mlp == "experts":
             assert experts is not None
             shared = None
@@ -55,6 +72,22 @@ class DecoderLayer(nn.Module):
             self.shared_mlp = SharedMLP(size, inner) if inner else None
             self.block_sparse_moe = None if experts is None else MixtureOfExperts(size, experts)
         self.residual_multiplier = config.residual_multiplier
+        # Gemma 4: a per-layer input gated into the output, and a learned output scale.
+        if config.per_layer_inputs is not None:
+            width = config.per_layer_inputs.width
+            self.per_layer_input_gate = nn.Linear(size, width, bias=False)
+            self.per_layer_projection = nn.Linear(width, size, bias=False)
+            self.post_per_layer_input_norm = config_norm(config, size)
+        self.act = ACTIVATIONS[config.activation]
+        self.layer_scalar = nn.Parameter(torch.empty(1)) if config.layer_scalar else None
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Gemma 4's router and experts, named on the layer, read into the mixture."""
+        if self.moe is not None:
+            for part in ("router.", "experts."):
+                for key in [k for k in state_dict if k.startswith(prefix + part)]:
+                    state_dict[f"{prefix}moe.{key[len(prefix) :]}"] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def mix(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """Run whichever mixer the layer has."""
@@ -63,11 +96,17 @@ class DecoderLayer(nn.Module):
         out: torch.Tensor = mixer(hidden, inputs)
         return out
 
-    def _mlp(self, normed: torch.Tensor) -> torch.Tensor:
-        """The MLP (Granite's: the experts' output plus the shared MLP's)."""
+    def _mlp(self, normed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The MLP of the normed input (Granite's: the experts' output plus the shared
+        MLP's; Gemma 4's: the dense MLP's beside the experts', which read ``hidden``)."""
         if self._names.mlp != "shared_and_experts":
             out: torch.Tensor = getattr(self, self._names.mlp_name)(normed)
-            return out
+            if self.moe is None:
+                return out
+            after_mlp, before_experts, after_experts = (getattr(self, n) for n in _BESIDE_NORMS)
+            experts_out = self.moe(before_experts(hidden), route_input=hidden)
+            beside: torch.Tensor = after_mlp(out) + after_experts(experts_out)
+            return beside
         shared, experts = self.shared_mlp, self.block_sparse_moe
         if experts is None:
             assert shared is not None, "a Granite layer without experts has a shared MLP"
@@ -80,12 +119,17 @@ class DecoderLayer(nn.Module):
         names, scale = self._names, self.residual_multiplier
         if names.residual == "parallel":
             normed = self._norm(names.mixer_norm, hidden)
-            return hidden + self.mix(normed, inputs) + self._mlp(normed)
+            return hidden + self.mix(normed, inputs) + self._mlp(normed, hidden)
         mixed = self.mix(self._norm(names.mixer_norm, hidden), inputs)
         mixed = self._norm(names.post_mixer_norm, mixed)
         hidden = hidden + (mixed * scale if scale != 1.0 else mixed)
-        out = self._norm(names.post_mlp_norm, self._mlp(self._norm(names.mlp_norm, hidden)))
-        return hidden + (out * scale if scale != 1.0 else out)
+        normed = self._norm(names.mlp_norm, hidden)
+        out = self._norm(names.post_mlp_norm, self._mlp(normed, hidden))
+        hidden = hidden + (out * scale if scale != 1.0 else out)
+        if inputs.per_layer is not None:
+            gated = self.act(self.per_layer_input_gate(hidden)) * inputs.per_layer
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return hidden if self.layer_scalar is None else hidden * self.layer_scalar
 
     def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
         """``x`` through the norm of that name; unchanged where the shape names none."""

@@ -36,6 +36,7 @@ _ROUTER_NAMES = {
     "router.bias": "router.layer.bias",
     "router.gate.weight": "router.layer.weight",
     "gate.e_score_correction_bias": "expert_bias",
+    "router.proj.weight": "router.layer.weight",
 }
 
 
@@ -57,11 +58,24 @@ class RouterLinear(nn.Linear):
 
 
 class _Router(nn.Module):
-    """The routing projection, as ``router.layer``."""
+    """The routing projection, as ``router.layer``; Gemma 4's scale of its normalised
+    input (``scale``) and of each expert's weight (``per_expert_scale``) where it has them."""
 
-    def __init__(self, hidden: int, num_experts: int, *, bias: bool) -> None:
+    def __init__(self, hidden: int, shape: ExpertsShape) -> None:
         super().__init__()
-        self.layer = RouterLinear(hidden, num_experts, bias=bias)
+        experts = shape.num_experts
+        self.layer = RouterLinear(hidden, experts, bias=shape.bias)
+        self.scale = nn.Parameter(torch.empty(hidden)) if shape.router_norm_eps else None
+        self.per_expert_scale = nn.Parameter(torch.empty(experts)) if shape.expert_scales else None
+        self.eps = shape.router_norm_eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 routing logits ``[T, experts]``."""
+        if self.scale is not None:
+            normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+            x = normed * self.scale * x.shape[-1] ** -0.5
+        logits: torch.Tensor = self.layer(x).float()
+        return logits
 
 
 class MixtureOfExperts(nn.Module):
@@ -87,7 +101,7 @@ class MixtureOfExperts(nn.Module):
                 "multiples of 8 (the grouped matmul's rows are 16-byte aligned)"
             )
         experts, bias = shape.num_experts, shape.bias
-        self.router = _Router(hidden, experts, bias=bias)
+        self.router = _Router(hidden, shape)
         self.input_linear = _ExpertWeights(experts, 2 * inner, hidden, bias=bias)
         self.output_linear = _ExpertWeights(experts, hidden, inner, bias=bias)
         self.shared_expert = shared
@@ -144,7 +158,7 @@ class MixtureOfExperts(nn.Module):
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts ``[T, k]`` and their weights, in ``x``'s dtype."""
-        logits: torch.Tensor = self.router.layer(x).float()
+        logits = self.router(x)
         shape = self.shape
         if shape.router == "sigmoid":
             scores = torch.sigmoid(logits)
@@ -162,18 +176,24 @@ class MixtureOfExperts(nn.Module):
             weights, experts = torch.softmax(logits, dim=-1).topk(shape.top_k, dim=-1)
         if shape.route_scale != 1.0:
             weights = weights * shape.route_scale
+        if self.router.per_expert_scale is not None:
+            weights = weights * self.router.per_expert_scale[experts]
         return experts, weights.to(x.dtype)
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         if self.shape.activation == "silu":
             return F.silu(gate) * up
+        if self.shape.activation == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         limit = self.shape.limit
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         return (up + 1) * gate * torch.sigmoid(gate * self.shape.alpha)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        experts, weights = self._route(x)
+    def forward(self, x: torch.Tensor, route_input: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output for ``x``, routed by ``route_input`` where given (Gemma 4's
+        router reads the layer's input before the experts' norm), else by ``x``."""
+        experts, weights = self._route(x if route_input is None else route_input)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # pairs by expert, each expert's tokens in order
         tokens, by_expert = order // self.shape.top_k, flat[order]

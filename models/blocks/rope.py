@@ -26,6 +26,9 @@ def inv_freq(spec: RopeSpec, dim: int) -> torch.Tensor:
         return _yarn(spec, inv, dim)
     if spec.rope_type == "longrope":
         return inv / torch.tensor(spec.short_factor, dtype=torch.float32)
+    if spec.rope_type == "proportional":  # over the whole head, the pairs past the share still
+        inv[int(spec.partial_rotary_factor * dim // 2) :] = 0.0
+        return inv / spec.factor
     return inv
 
 
@@ -67,7 +70,8 @@ class RotaryTable:
 
     def __init__(self, spec: RopeSpec, head_dim: int, device: torch.device | str) -> None:
         self.spec = spec
-        self.rotary_dim = int(head_dim * spec.partial_rotary_factor)
+        whole = spec.rope_type == "proportional"  # its share is of the frequencies
+        self.rotary_dim = head_dim if whole else int(head_dim * spec.partial_rotary_factor)
         self.inv_freq = inv_freq(spec, self.rotary_dim).to(device)
         # longrope beyond the pretraining context: the long factors.
         self.long_inv_freq: torch.Tensor | None = None

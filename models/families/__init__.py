@@ -48,6 +48,8 @@ MODULES = {
     "granitemoe_swa": "granitemoe_swa",
     "afmoe": "afmoe",
     "mimo_v2_flash": "mimo_v2_flash",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",
     "jamba": "jamba",
     "mixtral": "mistral",
 }
@@ -75,8 +77,11 @@ class Family:
         state_bytes: ``(config, dtype_bytes)`` -> bytes of one ``mamba`` layer's state.
         mamba2: Its state layers are Mamba2 (tensor parallelism splits their heads).
         sized_types: Further ``model_type`` values it sizes but does not run.
-        kv_heads: ``(config, kind)`` -> the KV heads of that kind's layers, where they
-            differ by kind (MiMo-V2-Flash); None: ``num_key_value_heads`` for every layer.
+        kv_shape: ``(config, kind)`` -> the KV heads and head width of that kind's
+            layers, where they differ by kind (MiMo-V2-Flash, Gemma 4); None:
+            ``num_key_value_heads`` and ``head_dim`` for every layer.
+        shared_kv: ``(config, kinds)`` -> for each layer that reads an earlier layer's
+            cache rather than keeping its own, that layer's index (Gemma 4); None: none.
     """
 
     model_types: tuple[str, ...]
@@ -87,7 +92,8 @@ class Family:
     state_bytes: Callable[[Mapping[str, Any], int], int] | None = None
     mamba2: bool = False
     sized_types: tuple[str, ...] = ()
-    kv_heads: Callable[[Mapping[str, Any], str], int] | None = None
+    kv_shape: Callable[[Mapping[str, Any], str], tuple[int, int]] | None = None
+    shared_kv: Callable[[Mapping[str, Any], list[str]], Mapping[int, int]] | None = None
 
 
 def family_for(model_type: str) -> Family | None:

@@ -75,10 +75,10 @@ def _kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
     return [FULL if i == 0 or (i + 1) % 6 == 0 else SLIDING for i in range(num_layers)]
 
 
-def _kv_heads(cfg: Mapping[str, Any], kind: str) -> int:
+def _kv_shape(cfg: Mapping[str, Any], kind: str) -> tuple[int, int]:
     """The sliding layers have twice the full layers' ``num_key_value_heads``."""
     heads = int_field(cfg, "num_key_value_heads")
-    return 2 * heads if kind == SLIDING else heads
+    return (2 * heads if kind == SLIDING else heads), int_field(cfg, "head_dim")
 
 
 FAMILY = Family(
@@ -86,5 +86,5 @@ FAMILY = Family(
     layer_kinds=kinds_by(_kinds),
     parse=parse_mimo_v2_flash,
     decoder=DecoderShape(mlp="experts"),
-    kv_heads=_kv_heads,
+    kv_shape=_kv_shape,
 )

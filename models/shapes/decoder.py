@@ -22,7 +22,13 @@ Residual = Literal["pre_norm", "sandwich", "post_norm", "parallel"]
 #: ``gated``: one gated MLP. ``shared_and_experts``: Granite's shared MLP
 #: (``shared_mlp``) plus, where the config has experts, the mixture (``block_sparse_moe``).
 #: ``experts``: the mixture under ``mlp_name``, a gated MLP in the config's dense layers.
-MLPKind = Literal["gated", "shared_and_experts", "experts"]
+#: ``dense_and_experts``: Gemma 4's gated MLP (``mlp``) and, where the config has experts,
+#: the mixture beside it (``router`` and ``experts`` in the checkpoint): the MLP's output
+#: normalised by ``post_feedforward_layernorm_1``, the mixture's input by
+#: ``pre_feedforward_layernorm_2`` and its output by ``post_feedforward_layernorm_2``,
+#: its router reading the layer's input to the MLP before any norm; their sum is the
+#: output ``post_mlp_norm`` normalises.
+MLPKind = Literal["gated", "shared_and_experts", "experts", "dense_and_experts"]
 
 
 @attrs.frozen(kw_only=True)
@@ -80,3 +86,21 @@ POST_NORM = DecoderShape(
     post_mixer_norm="post_attention_layernorm",
     post_mlp_norm="post_feedforward_layernorm",
 )
+
+
+@attrs.frozen(kw_only=True)
+class PerLayerInputs:
+    """Gemma 4's per-layer inputs (PLE): each token gets, for every layer, a vector of
+    ``width`` from a packed embedding (``embed_tokens_per_layer``, ``vocab_size`` rows,
+    scaled by ``sqrt(width)``) averaged with a normalised projection of its embedding
+    (``per_layer_model_projection``); a layer multiplies its vector into a gated
+    projection of its output (``per_layer_input_gate``, ``per_layer_projection``,
+    ``post_per_layer_input_norm``) and adds that to the residual.
+
+    Attributes:
+        width: Values per token per layer.
+        vocab_size: Rows of the per-layer embedding.
+    """
+
+    width: int
+    vocab_size: int

@@ -13,6 +13,8 @@ router ``sigmoid``     sigmoid of each logit; the top k, chosen by score plus a
 activation ``silu``    ``silu(gate) * up`` (SwiGLU)
 activation ``clamped`` gpt-oss's: gate clamped above and up on both sides at
                        ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``
+activation             ``gelu_tanh(gate) * up`` (GeGLU: Gemma 4)
+``gelu_tanh``
 =====================  =========================================================
 """
 
@@ -23,7 +25,7 @@ from typing import Literal
 import attrs
 
 Router = Literal["softmax", "sigmoid"]
-ExpertActivation = Literal["silu", "clamped"]
+ExpertActivation = Literal["silu", "clamped", "gelu_tanh"]
 Stacks = Literal["transposed_alternating", "transposed", "plain"]
 
 
@@ -58,7 +60,12 @@ class ExpertsShape:
             (``experts.gate_up_proj``) lays it out: ``[E, hidden, 2 * inner]`` with gate
             and up channels alternating (``transposed_alternating``: gpt-oss) or gate's
             first (``transposed``: Llama 4), or ``[E, 2 * inner, hidden]`` gate's first
-            (``plain``: Granite SWA); ``experts.down_proj`` is transposed alike.
+            (``plain``: Granite SWA, Gemma 4); ``experts.down_proj`` is transposed alike.
+        router_norm_eps: The router reads its input RMS-normalised with this epsilon (no
+            weight), times its learned ``scale`` and ``hidden ** -0.5`` (Gemma 4); None:
+            as it is.
+        expert_scales: Each chosen expert's weight is multiplied by its learned
+            ``per_expert_scale`` (Gemma 4).
     """
 
     num_experts: int
@@ -78,6 +85,8 @@ class ExpertsShape:
     groups: int = 1
     top_groups: int = 1
     stacks: Stacks = "transposed_alternating"
+    router_norm_eps: float | None = None
+    expert_scales: bool = False
 
     def tensor_share(self, size: int) -> ExpertsShape:
         """The shape one of ``size`` tensor-parallel ranks holds: each expert's width

@@ -5,8 +5,10 @@ for sliding layers, the global one with linear scaling for full layers), so a sp
 parsed per layer type; ``hybridkv.models.blocks.rope`` turns each into its table.
 
 The scalings are those checkpoints name in ``rope_type``: ``linear``, ``llama3``, ``yarn``
-(gpt-oss, Qwen's long-context configs, Ministral 3), ``longrope`` (Phi-3 128k, Phi-4-mini)
-and ``dynamic`` (NTK). The last two change with the sequence length: here a position's
+(gpt-oss, Qwen's long-context configs, Ministral 3), ``longrope`` (Phi-3 128k, Phi-4-mini),
+``dynamic`` (NTK) and ``proportional`` (Gemma 4's full layers: the first
+``partial_rotary_factor`` of each half-split pair rotates at the frequencies of the whole
+head, the rest not at all). The last two change with the sequence length: here a position's
 rotation depends on that position alone, as it does in transformers' step-by-step decode
 (and in vLLM): ``longrope`` rotates positions below ``original_max_position_embeddings``
 by its short factors and the rest by its long ones; ``dynamic`` rotates position p as a
@@ -24,7 +26,7 @@ import attrs
 
 from hybridkv.models.errors import ModelConfigError
 
-_SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+_SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "proportional")
 
 
 @attrs.frozen(kw_only=True)
@@ -35,7 +37,7 @@ class RopeSpec:
         theta: The base wavelength.
         rope_type: One of ``default``, ``linear`` (frequencies divided by ``factor``),
             ``llama3`` (low frequencies divided by ``factor``, a smooth ramp between),
-            ``yarn``, ``longrope`` or ``dynamic`` (see the module).
+            ``yarn``, ``longrope``, ``dynamic`` or ``proportional`` (see the module).
         factor: Scaling factor (all but ``default``).
         low_freq_factor: ``llama3`` only.
         high_freq_factor: ``llama3`` only.

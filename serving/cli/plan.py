@@ -81,6 +81,7 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 
 def run_plan(args: argparse.Namespace) -> int:
     """Plan the layout and print it."""
+    from hybridkv.memory.layout import owns_pages
     from hybridkv.memory.layout_planner import describe, plan_layout
     from hybridkv.models.specs import layer_specs_from_config, tensor_rank_spec
     from hybridkv.serving.cli.flags.engine import parse_layer_policies
@@ -101,7 +102,10 @@ def run_plan(args: argparse.Namespace) -> int:
     report = describe(plan, specs, args.request_tokens)
     summary = ", ".join(f"{p.num_layers} {p.policy}" for p in report.policies)
     raised = plan.block_size != args.block_size
-    print(f"model   {label}: {len(specs)} KV layers ({summary or 'attention-free'})")
+    readers = sum(1 for s in specs if not owns_pages(s))
+    shared = f"; {readers} more read an earlier layer's" if readers else ""
+    kept = len(specs) - readers
+    print(f"model   {label}: {kept} KV layers ({summary or 'attention-free'}{shared})")
     print(
         f"budget  {_bytes(budget)} per device, {args.dtype}, block size {plan.block_size}"
         + (f" (raised from {args.block_size} so a page holds a state)" if raised else "")

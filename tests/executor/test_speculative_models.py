@@ -40,6 +40,8 @@ POOL_PAGES |= {
     "granitemoe_swa": 24,
     "afmoe": 24,
     "mimo_v2_flash": 24,
+    "gemma4": 24,
+    "gemma4_moe": 24,
 }  # a group per layer kind: each holds pages
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
 from hybridkv.memory.errors import LayoutError
@@ -266,3 +267,38 @@ def test_report_groups_policies_into_families() -> None:
     report = describe(plan_layout(specs, 1 << 30), specs, 4096)
     rows = {p.policy: (p.num_groups, p.num_layers, p.blocks_per_request) for p in report.policies}
     assert rows == {"sliding_window(window=32)": (6, 22, 6 * 3), "full": (1, 4, 256)}
+
+
+def test_layers_reading_another_layers_pages_own_none() -> None:
+    """Seed 000's model plus two layers reading full.1's and sw.3's pages (Gemma 4's
+    shared-KV layers): the plan is the seed model's, with the readers in no slot and
+    each resolved to its owner's (group, slot), in one stage or two."""
+    readers = [
+        attrs.evolve(attn("read.full"), reads="full.1"),
+        attrs.evolve(attn("read.sw", SW), reads="sw.3"),
+    ]
+    alone = plan_layout(seed_model(), 1 << 22)
+    plan = plan_layout(seed_model() + readers, 1 << 22)
+    assert (plan.num_blocks, plan.groups, plan.layer_slots) == (
+        alone.num_blocks, alone.groups, alone.layer_slots,
+    )  # fmt: skip
+    assert plan.uniform_num_blocks == alone.uniform_num_blocks
+    assert [plan.slot_of(r) for r in readers] == [
+        plan.layer_slots["full.1"],
+        plan.layer_slots["sw.3"],
+    ]
+    staged = plan_layout(
+        seed_model() + readers,
+        1 << 22,
+        stages=[*SEED_STAGES[:1], [*SEED_STAGES[1], "read.full", "read.sw"]],
+    )
+    assert staged.stages == plan_layout(seed_model(), 1 << 22, stages=SEED_STAGES).stages
+
+
+def test_a_layer_reading_pages_no_layer_keeps_is_refused() -> None:
+    """Reading a layer that is not there, or one that itself reads another's: refused."""
+    for owner in ("nowhere", "read.a"):
+        specs = [*seed_model(), attrs.evolve(attn("read.a"), reads="full.0")]
+        specs.append(attrs.evolve(attn("read.b"), reads=owner))
+        with pytest.raises(LayoutError, match=f"'read.b' reads the pages of '{owner}'"):
+            plan_layout(specs, 1 << 22)

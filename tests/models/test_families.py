@@ -73,6 +73,10 @@ def test_a_type_that_does_not_run_is_refused_naming_what_runs(
         ("phi3", {"rope_parameters": {"rope_type": "longrope"}}, "need 'short_factor'"),
         ("mimo_v2_flash", {"n_group": 3}, "not a multiple of n_group=3"),
         ("mimo_v2_flash", {"mlp_layer_types": ["dense"]}, "'mlp_layer_types' must hold 4"),
+        ("gemma4", {"use_bidirectional_attention": "all"}, "'all' is not supported"),
+        ("gemma4", {"num_kv_shared_layers": 5}, "layer 2 \\(full_attention\\) has no"),
+        ("gemma4", {"per_layer_config": {"2": {"sliding_window": 4}}}, "\\['sliding_window'\\]"),
+        ("gemma4", {"rope_parameters": {"full_attention": {"rope_type": "x"}}}, "'x' is not"),
     ],
 )
 def test_config_fields_a_family_cannot_run_are_refused_by_name(

@@ -109,10 +109,9 @@ def test_unknown_model_type_is_refused():
 
 
 def test_unknown_rope_type_is_refused():
-    """A rope scaling we do not implement (Gemma 4's proportional rope) is refused
-    instead of silently ignored."""
-    with pytest.raises(ModelConfigError, match="'proportional'"):
-        RopeSpec.from_hf({"rope_type": "proportional"}, theta=1e4, max_positions=128)
+    """A rope scaling we do not implement is refused instead of silently ignored."""
+    with pytest.raises(ModelConfigError, match=r"'su'.*proportional"):
+        RopeSpec.from_hf({"rope_type": "su"}, theta=1e4, max_positions=128)
 
 
 def test_bidirectional_gemma3_is_refused():

@@ -1,4 +1,4 @@
-"""The text model of a multimodal checkpoint (Gemma 3, Llama 4): refused without
+"""The text model of a multimodal checkpoint (Gemma 3, Llama 4, Gemma 4): refused without
 ``--text-only``, served with it, with the multimodal model's own logits on text."""
 
 from __future__ import annotations

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from model_fixtures import ATTENTION
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.memory.layout import AttentionSpec
 from hybridkv.models.errors import ParallelConfigError
-from hybridkv.models.stages import split_layers
+from hybridkv.models.stages import check_stage_cuts, split_layers
 from hybridkv.models.transformer import MissingLayer
+from hybridkv.policies import make_policy
 
 KV_BYTES = 1 << 20
 
@@ -52,8 +55,12 @@ def test_more_stages_than_layers_is_refused(tiny_models) -> None:
         )
 
 
+#: Gemma 4's small shape has per-layer inputs, which only the first stage computes.
+STAGED = [name for name in ATTENTION if name != "gemma4"]
+
+
 @pytest.mark.parametrize("num_stages", [2, 3])
-@pytest.mark.parametrize("name", ATTENTION)
+@pytest.mark.parametrize("name", STAGED)
 def test_chained_stages_match_one_process(
     name, num_stages, tiny_models, make_driver, drive, run_scenario, check_same_outputs, chain
 ) -> None:
@@ -62,6 +69,32 @@ def test_chained_stages_match_one_process(
     expected = run_scenario(make_driver(name))
     chained = chain(_stages(tiny_models[name].path, num_stages))
     check_same_outputs(run_scenario(drive(chained)), expected)
+
+
+def test_per_layer_inputs_refuse_stages_before_loading(tiny_models) -> None:
+    """Gemma 4 with per-layer inputs in two stages: refused, naming why."""
+    with pytest.raises(ParallelConfigError, match=r"per-layer input.*first stage"):
+        ModelExecutor.from_pretrained(
+            tiny_models["gemma4"].path,
+            LoadOptions(kv_cache_bytes=KV_BYTES),
+            pipeline_stage=1,
+            pipeline_parallel_size=2,
+        )
+
+
+def test_a_cut_between_a_layer_and_the_cache_it_reads_is_refused() -> None:
+    """Four layers, the last reading layer 1's cache: two stages of two cut them apart;
+    four stages too; one stage does not."""
+    full = make_policy("full")
+    specs = [
+        AttentionSpec(name=f"l{i}", policy=full, num_kv_heads=1, head_dim=8, dtype_bytes=2)
+        for i in range(4)
+    ]
+    specs[3] = attrs.evolve(specs[3], reads="l1")
+    for num_stages in (2, 4):
+        with pytest.raises(ParallelConfigError, match=r"'l3' in stage .* 'l1', whose KV cache"):
+            check_stage_cuts(specs, num_stages)
+    assert len(check_stage_cuts(specs, 1)) == 1
 
 
 def test_each_stage_holds_only_its_layers_and_pages(tiny_models) -> None:

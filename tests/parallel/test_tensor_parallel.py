@@ -106,6 +106,8 @@ def test_two_ranks_match_one_process_bamba(
         ("granitemoe_swa", 2, 1, 1),
         ("afmoe", 2, 1, 1),
         ("mimo_v2_flash", 2, 1, 1),
+        ("gemma4", 2, 1, 1),
+        ("gemma4_moe", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
@@ -121,7 +123,13 @@ def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
     with _tensor(path, tp, pipeline_parallel_size=pp, context_parallel_size=cp) as executor:
         assert executor.world_size == tp * pp * cp
         got = run_scenario(drive(executor))
-    check_same_outputs(got, expected)
+    check_same_outputs(got, expected, atol=LOOSER_SUMS.get(name, 1e-5))
+
+
+#: Gemma 4's tiny models: the ranks' summed shares differ from one process's sums by up to
+#: 2.6e-5 in the logits (every sublayer's output normalised, values normalised per head),
+#: where the other families' stay within 1e-5.
+LOOSER_SUMS = {"gemma4": 5e-5, "gemma4_moe": 5e-5}
 
 
 @pytest.fixture(scope="module")

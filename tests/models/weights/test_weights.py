@@ -126,13 +126,14 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 
 #: The families checked in int8 only (one of each block they add is enough). Not the
-#: tiny AFMoE and gpt-oss: a rounding that flips one token's experts in one layer moves
-#: their KL by up to 2e-3 (AFMoE's embeddings scaled x8 by muP: 2.3e-3 in one full-suite
-#: run; gpt-oss: 9e-5 on one thread, 7e-4 on two); their experts' blocks are checked in
-#: float32, and a mixture in int8 through Qwen3-MoE's, Llama 4's and Granite's.
+#: tiny AFMoE, gpt-oss and Gemma 4 MoE: a rounding that flips one token's experts in one
+#: layer moves their KL by up to 2e-3 (AFMoE's embeddings scaled x8 by muP: 2.3e-3 in one
+#: full-suite run; gpt-oss: 9e-5 on one thread, 7e-4 on two; Gemma 4 MoE: 4.1e-3, two
+#: steps of 20 at 0.02 and 0.05); their experts' blocks are checked in float32, and a
+#: mixture in int8 through Qwen3-MoE's, Llama 4's and Granite's.
 INT8_ONLY = (
     *("smollm3", "seed_oss", "olmo3", "exaone4", "phi3", "cohere2"),
-    *("ministral3", "llama4", "granite_swa", "granitemoe_swa", "qwen3_moe"),
+    *("ministral3", "llama4", "granite_swa", "granitemoe_swa", "qwen3_moe", "gemma4"),
 )
 
 
