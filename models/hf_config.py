@@ -9,7 +9,7 @@ file or the field. Torch-free: ``hybridkv plan`` reads configs of models it neve
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +108,27 @@ def flag_field(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ModelConfigError(f"config field {key!r} must be true or false, got {value!r}")
     return value
+
+
+def kind_overrides(
+    cfg: Mapping[str, Any], kinds: Sequence[str], kind: str, read: Collection[str]
+) -> dict[str, Any]:
+    """What ``per_layer_config`` (transformers' per-layer overrides, keyed by layer index)
+    sets for the layers of ``kind``: one value per field for them all.
+
+    Raises:
+        ModelConfigError: an override of a field outside ``read``, or layers of ``kind``
+            given differing values.
+    """
+    per_layer = cfg.get("per_layer_config")
+    found: dict[str, Any] = {}
+    for index, fields in (per_layer or {}).items():
+        unknown = sorted(set(fields) - set(read))
+        if unknown:
+            raise ModelConfigError(f"per_layer_config sets {unknown}, which are not read")
+        if kinds[int(index)] != kind:
+            continue
+        for key, value in fields.items():
+            if found.setdefault(key, value) != value:
+                raise ModelConfigError(f"per_layer_config gives {kind} layers differing {key}")
+    return found

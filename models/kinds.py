@@ -14,7 +14,7 @@ A config's ``layer_types`` names them where it has it; a family's own pattern ot
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hybridkv.models.errors import ModelConfigError
@@ -79,3 +79,26 @@ def named_kinds(names: list[str], num_layers: int, kinds: Mapping[str, str]) -> 
                 f"layer {i} has layer type {name!r}; supported: {', '.join(kinds)}"
             )
     return [kinds[name] for name in names]
+
+
+def shared_tail(kinds: Sequence[str], count: int) -> dict[int, int]:
+    """The last ``count`` layers each reading the cache of the last earlier layer of its
+    kind outside them (Gemma 4's ``num_kv_shared_layers``): reader -> owner.
+
+    Raises:
+        ModelConfigError: ``count`` not from 0 to the layers, or a reader with no earlier
+            layer of its kind.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(kinds):
+        raise ModelConfigError(f"{count!r} shared layers of {len(kinds)}: not a layer count")
+    first = len(kinds) - count
+    owners: dict[int, int] = {}
+    for reader in range(first, len(kinds)):
+        earlier = [i for i in range(first) if kinds[i] == kinds[reader]]
+        if not earlier:
+            raise ModelConfigError(
+                f"{count} shared layers: layer {reader} ({kinds[reader]}) has no earlier "
+                "layer of its kind whose cache it could read"
+            )
+        owners[reader] = earlier[-1]
+    return owners
