@@ -5,13 +5,14 @@ Memory picture (a Gemma-3-like model, plan.group_size = 2 slots, N pages per slo
     slot 0  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 0 of every group
     slot 1  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 1 of every group
 
-Each layer views its slot tensor as ``[N, 2, kv_heads, block_size, head_dim]``. A page id
-belongs to one group at a time, so the layers sharing a slot never collide. A state
-(Mamba2) layer views the same bytes as float32 rows, one per state page, whatever the
-model's dtype (``hybridkv.models.blocks.mamba2`` has the row's layout): where a state page spans
-``plan.state_span`` pages, row ``r`` is the bytes of pages ``r * span .. r * span + span - 1``,
-``[N // span, state_values]``, and page id ``p`` of a state group reads row ``p // span``
-(``StepStates`` translates).
+Each layer views its slot tensor as ``[N, 2, kv_heads, block_size, head_dim]``, from its
+offset in the slot's pages (layers whose pages are a fraction of the slot's sit side by
+side: ``plan.layer_offsets``). A page id belongs to one group at a time, so the layers
+sharing a slot never collide. A state (Mamba2) layer views the same bytes as float32 rows,
+one per state page, whatever the model's dtype (``hybridkv.models.blocks.mamba2`` has the
+row's layout): where a state page spans ``plan.state_span`` pages, row ``r`` is the bytes
+of pages ``r * span .. r * span + span - 1``, ``[N // span, state_values]``, and page id
+``p`` of a state group reads row ``p // span`` (``StepStates`` translates).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def allocate_kv_caches(
             views.append(rows.view(torch.float32)[:, : spec.state_bytes // 4])
             continue
         shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
+        start = plan.offset_of(spec) // itemsize
         layer_elems = spec.block_bytes(plan.block_size) // itemsize
-        views.append(slots[slot][:, :layer_elems].view(shape))
+        views.append(slots[slot][:, start : start + layer_elems].view(shape))
     return views
 
 

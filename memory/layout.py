@@ -143,7 +143,10 @@ class LayoutPlan:
         groups: The KV groups, ``group_id`` equal to the position.
         group_size: Slot tensors to allocate per device: the layers per group without
             pipeline stages, the largest stage's count with them.
-        layer_slots: Layer name -> (group id, slot), the slot local to the layer's stage.
+        layer_slots: Layer name -> (group id, slot), the slot local to the layer's stage
+            (layers whose pages are a fraction of ``block_bytes`` may share a slot).
+        layer_offsets: Layer name -> byte offset of its page within its slot's page, for
+            the layers packed after the first into a slot; absent: 0.
         budget_bytes: The budget the plan was made for.
         padding_bytes: Bytes lost to unified page sizes and empty slots, over the pool.
         uniform_num_blocks: Pages a uniform allocator (every layer as full attention in
@@ -164,11 +167,16 @@ class LayoutPlan:
     uniform_num_blocks: int
     stages: tuple[tuple[str, ...], ...] = ()
     state_span: int = 1
+    layer_offsets: dict[str, int] = attrs.field(factory=dict)
 
     def slot_of(self, spec: LayerSpec) -> tuple[int, int]:
         """``(group id, slot)`` of the pages the layer of ``spec`` reads (its owner's, for a
         layer reading another's cache)."""
         return self.layer_slots[page_owner(spec)]
+
+    def offset_of(self, spec: LayerSpec) -> int:
+        """Byte offset of the layer's page (its owner's) within its slot's page."""
+        return self.layer_offsets.get(page_owner(spec), 0)
 
     @property
     def policies(self) -> tuple[MemoryPolicy, ...]:

@@ -4,16 +4,21 @@ Steps, in order:
 
 1. **Families.** Layers with equal policies (``SlidingWindow(512) == SlidingWindow(512)``)
    form one family, in order of first appearance; each keeps its layers in model order.
-2. **Group size** (layers per group). The candidates are the families' layer counts; the
-   planner takes the one that leaves the fewest empty slots, and on a tie the larger one
-   (fewer groups, fewer block tables). Gemma-3-like 4 full + 22 sliding gives 4 (2 empty
-   slots, not 18); 10 full + 11 sliding gives 11 (1 empty slot, not 9).
-3. **Groups.** A family of m layers gets ``g = cdiv(m, group_size)`` groups, group i
-   holding ``layers[i::g]``. Striding, rather than cutting runs, keeps pipeline stages
-   balanced (seed 000): stage 0 {full.0, sw.0, sw.1}, stage 1 {full.1, sw.2, sw.3} gives
-   (full.0, full.1), (sw.0, sw.2), (sw.1, sw.3), so each stage holds one layer per group.
+2. **Group size** (slots per group). A family whose layers' K/V pages are a k-th of the
+   largest (Gemma 4 31B's full layers: half its sliding ones') packs k layers side by side
+   in one slot (``layer_offsets``), so m layers take ``cdiv(m, k)`` slots; other pages
+   that do not divide the largest are padded to it (k = 1). The candidates are the
+   families' slot counts; the planner takes the one that leaves the fewest empty slots,
+   and on a tie the larger one (fewer groups, fewer block tables). Gemma-3-like 4 full +
+   22 sliding gives 4 (2 empty slots, not 18); 10 full + 11 sliding gives 11 (1 empty
+   slot, not 9).
+3. **Groups.** A family of m layers in s slots gets ``g = cdiv(s, group_size)`` groups,
+   group i holding ``layers[i::g]``. Striding, rather than cutting runs, keeps pipeline
+   stages balanced (seed 000): stage 0 {full.0, sw.0, sw.1}, stage 1 {full.1, sw.2, sw.3}
+   gives (full.0, full.1), (sw.0, sw.2), (sw.1, sw.3), so each stage holds one layer per
+   group.
 4. **Page sizes.** Two: the K/V page is the largest attention layer's page at the block
-   size asked for (smaller attention pages are padded), and a state page is the smallest
+   size asked for (smaller attention pages are packed or padded), and a state page is the smallest
    number of K/V pages that holds the largest state (``state_span``; 1 where a state fits
    a K/V page), carved from the same pool (``hybridkv.memory.spans``). No group's page
    forces another group's block size. With ``unify_page_size`` the planner does what a
@@ -21,11 +26,12 @@ Steps, in order:
    smallest multiple of the requested one whose attention page holds the state, pads the
    state up to that page, and past ``max_block_size`` says so with :class:`LayoutError`.
 5. **Slots and N.** ``budget_bytes`` is the KV memory of one device. Each pipeline stage
-   gives its layers of a group slots 0, 1, ... and allocates one slot tensor per slot it
-   uses; ``group_size`` of the plan is the largest stage's count (the layers per group
-   without stages). ``num_blocks = budget // (group_size * block_bytes)``, page 0 being
-   the null block, rounded down to a multiple of ``state_span``; it must hold the null
-   page's span, one state page per state group and one K/V page per K/V group.
+   gives its layers of a group slots 0, 1, ... (k layers to a slot where they pack) and
+   allocates one slot tensor per slot it uses; ``group_size`` of the plan is the largest
+   stage's count (the slots per group without stages).
+   ``num_blocks = budget // (group_size * block_bytes)``, page 0 being the null block,
+   rounded down to a multiple of ``state_span``; it must hold the null page's span, one
+   state page per state group and one K/V page per K/V group.
 
 An attention-free model (no specs) gets a plan with no groups, ``group_size`` 0 and
 ``num_blocks`` 0: there is nothing to allocate. A stage with no KV layers allocates
@@ -113,9 +119,12 @@ def plan_layout(
     if unify_page_size:
         block_size = _unified_block_size(specs, block_size, max_block_size)
     block_bytes, span = _page_sizes(specs, block_size, unify_page_size)
-    groups = _build_groups(specs)
+    packed = {s.name: _per_slot(s, block_bytes, block_size) for s in specs}
+    groups = _build_groups(specs, packed)
     stage_of = {n: i for i, stage in enumerate(stage_names) for n in stage}
-    layer_slots, stage_slots = _assign_slots(groups, stage_of, len(stage_names))
+    layer_slots, offsets, stage_slots = _assign_slots(
+        groups, stage_of, len(stage_names), packed, block_bytes
+    )
     group_size = max(stage_slots)
     num_blocks = budget_bytes // (group_size * block_bytes) // span * span
     num_state = sum(1 for g in groups if g.policy.keeps_state) if span > 1 else 0
@@ -145,6 +154,7 @@ def plan_layout(
         uniform_num_blocks=budget_bytes // uniform_need,
         stages=stage_names,
         state_span=span,
+        layer_offsets=offsets,
     )
 
 
@@ -237,14 +247,23 @@ def choose_group_size(counts: Sequence[int]) -> int:
     return min(set(counts), key=lambda size: (empty_slots(size), -size))
 
 
-def _build_groups(specs: Sequence[LayerSpec]) -> tuple[KVGroup, ...]:
+def _per_slot(spec: LayerSpec, page: int, block_size: int) -> int:
+    """Layers like ``spec`` that fit side by side in one slot of ``page`` bytes: k where its
+    K/V page is exactly a k-th of it, else 1 (a state, or a page padded to ``page``)."""
+    own = spec.block_bytes(block_size)
+    return 1 if isinstance(spec, StateSpec) or page % own else page // own
+
+
+def _build_groups(specs: Sequence[LayerSpec], packed: dict[str, int]) -> tuple[KVGroup, ...]:
     families: dict[MemoryPolicy, list[str]] = {}
     for spec in specs:
         families.setdefault(spec.policy, []).append(spec.name)
-    size = choose_group_size([len(layers) for layers in families.values()])
+    per_slot = {p: min(packed[n] for n in names) for p, names in families.items()}
+    slots = {p: cdiv(len(names), per_slot[p]) for p, names in families.items()}
+    size = choose_group_size(list(slots.values()))
     groups: list[KVGroup] = []
     for policy, layers in families.items():
-        num_groups = cdiv(len(layers), size)
+        num_groups = cdiv(slots[policy], size)
         for i in range(num_groups):
             groups.append(
                 KVGroup(
@@ -255,16 +274,27 @@ def _build_groups(specs: Sequence[LayerSpec]) -> tuple[KVGroup, ...]:
 
 
 def _assign_slots(
-    groups: Sequence[KVGroup], stage_of: dict[str, int], num_stages: int
-) -> tuple[dict[str, tuple[int, int]], list[int]]:
-    """Layer -> (group, slot within its stage), and the slot tensors of each stage."""
+    groups: Sequence[KVGroup],
+    stage_of: dict[str, int],
+    num_stages: int,
+    packed: dict[str, int],
+    page: int,
+) -> tuple[dict[str, tuple[int, int]], dict[str, int], list[int]]:
+    """Layer -> (group, slot within its stage) and byte offset in the slot's page (k layers
+    of a group to a slot where they pack), and the slot tensors of each stage."""
     layer_slots: dict[str, tuple[int, int]] = {}
+    offsets: dict[str, int] = {}
     stage_slots = [0] * num_stages
     for group in groups:
+        per_slot = min(packed[n] for n in group.layer_names)
         used = [0] * num_stages
         for name in group.layer_names:
             stage = stage_of[name]
-            layer_slots[name] = (group.group_id, used[stage])
+            slot, place = divmod(used[stage], per_slot)
+            layer_slots[name] = (group.group_id, slot)
+            if place:
+                offsets[name] = place * (page // per_slot)
             used[stage] += 1
-        stage_slots = [max(a, b) for a, b in zip(stage_slots, used, strict=True)]
-    return layer_slots, stage_slots
+        slots = [cdiv(n, per_slot) for n in used]
+        stage_slots = [max(a, b) for a, b in zip(stage_slots, slots, strict=True)]
+    return layer_slots, offsets, stage_slots

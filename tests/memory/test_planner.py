@@ -302,3 +302,35 @@ def test_a_layer_reading_pages_no_layer_keeps_is_refused() -> None:
         specs.append(attrs.evolve(attn("read.b"), reads=owner))
         with pytest.raises(LayoutError, match=f"'read.b' reads the pages of '{owner}'"):
             plan_layout(specs, 1 << 22)
+
+
+def test_half_pages_pack_two_layers_to_a_slot() -> None:
+    """Gemma 4 31B's shape in small: 5 sliding layers of two heads and a full layer of one,
+    twice over. The full layers' pages are half the sliding ones': both share one slot of
+    one group, side by side, and no byte is padding; a third size that does not divide
+    the page (three heads of four) is padded as before."""
+    wide = [AttentionSpec(name=f"sw{i}", policy=SW, num_kv_heads=2, head_dim=256, dtype_bytes=2)
+            for i in range(10)]  # fmt: skip
+    full = [attn("full.0"), attn("full.1")]
+    plan = plan_layout([*wide[:5], full[0], *wide[5:], full[1]], 1 << 24)
+    assert plan.block_bytes == 2 * PAGE
+    assert plan.layer_slots["full.0"][0] == plan.layer_slots["full.1"][0]
+    assert plan.layer_slots["full.0"][1] == plan.layer_slots["full.1"][1]
+    assert sorted(plan.layer_offsets.items()) == [("full.1", PAGE)]
+    assert plan.padding_bytes == 0
+    odd = AttentionSpec(name="odd", policy=FULL, num_kv_heads=3, head_dim=64, dtype_bytes=2)
+    padded = plan_layout([*wide[:2], odd], 1 << 24)
+    assert padded.layer_offsets == {} and padded.padding_bytes > 0
+
+
+def test_packed_layers_stay_in_their_stage() -> None:
+    """Two wide sliding layers and four half-page full layers over two stages: each stage
+    packs its own two full layers into one slot, so no slot holds layers of two stages."""
+    specs = [
+        AttentionSpec(name=f"sw{i}", policy=SW, num_kv_heads=2, head_dim=256, dtype_bytes=2)
+        for i in range(2)
+    ] + [attn(f"f{i}") for i in range(4)]
+    plan = plan_layout(specs, 1 << 24, stages=[["sw0", "f0", "f1"], ["sw1", "f2", "f3"]])
+    assert {plan.layer_slots[n] for n in ("f0", "f1", "f2", "f3")} == {(1, 0)}
+    assert plan.layer_offsets == {"f1": PAGE, "f3": PAGE}
+    assert plan.group_size == 1 and plan.padding_bytes == 0
