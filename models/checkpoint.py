@@ -112,6 +112,8 @@ class Checkpoint:
         hf = dict(multimodal.text_model_config(outer, text_only=text_only))
         family = running_family(str(hf.get("model_type")))
         assert family.parse is not None, "a family that runs parses"
+        if family.normalize is not None:
+            hf = dict(family.normalize(hf))
         config = family.parse(hf, dtype_bytes=dtype_bytes, policies=policies)
         eos = list(config.eos_token_ids)
         generation_file = folder / "generation_config.json"

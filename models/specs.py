@@ -83,9 +83,11 @@ def layer_specs_from_config(
         PolicyError: a window or chunk the policy rejects (such as 0), or a chosen policy
             that is not a MemoryPolicy.
     """
-    cfg = text_config(config)
-    num_layers = int_field(cfg, "num_hidden_layers")
+    cfg: Mapping[str, Any] = text_config(config)
     family = family_for(cfg["model_type"])
+    if family is not None and family.normalize is not None:
+        cfg = family.normalize(cfg)
+    num_layers = int_field(cfg, "num_hidden_layers")
     kinds = _layer_kinds(cfg, num_layers, family)
     chosen = _check_choices(policies or {}, kinds)
     by_kind: dict[str, MemoryPolicy] = {}

@@ -82,6 +82,9 @@ class Family:
             ``num_key_value_heads`` and ``head_dim`` for every layer.
         shared_kv: ``(config, kinds)`` -> for each layer that reads an earlier layer's
             cache rather than keeping its own, that layer's index (Gemma 4); None: none.
+        normalize: config.json -> the same with the fields its hub releases name otherwise
+            renamed as the family reads them (MiMo-V2-Flash's ``sliding_window_size``);
+            applied before the specs and the parse read it, and idempotent.
     """
 
     model_types: tuple[str, ...]
@@ -94,6 +97,7 @@ class Family:
     sized_types: tuple[str, ...] = ()
     kv_shape: Callable[[Mapping[str, Any], str], tuple[int, int]] | None = None
     shared_kv: Callable[[Mapping[str, Any], list[str]], Mapping[int, int]] | None = None
+    normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
 
 
 def family_for(model_type: str) -> Family | None:

@@ -81,10 +81,20 @@ def _kv_shape(cfg: Mapping[str, Any], kind: str) -> tuple[int, int]:
     return (2 * heads if kind == SLIDING else heads), int_field(cfg, "head_dim")
 
 
+def _normalize(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The hub's ``sliding_window_size`` (previous tokens) as ``sliding_window`` (those and
+    the query), as transformers reads it."""
+    if cfg.get("sliding_window_size") is None:
+        return cfg
+    rest = {k: v for k, v in cfg.items() if k != "sliding_window_size"}
+    return {**rest, "sliding_window": int_field(cfg, "sliding_window_size") + 1}
+
+
 FAMILY = Family(
     model_types=("mimo_v2_flash",),
     layer_kinds=kinds_by(_kinds),
     parse=parse_mimo_v2_flash,
     decoder=DecoderShape(mlp="experts"),
     kv_shape=_kv_shape,
+    normalize=_normalize,
 )

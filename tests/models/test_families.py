@@ -15,6 +15,7 @@ import pytest
 from hybridkv.models.checkpoint import Checkpoint
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.families import MODULES, family_for, runnable_model_types
+from hybridkv.models.specs import layer_specs_from_config
 
 FAMILIES = Path(__file__).resolve().parents[2] / "models" / "families"
 
@@ -85,3 +86,20 @@ def test_config_fields_a_family_cannot_run_are_refused_by_name(
     folder = _folder_of(tiny_models, name, tmp_path, **fields)
     with pytest.raises(ModelConfigError, match=message):
         Checkpoint.open(folder)
+
+
+def test_mimo_hub_window_is_read_as_transformers_reads_it(tiny_models: Any, tmp_path: Path) -> None:
+    """MiMo-V2-Flash's hub config names the window ``sliding_window_size`` (previous tokens,
+    the query not counted): read as ``sliding_window`` one larger, as transformers does,
+    by the loader and by the sizing alike."""
+    path = tiny_models["mimo_v2_flash"].path
+    config = json.loads((path / "config.json").read_text())
+    window = config.pop("sliding_window")
+    folder = tmp_path / "hub"
+    shutil.copytree(path, folder)
+    hub = {**config, "sliding_window_size": window - 1}
+    (folder / "config.json").write_text(json.dumps(hub))
+    assert Checkpoint.open(folder).config.layers == Checkpoint.open(path).config.layers
+    assert layer_specs_from_config(hub) == layer_specs_from_config(
+        {**config, "sliding_window": window}
+    )
