@@ -25,36 +25,38 @@ VLLM_VERSION = "0.33.0"
 # -- vLLM 0.33: its KVCacheManager, driven as its scheduler does ---------------------------
 
 
-def reference_source(args: argparse.Namespace) -> tuple[Path | None, str]:
-    """An unpacked vLLM source tree (``--reference-src``, else fetched into the cache once),
-    or None with the reason."""
+def reference_source(
+    args: argparse.Namespace, version: str = VLLM_VERSION
+) -> tuple[Path | None, str]:
+    """An unpacked vLLM ``version`` source tree (``--reference-src``, else fetched into the
+    cache once), or None with the reason."""
     if args.no_reference:
         return None, "skipped (--no-reference)"
     if args.reference_src:
         return Path(args.reference_src), "--reference-src"
     from benchmarks.peers.llama_peers import cache_root
 
-    folder = cache_root() / f"vllm-{VLLM_VERSION}"
+    folder = cache_root() / f"vllm-{version}"
     src, done = folder / "src", folder / "src" / ".done"
     if done.exists():
-        return src, f"pip download vllm=={VLLM_VERSION} --no-deps (cached)"
+        return src, f"pip download vllm=={version} --no-deps (cached)"
     wheels = folder / "wheel"
-    command = [sys.executable, "-m", "pip", "download", f"vllm=={VLLM_VERSION}", "--no-deps",
+    command = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps",
                "--only-binary=:all:", "--quiet", "--dest", str(wheels)]  # fmt: skip
-    print(f"fetching the vllm=={VLLM_VERSION} wheel (no dependencies) into the peer cache ...")
+    print(f"fetching the vllm=={version} wheel (no dependencies) into the peer cache ...")
     try:
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=1800)
-        wheel = next(wheels.glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        wheel = next(wheels.glob(f"vllm-{version}-*.whl"))
         with zipfile.ZipFile(wheel) as archive:
             names = [n for n in archive.namelist() if n.startswith("vllm/") and n.endswith(".py")]
             archive.extractall(src, members=names)
     except (OSError, StopIteration, subprocess.SubprocessError, zipfile.BadZipFile) as exc:
         detail = getattr(exc, "stderr", None) or exc
         lines = str(detail).strip().splitlines() or [type(exc).__name__]
-        return None, f"could not obtain vllm=={VLLM_VERSION}: {lines[-1]}"
+        return None, f"could not obtain vllm=={version}: {lines[-1]}"
     wheel.unlink()  # the sources are what is kept
-    done.write_text(f"vllm=={VLLM_VERSION}\n")
-    return src, f"pip download vllm=={VLLM_VERSION} --no-deps"
+    done.write_text(f"vllm=={version}\n")
+    return src, f"pip download vllm=={version} --no-deps"
 
 
 def load_reference(args: argparse.Namespace) -> tuple[Any, str]:

@@ -1,0 +1,41 @@
+"""benchmarks/hybrid/family_layouts.py without vLLM: every published shape planned, none
+holding more than a uniform layout, Gemma 4 31B's packed pages without padding."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def layouts() -> ModuleType:
+    """The script, imported as ``python -m`` does from the repository root."""
+    path = list(sys.path)
+    try:
+        sys.path.insert(0, str(ROOT))
+        return importlib.import_module("benchmarks.hybrid.family_layouts")
+    finally:
+        sys.path[:] = path
+
+
+def test_rows_of_every_shape_at_both_lengths(
+    layouts: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rows.json"
+    assert layouts.main(["--no-reference", "--budget", "8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    expected = [(s, t) for t in layouts.TOKENS for s in layouts.SHAPES]
+    assert [(r["shape"], r["tokens"]) for r in rows] == expected
+    for row in rows:
+        assert 0 < row["hybridkv_bytes"] <= row["uniform_bytes"], row
+        assert "vllm_bytes" not in row
+    gemma = [r for r in rows if r["shape"] == "gemma-4-31b-like"]
+    assert all(r["hybridkv_padding"] == 0 for r in gemma)
+    assert "vLLM not run: skipped" in capsys.readouterr().out
