@@ -32,13 +32,14 @@ attention families' layouts against vLLM 0.34's".
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import types
 from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.common.results import add_json_argument, write_json
-from benchmarks.hybrid.vllm_mamba import reference_source
+from benchmarks.hybrid.vllm_mamba import load_reference
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, owns_pages
 from hybridkv.memory.layout_planner import describe, plan_layout
 from hybridkv.models.published_shapes import BUILTIN_CONFIGS
@@ -139,17 +140,9 @@ def _vllm_config(vllm: Any) -> Any:
 
 def load_vllm(args: argparse.Namespace) -> tuple[Any, str]:
     """vLLM 0.34's planner modules (or None) and a line saying what was loaded or why not."""
-    src, how = reference_source(args, version=VLLM_VERSION)
-    if src is None:
-        return None, f"vLLM not run: {how}"
-    import importlib
-
-    import benchmarks.common.vllm_reference as _vllm_reference
-
-    try:
-        vllm = _vllm_reference.load(src)
-    except (ImportError, OSError, RuntimeError) as exc:
-        return None, f"vLLM not run: {exc}"
+    vllm, line = load_reference(args, VLLM_VERSION, "planner")
+    if vllm is None:
+        return None, line
     vllm.planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
     vllm.layout = importlib.import_module("vllm.v1.kv_cache_layout")
     # HiSparse is one of the loader's stand-ins; without a hisparse_config vLLM's own
@@ -160,7 +153,7 @@ def load_vllm(args: argparse.Namespace) -> tuple[Any, str]:
     backend = types.ModuleType("vllm.v1.attention.backend")
     backend.MultipleOf = type("MultipleOf", (), {})  # type: ignore[attr-defined]
     sys.modules.setdefault("vllm.v1.attention.backend", backend)
-    return vllm, f"vLLM {vllm.version} planner ({how})"
+    return vllm, line
 
 
 HEADER = (

@@ -59,9 +59,12 @@ def reference_source(
     return src, f"pip download vllm=={version} --no-deps"
 
 
-def load_reference(args: argparse.Namespace) -> tuple[Any, str]:
-    """vLLM's modules (or None) and a line saying what was loaded or why not."""
-    src, how = reference_source(args)
+def load_reference(
+    args: argparse.Namespace, version: str = VLLM_VERSION, part: str = "KVCacheManager"
+) -> tuple[Any, str]:
+    """vLLM ``version``'s modules (or None) and a line saying what was loaded (its
+    ``part`` the script runs) or why not."""
+    src, how = reference_source(args, version)
     if src is None:
         return None, f"vLLM not run: {how}"
     import benchmarks.common.vllm_reference as _vllm_reference
@@ -70,7 +73,7 @@ def load_reference(args: argparse.Namespace) -> tuple[Any, str]:
         vllm = _vllm_reference.load(src)
     except (ImportError, OSError, RuntimeError) as exc:
         return None, f"vLLM not run: {exc}"
-    return vllm, f"vLLM {vllm.version} KVCacheManager ({how})"
+    return vllm, f"vLLM {vllm.version} {part} ({how})"
 
 
 def vllm_groups(layout: Layout) -> list[dict[str, Any]]:
