@@ -1,0 +1,56 @@
+"""The gated delta rule: the chunked form equals the step-by-step recurrence, from any
+carried state, with exact states at every checkpoint count; and transformers' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridkv.kernels.delta_rule import delta_rule_decode, delta_rule_states
+
+
+def _inputs(length: int, heads: int = 3, dk: int = 8, dv: int = 6, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(length, heads, dk, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(length, heads, dk, generator=gen), dim=-1)
+    v = torch.randn(length, heads, dv, generator=gen)
+    g = -torch.rand(length, heads, generator=gen)
+    beta = torch.rand(length, heads, generator=gen)
+    state = torch.randn(heads, dk, dv, generator=gen) * 0.5
+    return q, k, v, g, beta, state
+
+
+def _stepwise(q, k, v, g, beta, state):
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        out, state = delta_rule_decode(q[t : t + 1], k[t : t + 1], v[t : t + 1],
+                                       g[t : t + 1], beta[t : t + 1], state[None] if state.dim() == 3 else state)  # fmt: skip
+        state = state[0]
+        outs.append(out[0])
+        states.append(state)
+    return torch.stack(outs), torch.stack(states)
+
+
+@pytest.mark.parametrize(("length", "chunk"), [(1, 4), (7, 4), (16, 4), (37, 8), (40, 64)])
+def test_chunked_equals_the_recurrence_with_states_at_every_count(length, chunk) -> None:
+    q, k, v, g, beta, state = _inputs(length)
+    expected, every = _stepwise(q, k, v, g, beta, state)
+    counts = sorted({c for c in (1, length // 3, length // 2, length) if c})
+    out, states = delta_rule_states(q, k, v, g, beta, state, counts, chunk=chunk)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, every[[c - 1 for c in counts]], atol=1e-5, rtol=1e-5)
+
+
+def test_matches_transformers_chunked_rule() -> None:
+    """Qwen3-Next's torch fallback (keys and queries l2-normed inside it) on one request."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta, state = _inputs(50, seed=3)
+    ours, final = delta_rule_states(q, k, v, g, beta, state, [50])
+    theirs, their_final = torch_chunk_gated_delta_rule(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    torch.testing.assert_close(ours, theirs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final[0], their_final[0], atol=1e-5, rtol=1e-5)
