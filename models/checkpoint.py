@@ -150,8 +150,13 @@ class Checkpoint:
         return names
 
     def _name(self, stored: str) -> str | None:
-        """A stored tensor's name as the model reads it; None for one it does not."""
-        return multimodal.text_weight_name(stored) if self.text_of_multimodal else stored
+        """A stored tensor's name as the model reads it; None for one it does not (a vision
+        tower's; one under the family's ``unread`` prefixes, such as Qwen3-Next's MTP
+        layers)."""
+        name = multimodal.text_weight_name(stored) if self.text_of_multimodal else stored
+        if name is not None and name.startswith(self.family.unread):
+            return None
+        return name
 
     def load_weights(
         self,

@@ -15,8 +15,9 @@ import attrs
 
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.kinds import FULL, SLIDING
+from hybridkv.models.kinds import DELTANET, FULL, MAMBA, SLIDING
 from hybridkv.models.shapes.decoder import PerLayerInputs
+from hybridkv.models.shapes.deltanet import DeltaNetShape
 from hybridkv.models.shapes.mamba2 import Mamba2Shape
 from hybridkv.models.shapes.moe import ExpertsShape
 from hybridkv.models.shapes.rope import QueryTemperature, RopeSpec
@@ -25,11 +26,13 @@ __all__ = ["FULL", "SLIDING", "ModelConfig", "activation_of", "eos_ids"]
 
 
 def _runnable_layers(instance: ModelConfig, attribute: attrs.Attribute[Any], value: Any) -> None:
+    shapes = {MAMBA: instance.mamba, DELTANET: instance.deltanet}
     for spec in value:
-        if isinstance(spec, StateSpec) and instance.mamba is None:
+        if isinstance(spec, StateSpec) and shapes.get(str(spec.kind)) is None:
             raise ModelConfigError(
-                f"layer {spec.name!r} is a {spec.kind or 'state'} layer, and only Mamba2 state "
-                "layers (Bamba, Granite 4.0-H) run here"
+                f"layer {spec.name!r} is a {spec.kind or 'state'} layer, and only Mamba2 "
+                "(Bamba, Granite 4.0-H) and Gated DeltaNet (Qwen3-Next, Qwen3.5) state "
+                "layers run here"
             )
 
 
@@ -65,7 +68,8 @@ class ModelConfig:
         mlp_bias: MLP projections have biases.
         max_position_embeddings: Longest sequence the model supports.
         eos_token_ids: End-of-sequence tokens named by config.json.
-        mamba: The Mamba2 mixer's shape, for models with state layers; else None.
+        mamba: The Mamba2 mixer's shape, for models with Mamba2 layers; else None.
+        deltanet: The Gated DeltaNet mixer's shape, for models with DeltaNet layers.
         nope_layers: The attention layers that do not rotate q and k (NoPE: SmolLM3).
         norm_kind: ``rms`` (RMSNorm) or ``layer`` (LayerNorm without a bias: Cohere).
         rope_interleaved: Rope rotates pairs of adjacent channels (Cohere) rather than the
@@ -120,6 +124,7 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     mamba: Mamba2Shape | None = None
+    deltanet: DeltaNetShape | None = None
     qk_norm_width: Literal["head", "projection"] = "head"
     norm_scale_first: bool | None = None
     nope_layers: frozenset[int] = frozenset()

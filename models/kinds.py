@@ -5,7 +5,8 @@ each layer's kind from its config (torch-free).
 ``full_attention``     every earlier position
 ``sliding_attention``  a window of ``sliding_window`` positions
 ``chunked_attention``  the positions of its chunk (``attention_chunk_size``)
-``mamba``              a recurrent state instead of K/V
+``mamba``              a Mamba2 state instead of K/V
+``deltanet``           a Gated DeltaNet state (Qwen3-Next's ``linear_attention``)
 =====================  =========================================================
 
 A config's ``layer_types`` names them where it has it; a family's own pattern otherwise
@@ -24,6 +25,11 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"
 MAMBA = "mamba"
+DELTANET = "deltanet"
+
+#: The kinds that keep a fixed-size state per request instead of K/V, and the name of
+#: their mixer in a checkpoint's layer (``model.layers.{i}.<name>``).
+STATE_KINDS = {MAMBA: "mamba", DELTANET: "linear_attn"}
 
 #: ``layer_types`` entries we can size.
 LAYER_TYPES = (FULL, SLIDING, CHUNKED)

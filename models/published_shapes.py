@@ -228,6 +228,40 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": 1024,
         "num_kv_shared_layers": 0,
     },
+    # Qwen3-Next-80B-A3B: 48 layers, 3 Gated DeltaNet (16 key heads, 32 value heads of
+    # 128) to 1 full attention (2 KV heads of 256), 512 experts.
+    "qwen3-next-80b-a3b-like": {
+        "model_type": "qwen3_next",
+        "num_hidden_layers": 48,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+    },
+    # Qwen3.5-27B (text): 64 layers, 3 Gated DeltaNet (16 key heads, 48 value heads of
+    # 128) to 1 full attention (4 KV heads of 256).
+    "qwen3.5-27b-like": {
+        "model_type": "qwen3_5_text",
+        "num_hidden_layers": 64,
+        "hidden_size": 5120,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+    },
     # Gemma 4 E4B: 42 layers, 5 sliding (window 512, 2 KV heads of 256) to 1 full (2 of
     # 512); the last 18 read the caches of the last earlier layer of their kind.
     "gemma-4-e4b-like": {

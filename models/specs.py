@@ -8,12 +8,12 @@ on configs of models it never loads.
 
 Layer kinds come from the model's family (``hybridkv.models.families``: ``layer_types``
 first, else the family's own pattern), or, for a ``model_type`` no family knows, from
-``layer_types`` alone. A ``mamba`` layer's state is sized by its family.
+``layer_types`` alone. A state layer's (``mamba``, ``deltanet``) is sized by its family.
 
 A kind's policy follows from the config (``full_attention``: full, ``sliding_attention``:
 a window of ``sliding_window``, ``chunked_attention``: chunks of ``attention_chunk_size``)
 unless the caller chooses another for that kind (``policies``). Layer names follow the
-checkpoint: ``model.layers.{i}.self_attn`` (``.mamba`` for state).
+checkpoint: ``model.layers.{i}.self_attn`` (``.mamba``, ``.linear_attn`` for states).
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from hybridkv.models.kinds import (
     LAYER_TYPES,
     MAMBA,
     SLIDING,
+    STATE_KINDS,
     PolicyChoices,
     layer_types_kinds,
     pattern_layer_types,
 )
-from hybridkv.models.shapes.mamba2 import Mamba2Shape
+from hybridkv.models.shapes.state import StateShape
 from hybridkv.policies import MemoryPolicy, check_policy, make_policy
 
 __all__ = [
@@ -53,16 +54,16 @@ __all__ = [
 ]
 
 
-def tensor_rank_spec(spec: LayerSpec, size: int, mamba: Mamba2Shape | None) -> LayerSpec:
+def tensor_rank_spec(spec: LayerSpec, size: int, state: StateShape | None) -> LayerSpec:
     """``spec`` as each of ``size`` tensor-parallel ranks holds it
     (``hybridkv.parallel.tensor_shards``): its share of the KV heads, or one replicated
-    head where there are fewer heads than ranks; a Mamba2 state (shape ``mamba``) of its
-    share of the heads and channels. Other states are not split."""
+    head where there are fewer heads than ranks; a state layer's state (of shape
+    ``state``) of its share of the heads and channels."""
     if isinstance(spec, AttentionSpec):
         return attrs.evolve(spec, num_kv_heads=max(1, spec.num_kv_heads // size))
-    if mamba is None:
+    if state is None:
         return spec
-    return attrs.evolve(spec, state_bytes=mamba.tensor_share(size).state_bytes)
+    return attrs.evolve(spec, state_bytes=state.tensor_share(size).state_bytes)
 
 
 def layer_specs_from_config(
@@ -146,8 +147,8 @@ def _check_choices(policies: PolicyChoices, kinds: list[str]) -> dict[str, Memor
         kind: check_policy(p, f"the policy chosen for {kind!r}") for kind, p in policies.items()
     }
     for kind, policy in chosen.items():
-        if policy.keeps_state != (kind == MAMBA):
-            need = "keeps a state (mamba)" if kind == MAMBA else "keeps K/V"
+        if policy.keeps_state != (kind in STATE_KINDS):
+            need = f"keeps a state ({kind})" if kind in STATE_KINDS else "keeps K/V"
             raise ModelConfigError(
                 f"the policy chosen for layer kind {kind!r} must be one that {need}, got {policy!r}"
             )
@@ -161,7 +162,7 @@ def _policy(cfg: Mapping[str, Any], kind: str) -> MemoryPolicy:
         return make_policy("sliding_window", window=int_field(cfg, "sliding_window"))
     if kind == CHUNKED:
         return make_policy("chunked_local", chunk=int_field(cfg, "attention_chunk_size"))
-    assert kind == MAMBA, kind  # _layer_kinds refused every other kind
+    assert kind in STATE_KINDS, kind  # _layer_kinds refused every other kind
     return make_policy("mamba")
 
 
@@ -173,12 +174,11 @@ def _spec(
     policy: MemoryPolicy,
     dtype_bytes: int,
 ) -> LayerSpec:
-    if kind == MAMBA:
-        assert family is not None and family.state_bytes is not None, "mamba from a family"
+    if kind in STATE_KINDS:
+        assert family is not None and family.state_bytes is not None, "a state from a family"
         state_bytes = family.state_bytes(cfg, dtype_bytes)
-        return StateSpec(
-            name=f"model.layers.{layer}.mamba", policy=policy, state_bytes=state_bytes, kind=kind
-        )
+        name = f"model.layers.{layer}.{STATE_KINDS[kind]}"
+        return StateSpec(name=name, policy=policy, state_bytes=state_bytes, kind=kind)
     num_heads = int_field(cfg, "num_attention_heads")
     if family is not None and family.kv_shape is not None:
         kv_heads, head_dim = family.kv_shape(cfg, kind)

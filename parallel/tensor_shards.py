@@ -82,6 +82,11 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
             ("mamba_n_heads", config.mamba.num_heads, False),
             ("mamba_n_groups", config.mamba.num_groups, True),
         ]
+    if config.deltanet is not None:
+        values += [
+            ("linear_num_key_heads", config.deltanet.num_key_heads, False),
+            ("linear_num_value_heads", config.deltanet.num_value_heads, False),
+        ]
     named = [
         f"{name}={value}"
         for name, value, may_replicate in values
@@ -148,14 +153,16 @@ class TensorShard:
     def shapes(self, config: ModelConfig) -> ModelConfig:
         """``config`` as one rank holds it: its heads, KV heads, widths and state."""
         size = self.ranks.size
-        mamba = config.mamba
+        mamba, deltanet = config.mamba, config.deltanet
+        state = mamba or deltanet
         # (attrs' converter on ``layers`` confuses mypy's evolve signature: a dict it is.)
         shares: dict[str, Any] = {
             "num_heads": config.num_heads // size,
             "intermediate_size": config.intermediate_size // size,
             "experts": None if config.experts is None else config.experts.tensor_share(size),
-            "layers": tuple(tensor_rank_spec(s, size, mamba) for s in config.layers),
+            "layers": tuple(tensor_rank_spec(s, size, state) for s in config.layers),
             "mamba": None if mamba is None else mamba.tensor_share(size),
+            "deltanet": None if deltanet is None else deltanet.tensor_share(size),
         }
         return attrs.evolve(config, **shares)
 

@@ -219,6 +219,40 @@ def _scaled_layers(model: Any) -> Any:
     return model
 
 
+def _qwen3_next() -> Any:
+    """Qwen3-Next: three Gated DeltaNet layers (4 value heads of 16 over 2 key heads of 8,
+    a conv of 4) to one gated full attention layer with rope on a quarter of each head;
+    experts (4, two a token) beside a gated shared expert, a dense first layer."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(**_qwen3_next_fields(), num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                             mlp_only_layers=[0])  # fmt: skip
+    return Qwen3NextForCausalLM(config)
+
+
+def _qwen3_5() -> Any:
+    """Qwen3.5 (text): Qwen3-Next's mixers with Qwen3.5's projections, a dense MLP."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_qwen3_next_fields()))
+
+
+def _qwen3_next_fields() -> dict[str, Any]:
+    return {
+        **COMMON,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        **NO_SPECIAL_TOKENS,
+    }
+
+
 #: Each family's builder, by the name the tests know it by.
 EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_moe": _qwen3_moe,
@@ -229,4 +263,6 @@ EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "mimo_v2_flash": _mimo_v2_flash,
     "gemma4": _gemma4,
     "gemma4_moe": _gemma4_moe,
+    "qwen3_next": _qwen3_next,
+    "qwen3_5": _qwen3_5,
 }

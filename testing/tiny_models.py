@@ -197,6 +197,9 @@ def save_tiny(name: str, folder: Path, *, seed: int = 0) -> Path:
         KeyError: ``name`` is not one of them.
         ModuleNotFoundError: transformers is not installed.
     """
+    import torch
+
+    torch.manual_seed(seed)  # builders that draw at init (Qwen3-Next's A_log) draw alike
     return save_redrawn(TINY_ARCHITECTURES[name](), folder, seed=seed)
 
 

@@ -151,11 +151,18 @@ class PagedAttention(nn.Module):
         return kept[2]
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """A checkpoint's joined ``qkv_proj`` (Phi-3) read as q, k and v; interleaved rope
+        """A checkpoint's joined ``qkv_proj`` (Phi-3) read as q, k and v, a ``q_proj`` that
+        holds the output gate too (Qwen3-Next) as q and ``gate_proj``; interleaved rope
         (Cohere) read as the half-split one."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = [("q_proj", q), ("k_proj", kv), ("v_proj", self.num_kv_heads * self.v_head_dim)]
         split_joined(state_dict, prefix, "qkv_proj", parts)
+        joined = state_dict.get(f"{prefix}q_proj.weight")
+        if self.gate_proj is not None and joined is not None and joined.shape[0] == 2 * q:
+            # Qwen3-Next's q_proj: each head's query rows, then its gate's.
+            heads = joined.view(self.num_heads, 2, self.head_dim, -1)
+            state_dict[f"{prefix}q_proj.weight"] = heads[:, 0].reshape(q, -1)
+            state_dict[f"{prefix}gate_proj.weight"] = heads[:, 1].reshape(q, -1)
         if f"{prefix}attention_sink_bias" in state_dict:  # MiMo-V2-Flash's name of the sinks
             state_dict[f"{prefix}sinks"] = state_dict.pop(f"{prefix}attention_sink_bias")
         if self.rope_interleaved:

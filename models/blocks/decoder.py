@@ -2,7 +2,8 @@
 
 The parts are registered under the names the family's checkpoint gives them, so weights
 load with ``load_state_dict`` and no renaming; the mixer is the layer's spec's: paged
-attention (``self_attn``) for an attention spec, Mamba2 (``mamba``) for a state spec.
+attention (``self_attn``) for an attention spec, Mamba2 (``mamba``) or Gated DeltaNet
+(``linear_attn``) for a state spec of that kind.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from torch import nn
 
 from hybridkv.memory.layout import StateSpec
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
+from hybridkv.models.blocks.deltanet import GatedDeltaNet
 from hybridkv.models.blocks.mamba2 import Mamba2Mixer
 from hybridkv.models.blocks.mlp import ACTIVATIONS, GatedMLP, SharedMLP
 from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.config import ModelConfig
+from hybridkv.models.kinds import DELTANET, STATE_KINDS
 from hybridkv.models.shapes.decoder import DecoderShape
 
 #: Gemma 4's norms of its MLP and experts side by side (``dense_and_experts``).
@@ -41,13 +44,18 @@ class DecoderLayer(nn.Module):
         for name in norms:
             if name is not None:
                 self.add_module(name, config_norm(config, size))
-        self.mamba: Mamba2Mixer | None = None
-        self.self_attn: PagedAttention | None = None
-        if isinstance(config.layers[layer], StateSpec):
-            assert config.mamba is not None, "a state layer without a Mamba2 shape"
-            self.mamba = Mamba2Mixer(config.mamba, eps)
+        spec = config.layers[layer]
+        # The mixer, under its checkpoint name: ``self_attn``, ``mamba``, ``linear_attn``.
+        self._mixer = STATE_KINDS.get(str(spec.kind), "self_attn")
+        if not isinstance(spec, StateSpec):
+            self._mixer = "self_attn"
+            self.add_module("self_attn", PagedAttention(config, layer))
+        elif spec.kind == DELTANET:
+            assert config.deltanet is not None, "a DeltaNet layer without its shape"
+            self.add_module(self._mixer, GatedDeltaNet(config.deltanet, eps))
         else:
-            self.self_attn = PagedAttention(config, layer)
+            assert config.mamba is not None, "a state layer without a Mamba2 shape"
+            self.add_module(self._mixer, Mamba2Mixer(config.mamba, eps))
         experts = config.experts
         dense = experts is None or layer in experts.dense_layers
         wide = 2 * config.intermediate_size if layer in config.wide_mlp_layers else None
@@ -91,9 +99,7 @@ class DecoderLayer(nn.Module):
 
     def mix(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """Run whichever mixer the layer has."""
-        mixer = self.mamba if self.mamba is not None else self.self_attn
-        assert mixer is not None
-        out: torch.Tensor = mixer(hidden, inputs)
+        out: torch.Tensor = getattr(self, self._mixer)(hidden, inputs)
         return out
 
     def _mlp(self, normed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,7 @@ class MixtureOfExperts(nn.Module):
         self.input_linear = _ExpertWeights(experts, 2 * inner, hidden, bias=bias)
         self.output_linear = _ExpertWeights(experts, hidden, inner, bias=bias)
         self.shared_expert = shared
+        self.shared_expert_gate = RouterLinear(hidden, 1, bias=False) if shape.shared_gate else None
         self._sum: Callable[[torch.Tensor], None] | None = None
         self.expert_bias = nn.Parameter(torch.empty(experts)) if shape.selection_bias else None
         self.shape = shape
@@ -211,6 +212,8 @@ class MixtureOfExperts(nn.Module):
         if not self.shape.weight_inputs:
             y = y * weights.flatten()[order, None]
         base = torch.zeros_like(x) if self.shared_expert is None else self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            base = base * torch.sigmoid(self.shared_expert_gate(x))
         out: torch.Tensor = base.index_add_(0, tokens, y)
         if self._sum is not None:  # a tensor-parallel rank's share
             self._sum(out)

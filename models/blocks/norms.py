@@ -152,3 +152,17 @@ class SpreadGatedRMSNorm(nn.Module):
         self.reduce(sums)
         scale = torch.rsqrt(sums[:, self.group_index] / self.group_size + self.eps)
         return self.weight * (h * scale[:, None]).to(x.dtype)
+
+
+class NormThenGate(nn.Module):
+    """RMSNorm over each head, scaled by ``weight`` in the input's dtype, then multiplied
+    by ``silu(gate)`` in float32 (Gated DeltaNet's output norm; Mamba2's gates first)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)

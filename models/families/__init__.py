@@ -22,6 +22,7 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import PolicyChoices
 from hybridkv.models.shapes.decoder import PRE_NORM, DecoderShape
+from hybridkv.models.shapes.state import StateShape
 
 #: ``model_type`` -> the module here that reads it.
 MODULES = {
@@ -49,6 +50,11 @@ MODULES = {
     "afmoe": "afmoe",
     "mimo_v2_flash": "mimo_v2_flash",
     "gemma4_text": "gemma4",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_text": "qwen3_next",
+    "qwen3_5_moe_text": "qwen3_next",
+    "qwen3_5": "qwen3_next",
+    "qwen3_5_moe": "qwen3_next",
     "gemma4": "gemma4",
     "jamba": "jamba",
     "mixtral": "mistral",
@@ -75,13 +81,16 @@ class Family:
         decoder: How its decoder layer is put together.
         renames: Checkpoint tensor names that differ from ours, checkpoint name -> ours.
         state_bytes: ``(config, dtype_bytes)`` -> bytes of one ``mamba`` layer's state.
-        mamba2: Its state layers are Mamba2 (tensor parallelism splits their heads).
+        state_shape: config -> the shape of its state layers' mixer (tensor parallelism
+            splits its heads); None for a family without state layers.
         sized_types: Further ``model_type`` values it sizes but does not run.
         kv_shape: ``(config, kind)`` -> the KV heads and head width of that kind's
             layers, where they differ by kind (MiMo-V2-Flash, Gemma 4); None:
             ``num_key_value_heads`` and ``head_dim`` for every layer.
         shared_kv: ``(config, kinds)`` -> for each layer that reads an earlier layer's
             cache rather than keeping its own, that layer's index (Gemma 4); None: none.
+        unread: Prefixes of checkpoint tensors the loader leaves unread (Qwen3-Next's
+            multi-token prediction layers, ``mtp.``).
         normalize: config.json -> the same with the fields its hub releases name otherwise
             renamed as the family reads them (MiMo-V2-Flash's ``sliding_window_size``);
             applied before the specs and the parse read it, and idempotent.
@@ -93,11 +102,12 @@ class Family:
     decoder: DecoderShape = PRE_NORM
     renames: Mapping[str, str] = attrs.field(factory=dict)
     state_bytes: Callable[[Mapping[str, Any], int], int] | None = None
-    mamba2: bool = False
+    state_shape: Callable[[Mapping[str, Any]], StateShape] | None = None
     sized_types: tuple[str, ...] = ()
     kv_shape: Callable[[Mapping[str, Any], str], tuple[int, int]] | None = None
     shared_kv: Callable[[Mapping[str, Any], list[str]], Mapping[int, int]] | None = None
     normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    unread: tuple[str, ...] = ()
 
 
 def family_for(model_type: str) -> Family | None:

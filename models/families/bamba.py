@@ -55,5 +55,5 @@ FAMILY = Family(
     decoder=DecoderShape(mlp_norm="pre_ff_layernorm", mlp_name="feed_forward"),
     renames={"model.final_layernorm.weight": "model.norm.weight"},
     state_bytes=mamba2_state_bytes,
-    mamba2=True,
+    state_shape=mamba2_shape,
 )

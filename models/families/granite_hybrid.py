@@ -83,5 +83,5 @@ FAMILY = Family(
     parse=parse_granite_hybrid,
     decoder=DecoderShape(mlp="shared_and_experts"),
     state_bytes=mamba2_state_bytes,
-    mamba2=True,
+    state_shape=mamba2_shape,
 )

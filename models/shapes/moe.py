@@ -66,6 +66,8 @@ class ExpertsShape:
             as it is.
         expert_scales: Each chosen expert's weight is multiplied by its learned
             ``per_expert_scale`` (Gemma 4).
+        shared_gate: The shared expert's output is multiplied by the sigmoid of a learned
+            projection of the input (``shared_expert_gate``: Qwen3-Next).
     """
 
     num_experts: int
@@ -87,6 +89,7 @@ class ExpertsShape:
     stacks: Stacks = "transposed_alternating"
     router_norm_eps: float | None = None
     expert_scales: bool = False
+    shared_gate: bool = False
 
     def tensor_share(self, size: int) -> ExpertsShape:
         """The shape one of ``size`` tensor-parallel ranks holds: each expert's width

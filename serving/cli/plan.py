@@ -12,7 +12,7 @@ from hybridkv.serving.cli.flags.values import UsageError, dtype_bytes, load_conf
 if TYPE_CHECKING:
     from hybridkv.memory.layout import LayerSpec, LayoutPlan
     from hybridkv.memory.layout_planner import PlanReport
-    from hybridkv.models.shapes.mamba2 import Mamba2Shape
+    from hybridkv.models.shapes.state import StateShape
 
 
 def split_stages(names: Sequence[str], num_stages: int) -> list[list[str]]:
@@ -95,7 +95,7 @@ def run_plan(args: argparse.Namespace) -> int:
     tp = args.tensor_parallel_size
     if tp < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tp}")
-    one_process, mamba = specs, _mamba_shape(config)
+    one_process, mamba = specs, _state_shape(config)
     specs = [tensor_rank_spec(s, tp, mamba) for s in specs]
     stages = split_stages([s.name for s in specs], args.pp_stages)
     plan = plan_layout(specs, budget, args.block_size, stages=stages)
@@ -231,20 +231,19 @@ def format_context(
     ]
 
 
-def _mamba_shape(config: dict[str, Any]) -> Mamba2Shape | None:
-    """The Mamba2 mixer's shape of a Bamba or Granite 4.0-H config, else None."""
+def _state_shape(config: dict[str, Any]) -> StateShape | None:
+    """The state mixer's shape of a config with state layers (Bamba, Qwen3-Next ...)."""
     from hybridkv.models.families import family_for
     from hybridkv.models.hf_config import text_config
-    from hybridkv.models.shapes.mamba2 import mamba2_shape
 
     cfg = text_config(config)
     family = family_for(str(cfg.get("model_type")))
-    return mamba2_shape(cfg) if family is not None and family.mamba2 else None
+    return family.state_shape(cfg) if family is not None and family.state_shape else None
 
 
 def format_tensor(
     specs: Sequence[LayerSpec],
-    mamba: Mamba2Shape | None,
+    mamba: StateShape | None,
     budget: int,
     args: argparse.Namespace,
     tp: int,

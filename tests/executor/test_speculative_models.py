@@ -30,6 +30,7 @@ NUM_TOKENS = 14
 #: Bytes of a pool of this many pages of 4 tokens (K/V ones; a state takes a span of
 #: them): three requests of about 30 tokens do not fit at once.
 POOL_PAGES = {"bamba": 64, "granite_moe": 64, "granite_dense": 64, "qwen3": 36}
+POOL_PAGES |= {"qwen3_next": 64, "qwen3_5": 64}
 POOL_PAGES |= {
     "olmo3": 24,
     "exaone4": 24,
@@ -93,7 +94,12 @@ async def _serve(
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    "name", [*("llama", "gemma2", "gemma3", "bamba", "granite_moe", "granite_dense"), *NEW_FAMILIES]
+    "name",
+    [
+        *("llama", "gemma2", "gemma3", "bamba", "granite_moe", "granite_dense"),
+        *("qwen3_next", "qwen3_5"),
+        *NEW_FAMILIES,
+    ],
 )
 async def test_speculated_tokens_and_logits_are_transformers(
     name: str, tiny_models: Any, prompt_of: Any

@@ -22,13 +22,13 @@ def _inputs(length: int, heads: int = 3, dk: int = 8, dv: int = 6, seed: int = 0
 
 
 def _stepwise(q, k, v, g, beta, state):
-    outs, states = [], []
+    """The recurrence, one token at a time: every output and every state after."""
+    outs, states, batched = [], [], state[None]
     for t in range(q.shape[0]):
-        out, state = delta_rule_decode(q[t : t + 1], k[t : t + 1], v[t : t + 1],
-                                       g[t : t + 1], beta[t : t + 1], state[None] if state.dim() == 3 else state)  # fmt: skip
-        state = state[0]
+        step = slice(t, t + 1)
+        out, batched = delta_rule_decode(q[step], k[step], v[step], g[step], beta[step], batched)
         outs.append(out[0])
-        states.append(state)
+        states.append(batched[0])
     return torch.stack(outs), torch.stack(states)
 
 

@@ -1,0 +1,108 @@
+"""Gated DeltaNet's shape (Qwen3-Next, Qwen3.5), read from config.json (torch-free;
+``hybridkv.models.blocks.deltanet`` builds the mixer).
+
+Per request and layer the state is the causal convolution's last ``K - 1`` inputs of q, k
+and v (``[conv_dim, K-1]``) and, per value head, a ``[key_head_dim, value_head_dim]``
+memory, float32 whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.hf_config import int_field
+from hybridkv.models.shapes.mamba2 import STATE_DTYPE_BYTES
+
+
+@attrs.frozen(kw_only=True)
+class DeltaNetShape:
+    """A Gated DeltaNet mixer.
+
+    Attributes:
+        hidden_size: Width of the residual stream.
+        num_key_heads: Query and key heads (``linear_num_key_heads``).
+        num_value_heads: Value heads, a multiple of the key heads: each key head serves
+            ``num_value_heads // num_key_heads`` of them in a row.
+        key_head_dim: Width of a query or key head.
+        value_head_dim: Width of a value head.
+        conv_kernel: Taps of the causal convolution over q, k and v.
+    """
+
+    hidden_size: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        """Channels of all query (or key) heads."""
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Channels of all value heads."""
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        """``[conv_dim, K-1]``."""
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def memory_shape(self) -> tuple[int, int, int]:
+        """``[value heads, key_head_dim, value_head_dim]``."""
+        return (self.num_value_heads, self.key_head_dim, self.value_head_dim)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's state in one layer."""
+        conv, width = self.conv_shape
+        heads, keys, values = self.memory_shape
+        return STATE_DTYPE_BYTES * (conv * width + heads * keys * values)
+
+    def tensor_share(self, size: int) -> DeltaNetShape:
+        """The mixer as each of ``size`` tensor-parallel ranks holds it: its share of the
+        key heads and of the value heads they serve."""
+        return attrs.evolve(
+            self,
+            num_key_heads=self.num_key_heads // size,
+            num_value_heads=self.num_value_heads // size,
+        )
+
+
+def deltanet_shape(cfg: Mapping[str, Any]) -> DeltaNetShape:
+    """The Gated DeltaNet fields of a Qwen3-Next or Qwen3.5 config (transformers' defaults).
+
+    Raises:
+        ModelConfigError: a missing or bad field, or value heads that key heads do not tile.
+    """
+    shape = DeltaNetShape(
+        hidden_size=int_field(cfg, "hidden_size"),
+        num_key_heads=int_field(cfg, "linear_num_key_heads", 16),
+        num_value_heads=int_field(cfg, "linear_num_value_heads", 32),
+        key_head_dim=int_field(cfg, "linear_key_head_dim", 128),
+        value_head_dim=int_field(cfg, "linear_value_head_dim", 128),
+        conv_kernel=int_field(cfg, "linear_conv_kernel_dim", 4),
+    )
+    if shape.num_value_heads % shape.num_key_heads:
+        raise ModelConfigError(
+            f"linear_num_value_heads={shape.num_value_heads} is not a multiple of "
+            f"linear_num_key_heads={shape.num_key_heads}"
+        )
+    return shape
+
+
+def deltanet_state_bytes(cfg: Mapping[str, Any], dtype_bytes: int) -> int:
+    """Bytes of one Gated DeltaNet layer's state (float32 whatever the K/V's dtype)."""
+    return deltanet_shape(cfg).state_bytes

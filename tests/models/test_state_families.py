@@ -1,0 +1,62 @@
+"""Gated DeltaNet families (Qwen3-Next, Qwen3.5) beyond the shared hybrid scenarios
+(``test_mamba_hybrid.py``): prompts over several of the delta rule's chunks, the loader
+leaving the multi-token prediction layers unread, and layer kinds from the pattern."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hybridkv.executor.load_options import LoadOptions
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.memory.layout import StateSpec
+from hybridkv.models.kinds import DELTANET, FULL
+from hybridkv.models.specs import layer_specs_from_config
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_a_prompt_over_three_chunks_matches(
+    name: str, tiny_models: Any, make_driver: Any, prompt_of: Any, check_reference: Any
+) -> None:
+    """150 tokens prefilled in chunks of 70 (the delta rule's chunks are 64), then decodes."""
+    driver = make_driver(name, block_size=16)
+    driver.add("a", prompt_of(150, 4))
+    driver.run(4, chunk=70)
+    check_reference(tiny_models[name], driver, "a")
+
+
+def test_multi_token_prediction_layers_are_left_unread(
+    tiny_models: Any, tmp_path: Path, drive: Any, prompt_of: Any, check_reference: Any
+) -> None:
+    """A checkpoint with Qwen3-Next's ``mtp.*`` tensors beside the model loads, and serves
+    the model's logits."""
+    folder = tmp_path / "with_mtp"
+    shutil.copytree(tiny_models["qwen3_next"].path, folder)
+    save_file({"mtp.fc.weight": torch.zeros(64, 128)}, str(folder / "mtp.safetensors"))
+    executor = ModelExecutor.from_pretrained(folder, LoadOptions(kv_cache_bytes=1 << 20))
+    driver = drive(executor)
+    driver.add("a", prompt_of(20, 1))
+    driver.run(3)
+    check_reference(tiny_models["qwen3_next"], driver, "a")
+
+
+def test_layer_kinds_follow_full_attention_interval() -> None:
+    """Without ``layer_types``, every ``full_attention_interval``-th layer is attention and
+    the rest DeltaNet state layers named ``linear_attn``, sized by their shape."""
+    config = {
+        "model_type": "qwen3_next", "num_hidden_layers": 6, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "full_attention_interval": 3, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    }  # fmt: skip
+    specs = layer_specs_from_config(config)
+    assert [s.kind for s in specs] == [DELTANET, DELTANET, FULL] * 2
+    assert specs[0].name == "model.layers.0.linear_attn"
+    conv, memory = (2 * 16 + 64) * 3, 4 * 8 * 16
+    state = specs[0]
+    assert isinstance(state, StateSpec) and state.state_bytes == 4 * (conv + memory)
