@@ -46,9 +46,9 @@ def allocate_kv_caches(
     for spec in specs:
         _, slot = plan.slot_of(spec)
         if isinstance(spec, StateSpec):
-            span = plan.state_span
+            span, start = plan.state_span, plan.offset_of(spec) // 4
             rows = slots[slot].view(plan.num_blocks // span, span * page_elems)
-            views.append(rows.view(torch.float32)[:, : spec.state_bytes // 4])
+            views.append(rows.view(torch.float32)[:, start : start + spec.state_bytes // 4])
             continue
         shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
         start = plan.offset_of(spec) // itemsize

@@ -52,8 +52,11 @@ def causal_conv1d_states(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     counts: Sequence[int],
+    *,
+    silu: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`causal_conv1d`, with the state after each of ``counts`` tokens of the chunk.
+    """:func:`causal_conv1d`, with the state after each of ``counts`` tokens of the chunk
+    (without the SiLU where not ``silu``: LFM2's short convolutions).
 
     The state after ``t`` tokens is the ``K-1`` inputs before position ``t``::
 
@@ -67,7 +70,7 @@ def causal_conv1d_states(
     out = F.conv1d(window[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
     index = torch.tensor(list(counts), dtype=torch.long, device=x.device)
     states = window.unfold(1, width - 1, 1).index_select(1, index)  # [D, I, K-1]
-    return F.silu(out.t()), states.permute(1, 0, 2)
+    return F.silu(out.t()) if silu else out.t(), states.permute(1, 0, 2)
 
 
 def causal_conv1d_decode(
@@ -75,16 +78,19 @@ def causal_conv1d_decode(
     conv_states: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    *,
+    silu: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token per request, batched: ``x`` ``[B, D]``, ``conv_states`` ``[B, D, K-1]``.
 
-    Returns ``([B, D]`` outputs after SiLU, ``[B, D, K-1]`` the states after the token).
+    Returns ``([B, D]`` outputs after SiLU (where ``silu``), ``[B, D, K-1]`` the states
+    after the token).
     """
     window = torch.cat([conv_states.to(x.dtype), x[:, :, None]], dim=2)  # [B, D, K]
     out = (window * weight).sum(-1)
     if bias is not None:
         out = out + bias
-    return F.silu(out), window[:, :, 1:]
+    return F.silu(out) if silu else out, window[:, :, 1:]
 
 
 def _segment_sum(a: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ Steps, in order:
    form one family, in order of first appearance; each keeps its layers in model order.
 2. **Group size** (slots per group). A family whose layers' K/V pages are a k-th of the
    largest (Gemma 4 31B's full layers: half its sliding ones') packs k layers side by side
-   in one slot (``layer_offsets``), so m layers take ``cdiv(m, k)`` slots; other pages
-   that do not divide the largest are padded to it (k = 1). The candidates are the
+   in one slot (``layer_offsets``), so m layers take ``cdiv(m, k)`` slots, and so does a
+   family of states k of which fit in a page (LFM2's); other pages that do not divide the
+   largest are padded to it (k = 1). The candidates are the
    families' slot counts; the planner takes the one that leaves the fewest empty slots,
    and on a tie the larger one (fewer groups, fewer block tables). Gemma-3-like 4 full +
    22 sliding gives 4 (2 empty slots, not 18); 10 full + 11 sliding gives 11 (1 empty
@@ -249,9 +250,12 @@ def choose_group_size(counts: Sequence[int]) -> int:
 
 def _per_slot(spec: LayerSpec, page: int, block_size: int) -> int:
     """Layers like ``spec`` that fit side by side in one slot of ``page`` bytes: k where its
-    K/V page is exactly a k-th of it, else 1 (a state, or a page padded to ``page``)."""
+    K/V page is exactly a k-th of it, as many as fit for a state smaller than half a page
+    (LFM2's short convolutions), else 1 (a larger state, or a page padded to ``page``)."""
     own = spec.block_bytes(block_size)
-    return 1 if isinstance(spec, StateSpec) or page % own else page // own
+    if isinstance(spec, StateSpec):
+        return max(1, page // own)
+    return 1 if page % own else page // own
 
 
 def _build_groups(specs: Sequence[LayerSpec], packed: dict[str, int]) -> tuple[KVGroup, ...]:

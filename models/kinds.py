@@ -7,6 +7,7 @@ each layer's kind from its config (torch-free).
 ``chunked_attention``  the positions of its chunk (``attention_chunk_size``)
 ``mamba``              a Mamba2 state instead of K/V
 ``deltanet``           a Gated DeltaNet state (Qwen3-Next's ``linear_attention``)
+``short_conv``         a short convolution's state (LFM2's ``conv``)
 =====================  =========================================================
 
 A config's ``layer_types`` names them where it has it; a family's own pattern otherwise
@@ -26,10 +27,11 @@ SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"
 MAMBA = "mamba"
 DELTANET = "deltanet"
+SHORT_CONV = "short_conv"
 
 #: The kinds that keep a fixed-size state per request instead of K/V, and the name of
 #: their mixer in a checkpoint's layer (``model.layers.{i}.<name>``).
-STATE_KINDS = {MAMBA: "mamba", DELTANET: "linear_attn"}
+STATE_KINDS = {MAMBA: "mamba", DELTANET: "linear_attn", SHORT_CONV: "conv"}
 
 #: ``layer_types`` entries we can size.
 LAYER_TYPES = (FULL, SLIDING, CHUNKED)

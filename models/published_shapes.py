@@ -262,6 +262,17 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "linear_conv_kernel_dim": 4,
         "full_attention_interval": 4,
     },
+    # LFM2-1.2B: 16 layers, short convolutions (3 taps) beside 6 full attention layers
+    # (8 KV heads of 64).
+    "lfm2-1.2b-like": {
+        "model_type": "lfm2",
+        "num_hidden_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "conv_L_cache": 3,
+        "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+    },
     # Gemma 4 E4B: 42 layers, 5 sliding (window 512, 2 KV heads of 256) to 1 full (2 of
     # 512); the last 18 read the caches of the last earlier layer of their kind.
     "gemma-4-e4b-like": {

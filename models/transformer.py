@@ -31,7 +31,7 @@ from hybridkv.models.blocks.per_layer import PerLayerEmbedding
 from hybridkv.models.blocks.rope import RotaryTable, query_scales
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
-from hybridkv.models.families import Family
+from hybridkv.models.families import Family, our_name
 from hybridkv.models.weights.quantized_linear import QuantizedLinear
 from hybridkv.models.weights.rescored_head import RescoredHead
 
@@ -112,8 +112,7 @@ class CausalLM(nn.Module):
         """
         with torch.device("meta"):
             model = cls(config, family, layers)
-        renames = family.renames
-        weights = {renames.get(name, name): tensor for name, tensor in weights.items()}
+        weights = {our_name(family, name): tensor for name, tensor in weights.items()}
         embed = weights.get(_EMBED)
         reuses_embed = config.tie_word_embeddings or "lm_head.weight" not in weights
         if model.is_last and embed is not None and reuses_embed:

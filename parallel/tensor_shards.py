@@ -82,6 +82,8 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
             ("mamba_n_heads", config.mamba.num_heads, False),
             ("mamba_n_groups", config.mamba.num_groups, True),
         ]
+    if config.short_conv is not None:
+        values.append(("hidden_size (short convolutions)", config.short_conv.channels, False))
     if config.deltanet is not None:
         values += [
             ("linear_num_key_heads", config.deltanet.num_key_heads, False),
@@ -153,8 +155,8 @@ class TensorShard:
     def shapes(self, config: ModelConfig) -> ModelConfig:
         """``config`` as one rank holds it: its heads, KV heads, widths and state."""
         size = self.ranks.size
-        mamba, deltanet = config.mamba, config.deltanet
-        state = mamba or deltanet
+        mamba, deltanet, conv = config.mamba, config.deltanet, config.short_conv
+        state = mamba or deltanet or conv
         # (attrs' converter on ``layers`` confuses mypy's evolve signature: a dict it is.)
         shares: dict[str, Any] = {
             "num_heads": config.num_heads // size,
@@ -163,6 +165,7 @@ class TensorShard:
             "layers": tuple(tensor_rank_spec(s, size, state) for s in config.layers),
             "mamba": None if mamba is None else mamba.tensor_share(size),
             "deltanet": None if deltanet is None else deltanet.tensor_share(size),
+            "short_conv": None if conv is None else conv.tensor_share(size),
         }
         return attrs.evolve(config, **shares)
 

@@ -253,6 +253,19 @@ def _qwen3_next_fields() -> dict[str, Any]:
     }
 
 
+def _lfm2() -> Any:
+    """LFM2: short convolutions (3 taps) with full attention in layers 1 and 3, q/k norms,
+    the MLP's width derived (2/3 of 144, up to a multiple of 32)."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(
+        **{**COMMON, "intermediate_size": 144}, num_hidden_layers=4, num_key_value_heads=2,
+        full_attn_idxs=[1, 3], conv_L_cache=3, block_multiple_of=32,
+        block_ffn_dim_multiplier=1.0, norm_eps=1e-5, **NO_SPECIAL_TOKENS,
+    )  # fmt: skip
+    return Lfm2ForCausalLM(config)
+
+
 #: Each family's builder, by the name the tests know it by.
 EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_moe": _qwen3_moe,
@@ -265,4 +278,5 @@ EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "gemma4_moe": _gemma4_moe,
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
+    "lfm2": _lfm2,
 }

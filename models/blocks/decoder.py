@@ -2,8 +2,8 @@
 
 The parts are registered under the names the family's checkpoint gives them, so weights
 load with ``load_state_dict`` and no renaming; the mixer is the layer's spec's: paged
-attention (``self_attn``) for an attention spec, Mamba2 (``mamba``) or Gated DeltaNet
-(``linear_attn``) for a state spec of that kind.
+attention (``self_attn``) for an attention spec, Mamba2 (``mamba``), Gated DeltaNet
+(``linear_attn``) or a short convolution (``conv``) for a state spec of that kind.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from hybridkv.models.blocks.mamba2 import Mamba2Mixer
 from hybridkv.models.blocks.mlp import ACTIVATIONS, GatedMLP, SharedMLP
 from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.blocks.norms import config_norm
+from hybridkv.models.blocks.short_conv import ShortConv
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.kinds import DELTANET, STATE_KINDS
+from hybridkv.models.kinds import DELTANET, SHORT_CONV, STATE_KINDS
 from hybridkv.models.shapes.decoder import DecoderShape
 
 #: Gemma 4's norms of its MLP and experts side by side (``dense_and_experts``).
@@ -53,6 +54,10 @@ class DecoderLayer(nn.Module):
         elif spec.kind == DELTANET:
             assert config.deltanet is not None, "a DeltaNet layer without its shape"
             self.add_module(self._mixer, GatedDeltaNet(config.deltanet, eps))
+        elif spec.kind == SHORT_CONV:
+            conv = config.short_conv
+            assert conv is not None, "a short-conv layer without its shape"
+            self.add_module(self._mixer, ShortConv(conv.channels, conv.kernel, bias=conv.bias))
         else:
             assert config.mamba is not None, "a state layer without a Mamba2 shape"
             self.add_module(self._mixer, Mamba2Mixer(config.mamba, eps))

@@ -51,6 +51,7 @@ MODULES = {
     "mimo_v2_flash": "mimo_v2_flash",
     "gemma4_text": "gemma4",
     "qwen3_next": "qwen3_next",
+    "lfm2": "lfm2",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
     "qwen3_5": "qwen3_next",
@@ -80,6 +81,8 @@ class Family:
         parse: config.json dict -> :class:`ModelConfig`; None where it does not run.
         decoder: How its decoder layer is put together.
         renames: Checkpoint tensor names that differ from ours, checkpoint name -> ours.
+        part_renames: Parts of every layer's tensor names that differ from ours (LFM2's
+            ``.feed_forward.w1.`` for ``.feed_forward.gate_proj.``), theirs -> ours.
         state_bytes: ``(config, dtype_bytes)`` -> bytes of one ``mamba`` layer's state.
         state_shape: config -> the shape of its state layers' mixer (tensor parallelism
             splits its heads); None for a family without state layers.
@@ -101,6 +104,7 @@ class Family:
     parse: ConfigParser | None = None
     decoder: DecoderShape = PRE_NORM
     renames: Mapping[str, str] = attrs.field(factory=dict)
+    part_renames: Mapping[str, str] = attrs.field(factory=dict)
     state_bytes: Callable[[Mapping[str, Any], int], int] | None = None
     state_shape: Callable[[Mapping[str, Any]], StateShape] | None = None
     sized_types: tuple[str, ...] = ()
@@ -108,6 +112,14 @@ class Family:
     shared_kv: Callable[[Mapping[str, Any], list[str]], Mapping[int, int]] | None = None
     normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     unread: tuple[str, ...] = ()
+
+
+def our_name(family: Family, name: str) -> str:
+    """A checkpoint tensor's name as ``family``'s model registers it."""
+    name = family.renames.get(name, name)
+    for theirs, ours in family.part_renames.items():
+        name = name.replace(theirs, ours)
+    return name
 
 
 def family_for(model_type: str) -> Family | None:

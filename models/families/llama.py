@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hybridkv.memory.layout import AttentionSpec, LayerSpec
 from hybridkv.models.config import ModelConfig, activation_of
+from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.families import Family
 from hybridkv.models.families.common import common_fields
 from hybridkv.models.hf_config import flag_field
@@ -30,7 +32,7 @@ def llama_fields(
         "activation": activation_of(str(hf.get("hidden_act", "silu"))),
         "qk_norm": False,
         "embed_scale": None,
-        "query_scale": fields["layers"][0].head_dim ** -0.5,
+        "query_scale": _first_attention(fields["layers"]).head_dim ** -0.5,
         "attn_softcap": None,
         "final_softcap": None,
         "rope": rope_by_kind(hf, (FULL, SLIDING, CHUNKED), default_theta=10_000.0),
@@ -50,3 +52,11 @@ FAMILY = Family(
     layer_kinds=kinds_by(lambda cfg, n: [FULL] * n),
     parse=parse_llama,
 )
+
+
+def _first_attention(layers: list[LayerSpec]) -> AttentionSpec:
+    """The first attention layer's spec (state layers come first in some hybrids)."""
+    found = next((s for s in layers if isinstance(s, AttentionSpec)), None)
+    if found is None:
+        raise ModelConfigError("the config names no attention layer")
+    return found

@@ -334,3 +334,21 @@ def test_packed_layers_stay_in_their_stage() -> None:
     assert {plan.layer_slots[n] for n in ("f0", "f1", "f2", "f3")} == {(1, 0)}
     assert plan.layer_offsets == {"f1": PAGE, "f3": PAGE}
     assert plan.group_size == 1 and plan.padding_bytes == 0
+
+
+def test_states_smaller_than_half_a_page_share_a_slot() -> None:
+    """LFM2's shape in small: four states of a quarter page beside one attention layer
+    pack four to a slot, side by side; a state larger than a page still takes a span."""
+    states = [StateSpec(name=f"conv{i}", policy=MambaLike(), state_bytes=PAGE // 4)
+              for i in range(4)]  # fmt: skip
+    plan = plan_layout([*states, attn("full.0")], 1 << 22)
+    assert {plan.layer_slots[s.name] for s in states} == {(0, 0)}
+    assert [plan.layer_offsets.get(s.name, 0) for s in states] == [
+        0,
+        PAGE // 4,
+        PAGE // 2,
+        3 * PAGE // 4,
+    ]
+    assert plan.group_size == 1 and plan.padding_bytes == 0
+    big = StateSpec(name="mamba", policy=MambaLike(), state_bytes=3 * PAGE)
+    assert plan_layout([big, attn("full.0")], 1 << 22).layer_offsets == {}

@@ -110,6 +110,7 @@ def test_two_ranks_match_one_process_bamba(
         ("gemma4_moe", 2, 1, 1),
         ("qwen3_next", 2, 1, 1),
         ("qwen3_5", 2, 2, 1),
+        ("lfm2", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
