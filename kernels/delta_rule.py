@@ -19,6 +19,7 @@ are float32 whatever the inputs. Keys and queries arrive with as many heads as v
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -60,20 +61,39 @@ def delta_rule_states(
     ``beta`` ``[L, H]``, from ``state`` ``[H, Dk, Dv]``; with the state after each of
     ``counts`` tokens (ascending, in ``[1, L]``, the last ``L``).
 
-    Each piece between two counts runs chunked from the state the one before left, so the
-    states at the counts are exact, not interpolated.
+    The states at the counts are exact, not interpolated: the tokens up to the first count
+    run as one piece, those between counts evenly spaced (a prefill's block ends) as one
+    piece whose chunks end at the counts, and the rest as one piece; counts not evenly
+    spaced run piece by piece.
 
     Returns ``([L, H, Dv]`` outputs in ``v``'s dtype, ``[len(counts), H, Dk, Dv]`` states).
     """
-    outputs, states, start = [], [], 0
+    counts = list(counts)
     state = state.float()
-    for end in counts:
+    pieces: list[tuple[int, int, int | None]] = []  # (start, end, chunk ending at counts)
+    steps = {b - a for a, b in itertools.pairwise(counts[:-1])}
+    if len(counts) > 2 and len(steps) == 1:
+        step = steps.pop()
+        pieces = [
+            (0, counts[0], None),
+            (counts[0], counts[-2], step),
+            (counts[-2], counts[-1], None),
+        ]
+    else:
+        pieces = [(a, b, None) for a, b in itertools.pairwise([0, *counts])]
+    outputs, states = [], []
+    for start, end, every in pieces:
         if end > start:
             piece = slice(start, end)
-            out, state = _chunked(q[piece], k[piece], v[piece], g[piece], beta[piece], state, chunk)
+            size = chunk if every is None or chunk % every == 0 else every
+            out, kept = _chunked(
+                q[piece], k[piece], v[piece], g[piece], beta[piece], state, size, every
+            )  # fmt: skip
             outputs.append(out)
-        states.append(state)
-        start = end
+            states.extend(kept)
+            state = kept[-1]
+        elif start == 0 or every is None:
+            states.append(state)
     return torch.cat(outputs).to(v.dtype), torch.stack(states)
 
 
@@ -85,8 +105,12 @@ def _chunked(
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked form over one piece: float32 ``[L, H, Dv]`` and the state after it."""
+    every: int | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The chunked form over one piece: float32 ``[L, H, Dv]`` and the state after it, or
+    after every ``every`` tokens (a divisor of ``chunk``; the piece a multiple of it):
+    within a chunk, the state at ``t`` is the chunk's first state decayed to ``t`` plus
+    each new value up to ``t`` written through its key decayed to ``t``."""
     length = q.shape[0]
     pad = (chunk - length % chunk) % chunk
 
@@ -115,9 +139,20 @@ def _chunked(
     q_decayed = q * decay.exp()[..., None]
     k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
     chunk_decay = decay[..., -1].exp()[..., None, None]
+    if every is not None:  # [H, C, ends, chunk]: each key's decay to each end in its chunk
+        ends = torch.arange(every - 1, chunk, every, device=q.device)
+        upto = torch.arange(chunk, device=q.device)[None, :] <= ends[:, None]
+        to_ends = (decay[..., ends, None] - decay[..., None, :]).masked_fill(~upto, float("-inf"))
+        to_ends = to_ends.exp()[..., None]  # [H, C, ends, chunk, 1]
+        end_decay = decay[..., ends].exp()[..., None, None]  # [H, C, ends, 1, 1]
     out = torch.empty_like(values)
+    kept = []
     for c in range(q.shape[1]):
         new = values[:, c] - reads[:, c] @ state
         out[:, c] = q_decayed[:, c] @ state + scores[:, c] @ new
+        if every is not None:  # k^T (w * new): each end's decays on the values, not keys
+            written = k[:, c, None].transpose(-1, -2) @ (to_ends[:, c] * new[:, None])
+            kept.extend((state[:, None] * end_decay[:, c] + written).unbind(1))
         state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ new
-    return out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1), state
+    out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1)
+    return out, kept[: length // every] if every is not None else [state]

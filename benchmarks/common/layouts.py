@@ -16,14 +16,14 @@ from hybridkv.memory.layout import (
     PoolSpec,
 )
 from hybridkv.memory.layout_planner import plan_layout, policy_label
+from hybridkv.models.families import family_for
 from hybridkv.models.published_shapes import BUILTIN_CONFIGS
-from hybridkv.models.shapes.mamba2 import mamba2_shape
 from hybridkv.models.specs import layer_specs_from_config
 from hybridkv.policies import FullAttention
 
 # -- models: the published config.json values -----------------------------------------
 
-#: The fields ``models/specs.py`` and ``models/shapes/mamba2.py`` read, as published.
+#: The fields ``models/specs.py`` and ``models/shapes/`` read, as published.
 MODELS: dict[str, dict[str, Any]] = {
     # ibm-granite/granite-4.0-h-tiny: 40 layers, 4 attention (12 heads, 4 KV heads of
     # 128), 36 Mamba2 (48 heads x 64, d_state 128, 1 group, conv 4); MoE MLPs beside.
@@ -61,6 +61,11 @@ MODELS: dict[str, dict[str, Any]] = {
         "conv_kernel": 4,
         "expand": 2,
     },
+    # Qwen/Qwen3-Next-80B-A3B and Qwen3.5-27B: Gated DeltaNet (2.1 and 3.1 MiB of state a
+    # layer) to full attention, 3:1; LiquidAI/LFM2-1.2B: short convolutions (16 KiB).
+    "qwen3-next-80b-a3b": BUILTIN_CONFIGS["qwen3-next-80b-a3b-like"],
+    "qwen3.5-27b": BUILTIN_CONFIGS["qwen3.5-27b-like"],
+    "lfm2-1.2b": BUILTIN_CONFIGS["lfm2-1.2b-like"],
 }
 
 
@@ -159,12 +164,14 @@ class Layout:
 
 
 def hybrid_layout(model: str, plan: LayoutPlan, specs: Sequence[LayerSpec]) -> Layout:
-    shape = mamba2_shape(parser_config(model))
+    cfg = parser_config(model)
+    family = family_for(str(cfg["model_type"]))
+    assert family is not None and family.state_shape is not None, f"{model} keeps no state"
     pages = group_pages(plan, specs)
     return Layout(
         pool=plan.pool,
         block_sizes=tuple(p.block_size for p in pages),
-        state_shapes=(shape.conv_shape, shape.ssm_shape),
+        state_shapes=family.state_shape(cfg).parts,
     )
 
 

@@ -46,7 +46,7 @@ class GatedDeltaNet(PagedStateMixer):
         self.A_log = nn.Parameter(torch.empty(heads))
         self.norm = NormThenGate(shape.value_head_dim, eps)
         self.out_proj = nn.Linear(shape.value_dim, hidden, bias=False)
-        self.state_shapes = (shape.conv_shape, shape.memory_shape)
+        self.state_shapes = shape.parts
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Qwen3-Next's projections, each key head's q, k, v, z (and b, a) side by side,
@@ -94,7 +94,7 @@ class GatedDeltaNet(PagedStateMixer):
         self.A_log = param(self.A_log.detach()[heads])
         self.set_submodule("out_proj", summed_columns(cut, self.out_proj, values))
         self.shape = share
-        self.state_shapes = (share.conv_shape, share.memory_shape)
+        self.state_shapes = share.parts
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         shape = self.shape

@@ -54,7 +54,7 @@ class Mamba2Mixer(PagedStateMixer):
         self.D = nn.Parameter(torch.empty(heads))
         self.norm = GatedRMSNorm(inner, inner // shape.num_groups, eps)
         self.out_proj = nn.Linear(inner, shape.hidden_size, bias=shape.proj_bias)
-        self.state_shapes = (shape.conv_shape, shape.ssm_shape)
+        self.state_shapes = shape.parts
 
     def shard(self, cut: TensorCut) -> None:
         """Keep the rank's heads, their channels, their B/C groups (an even run, or, with
@@ -114,7 +114,7 @@ class Mamba2Mixer(PagedStateMixer):
             self.set_submodule("norm", spread)
         self.set_submodule("out_proj", summed_columns(cut, self.out_proj, mine))
         self.shape = share
-        self.state_shapes = (share.conv_shape, share.ssm_shape)
+        self.state_shapes = share.parts
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         shape = self.shape

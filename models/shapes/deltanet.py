@@ -65,6 +65,11 @@ class DeltaNetShape:
         return (self.num_value_heads, self.key_head_dim, self.value_head_dim)
 
     @property
+    def parts(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of a state's parts, in page order: conv state, memory."""
+        return (self.conv_shape, self.memory_shape)
+
+    @property
     def state_bytes(self) -> int:
         """Bytes of one request's state in one layer."""
         conv, width = self.conv_shape

@@ -85,6 +85,11 @@ class Mamba2Shape:
         return (self.num_heads, self.head_dim, self.state_size)
 
     @property
+    def parts(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of a state's parts, in page order: conv state, SSM state."""
+        return (self.conv_shape, self.ssm_shape)
+
+    @property
     def state_values(self) -> int:
         """float32 values of one request's state in one layer."""
         conv_dim, width = self.conv_shape

@@ -26,6 +26,11 @@ class ShortConvShape:
         """Bytes of one request's state in one layer."""
         return STATE_DTYPE_BYTES * self.channels * (self.kernel - 1)
 
+    @property
+    def parts(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of a state's parts: the conv state alone."""
+        return ((self.channels, self.kernel - 1),)
+
     def tensor_share(self, size: int) -> ShortConvShape:
         """The share of channels one of ``size`` tensor-parallel ranks holds."""
         return attrs.evolve(self, channels=self.channels // size)

@@ -14,6 +14,11 @@ class StateShape(Protocol):
         """Bytes of one request's state in one layer."""
         ...
 
+    @property
+    def parts(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of a state's parts, in page order (float32)."""
+        ...
+
     def tensor_share(self, size: int) -> StateShape:
         """The shape one of ``size`` tensor-parallel ranks holds."""
         ...

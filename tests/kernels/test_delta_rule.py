@@ -42,6 +42,18 @@ def test_chunked_equals_the_recurrence_with_states_at_every_count(length, chunk)
     torch.testing.assert_close(states, every[[c - 1 for c in counts]], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("first", [16, 5])
+def test_block_end_counts_run_as_one_piece_and_stay_exact(first: int) -> None:
+    """A prefill's counts (the block ends it crosses: evenly spaced after the first, then
+    its end): the middle runs as one piece with a chunk per block, its states exact."""
+    q, k, v, g, beta, state = _inputs(70, seed=5)
+    expected, every = _stepwise(q, k, v, g, beta, state)
+    counts = [*range(first, 70, 16), 70]
+    out, states = delta_rule_states(q, k, v, g, beta, state, counts)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, every[[c - 1 for c in counts]], atol=1e-5, rtol=1e-5)
+
+
 def test_matches_transformers_chunked_rule() -> None:
     """Qwen3-Next's torch fallback (keys and queries l2-normed inside it) on one request."""
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
