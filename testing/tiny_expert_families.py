@@ -238,6 +238,21 @@ def _qwen3_5() -> Any:
     return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_qwen3_next_fields()))
 
 
+def _qwen3_5_moe() -> Any:
+    """Qwen3.5-MoE (text): Qwen3.5's mixers, experts (4, two a token) in every layer beside
+    a gated shared expert."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    fields = {k: v for k, v in _qwen3_next_fields().items() if k != "intermediate_size"}
+    experts: dict[str, Any] = {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+    }
+    config = Qwen3_5MoeTextConfig(**fields, **experts, shared_expert_intermediate_size=32)
+    return Qwen3_5MoeForCausalLM(config)
+
+
 def _qwen3_next_fields() -> dict[str, Any]:
     return {
         **COMMON,
@@ -278,5 +293,6 @@ EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "gemma4_moe": _gemma4_moe,
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5_moe,
     "lfm2": _lfm2,
 }

@@ -26,6 +26,8 @@ def parse_qwen3_next(
     hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
 ) -> ModelConfig:
     """Read a Qwen3-Next or Qwen3.5 text config.json."""
+    if hf.get("intermediate_size") is None:  # Qwen3.5-MoE: experts in every layer
+        hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size")}
     fields = common_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
     if hf.get("partial_rotary_factor") is None:
         hf = {**hf, "partial_rotary_factor": 0.25}

@@ -15,7 +15,8 @@ from hybridkv.memory.layout import StateSpec
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.policies import MambaLike
 
-HYBRIDS = ["bamba", "granite_moe", "granite_dense", "qwen3_next", "qwen3_5", "lfm2"]
+HYBRIDS = ["bamba", "granite_moe", "granite_dense", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+HYBRIDS += ["lfm2"]
 BS = 16
 
 
