@@ -262,6 +262,20 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "linear_conv_kernel_dim": 4,
         "full_attention_interval": 4,
     },
+    # OLMo Hybrid 7B (transformers' OlmoHybridConfig defaults): 32 layers, 3 Gated
+    # DeltaNet (30 heads, keys of 96, values of 192) to 1 full attention (30 heads of 128).
+    "olmo-hybrid-7b-like": {
+        "model_type": "olmo_hybrid",
+        "num_hidden_layers": 32,
+        "hidden_size": 3840,
+        "num_attention_heads": 30,
+        "num_key_value_heads": 30,
+        "linear_num_key_heads": 30,
+        "linear_num_value_heads": 30,
+        "linear_key_head_dim": 96,
+        "linear_value_head_dim": 192,
+        "linear_conv_kernel_dim": 4,
+    },
     # LFM2-1.2B: 16 layers, short convolutions (3 taps) beside 6 full attention layers
     # (8 KV heads of 64).
     "lfm2-1.2b-like": {

@@ -31,7 +31,7 @@ from hybridkv.models.blocks.per_layer import PerLayerEmbedding
 from hybridkv.models.blocks.rope import RotaryTable, query_scales
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
-from hybridkv.models.families import Family, our_name
+from hybridkv.models.families import Family, decoder_of, our_name
 from hybridkv.models.weights.quantized_linear import QuantizedLinear
 from hybridkv.models.weights.rescored_head import RescoredHead
 
@@ -50,7 +50,9 @@ class _Backbone(nn.Module):
         )
         self.layers = nn.ModuleList(
             [
-                DecoderLayer(config, i, family.decoder) if i in layers else MissingLayer()
+                DecoderLayer(config, i, decoder_of(family, config.layer_types[i]))
+                if i in layers
+                else MissingLayer()
                 for i in range(config.num_layers)
             ]
         )

@@ -253,6 +253,15 @@ def _qwen3_5_moe() -> Any:
     return Qwen3_5MoeForCausalLM(config)
 
 
+def _olmo_hybrid() -> Any:
+    """OLMo Hybrid: three DeltaNet layers (pre-norm, write rates up to 2) to a post-norm
+    full attention layer without rope."""
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+    fields = {k: v for k, v in _qwen3_next_fields().items() if k != "head_dim"}
+    return OlmoHybridForCausalLM(OlmoHybridConfig(**fields))
+
+
 def _qwen3_next_fields() -> dict[str, Any]:
     return {
         **COMMON,
@@ -294,5 +303,6 @@ EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_next": _qwen3_next,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5_moe,
+    "olmo_hybrid": _olmo_hybrid,
     "lfm2": _lfm2,
 }

@@ -27,6 +27,15 @@ from hybridkv.models.blocks.state_mixer import Inputs, PagedStateMixer, State
 from hybridkv.models.shapes.deltanet import DeltaNetShape
 from hybridkv.models.weights.cuts import TensorCut, param, rows_of, summed_columns
 
+#: OLMo Hybrid's names of the mixer's parts -> Qwen3.5's.
+_OLMO_NAMES = {
+    "a_proj.weight": "in_proj_a.weight",
+    "b_proj.weight": "in_proj_b.weight",
+    "g_proj.weight": "in_proj_z.weight",
+    "o_proj.weight": "out_proj.weight",
+    "o_norm.weight": "norm.weight",
+}
+
 
 class GatedDeltaNet(PagedStateMixer):
     """Projections, causal conv, the gated delta rule, a gated norm per value head."""
@@ -44,14 +53,22 @@ class GatedDeltaNet(PagedStateMixer):
         )
         self.dt_bias = nn.Parameter(torch.empty(heads))
         self.A_log = nn.Parameter(torch.empty(heads))
-        self.norm = NormThenGate(shape.value_head_dim, eps)
+        self.norm = NormThenGate(shape.value_head_dim, shape.norm_eps or eps)
         self.out_proj = nn.Linear(shape.value_dim, hidden, bias=False)
         self.state_shapes = shape.parts
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Qwen3-Next's projections, each key head's q, k, v, z (and b, a) side by side,
-        read as Qwen3.5's: every head's q, then k, v, z (b, a)."""
+        read as Qwen3.5's: every head's q, then k, v, z (b, a); OLMo Hybrid's separate
+        ones (``q_proj`` ... ``g_proj``, ``o_proj``, ``o_norm``) under Qwen3.5's names."""
         shape = self.shape
+        for theirs, ours in (("{}_proj", "in_proj_qkv"), ("{}_conv1d", "conv1d")):
+            parts = [state_dict.pop(f"{prefix}{theirs.format(n)}.weight", None) for n in "qkv"]
+            if all(p is not None for p in parts):
+                state_dict[f"{prefix}{ours}.weight"] = torch.cat(parts)
+        for theirs, ours in _OLMO_NAMES.items():
+            if f"{prefix}{theirs}" in state_dict:
+                state_dict[f"{prefix}{ours}"] = state_dict.pop(f"{prefix}{theirs}")
         ratio = shape.num_value_heads // shape.num_key_heads
         qkvz = state_dict.pop(f"{prefix}in_proj_qkvz.weight", None)
         if qkvz is not None:
@@ -147,4 +164,5 @@ class GatedDeltaNet(PagedStateMixer):
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's log decay ``g`` and write rate ``beta`` per value head."""
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return g, b.sigmoid()
+        rate = b.sigmoid()
+        return g, rate * self.shape.rate_scale if self.shape.rate_scale != 1.0 else rate

@@ -52,6 +52,7 @@ MODULES = {
     "gemma4_text": "gemma4",
     "qwen3_next": "qwen3_next",
     "lfm2": "lfm2",
+    "olmo_hybrid": "olmo_hybrid",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
     "qwen3_5": "qwen3_next",
@@ -80,6 +81,9 @@ class Family:
             ``sliding_attention``, ``chunked_attention``, ``mamba``), ``layer_types`` first.
         parse: config.json dict -> :class:`ModelConfig`; None where it does not run.
         decoder: How its decoder layer is put together.
+        decoders: Per layer kind, a decoder shape of its own where layers of that kind
+            are put together otherwise (OLMo Hybrid's DeltaNet layers: pre-norm beside
+            its post-norm attention layers).
         renames: Checkpoint tensor names that differ from ours, checkpoint name -> ours.
         part_renames: Parts of every layer's tensor names that differ from ours (LFM2's
             ``.feed_forward.w1.`` for ``.feed_forward.gate_proj.``), theirs -> ours.
@@ -103,6 +107,7 @@ class Family:
     layer_kinds: Callable[[Mapping[str, Any], int], list[str]]
     parse: ConfigParser | None = None
     decoder: DecoderShape = PRE_NORM
+    decoders: Mapping[str, DecoderShape] = attrs.field(factory=dict)
     renames: Mapping[str, str] = attrs.field(factory=dict)
     part_renames: Mapping[str, str] = attrs.field(factory=dict)
     state_bytes: Callable[[Mapping[str, Any], int], int] | None = None
@@ -112,6 +117,11 @@ class Family:
     shared_kv: Callable[[Mapping[str, Any], list[str]], Mapping[int, int]] | None = None
     normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     unread: tuple[str, ...] = ()
+
+
+def decoder_of(family: Family, kind: str) -> DecoderShape:
+    """The decoder shape of ``family``'s layers of ``kind``."""
+    return family.decoders.get(kind, family.decoder)
 
 
 def our_name(family: Family, name: str) -> str:

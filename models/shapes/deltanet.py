@@ -30,6 +30,9 @@ class DeltaNetShape:
         key_head_dim: Width of a query or key head.
         value_head_dim: Width of a value head.
         conv_kernel: Taps of the causal convolution over q, k and v.
+        rate_scale: The write rate ``sigmoid(b)`` is multiplied by it (OLMo Hybrid's 2:
+            negative eigenvalues allowed).
+        norm_eps: The output norm's epsilon where it is not the model's (OLMo Hybrid's).
     """
 
     hidden_size: int
@@ -38,6 +41,8 @@ class DeltaNetShape:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    rate_scale: float = 1.0
+    norm_eps: float | None = None
 
     @property
     def key_dim(self) -> int:

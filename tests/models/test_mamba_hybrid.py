@@ -16,7 +16,7 @@ from hybridkv.models.errors import ModelConfigError
 from hybridkv.policies import MambaLike
 
 HYBRIDS = ["bamba", "granite_moe", "granite_dense", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
-HYBRIDS += ["lfm2"]
+HYBRIDS += ["lfm2", "olmo_hybrid"]
 BS = 16
 
 
@@ -197,7 +197,7 @@ async def test_engine_outputs_match_transformers_under_preemption(
         assert outputs[i] == out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("name", ["bamba", "granite_moe", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", ["bamba", "granite_moe", "qwen3_next", "lfm2", "olmo_hybrid"])
 def test_pipeline_stages_hold_their_state_pages_and_match_transformers(
     name, tiny_models, drive, chain, prompt_of, check_reference
 ):

@@ -60,3 +60,24 @@ def test_layer_kinds_follow_full_attention_interval() -> None:
     conv, memory = (2 * 16 + 64) * 3, 4 * 8 * 16
     state = specs[0]
     assert isinstance(state, StateSpec) and state.state_bytes == 4 * (conv + memory)
+
+
+def test_olmo_hybrid_without_rope_matches(
+    tiny_models: Any, tmp_path: Path, drive: Any, prompt_of: Any, check_reference: Any
+) -> None:
+    """OLMo Hybrid as released (``rope_theta`` null: its attention layers without rope)
+    gives transformers' logits."""
+    import json
+
+    from model_fixtures import TinyModel
+
+    folder = tmp_path / "nope"
+    shutil.copytree(tiny_models["olmo_hybrid"].path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    nope = {"rope_type": "default", "rope_theta": None}
+    (folder / "config.json").write_text(json.dumps({**config, "rope_parameters": nope}))
+    reference = TinyModel.load("olmo_hybrid", folder)
+    driver = drive(ModelExecutor.from_pretrained(folder, LoadOptions(kv_cache_bytes=1 << 20)))
+    driver.add("a", prompt_of(40, 2))
+    driver.run(4)
+    check_reference(reference, driver, "a")
