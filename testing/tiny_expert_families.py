@@ -290,6 +290,27 @@ def _lfm2() -> Any:
     return Lfm2ForCausalLM(config)
 
 
+def _lfm2_moe() -> Any:
+    """LFM2-MoE: LFM2's mixers, a dense first layer, then experts (4, two a token) chosen
+    by sigmoid scores plus a learned bias, scaled."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    config = Lfm2MoeConfig(
+        **COMMON, num_hidden_layers=4, num_key_value_heads=2,
+        layer_types=["conv", "full_attention"] * 2,
+        conv_L_cache=3, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, routed_scaling_factor=1.5, norm_eps=1e-5,
+        **NO_SPECIAL_TOKENS,
+    )  # fmt: skip
+    model = Lfm2MoeForCausalLM(config)
+    import torch
+
+    with torch.no_grad():  # the selection bias is a buffer the redraw leaves at zero
+        for layer in model.model.layers[1:]:
+            layer.feed_forward.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+    return model
+
+
 #: Each family's builder, by the name the tests know it by.
 EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_moe": _qwen3_moe,
@@ -305,4 +326,5 @@ EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_5_moe": _qwen3_5_moe,
     "olmo_hybrid": _olmo_hybrid,
     "lfm2": _lfm2,
+    "lfm2_moe": _lfm2_moe,
 }

@@ -52,6 +52,7 @@ MODULES = {
     "gemma4_text": "gemma4",
     "qwen3_next": "qwen3_next",
     "lfm2": "lfm2",
+    "lfm2_moe": "lfm2",
     "olmo_hybrid": "olmo_hybrid",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",

@@ -1,7 +1,9 @@
 """LFM2: short-convolution layers (``conv``: a state per request) beside full attention
 layers (``full_attn_idxs``), pre-norm (``operator_norm``, ``ffn_norm``), q/k norms per head,
 a SwiGLU MLP whose width transformers derives from ``intermediate_size``
-(``block_auto_adjust_ff_dim``), the final norm named ``embedding_norm``."""
+(``block_auto_adjust_ff_dim``), the final norm named ``embedding_norm``. LFM2-MoE: the
+first ``num_dense_layers`` with a dense MLP of ``intermediate_size``, then experts chosen
+by sigmoid scores plus a learned bias (``use_expert_bias``), renormalised and scaled."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from hybridkv.models.families.llama import llama_fields
 from hybridkv.models.hf_config import flag_field, float_field, int_field
 from hybridkv.models.kinds import FULL, SHORT_CONV, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
+from hybridkv.models.shapes.moe import ExpertsShape
 from hybridkv.models.shapes.short_conv import short_conv_shape, short_conv_state_bytes
 
 
@@ -24,14 +27,32 @@ def parse_lfm2(
     if hf.get("tie_word_embeddings") is None:  # older configs name it ``tie_embedding``
         hf = {**hf, "tie_word_embeddings": flag_field(hf, "tie_embedding", True)}
     fields = llama_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
+    moe = hf.get("model_type") == "lfm2_moe"
     return ModelConfig(
         **{
             **fields,
             "qk_norm": True,
             "rms_norm_eps": float_field(hf, "norm_eps", 1e-5),
-            "intermediate_size": _mlp_width(hf),
+            "intermediate_size": int_field(hf, "intermediate_size") if moe else _mlp_width(hf),
         },
         short_conv=short_conv_shape(hf),
+        experts=_experts(hf, len(fields["layers"])) if moe else None,
+    )
+
+
+def _experts(hf: Mapping[str, Any], num_layers: int) -> ExpertsShape:
+    """LFM2-MoE's experts, after its ``num_dense_layers`` dense ones."""
+    dense = int(hf.get("num_dense_layers") or 0)
+    return ExpertsShape(
+        num_experts=int_field(hf, "num_experts"),
+        top_k=int_field(hf, "num_experts_per_tok"),
+        inner=int_field(hf, "moe_intermediate_size"),
+        dense_layers=frozenset(range(min(dense, num_layers))),
+        router="sigmoid",
+        selection_bias=flag_field(hf, "use_expert_bias", True),
+        renormalize=flag_field(hf, "norm_topk_prob", True),
+        route_scale=float(hf.get("routed_scaling_factor") or 1.0),
+        stacks="plain",
     )
 
 
@@ -58,15 +79,17 @@ def _pattern(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
 
 
 FAMILY = Family(
-    model_types=("lfm2",),
+    model_types=("lfm2", "lfm2_moe"),
     layer_kinds=kinds_by(_pattern, {"full_attention": FULL, "conv": SHORT_CONV}),
     parse=parse_lfm2,
-    decoder=DecoderShape(mixer_norm="operator_norm", mlp_norm="ffn_norm", mlp_name="feed_forward"),
+    decoder=DecoderShape(
+        mixer_norm="operator_norm", mlp_norm="ffn_norm", mlp_name="feed_forward", mlp="experts"
+    ),
     renames={"model.embedding_norm.weight": "model.norm.weight"},
     part_renames={
-        ".feed_forward.w1.": ".feed_forward.gate_proj.",
-        ".feed_forward.w3.": ".feed_forward.up_proj.",
-        ".feed_forward.w2.": ".feed_forward.down_proj.",
+        ".w1.": ".gate_proj.",  # the MLP's and each expert's (LFM2-MoE's ``experts.{e}``)
+        ".w3.": ".up_proj.",
+        ".w2.": ".down_proj.",
         ".self_attn.out_proj.": ".self_attn.o_proj.",
         ".self_attn.q_layernorm.": ".self_attn.q_norm.",
         ".self_attn.k_layernorm.": ".self_attn.k_norm.",

@@ -16,7 +16,7 @@ from hybridkv.models.errors import ModelConfigError
 from hybridkv.policies import MambaLike
 
 HYBRIDS = ["bamba", "granite_moe", "granite_dense", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
-HYBRIDS += ["lfm2", "olmo_hybrid"]
+HYBRIDS += ["lfm2", "lfm2_moe", "olmo_hybrid"]
 BS = 16
 
 

@@ -112,6 +112,7 @@ def test_two_ranks_match_one_process_bamba(
         ("qwen3_5", 2, 2, 1),
         ("lfm2", 2, 1, 1),
         ("qwen3_5_moe", 2, 1, 1),
+        ("lfm2_moe", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
