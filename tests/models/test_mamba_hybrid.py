@@ -1,8 +1,11 @@
-"""Bamba and Granite 4.0-H against transformers, float32, with their state in pool pages.
+"""The state-mixer hybrids against transformers, float32, with their state in pool pages:
+Mamba2 (Bamba, Granite 4.0-H), Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo Hybrid) and short
+convolutions (LFM2).
 
-The tiny hybrids have one attention layer and three Mamba2 layers, SSD chunks of 8
-positions and blocks of 16 tokens, so prefills cross scan chunks and block boundaries,
-and prefix hits resume from checkpointed states (``hybridkv.memory.state_pages``).
+The tiny Mamba2 hybrids have one attention layer and three Mamba2 layers, SSD chunks of 8
+positions; every hybrid runs at blocks of 16 tokens, so prefills cross block boundaries
+(and the Mamba2 ones scan chunks), and prefix hits resume from checkpointed states
+(``hybridkv.memory.state_pages``).
 """
 
 from __future__ import annotations
