@@ -15,9 +15,10 @@ import attrs
 
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.kinds import DELTANET, FULL, MAMBA, SHORT_CONV, SLIDING
+from hybridkv.models.kinds import DELTANET, FULL, MAMBA, MAMBA1, SHORT_CONV, SLIDING
 from hybridkv.models.shapes.decoder import PerLayerInputs
 from hybridkv.models.shapes.deltanet import DeltaNetShape
+from hybridkv.models.shapes.mamba1 import Mamba1Shape
 from hybridkv.models.shapes.mamba2 import Mamba2Shape
 from hybridkv.models.shapes.moe import ExpertsShape
 from hybridkv.models.shapes.rope import QueryTemperature, RopeSpec
@@ -27,13 +28,18 @@ __all__ = ["FULL", "SLIDING", "ModelConfig", "activation_of", "eos_ids"]
 
 
 def _runnable_layers(instance: ModelConfig, attribute: attrs.Attribute[Any], value: Any) -> None:
-    shapes = {MAMBA: instance.mamba, DELTANET: instance.deltanet, SHORT_CONV: instance.short_conv}
+    shapes = {
+        MAMBA: instance.mamba,
+        DELTANET: instance.deltanet,
+        SHORT_CONV: instance.short_conv,
+        MAMBA1: instance.mamba1,
+    }
     for spec in value:
         if isinstance(spec, StateSpec) and shapes.get(str(spec.kind)) is None:
             raise ModelConfigError(
                 f"layer {spec.name!r} is a {spec.kind or 'state'} layer, and only Mamba2 "
-                "(Bamba, Granite 4.0-H), Gated DeltaNet (Qwen3-Next, Qwen3.5) and short "
-                "convolution (LFM2) state layers run here"
+                "(Bamba, Granite 4.0-H), Mamba1 (Jamba), Gated DeltaNet (Qwen3-Next, "
+                "Qwen3.5) and short convolution (LFM2) state layers run here"
             )
 
 
@@ -72,6 +78,7 @@ class ModelConfig:
         mamba: The Mamba2 mixer's shape, for models with Mamba2 layers; else None.
         deltanet: The Gated DeltaNet mixer's shape, for models with DeltaNet layers.
         short_conv: The short convolution's shape, for models with such layers (LFM2).
+        mamba1: The Mamba1 mixer's shape, for models with Mamba1 layers (Jamba).
         nope_layers: The attention layers that do not rotate q and k (NoPE: SmolLM3).
         norm_kind: ``rms`` (RMSNorm) or ``layer`` (LayerNorm without a bias: Cohere).
         rope_interleaved: Rope rotates pairs of adjacent channels (Cohere) rather than the
@@ -128,6 +135,7 @@ class ModelConfig:
     mamba: Mamba2Shape | None = None
     deltanet: DeltaNetShape | None = None
     short_conv: ShortConvShape | None = None
+    mamba1: Mamba1Shape | None = None
     qk_norm_width: Literal["head", "projection"] = "head"
     norm_scale_first: bool | None = None
     nope_layers: frozenset[int] = frozenset()

@@ -6,6 +6,7 @@ each layer's kind from its config (torch-free).
 ``sliding_attention``  a window of ``sliding_window`` positions
 ``chunked_attention``  the positions of its chunk (``attention_chunk_size``)
 ``mamba``              a Mamba2 state instead of K/V
+``mamba1``             a Mamba1 state (Jamba's ``mamba`` layers)
 ``deltanet``           a Gated DeltaNet state (Qwen3-Next's ``linear_attention``)
 ``short_conv``         a short convolution's state (LFM2's ``conv``)
 =====================  =========================================================
@@ -28,10 +29,11 @@ CHUNKED = "chunked_attention"
 MAMBA = "mamba"
 DELTANET = "deltanet"
 SHORT_CONV = "short_conv"
+MAMBA1 = "mamba1"
 
 #: The kinds that keep a fixed-size state per request instead of K/V, and the name of
 #: their mixer in a checkpoint's layer (``model.layers.{i}.<name>``).
-STATE_KINDS = {MAMBA: "mamba", DELTANET: "linear_attn", SHORT_CONV: "conv"}
+STATE_KINDS = {MAMBA: "mamba", DELTANET: "linear_attn", SHORT_CONV: "conv", MAMBA1: "mamba"}
 
 #: ``layer_types`` entries we can size.
 LAYER_TYPES = (FULL, SLIDING, CHUNKED)

@@ -65,6 +65,12 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
             "q and k over every head together (qk_norm over the whole projection), which "
             "ranks holding a share of the heads cannot compute apart"
         )
+    if config.mamba1 is not None:
+        raise ParallelConfigError(
+            f"tensor_parallel_size={size}: {config.model_type}'s Mamba1 layers project every "
+            "channel to their time steps, B and C (x_proj), which ranks holding a share of "
+            "the channels cannot compute apart"
+        )
     if weights == "int4":
         _check_int4_groups(config, size)
     kv_heads = sorted({s.num_kv_heads for s in config.attention_layers})

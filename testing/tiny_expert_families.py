@@ -311,6 +311,20 @@ def _lfm2_moe() -> Any:
     return model
 
 
+def _jamba() -> Any:
+    """Jamba: Mamba1 layers (8 states, a conv of 4, time steps of rank 4) with attention at
+    layer 1 of every 2, experts (4, two a token) in every second layer."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(
+        **COMMON, num_hidden_layers=4, num_key_value_heads=2, attn_layer_period=2,
+        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+        num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_dt_rank=4, use_mamba_kernels=False, **NO_SPECIAL_TOKENS,
+    )  # fmt: skip
+    return JambaForCausalLM(config)
+
+
 #: Each family's builder, by the name the tests know it by.
 EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_moe": _qwen3_moe,
@@ -325,6 +339,7 @@ EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5_moe,
     "olmo_hybrid": _olmo_hybrid,
+    "jamba": _jamba,
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2_moe,
 }

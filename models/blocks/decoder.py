@@ -16,13 +16,14 @@ from torch import nn
 from hybridkv.memory.layout import StateSpec
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.deltanet import GatedDeltaNet
+from hybridkv.models.blocks.mamba1 import Mamba1Mixer
 from hybridkv.models.blocks.mamba2 import Mamba2Mixer
 from hybridkv.models.blocks.mlp import ACTIVATIONS, GatedMLP, SharedMLP
 from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.blocks.short_conv import ShortConv
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.kinds import DELTANET, SHORT_CONV, STATE_KINDS
+from hybridkv.models.kinds import DELTANET, MAMBA1, SHORT_CONV, STATE_KINDS
 from hybridkv.models.shapes.decoder import DecoderShape
 
 #: Gemma 4's norms of its MLP and experts side by side (``dense_and_experts``).
@@ -54,6 +55,9 @@ class DecoderLayer(nn.Module):
         elif spec.kind == DELTANET:
             assert config.deltanet is not None, "a DeltaNet layer without its shape"
             self.add_module(self._mixer, GatedDeltaNet(config.deltanet, eps))
+        elif spec.kind == MAMBA1:
+            assert config.mamba1 is not None, "a Mamba1 layer without its shape"
+            self.add_module(self._mixer, Mamba1Mixer(config.mamba1, eps))
         elif spec.kind == SHORT_CONV:
             conv = config.short_conv
             assert conv is not None, "a short-conv layer without its shape"

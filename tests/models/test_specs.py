@@ -132,14 +132,15 @@ def test_missing_field_is_named() -> None:
 
 
 def test_jamba_has_one_attention_layer_in_eight() -> None:
-    """Jamba-like: attention at 4 and 12, mamba elsewhere with d_inner * (conv + state)."""
+    """Jamba-like: attention at 4 and 12, Mamba1 elsewhere with d_inner * (conv window +
+    state) float32 values."""
     specs = layer_specs_from_config(BUILTIN_CONFIGS["jamba-like"] | {"num_hidden_layers": 16})
     attention = [i for i, s in enumerate(specs) if isinstance(s, AttentionSpec)]
     assert attention == [4, 12]
     state = specs[0]
     assert isinstance(state, StateSpec) and state.policy == MambaLike()
     assert state.name == "model.layers.0.mamba"
-    assert state.state_bytes == 2 * 4096 * (4 + 16) * 2
+    assert state.state_bytes == 2 * 4096 * (4 - 1 + 16) * 4 and state.kind == "mamba1"
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_CONFIGS))
@@ -185,8 +186,8 @@ def test_state_layers_take_only_a_state_policy() -> None:
         BUILTIN_CONFIGS["bamba-like"], policies={"mamba": MambaLike(checkpoint_every=4)}
     )
     assert {s.policy for s in specs if s.kind == "mamba"} == {MambaLike(checkpoint_every=4)}
-    with pytest.raises(ModelConfigError, match=r"kind 'mamba' must be one that keeps a state"):
-        layer_specs_from_config(BUILTIN_CONFIGS["jamba-like"], policies={"mamba": FULL})
+    with pytest.raises(ModelConfigError, match=r"kind 'mamba1' must be one that keeps a state"):
+        layer_specs_from_config(BUILTIN_CONFIGS["jamba-like"], policies={"mamba1": FULL})
     with pytest.raises(ModelConfigError, match=r"'full_attention' must be one that keeps K/V"):
         layer_specs_from_config(
             BUILTIN_CONFIGS["bamba-like"], policies={"full_attention": MambaLike()}

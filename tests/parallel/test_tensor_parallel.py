@@ -227,6 +227,14 @@ def test_qk_norms_over_every_head_are_refused_before_any_process(tiny_models) ->
     assert not multiprocessing.active_children()
 
 
+def test_mamba1_layers_are_refused_before_any_process(tiny_models) -> None:
+    """Jamba's Mamba1 layers project every channel to their time steps: tp = 2 is refused
+    at start, naming why."""
+    with pytest.raises(ParallelConfigError, match="Mamba1 layers project every channel"):
+        _tensor(tiny_models["jamba"].path, 2)
+    assert not multiprocessing.active_children()
+
+
 def _sample_tokens(executor: Any, prompt: list[int], num: int) -> list[int]:
     """``num`` tokens sampled at temperature 1 after ``prompt``, one step each."""
     tokens = list(prompt)

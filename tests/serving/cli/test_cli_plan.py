@@ -72,12 +72,12 @@ def test_plan_with_context_ranks_shows_the_longest_request_per_rank(
 
 
 def test_plan_mamba_hybrid_shows_both_page_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    """jamba-like keeps blocks of 16 tokens; a mamba state takes 5 K/V pages."""
+    """jamba-like keeps blocks of 16 tokens; a Mamba1 state (float32) takes 10 K/V pages."""
     code, out, _ = run(capsys, "plan", "jamba-like", "--kv-memory", "2GiB")
     assert code == 0
-    assert "block size 16, state pages of 5 K/V pages" in out and "raised" not in out
+    assert "block size 16, state pages of 10 K/V pages" in out and "raised" not in out
     assert "K/V     page 64.00 KiB (16 tokens); requests of 4096 tokens hold 64.00 MiB" in out
-    assert "state   page 320.00 KiB (5 K/V pages); requests of 4096 tokens hold 26.25 MiB" in out
+    assert "state   page 640.00 KiB (10 K/V pages); requests of 4096 tokens hold 52.50 MiB" in out
 
 
 @pytest.mark.parametrize(
