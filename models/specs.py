@@ -175,8 +175,8 @@ def _spec(
     dtype_bytes: int,
 ) -> LayerSpec:
     if kind in STATE_KINDS:
-        assert family is not None and family.state_bytes is not None, "a state from a family"
-        state_bytes = family.state_bytes(cfg, dtype_bytes)
+        assert family is not None and family.state_shape is not None, "a state from a family"
+        state_bytes = family.state_shape(cfg).state_bytes
         name = f"model.layers.{layer}.{STATE_KINDS[kind]}"
         return StateSpec(name=name, policy=policy, state_bytes=state_bytes, kind=kind)
     num_heads = int_field(cfg, "num_attention_heads")

@@ -48,9 +48,9 @@ class DecoderLayer(nn.Module):
                 self.add_module(name, config_norm(config, size))
         spec = config.layers[layer]
         # The mixer, under its checkpoint name: ``self_attn``, ``mamba``, ``linear_attn``.
-        self._mixer = STATE_KINDS.get(str(spec.kind), "self_attn")
-        if not isinstance(spec, StateSpec):
-            self._mixer = "self_attn"
+        state = isinstance(spec, StateSpec)
+        self._mixer = STATE_KINDS[str(spec.kind)] if state else "self_attn"
+        if not state:
             self.add_module("self_attn", PagedAttention(config, layer))
         elif spec.kind == DELTANET:
             assert config.deltanet is not None, "a DeltaNet layer without its shape"
@@ -59,9 +59,8 @@ class DecoderLayer(nn.Module):
             assert config.mamba1 is not None, "a Mamba1 layer without its shape"
             self.add_module(self._mixer, Mamba1Mixer(config.mamba1, eps))
         elif spec.kind == SHORT_CONV:
-            conv = config.short_conv
-            assert conv is not None, "a short-conv layer without its shape"
-            self.add_module(self._mixer, ShortConv(conv.channels, conv.kernel, bias=conv.bias))
+            assert config.short_conv is not None, "a short-conv layer without its shape"
+            self.add_module(self._mixer, ShortConv(config.short_conv))
         else:
             assert config.mamba is not None, "a state layer without a Mamba2 shape"
             self.add_module(self._mixer, Mamba2Mixer(config.mamba, eps))

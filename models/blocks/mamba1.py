@@ -78,8 +78,8 @@ class Mamba1Mixer(PagedStateMixer):
         shape = self.shape
         rank, size = shape.dt_rank, shape.state_size
         dt, b, c = torch.split(self.x_proj(mixed), [rank, size, size], dim=-1)
-        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.t()
-        return F.softplus(dt + self.dt_proj.bias), self.b_layernorm(b), self.c_layernorm(c)
+        dt = F.softplus(self.dt_proj(self.dt_layernorm(dt)))
+        return dt, self.b_layernorm(b), self.c_layernorm(c)
 
     def _a(self) -> torch.Tensor:
         return -torch.exp(self.A_log.float())

@@ -17,43 +17,47 @@ from hybridkv.kernels.ssm import causal_conv1d_decode, causal_conv1d_states
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.attention import LayerInputs
 from hybridkv.models.blocks.state_mixer import Inputs, PagedStateMixer, State
+from hybridkv.models.shapes.short_conv import ShortConvShape
 from hybridkv.models.weights.cuts import TensorCut, param, rows_of, summed_columns
 
 
 class ShortConv(PagedStateMixer):
     """Input projection to B, C and x, the convolution of ``B * x``, ``C *`` its output."""
 
-    def __init__(self, hidden: int, kernel: int, *, bias: bool) -> None:
+    def __init__(self, shape: ShortConvShape) -> None:
         super().__init__()
-        self.width = hidden
+        self.shape = shape
+        hidden, bias = shape.channels, shape.bias
         self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
-        self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, bias=bias)
+        self.conv = nn.Conv1d(hidden, hidden, shape.kernel, groups=hidden, bias=bias)
         self.out_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.state_shapes = ((hidden, kernel - 1),)
+        self.state_shapes = shape.parts
 
     def shard(self, cut: TensorCut) -> None:
         """Keep the rank's run of channels in B, C and x, in the convolution, and as
         columns of ``out_proj`` (summed over the group)."""
-        share = self.width // cut.size
-        mine = torch.arange(cut.rank * share, (cut.rank + 1) * share)
-        rows = torch.cat((mine, self.width + mine, 2 * self.width + mine))
+        width, share = self.shape.channels, self.shape.tensor_share(cut.size)
+        mine = torch.arange(cut.rank * share.channels, (cut.rank + 1) * share.channels)
+        rows = torch.cat((mine, width + mine, 2 * width + mine))
         self.set_submodule("in_proj", rows_of(self.in_proj, rows))
-        conv, kernel = self.conv, self.conv.kernel_size[0]
+        conv, channels = self.conv, share.channels
         with torch.device("meta"):
-            local = nn.Conv1d(share, share, kernel, groups=share, bias=conv.bias is not None)
+            local = nn.Conv1d(
+                channels, channels, share.kernel, groups=channels, bias=conv.bias is not None
+            )
         local.weight = param(conv.weight.detach()[mine])
         if conv.bias is not None:
             local.bias = param(conv.bias.detach()[mine])
         self.conv = local
         self.set_submodule("out_proj", summed_columns(cut, self.out_proj, mine))
-        self.width = share
-        self.state_shapes = ((share, kernel - 1),)
+        self.shape = share
+        self.state_shapes = share.parts
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         states = inputs.metadata
         assert isinstance(states, StepStates), "a short-conv layer in a group without state"
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
-        out = self.mix((b * x, c), inputs.kv_cache, states, self.width)
+        out = self.mix((b * x, c), inputs.kv_cache, states, self.shape.channels)
         projected: torch.Tensor = self.out_proj(out)
         return projected
 

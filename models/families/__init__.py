@@ -88,9 +88,9 @@ class Family:
         renames: Checkpoint tensor names that differ from ours, checkpoint name -> ours.
         part_renames: Parts of every layer's tensor names that differ from ours (LFM2's
             ``.feed_forward.w1.`` for ``.feed_forward.gate_proj.``), theirs -> ours.
-        state_bytes: ``(config, dtype_bytes)`` -> bytes of one ``mamba`` layer's state.
-        state_shape: config -> the shape of its state layers' mixer (tensor parallelism
-            splits its heads); None for a family without state layers.
+        state_shape: config -> the shape of its state layers' mixer (the bytes of a
+            state, float32 whatever the K/V's dtype; tensor parallelism splits its
+            heads); None for a family without state layers.
         sized_types: Further ``model_type`` values it sizes but does not run.
         kv_shape: ``(config, kind)`` -> the KV heads and head width of that kind's
             layers, where they differ by kind (MiMo-V2-Flash, Gemma 4); None:
@@ -111,7 +111,6 @@ class Family:
     decoders: Mapping[str, DecoderShape] = attrs.field(factory=dict)
     renames: Mapping[str, str] = attrs.field(factory=dict)
     part_renames: Mapping[str, str] = attrs.field(factory=dict)
-    state_bytes: Callable[[Mapping[str, Any], int], int] | None = None
     state_shape: Callable[[Mapping[str, Any]], StateShape] | None = None
     sized_types: tuple[str, ...] = ()
     kv_shape: Callable[[Mapping[str, Any], str], tuple[int, int]] | None = None

@@ -16,7 +16,7 @@ from hybridkv.models.families.common import common_fields
 from hybridkv.models.hf_config import flag_field, text_config
 from hybridkv.models.kinds import MAMBA, PolicyChoices
 from hybridkv.models.shapes.decoder import DecoderShape
-from hybridkv.models.shapes.mamba2 import mamba2_shape, mamba2_state_bytes
+from hybridkv.models.shapes.mamba2 import mamba2_shape
 from hybridkv.models.shapes.rope import rope_from_hf
 
 
@@ -54,6 +54,5 @@ FAMILY = Family(
     parse=parse_bamba,
     decoder=DecoderShape(mlp_norm="pre_ff_layernorm", mlp_name="feed_forward"),
     renames={"model.final_layernorm.weight": "model.norm.weight"},
-    state_bytes=mamba2_state_bytes,
     state_shape=mamba2_shape,
 )

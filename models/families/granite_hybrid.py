@@ -18,7 +18,7 @@ from hybridkv.models.families.common import common_fields
 from hybridkv.models.hf_config import float_field, int_field, text_config
 from hybridkv.models.kinds import MAMBA, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
-from hybridkv.models.shapes.mamba2 import mamba2_shape, mamba2_state_bytes
+from hybridkv.models.shapes.mamba2 import mamba2_shape
 from hybridkv.models.shapes.moe import ExpertsShape
 from hybridkv.models.shapes.rope import RopeSpec, rope_from_hf
 
@@ -82,6 +82,5 @@ FAMILY = Family(
     layer_kinds=kinds_by(lambda cfg, n: [MAMBA] * n, _KINDS),
     parse=parse_granite_hybrid,
     decoder=DecoderShape(mlp="shared_and_experts"),
-    state_bytes=mamba2_state_bytes,
     state_shape=mamba2_shape,
 )

@@ -15,7 +15,7 @@ from hybridkv.models.families.llama import llama_fields
 from hybridkv.models.hf_config import int_field
 from hybridkv.models.kinds import FULL, MAMBA1, PolicyChoices
 from hybridkv.models.shapes.decoder import DecoderShape
-from hybridkv.models.shapes.mamba1 import mamba1_shape, mamba1_state_bytes
+from hybridkv.models.shapes.mamba1 import mamba1_shape
 from hybridkv.models.shapes.moe import ExpertsShape
 
 
@@ -57,6 +57,5 @@ FAMILY = Family(
     parse=parse_jamba,
     decoder=DecoderShape(mlp_norm="pre_ff_layernorm", mlp_name="feed_forward", mlp="experts"),
     renames={"model.final_layernorm.weight": "model.norm.weight"},
-    state_bytes=mamba1_state_bytes,
     state_shape=mamba1_shape,
 )

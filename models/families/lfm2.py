@@ -17,7 +17,7 @@ from hybridkv.models.hf_config import flag_field, float_field, int_field
 from hybridkv.models.kinds import FULL, SHORT_CONV, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.moe import ExpertsShape
-from hybridkv.models.shapes.short_conv import short_conv_shape, short_conv_state_bytes
+from hybridkv.models.shapes.short_conv import short_conv_shape
 
 
 def parse_lfm2(
@@ -94,6 +94,5 @@ FAMILY = Family(
         ".self_attn.q_layernorm.": ".self_attn.q_norm.",
         ".self_attn.k_layernorm.": ".self_attn.k_norm.",
     },
-    state_bytes=short_conv_state_bytes,
     state_shape=short_conv_shape,
 )

@@ -45,10 +45,6 @@ def _shape(cfg: Mapping[str, Any]) -> DeltaNetShape:
     return attrs.evolve(deltanet_shape(cfg), rate_scale=rate, norm_eps=1e-5)
 
 
-def _state_bytes(cfg: Mapping[str, Any], dtype_bytes: int) -> int:
-    return _shape(cfg).state_bytes
-
-
 def _pattern(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
     """Every fourth layer full attention (the last where none would be), the rest DeltaNet."""
     kinds = [FULL if i % 4 == 3 else DELTANET for i in range(num_layers)]
@@ -65,6 +61,5 @@ FAMILY = Family(
         ".attention_layer_norm.": ".input_layernorm.",
         ".feedforward_layer_norm.": ".post_attention_layernorm.",
     },
-    state_bytes=_state_bytes,
     state_shape=_shape,
 )

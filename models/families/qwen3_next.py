@@ -17,7 +17,7 @@ from hybridkv.models.families.common import common_fields
 from hybridkv.models.hf_config import flag_field, int_field
 from hybridkv.models.kinds import DELTANET, FULL, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
-from hybridkv.models.shapes.deltanet import deltanet_shape, deltanet_state_bytes
+from hybridkv.models.shapes.deltanet import deltanet_shape
 from hybridkv.models.shapes.moe import ExpertsShape
 from hybridkv.models.shapes.rope import rope_from_hf
 
@@ -80,7 +80,6 @@ FAMILY = Family(
     layer_kinds=kinds_by(_pattern, {"full_attention": FULL, "linear_attention": DELTANET}),
     parse=parse_qwen3_next,
     decoder=DecoderShape(mlp="experts"),
-    state_bytes=deltanet_state_bytes,
     state_shape=deltanet_shape,
     # The multimodal configs (their text models nested in ``text_config``) are sized.
     sized_types=("qwen3_5", "qwen3_5_moe"),

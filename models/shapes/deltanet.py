@@ -111,8 +111,3 @@ def deltanet_shape(cfg: Mapping[str, Any]) -> DeltaNetShape:
             f"linear_num_key_heads={shape.num_key_heads}"
         )
     return shape
-
-
-def deltanet_state_bytes(cfg: Mapping[str, Any], dtype_bytes: int) -> int:
-    """Bytes of one Gated DeltaNet layer's state (float32 whatever the K/V's dtype)."""
-    return deltanet_shape(cfg).state_bytes

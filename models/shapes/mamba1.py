@@ -58,8 +58,3 @@ def mamba1_shape(cfg: Mapping[str, Any]) -> Mamba1Shape:
         conv_bias=flag_field(cfg, "mamba_conv_bias", True),
         proj_bias=flag_field(cfg, "mamba_proj_bias", False),
     )
-
-
-def mamba1_state_bytes(cfg: Mapping[str, Any], dtype_bytes: int) -> int:
-    """Bytes of one Mamba1 layer's state (float32 whatever the K/V's dtype)."""
-    return mamba1_shape(cfg).state_bytes

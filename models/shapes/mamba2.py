@@ -144,11 +144,6 @@ def mamba2_shape(cfg: Mapping[str, Any]) -> Mamba2Shape:
     )
 
 
-def mamba2_state_bytes(cfg: Mapping[str, Any], dtype_bytes: int) -> int:
-    """Bytes of one Mamba2 layer's state (float32 whatever ``dtype_bytes`` the K/V take)."""
-    return mamba2_shape(cfg).state_bytes
-
-
 def _limit(limit: Any, i: int) -> float:
     """One end of ``time_step_limit`` (JSON writes infinity as ``{"__float__": "Infinity"}``)."""
     try:

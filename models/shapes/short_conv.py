@@ -43,8 +43,3 @@ def short_conv_shape(cfg: Mapping[str, Any]) -> ShortConvShape:
         kernel=int_field(cfg, "conv_L_cache", 3),
         bias=flag_field(cfg, "conv_bias", False),
     )
-
-
-def short_conv_state_bytes(cfg: Mapping[str, Any], dtype_bytes: int) -> int:
-    """Bytes of one short-conv layer's state (float32 whatever the K/V's dtype)."""
-    return short_conv_shape(cfg).state_bytes
