@@ -96,7 +96,9 @@ class ModelConfig:
             without a weight, in the layers that rotate (Llama 4's ``use_qk_norm``).
         query_temperature: Queries scaled by their position (Llama 4, Ministral 3), or None.
         attention_output_gate: Attention's output is multiplied by the sigmoid of a gate
-            projection of the layer's input (``gate_proj``) before ``o_proj`` (AFMoE).
+            projection of the layer's input (``gate_proj``) before ``o_proj``: one gate per
+            output channel (``channel``: AFMoE, Qwen3-Next) or per head (``head``: LFM3's
+            ``g_proj``); ``none`` for no gate.
         value_norm: Each value head is RMS-normalised, without a weight, before it is
             cached (Gemma 4).
         values_from_keys: The layer kinds whose values are their key projection's output,
@@ -149,7 +151,7 @@ class ModelConfig:
     value_scale: float = 1.0
     rope_qk_l2_norm: bool = False
     query_temperature: QueryTemperature | None = None
-    attention_output_gate: bool = False
+    attention_output_gate: Literal["none", "channel", "head"] = "none"
     value_norm: bool = False
     values_from_keys: frozenset[str] = frozenset()
     per_layer_inputs: PerLayerInputs | None = None

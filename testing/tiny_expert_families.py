@@ -311,6 +311,19 @@ def _lfm2_moe() -> Any:
     return model
 
 
+def _lfm3() -> Any:
+    """LFM3: short convolutions (3 taps), a sliding window of 8 and full attention (its rope
+    proportional over half of each head), a gate per head, sandwich norms."""
+    from transformers import Lfm3Config, Lfm3ForCausalLM
+
+    config = Lfm3Config(
+        **COMMON, num_hidden_layers=5, num_key_value_heads=2, head_dim=16,
+        layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"],
+        sliding_window=WINDOW, conv_L_cache=3, norm_eps=1e-5, **NO_SPECIAL_TOKENS,
+    )  # fmt: skip
+    return Lfm3ForCausalLM(config)
+
+
 def _jamba() -> Any:
     """Jamba: Mamba1 layers (8 states, a conv of 4, time steps of rank 4) with attention at
     layer 1 of every 2, experts (4, two a token) in every second layer."""
@@ -342,4 +355,5 @@ EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "jamba": _jamba,
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2_moe,
+    "lfm3": _lfm3,
 }

@@ -102,8 +102,10 @@ class PagedAttention(nn.Module):
                 self.v_proj = nn.Linear(config.hidden_size, v_width, bias=bias)
         self.o_proj = nn.Linear(out_width, config.hidden_size, bias=config.attention_out_bias)
         self.gate_proj: nn.Module | None = None
-        if config.attention_output_gate:
-            self.gate_proj = nn.Linear(config.hidden_size, out_width, bias=False)
+        self.gate_per_head = config.attention_output_gate == "head"
+        if config.attention_output_gate != "none":
+            gates = config.num_heads if self.gate_per_head else out_width
+            self.gate_proj = nn.Linear(config.hidden_size, gates, bias=False)
         self.qkv_proj: nn.Module | None = None
         # The joined projection's output: q and k heads side by side, then v.
         self._qk_v_widths = (q_width + kv_width, 0 if self.values_from_keys else v_width)
@@ -185,8 +187,9 @@ class PagedAttention(nn.Module):
             v = slice(first_kv * v_dim, (first_kv + num_kv) * v_dim)
             self.set_submodule("v_proj", rows_of(self.v_proj, v))
         self.set_submodule("o_proj", summed_columns(cut, self.o_proj, out))
-        if self.gate_proj is not None:  # one gate per output channel
-            self.gate_proj = rows_of(self.gate_proj, out)
+        if self.gate_proj is not None:  # one gate per output channel, or per head
+            heads = slice(cut.rank * num_heads, (cut.rank + 1) * num_heads)
+            self.gate_proj = rows_of(self.gate_proj, heads if self.gate_per_head else out)
         if self.sinks is not None:
             self.sinks = param(
                 self.sinks.detach()[cut.rank * num_heads : (cut.rank + 1) * num_heads]
@@ -280,8 +283,11 @@ class PagedAttention(nn.Module):
     def _project(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The heads' outputs ``[num_tokens, heads, head_dim]`` through the output gate
         (where the layer has one) and ``o_proj``."""
-        out = out[..., : self.v_head_dim].reshape(out.shape[0], self.num_heads * self.v_head_dim)
-        if self.gate_proj is not None:
+        out = out[..., : self.v_head_dim]
+        if self.gate_proj is not None and self.gate_per_head:
+            out = out * torch.sigmoid(self.gate_proj(x)).unsqueeze(-1)
+        out = out.reshape(out.shape[0], self.num_heads * self.v_head_dim)
+        if self.gate_proj is not None and not self.gate_per_head:
             out = out * torch.sigmoid(self.gate_proj(x))
         projected: torch.Tensor = self.o_proj(out)
         return projected

@@ -60,6 +60,7 @@ MODULES = {
     "qwen3_5_moe": "qwen3_next",
     "gemma4": "gemma4",
     "jamba": "jamba",
+    "lfm3": "lfm3",
     "mixtral": "mistral",
 }
 

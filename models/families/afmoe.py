@@ -38,7 +38,7 @@ def parse_afmoe(
             "rms_norm_eps": float_field(hf, "rms_norm_eps", 1e-5),
         },
         nope_layers=frozenset(i for i, kind in enumerate(kinds) if kind == FULL),
-        attention_output_gate=True,
+        attention_output_gate="channel",
         experts=ExpertsShape(
             num_experts=int_field(hf, "num_experts"),
             top_k=int_field(hf, "num_experts_per_tok"),

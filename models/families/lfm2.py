@@ -71,6 +71,17 @@ def _mlp_width(hf: Mapping[str, Any]) -> int:
     return multiple * ((width + multiple - 1) // multiple)
 
 
+#: LFM2's names of its parts that differ from ours, theirs -> ours.
+LFM2_PARTS = {
+    ".w1.": ".gate_proj.",  # the MLP's and each expert's (LFM2-MoE's ``experts.{e}``)
+    ".w3.": ".up_proj.",
+    ".w2.": ".down_proj.",
+    ".self_attn.out_proj.": ".self_attn.o_proj.",
+    ".self_attn.q_layernorm.": ".self_attn.q_norm.",
+    ".self_attn.k_layernorm.": ".self_attn.k_norm.",
+}
+
+
 def _pattern(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
     """Full attention at ``full_attn_idxs`` (every layer without them), conv elsewhere."""
     full = cfg.get("full_attn_idxs")
@@ -86,13 +97,6 @@ FAMILY = Family(
         mixer_norm="operator_norm", mlp_norm="ffn_norm", mlp_name="feed_forward", mlp="experts"
     ),
     renames={"model.embedding_norm.weight": "model.norm.weight"},
-    part_renames={
-        ".w1.": ".gate_proj.",  # the MLP's and each expert's (LFM2-MoE's ``experts.{e}``)
-        ".w3.": ".up_proj.",
-        ".w2.": ".down_proj.",
-        ".self_attn.out_proj.": ".self_attn.o_proj.",
-        ".self_attn.q_layernorm.": ".self_attn.q_norm.",
-        ".self_attn.k_layernorm.": ".self_attn.k_norm.",
-    },
+    part_renames=LFM2_PARTS,
     state_shape=short_conv_shape,
 )

@@ -42,7 +42,7 @@ def parse_qwen3_next(
         final_softcap=None,
         rope={FULL: rope_from_hf(hf, default_theta=10_000.0)},
         mlp_bias=False,
-        attention_output_gate=True,
+        attention_output_gate="channel",
         deltanet=deltanet_shape(hf),
         experts=_experts(hf, len(fields["layers"])),
     )

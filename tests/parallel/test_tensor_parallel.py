@@ -113,6 +113,7 @@ def test_two_ranks_match_one_process_bamba(
         ("lfm2", 2, 1, 1),
         ("qwen3_5_moe", 2, 1, 1),
         ("lfm2_moe", 2, 1, 1),
+        ("lfm3", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
