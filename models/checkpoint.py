@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from hybridkv.models import multimodal
 from hybridkv.models.config import ModelConfig, eos_ids
 from hybridkv.models.errors import CheckpointError, ModelConfigError
-from hybridkv.models.families import Family, running_family
+from hybridkv.models.families import Family, our_name, running_family
 from hybridkv.models.hf_config import read_config
 from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.weights import mxfp4
@@ -150,13 +150,13 @@ class Checkpoint:
         return names
 
     def _name(self, stored: str) -> str | None:
-        """A stored tensor's name as the model reads it; None for one it does not (a vision
-        tower's; one under the family's ``unread`` prefixes, such as Qwen3-Next's MTP
-        layers)."""
+        """A stored tensor's name as the model registers it (the family's renames applied);
+        None for one it does not read (a vision tower's; one under the family's ``unread``
+        prefixes, such as Qwen3-Next's MTP layers)."""
         name = multimodal.text_weight_name(stored) if self.text_of_multimodal else stored
-        if name is not None and name.startswith(self.family.unread):
+        if name is None or name.startswith(self.family.unread):
             return None
-        return name
+        return our_name(self.family, name)
 
     def load_weights(
         self,

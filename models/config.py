@@ -51,8 +51,8 @@ class ModelConfig:
         model_type: The Hugging Face ``model_type``.
         vocab_size: Rows of the embedding and of the LM head.
         hidden_size: Width of the residual stream.
-        intermediate_size: Width of the gated MLP.
-        num_heads: Query heads.
+        intermediate_size: Width of the gated MLP (0 where the layers have none).
+        num_heads: Query heads (0 in a model without attention: Mamba's).
         rms_norm_eps: Epsilon of every RMSNorm.
         norm_offset: RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1, Llama: 0).
         activation: ``silu`` or ``gelu_tanh``, applied to the MLP's gate.
@@ -198,7 +198,9 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Width of one head of the first attention layer (each kind's: ``head_dims``)."""
         attention = self.attention_layers
-        return attention[0].head_dim if attention else self.hidden_size // self.num_heads
+        if attention:
+            return attention[0].head_dim
+        return self.hidden_size // self.num_heads if self.num_heads else 0
 
     @property
     def head_dims(self) -> dict[str, int]:

@@ -338,6 +338,36 @@ def _jamba() -> Any:
     return JambaForCausalLM(config)
 
 
+def _mamba_fields() -> dict[str, Any]:
+    return {
+        "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 3, "state_size": 8,
+        "conv_kernel": 4, "expand": 2, "layer_norm_epsilon": 1e-5, **NO_SPECIAL_TOKENS,
+    }  # fmt: skip
+
+
+def _mamba() -> Any:
+    """Mamba: three Mamba1 blocks (8 states, a conv of 4), no attention, no MLP."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return MambaForCausalLM(MambaConfig(**_mamba_fields(), time_step_rank=4))
+
+
+def _falcon_mamba() -> Any:
+    """Falcon-Mamba: Mamba's blocks, the time step, B and C normalised without weights."""
+    from transformers import FalconMambaConfig, FalconMambaForCausalLM
+
+    config = FalconMambaConfig(**_mamba_fields(), time_step_rank=4, mixer_rms_eps=1e-6)
+    return FalconMambaForCausalLM(config)
+
+
+def _mamba2() -> Any:
+    """Mamba2: three Mamba2 blocks (8 heads of 16, two B/C groups, SSD chunks of 8)."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(**_mamba_fields(), num_heads=8, head_dim=16, n_groups=2, chunk_size=8)
+    return Mamba2ForCausalLM(config)
+
+
 #: Each family's builder, by the name the tests know it by.
 EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_moe": _qwen3_moe,
@@ -356,4 +386,7 @@ EXPERT_BUILDERS: dict[str, Callable[[], Any]] = {
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2_moe,
     "lfm3": _lfm3,
+    "mamba": _mamba,
+    "falcon_mamba": _falcon_mamba,
+    "mamba2": _mamba2,
 }

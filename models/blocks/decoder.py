@@ -74,6 +74,8 @@ class DecoderLayer(nn.Module):
                 self.moe = MixtureOfExperts(size, experts)
                 for name in _BESIDE_NORMS:
                     self.add_module(name, config_norm(config, size))
+        elif shape.mlp == "none":
+            pass
         elif shape.mlp == "gated" or (shape.mlp == "experts" and dense):
             self.add_module(shape.mlp_name, GatedMLP(config, bias=config.mlp_bias, inner=wide))
         elif shape.mlp == "experts":
@@ -137,6 +139,8 @@ class DecoderLayer(nn.Module):
         mixed = self.mix(self._norm(names.mixer_norm, hidden), inputs)
         mixed = self._norm(names.post_mixer_norm, mixed)
         hidden = hidden + (mixed * scale if scale != 1.0 else mixed)
+        if names.mlp == "none":
+            return hidden
         normed = self._norm(names.mlp_norm, hidden)
         out = self._norm(names.post_mlp_norm, self._mlp(normed, hidden))
         hidden = hidden + (out * scale if scale != 1.0 else out)

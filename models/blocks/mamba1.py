@@ -4,7 +4,8 @@
     page row   [ conv state: channels x (K-1) | SSM state: channels x state ]
 
 Weight names follow Jamba checkpoints (``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``,
-``A_log``, ``D``, ``out_proj`` and the RMSNorms of the time step, B and C).
+``A_log``, ``D``, ``out_proj`` and the RMSNorms of the time step, B and C), which are
+Mamba's and Falcon-Mamba's too (their norms without weights, or none).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hybridkv.kernels.selective_scan import selective_scan_decode, selective_sca
 from hybridkv.kernels.ssm import causal_conv1d_decode, causal_conv1d_states
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.attention import LayerInputs
-from hybridkv.models.blocks.norms import RMSNorm
+from hybridkv.models.blocks.norms import RMSNorm, WeightlessRMSNorm
 from hybridkv.models.blocks.state_mixer import Inputs, PagedStateMixer, State
 from hybridkv.models.shapes.mamba1 import Mamba1Shape
 
@@ -38,9 +39,7 @@ class Mamba1Mixer(PagedStateMixer):
         self.A_log = nn.Parameter(torch.empty(channels, size))
         self.D = nn.Parameter(torch.empty(channels))
         self.out_proj = nn.Linear(channels, shape.hidden_size, bias=shape.proj_bias)
-        self.dt_layernorm = RMSNorm(rank, eps, 0.0)
-        self.b_layernorm = RMSNorm(size, eps, 0.0)
-        self.c_layernorm = RMSNorm(size, eps, 0.0)
+        self.dt_layernorm, self.b_layernorm, self.c_layernorm = _selection_norms(shape, eps)
         self.state_shapes = shape.parts
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
@@ -83,3 +82,15 @@ class Mamba1Mixer(PagedStateMixer):
 
     def _a(self) -> torch.Tensor:
         return -torch.exp(self.A_log.float())
+
+
+def _selection_norms(shape: Mamba1Shape, eps: float) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """The norms of the time step, B and C: RMSNorms with a weight (Jamba's), without
+    one (Falcon-Mamba's), or none (Mamba's)."""
+    if shape.selection_norm == "none":
+        return nn.Identity(), nn.Identity(), nn.Identity()
+    eps = shape.selection_eps if shape.selection_eps is not None else eps
+    if shape.selection_norm == "weightless":
+        return WeightlessRMSNorm(eps), WeightlessRMSNorm(eps), WeightlessRMSNorm(eps)
+    rank, size = shape.dt_rank, shape.state_size
+    return RMSNorm(rank, eps, 0.0), RMSNorm(size, eps, 0.0), RMSNorm(size, eps, 0.0)

@@ -73,6 +73,18 @@ def rms_norm(
     return scale * normed.to(x.dtype)
 
 
+class WeightlessRMSNorm(nn.Module):
+    """Root-mean-square norm in float32 without a weight, cast back (Falcon-Mamba's norms
+    of its time step, B and C)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm without a bias, in float32, scaled by ``weight`` before casting back
     (Cohere's)."""

@@ -61,6 +61,9 @@ MODULES = {
     "gemma4": "gemma4",
     "jamba": "jamba",
     "lfm3": "lfm3",
+    "mamba": "mamba",
+    "falcon_mamba": "mamba",
+    "mamba2": "mamba",
     "mixtral": "mistral",
 }
 

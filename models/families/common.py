@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridkv.memory.layout import LayerSpec
+from hybridkv.memory.layout import AttentionSpec, LayerSpec
 from hybridkv.models.config import eos_ids
 from hybridkv.models.hf_config import flag_field, float_field, int_field, text_config
 from hybridkv.models.kinds import PolicyChoices
@@ -14,7 +14,11 @@ from hybridkv.models.specs import layer_specs_from_config
 
 
 def common_fields(
-    hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
+    hf: Mapping[str, Any],
+    *,
+    dtype_bytes: int = 2,
+    policies: PolicyChoices | None = None,
+    mlp: bool = True,
 ) -> dict[str, Any]:
     """The fields every architecture reads the same way, the per-layer specs included.
 
@@ -22,6 +26,7 @@ def common_fields(
         hf: The config.json dict.
         dtype_bytes: Bytes per cached K/V value, for the layer specs.
         policies: Per layer kind, a memory policy chosen instead of the config's.
+        mlp: Whether the layers have an MLP (``intermediate_size``); Mamba's have none.
 
     Raises:
         ModelConfigError: a missing or malformed field, named.
@@ -29,12 +34,13 @@ def common_fields(
     """
     cfg = text_config(hf)
     layers: list[LayerSpec] = layer_specs_from_config(cfg, dtype_bytes, policies=policies)
+    attention = any(isinstance(s, AttentionSpec) for s in layers)
     return {
         "model_type": cfg["model_type"],
         "vocab_size": int_field(cfg, "vocab_size"),
         "hidden_size": int_field(cfg, "hidden_size"),
-        "intermediate_size": int_field(cfg, "intermediate_size"),
-        "num_heads": int_field(cfg, "num_attention_heads"),
+        "intermediate_size": int_field(cfg, "intermediate_size") if mlp else 0,
+        "num_heads": int_field(cfg, "num_attention_heads") if attention else 0,
         "rms_norm_eps": float_field(cfg, "rms_norm_eps", 1e-6),
         "layers": layers,
         "tie_word_embeddings": flag_field(cfg, "tie_word_embeddings", False),

@@ -1,8 +1,9 @@
 """How a family's decoder layer is put together: its residual shape and the checkpoint
 names of its parts (torch-free; ``hybridkv.models.blocks.decoder`` builds the layer).
 
-Every layer has one mixer (paged attention as ``self_attn``, or Mamba2 as ``mamba``, by
-its spec) and an MLP, each normalised before, after, or both::
+Every layer has one mixer (paged attention as ``self_attn``, or a state mixer, by its
+spec) and an MLP (but Mamba's blocks: ``mlp="none"``), each normalised before, after, or
+both::
 
     pre_norm    h = x + m * mixer(norm(x));        out = h + m * mlp(norm(h))
     sandwich    h = x + norm(mixer(norm(x)));      out = h + norm(mlp(norm(h)))
@@ -28,7 +29,9 @@ Residual = Literal["pre_norm", "sandwich", "post_norm", "parallel"]
 #: ``pre_feedforward_layernorm_2`` and its output by ``post_feedforward_layernorm_2``,
 #: its router reading the layer's input to the MLP before any norm; their sum is the
 #: output ``post_mlp_norm`` normalises.
-MLPKind = Literal["gated", "shared_and_experts", "experts", "dense_and_experts"]
+#: ``none``: no MLP, the layer is its mixer alone (Mamba's, Mamba2's blocks: ``mlp_norm``
+#: None).
+MLPKind = Literal["gated", "shared_and_experts", "experts", "dense_and_experts", "none"]
 
 
 @attrs.frozen(kw_only=True)
@@ -55,6 +58,10 @@ class DecoderShape:
     mlp_name: str = "mlp"
 
     def __attrs_post_init__(self) -> None:
+        if self.mlp == "none":
+            if self.residual != "pre_norm" or self.mlp_norm is not None or self.mixer_norm is None:
+                raise ValueError(f"a layer without an MLP is pre-norm, one norm: {self!r}")
+            return
         before = self.mixer_norm is not None and self.mlp_norm is not None
         after = self.post_mixer_norm is not None and self.post_mlp_norm is not None
         if self.residual == "parallel":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -17,7 +17,9 @@ from hybridkv.models.shapes.mamba2 import STATE_DTYPE_BYTES
 @attrs.frozen(kw_only=True)
 class Mamba1Shape:
     """A Mamba1 mixer: ``channels`` (``mamba_expand * hidden``) of ``state_size`` states,
-    a convolution of ``conv_kernel`` taps, time steps of rank ``dt_rank``."""
+    a convolution of ``conv_kernel`` taps, time steps of rank ``dt_rank``; the time step,
+    B and C RMS-normalised before use with weights (``weighted``: Jamba's), without
+    (``weightless``: Falcon-Mamba's, at ``selection_eps``) or not (``none``: Mamba's)."""
 
     hidden_size: int
     channels: int
@@ -26,6 +28,8 @@ class Mamba1Shape:
     dt_rank: int
     conv_bias: bool = True
     proj_bias: bool = False
+    selection_norm: Literal["weighted", "weightless", "none"] = "weighted"
+    selection_eps: float | None = None
 
     @property
     def parts(self) -> tuple[tuple[int, ...], ...]:
@@ -44,7 +48,8 @@ class Mamba1Shape:
 
 
 def mamba1_shape(cfg: Mapping[str, Any]) -> Mamba1Shape:
-    """The Mamba1 fields of a Jamba config, with transformers' defaults."""
+    """The Mamba1 fields of a Jamba config, with transformers' defaults (Mamba's and
+    Falcon-Mamba's under the same names: ``models/families/mamba.py``)."""
     hidden = int_field(cfg, "hidden_size")
     rank = cfg.get("mamba_dt_rank", "auto")
     return Mamba1Shape(
@@ -57,4 +62,6 @@ def mamba1_shape(cfg: Mapping[str, Any]) -> Mamba1Shape:
         else int_field(cfg, "mamba_dt_rank"),
         conv_bias=flag_field(cfg, "mamba_conv_bias", True),
         proj_bias=flag_field(cfg, "mamba_proj_bias", False),
+        selection_norm=cfg.get("mamba_selection_norm", "weighted"),
+        selection_eps=cfg.get("mixer_rms_eps"),
     )

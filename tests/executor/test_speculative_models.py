@@ -33,6 +33,7 @@ POOL_PAGES = {"bamba": 64, "granite_moe": 64, "granite_dense": 64, "qwen3": 36}
 POOL_PAGES |= {"qwen3_next": 64, "qwen3_5": 64, "lfm2": 24, "lfm2_moe": 24, "olmo_hybrid": 64}
 POOL_PAGES["lfm3"] = 24
 POOL_PAGES["jamba"] = 32
+POOL_PAGES |= dict.fromkeys(("mamba", "falcon_mamba", "mamba2"), 20)
 POOL_PAGES |= {
     "olmo3": 24,
     "exaone4": 24,
@@ -100,6 +101,7 @@ async def _serve(
     [
         *("llama", "gemma2", "gemma3", "bamba", "granite_moe", "granite_dense"),
         *("qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "jamba"),
+        *("mamba", "falcon_mamba", "mamba2"),
         *NEW_FAMILIES,
     ],
 )

@@ -54,7 +54,7 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path, **fields: Any) -> Pa
     return folder
 
 
-@pytest.mark.parametrize("model_type", ["falcon_mamba", "mixtral", "gemma3", "minimax"])
+@pytest.mark.parametrize("model_type", ["rwkv", "mixtral", "gemma3", "minimax"])
 def test_a_type_that_does_not_run_is_refused_naming_what_runs(
     model_type: str, tiny_models: Any, tmp_path: Path
 ) -> None:
@@ -62,7 +62,7 @@ def test_a_type_that_does_not_run_is_refused_naming_what_runs(
     with pytest.raises(ModelConfigError, match=f"model_type '{model_type}' is not supported"):
         Checkpoint.open(folder)
     assert runnable_model_types()[:2] == ["llama", "gemma2"]
-    assert "qwen3" in runnable_model_types() and "falcon_mamba" not in runnable_model_types()
+    assert "qwen3" in runnable_model_types() and "rwkv" not in runnable_model_types()
 
 
 @pytest.mark.parametrize(

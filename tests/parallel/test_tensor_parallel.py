@@ -114,6 +114,7 @@ def test_two_ranks_match_one_process_bamba(
         ("qwen3_5_moe", 2, 1, 1),
         ("lfm2_moe", 2, 1, 1),
         ("lfm3", 2, 1, 1),
+        ("mamba2", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
@@ -228,11 +229,12 @@ def test_qk_norms_over_every_head_are_refused_before_any_process(tiny_models) ->
     assert not multiprocessing.active_children()
 
 
-def test_mamba1_layers_are_refused_before_any_process(tiny_models) -> None:
-    """Jamba's Mamba1 layers project every channel to their time steps: tp = 2 is refused
-    at start, naming why."""
+@pytest.mark.parametrize("name", ["jamba", "falcon_mamba"])
+def test_mamba1_layers_are_refused_before_any_process(name, tiny_models) -> None:
+    """Jamba's and Falcon-Mamba's Mamba1 layers project every channel to their time steps:
+    tp = 2 is refused at start, naming why."""
     with pytest.raises(ParallelConfigError, match="Mamba1 layers project every channel"):
-        _tensor(tiny_models["jamba"].path, 2)
+        _tensor(tiny_models[name].path, 2)
     assert not multiprocessing.active_children()
 
 
