@@ -22,21 +22,30 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan, StateSpec, owns_pages
+from hybridkv.memory.layout import (
+    AttentionSpec,
+    LayoutPlan,
+    ModelLayer,
+    NoCacheSpec,
+    StateSpec,
+    owns_pages,
+)
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.policies.base import MemoryPolicy
 
 
 def allocate_kv_caches(
-    plan: LayoutPlan, specs: Sequence[LayerSpec], dtype: torch.dtype, device: torch.device
+    plan: LayoutPlan, specs: Sequence[ModelLayer], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One zeroed tensor per slot the ``specs`` use, and per layer (in ``specs`` order) its
     paged view. A pipeline stage passes only its layers, and allocates only their slots.
-    A layer that reads another's pages (``AttentionSpec.reads``) gets its owner's view."""
+    A layer that reads another's pages (``AttentionSpec.reads``) gets its owner's view, one
+    that keeps nothing (``NoCacheSpec``) an empty tensor."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     page_elems = plan.block_bytes // itemsize
-    num_slots = max((plan.slot_of(s)[1] + 1 for s in specs), default=0)
+    cached = [s for s in specs if not isinstance(s, NoCacheSpec)]
+    num_slots = max((plan.slot_of(s)[1] + 1 for s in cached), default=0)
     # Zeros, not empty: a masked read of garbage NaN would still poison the output.
     slots = [
         torch.zeros(plan.num_blocks, page_elems, dtype=dtype, device=device)
@@ -44,6 +53,9 @@ def allocate_kv_caches(
     ]
     views = []
     for spec in specs:
+        if isinstance(spec, NoCacheSpec):
+            views.append(torch.empty(0, dtype=dtype, device=device))
+            continue
         _, slot = plan.slot_of(spec)
         if isinstance(spec, StateSpec):
             span, start = plan.state_span, plan.offset_of(spec) // 4
@@ -57,7 +69,13 @@ def allocate_kv_caches(
     return views
 
 
-def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> list[LayerSpec]:
+def layer_groups(plan: LayoutPlan, specs: Sequence[ModelLayer]) -> list[int | None]:
+    """Per layer of ``specs``, the KV group whose pages it reads; None for one keeping
+    nothing."""
+    return [None if isinstance(s, NoCacheSpec) else plan.slot_of(s)[0] for s in specs]
+
+
+def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> list[ModelLayer]:
     """Per layer, its spec with the policy of its KV group in ``plan``: what its pages keep.
 
     A group may keep more than its layers attend (``uniform_layout`` keeps every position),
@@ -74,8 +92,11 @@ def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> lis
             f"{config.num_layers} attention layers {names[:4]}..."
         )
     itemsize = torch.empty((), dtype=dtype).element_size()
-    kept = []
+    kept: list[ModelLayer] = []
     for spec in config.layers:
+        if isinstance(spec, NoCacheSpec):
+            kept.append(spec)
+            continue
         if isinstance(spec, AttentionSpec) and spec.dtype_bytes != itemsize:
             raise ModelConfigError(
                 f"layer spec {spec.name!r} caches {spec.dtype_bytes} bytes per value, the "

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from hybridkv.errors.events import get_logger
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.torch_thread import TorchThread
-from hybridkv.memory.layout import LayerSpec, LayoutPlan
+from hybridkv.memory.layout import LayerSpec, LayoutPlan, ModelLayer, cached_layers
 from hybridkv.memory.layout_planner import plan_layout
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.models.stages import check_stage_cuts, split_layers
@@ -67,22 +67,24 @@ class LoadedCheckpoint:
 
 
 def plan_stages(
-    layers: Sequence[LayerSpec], options: LoadOptions, num_stages: int
+    layers: Sequence[ModelLayer], options: LoadOptions, num_stages: int
 ) -> tuple[Sequence[LayerSpec], LayoutPlan]:
-    """The layers' specs as their groups keep them, and the pool ``options`` lays out for
-    them cut into ``num_stages`` pipeline stages (every stage plans the same)."""
-    specs = layers
+    """The specs of the layers that keep something, as their groups keep them, and the
+    pool ``options`` lays out for them, the model cut into ``num_stages`` pipeline stages
+    (every stage plans the same)."""
+    specs = cached_layers(layers)
     if options.uniform_layout:
         # Only what is kept changes: each layer still attends by its own policy, a
         # subset of every position.
         specs = [attrs.evolve(s, policy=FullAttention()) for s in specs]
-    names = [s.name for s in specs]
+    kept = {s.name for s in specs}
+    names = [s.name for s in layers]
     stages = split_layers(len(names), num_stages)
     plan = plan_layout(
         specs,
         options.kv_cache_bytes,
         options.block_size,
-        stages=[names[s.start : s.stop] for s in stages],
+        stages=[[n for n in names[s.start : s.stop] if n in kept] for s in stages],
     )
     return specs, plan
 

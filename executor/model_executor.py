@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from hybridkv.errors.events import get_logger
 from hybridkv.executor.batch_checks import check_batch
 from hybridkv.executor.grammars import GrammarError
-from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs
+from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs, layer_groups
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.loader import ModelShard, StageSlice, load_checkpoint
 from hybridkv.executor.logprobs import emitted_logprobs, prompt_logprobs
@@ -94,9 +94,9 @@ class ModelExecutor:
         self.specs = tuple(kept_specs(self.config, plan, dtype))
         held = [self.specs[i] for i in model.layer_range]
         self.kv_caches = self.torch_thread.run(allocate_kv_caches, plan, held, dtype, device)
-        self._layer_groups = [plan.slot_of(s)[0] for s in held]
+        self._layer_groups = layer_groups(plan, held)
         # Metadata is built only for the groups of the layers held (all, without stages).
-        self._groups = sorted(set(self._layer_groups))
+        self._groups = sorted({g for g in self._layer_groups if g is not None})
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = self.config.max_position_embeddings
@@ -189,7 +189,7 @@ class ModelExecutor:
         held = [self.specs[i] for i in self.model.layer_range]
         owned = [i for i, spec in enumerate(held) if owns_pages(spec)]
         caches = [self.kv_caches[i] for i in owned]
-        groups = [self._layer_groups[i] for i in owned]
+        groups = [g for g in (self._layer_groups[i] for i in owned) if g is not None]
         return KVPages(caches, groups, self.device, state_spans=spans)
 
     def compile_grammar(self, spec: StructuredOutput) -> None:
@@ -277,7 +277,7 @@ class ModelExecutor:
             query_lens=query_lens,
             positions=built[0].positions if built else _positions(requests, self.device),
             caches=[
-                (cache, metadata[group])
+                (cache, None if group is None else metadata[group])
                 for cache, group in zip(self.kv_caches, self._layer_groups, strict=True)
             ],
             input_ids=input_ids,
@@ -387,11 +387,11 @@ class StageInputs:
         query_lens: Tokens run per request.
         positions: ``[num_tokens]`` position of each token within its request.
         caches: Per layer held, its KV cache and its group's paged metadata (a state
-            group's: its :class:`StepStates`).
+            group's: its :class:`StepStates`; None for a layer keeping nothing).
         input_ids: ``[num_tokens]`` token ids where the executor embeds, else None.
     """
 
     query_lens: list[int]
     positions: torch.Tensor
-    caches: list[tuple[torch.Tensor, PagedMetadata | StepStates]]
+    caches: list[tuple[torch.Tensor, PagedMetadata | StepStates | None]]
     input_ids: torch.Tensor | None

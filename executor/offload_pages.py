@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import xxhash
 
-from hybridkv.memory.layout import LayerSpec, LayoutPlan
+from hybridkv.memory.layout import LayerSpec, LayoutPlan, cached_layers
 from hybridkv.memory.offload.blob import KVBlock
 from hybridkv.memory.offload.errors import CorruptBlockError
 from hybridkv.memory.offload.keys import KeySpace
@@ -136,7 +136,7 @@ def key_space(
                 embeds = True
     return KeySpace(
         digest.hexdigest()[:24],
-        group_kinds(config.layers, plan),
+        group_kinds(cached_layers(config.layers), plan),
         model=model_id.hexdigest() if embeds else "",
     )
 

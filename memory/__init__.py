@@ -3,7 +3,14 @@
 from hybridkv.memory.errors import CapacityError, LayoutError, PromptTooLongError
 from hybridkv.memory.hashing import BlockHash, BlockHasher, hash_names
 from hybridkv.memory.interface import NO_NEW_BLOCKS, KVRequest, KVUsage, PrefixHit, StaleHitError
-from hybridkv.memory.layout import AttentionSpec, KVGroup, LayerSpec, LayoutPlan, StateSpec
+from hybridkv.memory.layout import (
+    AttentionSpec,
+    KVGroup,
+    LayerSpec,
+    LayoutPlan,
+    NoCacheSpec,
+    StateSpec,
+)
 from hybridkv.memory.manager import KVCacheManager
 from hybridkv.memory.pool import NULL_BLOCK, BlockId, BlockPool
 
@@ -23,6 +30,7 @@ __all__ = [
     "LayerSpec",
     "LayoutError",
     "LayoutPlan",
+    "NoCacheSpec",
     "PrefixHit",
     "PromptTooLongError",
     "StaleHitError",

@@ -82,18 +82,39 @@ class StateSpec:
         return self.state_bytes
 
 
+@attrs.frozen(kw_only=True)
+class NoCacheSpec:
+    """A layer that keeps nothing per request (Nemotron-H's MLP and MoE layers): the
+    planner never sees it, and it runs without a cache.
+
+    ``kind`` is the config's layer type (``mlp``), as for :class:`AttentionSpec`.
+    """
+
+    name: str
+    kind: str | None = None
+
+
+#: What a layer keeps in the pool: K/V, or a state.
 LayerSpec = AttentionSpec | StateSpec
+#: A model's layer: one that keeps K/V or a state, or one that keeps nothing.
+ModelLayer = AttentionSpec | StateSpec | NoCacheSpec
 
 
-def page_owner(spec: LayerSpec) -> str:
+def cached_layers(layers: Iterable[ModelLayer]) -> list[LayerSpec]:
+    """The layers of ``layers`` that keep something in the pool, in order."""
+    return [s for s in layers if not isinstance(s, NoCacheSpec)]
+
+
+def page_owner(spec: ModelLayer) -> str:
     """The name of the layer whose pages ``spec``'s layer reads: its own, or for a layer
     that reads another's cache (``AttentionSpec.reads``), that layer's."""
     return spec.reads if isinstance(spec, AttentionSpec) and spec.reads else spec.name
 
 
-def owns_pages(spec: LayerSpec) -> bool:
-    """Whether the layer keeps pages of its own (every layer but those reading another's)."""
-    return page_owner(spec) == spec.name
+def owns_pages(spec: ModelLayer) -> bool:
+    """Whether the layer keeps pages of its own (every layer but those reading another's
+    and those keeping nothing)."""
+    return not isinstance(spec, NoCacheSpec) and page_owner(spec) == spec.name
 
 
 def _policy_tuple(policies: Iterable[MemoryPolicy]) -> tuple[MemoryPolicy, ...]:

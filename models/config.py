@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import attrs
 
-from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
+from hybridkv.memory.layout import AttentionSpec, ModelLayer, StateSpec
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import DELTANET, FULL, MAMBA, MAMBA1, SHORT_CONV, SLIDING
 from hybridkv.models.shapes.decoder import PerLayerInputs
@@ -55,7 +55,8 @@ class ModelConfig:
         num_heads: Query heads (0 in a model without attention: Mamba's).
         rms_norm_eps: Epsilon of every RMSNorm.
         norm_offset: RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1, Llama: 0).
-        activation: ``silu`` or ``gelu_tanh``, applied to the MLP's gate.
+        activation: ``silu``, ``gelu_tanh`` or ``relu2`` (squared ReLU), applied to the
+            MLP's gate (to its one projection where it has no gate: Nemotron-H).
         qk_norm: RMSNorm of q and k before rope (Gemma 3, Qwen3, OLMo).
         qk_norm_width: Over each head (``head``: Gemma 3, Qwen3) or over the whole
             projection, every head together (``projection``: OLMo 2/3).
@@ -124,7 +125,7 @@ class ModelConfig:
     query_scale: float
     attn_softcap: float | None
     final_softcap: float | None
-    layers: tuple[LayerSpec, ...] = attrs.field(converter=tuple, validator=_runnable_layers)
+    layers: tuple[ModelLayer, ...] = attrs.field(converter=tuple, validator=_runnable_layers)
     rope: Mapping[str, RopeSpec] = attrs.field(hash=False)
     tie_word_embeddings: bool
     attention_bias: bool
@@ -235,4 +236,8 @@ def activation_of(name: str) -> str:
         return "silu"
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
         return "gelu_tanh"
-    raise ModelConfigError(f"activation {name!r} is not supported; supported: silu, gelu_tanh")
+    if name == "relu2":
+        return "relu2"
+    raise ModelConfigError(
+        f"activation {name!r} is not supported; supported: silu, gelu_tanh, relu2"
+    )

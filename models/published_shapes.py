@@ -300,4 +300,22 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": 512,
         "num_kv_shared_layers": 18,
     },
+    # Nemotron-H 8B: 52 layers, 24 Mamba2 (128 heads of 64, 8 groups of 128 states), 4
+    # attention (8 KV heads of 128, no rope) and 24 MLP layers that keep nothing.
+    "nemotron-h-8b-like": {
+        "model_type": "nemotron_h",
+        "num_hidden_layers": 52,
+        "hidden_size": 4096,
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 21504,
+        "mamba_num_heads": 128,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "chunk_size": 128,
+    },
 }

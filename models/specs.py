@@ -19,11 +19,11 @@ checkpoint: ``model.layers.{i}.self_attn`` (``.mamba``, ``.linear_attn`` for sta
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import attrs
 
-from hybridkv.memory.layout import AttentionSpec, LayerSpec, StateSpec
+from hybridkv.memory.layout import AttentionSpec, LayerSpec, ModelLayer, NoCacheSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.families import MODULES, Family, family_for
 from hybridkv.models.hf_config import int_field, text_config
@@ -32,6 +32,7 @@ from hybridkv.models.kinds import (
     FULL,
     LAYER_TYPES,
     MAMBA,
+    NO_CACHE_KINDS,
     SLIDING,
     STATE_KINDS,
     PolicyChoices,
@@ -54,22 +55,27 @@ __all__ = [
 ]
 
 
-def tensor_rank_spec(spec: LayerSpec, size: int, state: StateShape | None) -> LayerSpec:
+@overload
+def tensor_rank_spec(spec: LayerSpec, size: int, state: StateShape | None) -> LayerSpec: ...
+@overload
+def tensor_rank_spec(spec: ModelLayer, size: int, state: StateShape | None) -> ModelLayer: ...
+def tensor_rank_spec(spec: ModelLayer, size: int, state: StateShape | None) -> ModelLayer:
     """``spec`` as each of ``size`` tensor-parallel ranks holds it
     (``hybridkv.parallel.tensor_shards``): its share of the KV heads, or one replicated
     head where there are fewer heads than ranks; a state layer's state (of shape
     ``state``) of its share of the heads and channels."""
     if isinstance(spec, AttentionSpec):
         return attrs.evolve(spec, num_kv_heads=max(1, spec.num_kv_heads // size))
-    if state is None:
+    if state is None or isinstance(spec, NoCacheSpec):
         return spec
     return attrs.evolve(spec, state_bytes=state.tensor_share(size).state_bytes)
 
 
 def layer_specs_from_config(
     config: Mapping[str, Any], dtype_bytes: int = 2, *, policies: PolicyChoices | None = None
-) -> list[LayerSpec]:
-    """One spec per KV layer of a Hugging Face config dict, in layer order.
+) -> list[ModelLayer]:
+    """One spec per layer of a Hugging Face config dict, in layer order (a layer keeping
+    nothing, such as Nemotron-H's MLP layers, as a ``NoCacheSpec``).
 
     Args:
         config: The parsed config.json (a multimodal config's ``text_config`` is used).
@@ -92,8 +98,11 @@ def layer_specs_from_config(
     kinds = _layer_kinds(cfg, num_layers, family)
     chosen = _check_choices(policies or {}, kinds)
     by_kind: dict[str, MemoryPolicy] = {}
-    specs: list[LayerSpec] = []
+    specs: list[ModelLayer] = []
     for i, kind in enumerate(kinds):
+        if kind in NO_CACHE_KINDS:
+            specs.append(NoCacheSpec(name=f"model.layers.{i}.mlp", kind=kind))
+            continue
         if kind not in by_kind:
             by_kind[kind] = chosen[kind] if kind in chosen else _policy(cfg, kind)
         specs.append(_spec(cfg, family, kind, i, by_kind[kind], dtype_bytes))
@@ -102,7 +111,7 @@ def layer_specs_from_config(
     return specs
 
 
-def _shared(specs: list[LayerSpec], owners: Mapping[int, int]) -> list[LayerSpec]:
+def _shared(specs: list[ModelLayer], owners: Mapping[int, int]) -> list[ModelLayer]:
     """``specs`` with each layer of ``owners`` reading its owner's pages: an earlier
     attention layer of the same kind and shape that keeps its own."""
     out = list(specs)
@@ -147,6 +156,10 @@ def _check_choices(policies: PolicyChoices, kinds: list[str]) -> dict[str, Memor
         kind: check_policy(p, f"the policy chosen for {kind!r}") for kind, p in policies.items()
     }
     for kind, policy in chosen.items():
+        if kind in NO_CACHE_KINDS:
+            raise ModelConfigError(
+                f"a policy is chosen for layer kind {kind!r}, whose layers keep nothing"
+            )
         if policy.keeps_state != (kind in STATE_KINDS):
             need = f"keeps a state ({kind})" if kind in STATE_KINDS else "keeps K/V"
             raise ModelConfigError(

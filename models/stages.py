@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from hybridkv.memory.layout import LayerSpec, page_owner
+from hybridkv.memory.layout import ModelLayer, page_owner
 from hybridkv.models.errors import ParallelConfigError
 
 
@@ -71,7 +71,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[PipelineStage]:
 
 
 def check_stage_cuts(
-    layers: Sequence[LayerSpec], num_stages: int, *, per_layer_inputs: bool = False
+    layers: Sequence[ModelLayer], num_stages: int, *, per_layer_inputs: bool = False
 ) -> list[PipelineStage]:
     """The stages of :func:`split_layers`, once every layer that reads another layer's
     cache finds it in its own stage.

@@ -174,7 +174,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        caches: Sequence[tuple[torch.Tensor, PagedMetadata | StepStates]],
+        caches: Sequence[tuple[torch.Tensor, PagedMetadata | StepStates | None]],
     ) -> torch.Tensor:
         """Embed and run every layer over a flat token batch; hidden states before the norm.
 
@@ -198,7 +198,7 @@ class CausalLM(nn.Module):
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        caches: Sequence[tuple[torch.Tensor, PagedMetadata | StepStates]],
+        caches: Sequence[tuple[torch.Tensor, PagedMetadata | StepStates | None]],
         *,
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:

@@ -22,8 +22,9 @@ from typing import Any
 import attrs
 import torch
 
+from hybridkv.executor.kv_caches import layer_groups
 from hybridkv.executor.model_executor import LogitsHook, ModelExecutor, StageInputs
-from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan, PoolSpec
+from hybridkv.memory.layout import AttentionSpec, LayoutPlan, ModelLayer, NoCacheSpec, PoolSpec
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.parallel.context_attention import ContextLayer, ContextStep
@@ -32,7 +33,7 @@ from hybridkv.parallel.context_shards import KVInterleave
 from hybridkv.scheduler.batch import StepBatch, StepResult
 
 
-def check_context_split(specs: Sequence[LayerSpec], *, sinks: bool = False) -> None:
+def check_context_split(specs: Sequence[ModelLayer], *, sinks: bool = False) -> None:
     """Refuse layers context parallelism cannot shard, naming the first and why.
 
     Raises:
@@ -50,6 +51,8 @@ def check_context_split(specs: Sequence[LayerSpec], *, sinks: bool = False) -> N
             "attention sinks (a learned logit per head, gpt-oss) are not part of that merge"
         )
     for spec in specs:
+        if isinstance(spec, NoCacheSpec):
+            continue  # runs on each rank's tokens alone
         if not isinstance(spec, AttentionSpec):
             raise ParallelConfigError(
                 f"context parallelism splits a request's tokens among ranks; layer "
@@ -104,7 +107,7 @@ class ContextParallelExecutor:
         self.eos_token_ids = inner.eos_token_ids
         self.max_model_len = inner.max_model_len
         held = [self.specs[i] for i in self.model.layer_range]
-        self._layer_groups = [self.plan.slot_of(s)[0] for s in held]
+        self._layer_groups = layer_groups(self.plan, held)
 
     @property
     def pool(self) -> PoolSpec:
@@ -130,7 +133,8 @@ class ContextParallelExecutor:
         requests = batch.requests
         query_lens = [r.num_tokens for r in requests]
         context_lens = [r.start_position + r.num_tokens for r in requests]
-        tables = {g: [r.block_tables[g] for r in requests] for g in sorted(set(self._layer_groups))}
+        groups = sorted({g for g in self._layer_groups if g is not None})
+        tables = {g: [r.block_tables[g] for r in requests] for g in groups}
         step = ContextStep(
             query_lens, context_lens, tables, self.place, self.ranks, self.inner.device
         )
@@ -139,7 +143,7 @@ class ContextParallelExecutor:
             ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.long)
             input_ids = ids.to(self.inner.device)[step.global_rows]
         caches: list[tuple[torch.Tensor, Any]] = [
-            (cache, ContextLayer(step, group))
+            (cache, None if group is None else ContextLayer(step, group))
             for cache, group in zip(self.inner.kv_caches, self._layer_groups, strict=True)
         ]
         return ContextInputs(

@@ -38,13 +38,12 @@ from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.loader import plan_stages
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.executor.offload_pages import group_kinds, pinned_buffers
-from hybridkv.memory.layout import LayerSpec, LayoutPlan
+from hybridkv.memory.layout import LayoutPlan
 from hybridkv.memory.offload.config import OffloadConfig, TierSpec
 from hybridkv.memory.offload.errors import OffloadConfigError
 from hybridkv.memory.offload.keys import KeySpace, with_fingerprint
 from hybridkv.memory.offload.transfers import KVTransfers, LoadReport, LoadTask
 from hybridkv.memory.offload.worker import TransferWorker
-from hybridkv.models.stages import split_layers
 from hybridkv.parallel.context_executor import ContextParallelExecutor
 from hybridkv.parallel.rank_layout import ParallelConfig
 
@@ -83,12 +82,12 @@ def share_name(layout: ParallelConfig, rank: int, kv_interleave: int = 1) -> str
     return name if layout.context == 1 else f"{name}i{kv_interleave}"
 
 
-def group_stages(plan: LayoutPlan, specs: Sequence[LayerSpec], num_stages: int) -> list[int]:
+def group_stages(plan: LayoutPlan) -> list[int]:
     """Per KV group, the first pipeline stage holding one of its layers."""
     first: dict[int, int] = {}
-    for stage in split_layers(len(specs), num_stages):
-        for i in stage.layers:
-            first.setdefault(plan.slot_of(specs[i])[0], stage.index)
+    for index, names in enumerate(plan.stages):
+        for name in names:
+            first.setdefault(plan.layer_slots[name][0], index)
     return [first[g] for g in range(len(plan.groups))]
 
 
@@ -119,7 +118,7 @@ def plan_offload(
         f"{keys.fingerprint}.{share_name(layout, rank, interleave)}"
         for rank in range(layout.world_size)
     )
-    stages = group_stages(stage0.plan, stage0.specs, layout.pipeline)
+    stages = group_stages(stage0.plan)
     _check_lookups(stages, keys.group_kinds, config.specs, layout.pipeline)
     holders = [fingerprints[int(grid[0, stage, 0, 0])] for stage in stages]
     setup = OffloadSetup(config.specs, config.save_interval, config.max_pending_saves, fingerprints)
@@ -143,7 +142,7 @@ def check_pipeline_tiers(
     config = options.open_checkpoint(path).config
     layers, plan = plan_stages(config.layers, options, num_stages)
     kinds = group_kinds(layers, plan)
-    _check_lookups(group_stages(plan, layers, num_stages), kinds, specs, num_stages)
+    _check_lookups(group_stages(plan), kinds, specs, num_stages)
 
 
 def _check_lookups(

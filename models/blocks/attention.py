@@ -63,7 +63,7 @@ class LayerInputs:
     cos: torch.Tensor
     sin: torch.Tensor
     kv_cache: torch.Tensor
-    metadata: PagedMetadata | ShardedAttention | StepStates
+    metadata: PagedMetadata | ShardedAttention | StepStates | None
     query_scale: torch.Tensor | None = None
     per_layer: torch.Tensor | None = None
 
@@ -247,6 +247,7 @@ class PagedAttention(nn.Module):
         if v is not None:
             v = self._values(v.reshape(num_tokens, self._new_kv_heads, self.v_head_dim))
         if not isinstance(meta, PagedMetadata):
+            assert meta is not None, "an attention layer without a cache"
             assert not isinstance(meta, StepStates), "an attention layer in a state group"
             assert v is not None, "context parallelism refuses layers reading another's cache"
             # Context parallelism refuses policies without one window (live_spans).

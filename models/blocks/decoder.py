@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.memory.layout import StateSpec
+from hybridkv.memory.layout import NoCacheSpec, StateSpec
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.deltanet import GatedDeltaNet
 from hybridkv.models.blocks.mamba1 import Mamba1Mixer
 from hybridkv.models.blocks.mamba2 import Mamba2Mixer
-from hybridkv.models.blocks.mlp import ACTIVATIONS, GatedMLP, SharedMLP
+from hybridkv.models.blocks.mlp import ACTIVATIONS, GatedMLP, PlainMLP, SharedMLP
 from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.blocks.short_conv import ShortConv
@@ -50,8 +50,13 @@ class DecoderLayer(nn.Module):
         # The mixer, under its checkpoint name: ``self_attn``, ``mamba``, ``linear_attn``.
         state = isinstance(spec, StateSpec)
         self._mixer = STATE_KINDS[str(spec.kind)] if state else "self_attn"
-        if not state:
-            self.add_module("self_attn", PagedAttention(config, layer))
+        self._mixer = shape.mixer_name or self._mixer
+        # A layer that keeps nothing has an MLP for its mixer (Nemotron-H's).
+        self._cacheless = isinstance(spec, NoCacheSpec)
+        if self._cacheless:
+            self.add_module(self._mixer, PlainMLP(config, bias=config.mlp_bias))
+        elif not state:
+            self.add_module(self._mixer, PagedAttention(config, layer))
         elif spec.kind == DELTANET:
             assert config.deltanet is not None, "a DeltaNet layer without its shape"
             self.add_module(self._mixer, GatedDeltaNet(config.deltanet, eps))
@@ -109,7 +114,8 @@ class DecoderLayer(nn.Module):
 
     def mix(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         """Run whichever mixer the layer has."""
-        out: torch.Tensor = getattr(self, self._mixer)(hidden, inputs)
+        mixer = getattr(self, self._mixer)
+        out: torch.Tensor = mixer(hidden) if self._cacheless else mixer(hidden, inputs)
         return out
 
     def _mlp(self, normed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

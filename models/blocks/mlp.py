@@ -1,5 +1,6 @@
 """MLPs: the gated MLP (SwiGLU, GeGLU) with separate or joined gate and up projections,
-and Granite's shared MLP (gate and up stacked in one checkpoint tensor).
+the plain one (Nemotron-H's: no gate), and Granite's shared MLP (gate and up stacked in
+one checkpoint tensor).
 """
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": _gelu_tanh,
+    "relu2": _relu2,
 }
 
 
@@ -70,6 +76,27 @@ class GatedMLP(nn.Module):
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         out: torch.Tensor = self.down_proj(self.act(gate).mul_(up))
+        return out
+
+
+class PlainMLP(nn.Module):
+    """``down(act(up(x)))``, no gate (Nemotron-H's MLP layers, squared ReLU)."""
+
+    def __init__(self, config: ModelConfig, *, bias: bool) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = ACTIVATIONS[config.activation]
+
+    def shard(self, cut: TensorCut) -> None:
+        """Keep the rank's run of the width: rows of up, columns of down (summed)."""
+        width = self.up_proj.out_features // cut.size
+        held = torch.arange(cut.rank * width, (cut.rank + 1) * width)
+        self.set_submodule("up_proj", rows_of(self.up_proj, held))
+        self.set_submodule("down_proj", summed_columns(cut, self.down_proj, held))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(self.act(self.up_proj(x)))
         return out
 
 

@@ -64,6 +64,7 @@ MODULES = {
     "mamba": "mamba",
     "falcon_mamba": "mamba",
     "mamba2": "mamba",
+    "nemotron_h": "nemotron_h",
     "mixtral": "mistral",
 }
 

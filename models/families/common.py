@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridkv.memory.layout import AttentionSpec, LayerSpec
+from hybridkv.memory.layout import AttentionSpec, ModelLayer
 from hybridkv.models.config import eos_ids
 from hybridkv.models.hf_config import flag_field, float_field, int_field, text_config
 from hybridkv.models.kinds import PolicyChoices
@@ -33,7 +33,7 @@ def common_fields(
         PolicyError: a chosen policy that is not a MemoryPolicy.
     """
     cfg = text_config(hf)
-    layers: list[LayerSpec] = layer_specs_from_config(cfg, dtype_bytes, policies=policies)
+    layers: list[ModelLayer] = layer_specs_from_config(cfg, dtype_bytes, policies=policies)
     attention = any(isinstance(s, AttentionSpec) for s in layers)
     return {
         "model_type": cfg["model_type"],

@@ -18,6 +18,13 @@ from hybridkv.models.shapes.mamba1 import mamba1_shape
 from hybridkv.models.shapes.mamba2 import mamba2_shape
 from hybridkv.models.shapes.state import StateShape
 
+#: The ``backbone.`` names of Mamba's checkpoints (and Nemotron-H's), as ours.
+BACKBONE_RENAMES = {
+    "backbone.embeddings.weight": "model.embed_tokens.weight",
+    "backbone.norm_f.weight": "model.norm.weight",
+}
+BACKBONE_PARTS = {"backbone.layers.": "model.layers."}
+
 #: Their config fields by the names ``mamba1_shape`` and ``mamba2_shape`` read.
 _FIELDS = {
     "state_size": "mamba_d_state",
@@ -74,11 +81,8 @@ FAMILY = Family(
     layer_kinds=lambda cfg, n: [MAMBA if cfg["model_type"] == "mamba2" else MAMBA1] * n,
     parse=parse_mamba,
     decoder=DecoderShape(mixer_norm="norm", mlp_norm=None, mlp="none"),
-    renames={
-        "backbone.embeddings.weight": "model.embed_tokens.weight",
-        "backbone.norm_f.weight": "model.norm.weight",
-    },
-    part_renames={"backbone.layers.": "model.layers.", ".mixer.": ".mamba."},
+    renames=BACKBONE_RENAMES,
+    part_renames={**BACKBONE_PARTS, ".mixer.": ".mamba."},
     state_shape=_state_shape,
     normalize=_normalize,
 )

@@ -47,6 +47,9 @@ class DecoderShape:
         post_mlp_norm: The norm of the MLP's output (not ``pre_norm``).
         mlp: The MLP's kind.
         mlp_name: The gated MLP's name.
+        mixer_name: The mixer's name whatever its kind (Nemotron-H's ``mixer``: attention,
+            Mamba2, or an MLP in the layers that keep nothing); None: by its kind
+            (``self_attn``, or the state kind's name in ``kinds.STATE_KINDS``).
     """
 
     residual: Residual = "pre_norm"
@@ -56,6 +59,7 @@ class DecoderShape:
     post_mlp_norm: str | None = None
     mlp: MLPKind = "gated"
     mlp_name: str = "mlp"
+    mixer_name: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.mlp == "none":

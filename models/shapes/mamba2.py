@@ -109,7 +109,8 @@ def mamba2_shape(cfg: Mapping[str, Any]) -> Mamba2Shape:
         ModelConfigError: a missing or bad field, or heads that do not tile the width.
     """
     hidden = int_field(cfg, "hidden_size")
-    intermediate = int_field(cfg, "mamba_expand", 2) * hidden
+    expanded = int_field(cfg, "mamba_expand", 2) * hidden
+    intermediate = int_field(cfg, "mamba_intermediate_size", expanded)
     num_heads = int_field(cfg, "mamba_n_heads", 128)
     head_dim_field = cfg.get("mamba_d_head", "auto")
     head_dim = (
@@ -119,8 +120,8 @@ def mamba2_shape(cfg: Mapping[str, Any]) -> Mamba2Shape:
     )
     if head_dim * num_heads != intermediate:
         raise ModelConfigError(
-            f"mamba_n_heads={num_heads} x mamba_d_head={head_dim} must equal mamba_expand x "
-            f"hidden_size = {intermediate}"
+            f"mamba_n_heads={num_heads} x mamba_d_head={head_dim} must equal the mixer's "
+            f"width, {intermediate}"
         )
     num_groups = int_field(cfg, "mamba_n_groups", 1)
     if num_heads % num_groups:

@@ -79,6 +79,7 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         ModelConfigError, PolicyError: a layer policy for a kind the model lacks.
     """
     from hybridkv.executor.model_executor import ModelExecutor
+    from hybridkv.memory.layout import cached_layers
     from hybridkv.scheduler import EngineConfig
     from hybridkv.serving.cli.flags.values import UsageError
 
@@ -116,7 +117,7 @@ def load_model(settings: EngineArgs, *, quiet: bool = False) -> LoadedModel:
         engine_config=config,
         tokenizer=executor.tokenizer,
         chat_template=ChatTemplate.from_checkpoint(folder),
-        specs=list(executor.specs),
+        specs=cached_layers(executor.specs),
         weights=weights,
         proposer=_draft_proposer(settings, executor, limit, quiet=quiet),
     )

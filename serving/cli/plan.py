@@ -81,7 +81,7 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 
 def run_plan(args: argparse.Namespace) -> int:
     """Plan the layout and print it."""
-    from hybridkv.memory.layout import owns_pages
+    from hybridkv.memory.layout import cached_layers, owns_pages
     from hybridkv.memory.layout_planner import describe, plan_layout
     from hybridkv.models.specs import layer_specs_from_config, tensor_rank_spec
     from hybridkv.serving.cli.flags.engine import parse_layer_policies
@@ -91,19 +91,26 @@ def run_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--request-tokens must be >= 1, got {args.request_tokens}")
     label, config = load_config(args.model)
     policies = dict(parse_layer_policies(args.layer_policies))
-    specs = layer_specs_from_config(config, dtype_bytes(args.dtype), policies=policies)
+    layers = layer_specs_from_config(config, dtype_bytes(args.dtype), policies=policies)
+    specs = cached_layers(layers)
     tp = args.tensor_parallel_size
     if tp < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tp}")
     one_process, mamba = specs, _state_shape(config)
     specs = [tensor_rank_spec(s, tp, mamba) for s in specs]
-    stages = split_stages([s.name for s in specs], args.pp_stages)
+    kept_names = {s.name for s in specs}
+    stages = [
+        [n for n in stage if n in kept_names]
+        for stage in split_stages([s.name for s in layers], args.pp_stages)
+    ]
     plan = plan_layout(specs, budget, args.block_size, stages=stages)
     report = describe(plan, specs, args.request_tokens)
     summary = ", ".join(f"{p.num_layers} {p.policy}" for p in report.policies)
     raised = plan.block_size != args.block_size
     readers = sum(1 for s in specs if not owns_pages(s))
     shared = f"; {readers} more read an earlier layer's" if readers else ""
+    if len(layers) > len(specs):
+        shared += f"; {len(layers) - len(specs)} more keep nothing"
     kept = len(specs) - readers
     print(f"model   {label}: {kept} KV layers ({summary or 'attention-free'}{shared})")
     print(

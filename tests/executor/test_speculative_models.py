@@ -34,6 +34,7 @@ POOL_PAGES |= {"qwen3_next": 64, "qwen3_5": 64, "lfm2": 24, "lfm2_moe": 24, "olm
 POOL_PAGES["lfm3"] = 24
 POOL_PAGES["jamba"] = 32
 POOL_PAGES |= dict.fromkeys(("mamba", "falcon_mamba", "mamba2"), 20)
+POOL_PAGES["nemotron_h"] = 64
 POOL_PAGES |= {
     "olmo3": 24,
     "exaone4": 24,
@@ -101,7 +102,7 @@ async def _serve(
     [
         *("llama", "gemma2", "gemma3", "bamba", "granite_moe", "granite_dense"),
         *("qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "jamba"),
-        *("mamba", "falcon_mamba", "mamba2"),
+        *("mamba", "falcon_mamba", "mamba2", "nemotron_h"),
         *NEW_FAMILIES,
     ],
 )

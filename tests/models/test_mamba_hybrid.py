@@ -20,6 +20,7 @@ from hybridkv.policies import MambaLike
 
 HYBRIDS = ["bamba", "granite_moe", "granite_dense", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 HYBRIDS += ["lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "jamba", "mamba", "falcon_mamba", "mamba2"]
+HYBRIDS += ["nemotron_h"]
 BS = 16
 
 
@@ -202,7 +203,10 @@ async def test_engine_outputs_match_transformers_under_preemption(
 
 @pytest.mark.parametrize(
     "name",
-    ["bamba", "granite_moe", "qwen3_next", "lfm2", "lfm3", "olmo_hybrid", "jamba", "mamba2"],
+    [
+        *("bamba", "granite_moe", "qwen3_next", "lfm2", "lfm3", "olmo_hybrid", "jamba"),
+        *("mamba2", "nemotron_h"),
+    ],
 )
 def test_pipeline_stages_hold_their_state_pages_and_match_transformers(
     name, tiny_models, drive, chain, prompt_of, check_reference

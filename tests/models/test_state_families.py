@@ -81,3 +81,21 @@ def test_olmo_hybrid_without_rope_matches(
     driver.add("a", prompt_of(40, 2))
     driver.run(4)
     check_reference(reference, driver, "a")
+
+
+def test_nemotron_h_kinds_from_its_pattern_and_its_mlp_layers_keep_nothing() -> None:
+    """``hybrid_override_pattern``'s letters give the kinds; ``-`` layers keep nothing, a
+    policy chosen for them and MoE layers (``E``) are refused by name."""
+    from hybridkv.memory.layout import NoCacheSpec
+    from hybridkv.models.errors import ModelConfigError
+    from hybridkv.models.published_shapes import BUILTIN_CONFIGS
+    from hybridkv.policies import make_policy
+
+    config = BUILTIN_CONFIGS["nemotron-h-8b-like"]
+    specs = layer_specs_from_config(config)
+    assert [s.kind for s in specs[:9]] == ["mamba", "mlp"] * 3 + ["mamba", "full_attention", "mlp"]
+    assert all(isinstance(s, NoCacheSpec) for s in specs if s.kind == "mlp")
+    with pytest.raises(ModelConfigError, match="layer kind 'mlp', whose layers keep nothing"):
+        layer_specs_from_config(config, policies={"mlp": make_policy("full")})
+    with pytest.raises(ModelConfigError, match="MoE layers"):
+        layer_specs_from_config({**config, "hybrid_override_pattern": "M-ME*-"})

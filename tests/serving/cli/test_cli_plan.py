@@ -80,6 +80,18 @@ def test_plan_mamba_hybrid_shows_both_page_sizes(capsys: pytest.CaptureFixture[s
     assert "state   page 640.00 KiB (10 K/V pages); requests of 4096 tokens hold 52.50 MiB" in out
 
 
+def test_plan_leaves_out_layers_that_keep_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    """nemotron-h-8b-like: its 24 MLP layers keep nothing and take no group; block 16 is
+    kept beside its Mamba2 states, their padding 0.2%, in one stage or two."""
+    for stages in ("1", "2"):
+        code, out, _ = run(capsys, "plan", "nemotron-h-8b-like", "--kv-memory", "8GiB",
+                           "--pp-stages", stages)  # fmt: skip
+        assert code == 0
+        assert "28 KV layers (24 mamba, 4 full; 24 more keep nothing)" in out
+        assert "block size 16, state pages of 66 K/V pages" in out
+        assert "576.00 KiB (0.2%) padding" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
