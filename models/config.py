@@ -15,9 +15,10 @@ import attrs
 
 from hybridkv.memory.layout import AttentionSpec, ModelLayer, StateSpec
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.kinds import DELTANET, FULL, MAMBA, MAMBA1, SHORT_CONV, SLIDING
+from hybridkv.models.kinds import DELTANET, FULL, LIGHTNING, MAMBA, MAMBA1, SHORT_CONV, SLIDING
 from hybridkv.models.shapes.decoder import PerLayerInputs
 from hybridkv.models.shapes.deltanet import DeltaNetShape
+from hybridkv.models.shapes.lightning import LightningShape
 from hybridkv.models.shapes.mamba1 import Mamba1Shape
 from hybridkv.models.shapes.mamba2 import Mamba2Shape
 from hybridkv.models.shapes.moe import ExpertsShape
@@ -33,13 +34,15 @@ def _runnable_layers(instance: ModelConfig, attribute: attrs.Attribute[Any], val
         DELTANET: instance.deltanet,
         SHORT_CONV: instance.short_conv,
         MAMBA1: instance.mamba1,
+        LIGHTNING: instance.lightning,
     }
     for spec in value:
         if isinstance(spec, StateSpec) and shapes.get(str(spec.kind)) is None:
             raise ModelConfigError(
                 f"layer {spec.name!r} is a {spec.kind or 'state'} layer, and only Mamba2 "
                 "(Bamba, Granite 4.0-H), Mamba1 (Jamba), Gated DeltaNet (Qwen3-Next, "
-                "Qwen3.5) and short convolution (LFM2) state layers run here"
+                "Qwen3.5), short convolution (LFM2) and lightning attention (MiniMax) state "
+                "layers run here"
             )
 
 
@@ -80,6 +83,9 @@ class ModelConfig:
         deltanet: The Gated DeltaNet mixer's shape, for models with DeltaNet layers.
         short_conv: The short convolution's shape, for models with such layers (LFM2).
         mamba1: The Mamba1 mixer's shape, for models with Mamba1 layers (Jamba).
+        lightning: The lightning attention's shape, for models with such layers (MiniMax).
+        residual_scales: Per layer kind, and for ``mlp``, the scales ``(a, b)`` of a
+            ``from_norm`` layer's residual and branch (MiniMax's alpha and beta factors).
         nope_layers: The attention layers that do not rotate q and k (NoPE: SmolLM3).
         norm_kind: ``rms`` (RMSNorm) or ``layer`` (LayerNorm without a bias: Cohere).
         rope_interleaved: Rope rotates pairs of adjacent channels (Cohere) rather than the
@@ -139,6 +145,8 @@ class ModelConfig:
     deltanet: DeltaNetShape | None = None
     short_conv: ShortConvShape | None = None
     mamba1: Mamba1Shape | None = None
+    lightning: LightningShape | None = None
+    residual_scales: Mapping[str, tuple[float, float]] = attrs.field(factory=dict, hash=False)
     qk_norm_width: Literal["head", "projection"] = "head"
     norm_scale_first: bool | None = None
     nope_layers: frozenset[int] = frozenset()

@@ -9,6 +9,7 @@ each layer's kind from its config (torch-free).
 ``mamba1``             a Mamba1 state (Jamba's ``mamba`` layers)
 ``deltanet``           a Gated DeltaNet state (Qwen3-Next's ``linear_attention``)
 ``short_conv``         a short convolution's state (LFM2's ``conv``)
+``lightning``          a lightning attention memory (MiniMax's ``linear_attention``)
 ``mlp``                nothing: an MLP in place of a mixer (Nemotron-H's ``-``)
 =====================  =========================================================
 
@@ -32,10 +33,12 @@ DELTANET = "deltanet"
 SHORT_CONV = "short_conv"
 MAMBA1 = "mamba1"
 MLP = "mlp"
+LIGHTNING = "lightning"
 
 #: The kinds that keep a fixed-size state per request instead of K/V, and the name of
 #: their mixer in a checkpoint's layer (``model.layers.{i}.<name>``).
 STATE_KINDS = {MAMBA: "mamba", DELTANET: "linear_attn", SHORT_CONV: "conv", MAMBA1: "mamba"}
+STATE_KINDS[LIGHTNING] = "self_attn"
 
 #: The kinds that keep nothing per request (``NoCacheSpec``).
 NO_CACHE_KINDS = (MLP,)

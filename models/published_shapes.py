@@ -318,4 +318,15 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "conv_kernel": 4,
         "chunk_size": 128,
     },
+    # MiniMax-Text-01: 80 layers, 7 lightning attention (64 heads of 128) to 1 softmax
+    # attention (8 KV heads of 128), 32 experts in every layer.
+    "minimax-text-01-like": {
+        "model_type": "minimax",
+        "num_hidden_layers": 80,
+        "hidden_size": 6144,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "layer_types": ["full_attention" if i % 8 == 7 else "linear_attention" for i in range(80)],
+    },
 }

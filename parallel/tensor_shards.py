@@ -71,6 +71,12 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
             "channel to their time steps, B and C (x_proj), which ranks holding a share of "
             "the channels cannot compute apart"
         )
+    if config.lightning is not None:
+        raise ParallelConfigError(
+            f"tensor_parallel_size={size}: {config.model_type}'s lightning attention layers "
+            "normalise their output over every head together, which ranks holding a share "
+            "of the heads cannot compute apart"
+        )
     if weights == "int4":
         _check_int4_groups(config, size)
     kv_heads = sorted({s.num_kv_heads for s in config.attention_layers})

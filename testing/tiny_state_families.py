@@ -174,6 +174,20 @@ def _nemotron_h() -> Any:
     return NemotronHForCausalLM(config)
 
 
+def _minimax() -> Any:
+    """MiniMax: lightning attention (4 heads of 16) and full attention alternating,
+    experts (4, two a token) in every layer, residual alpha factors of 1.5 to 2."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    config = MiniMaxConfig(
+        **COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, full_attn_alpha_factor=1.5,
+        linear_attn_alpha_factor=2.0, mlp_alpha_factor=1.7, linear_attn_beta_factor=0.8,
+        **NO_SPECIAL_TOKENS,
+    )  # fmt: skip
+    return MiniMaxForCausalLM(config)
+
+
 #: Each family's builder, by the name the tests know it by.
 STATE_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_next": _qwen3_next,
@@ -188,4 +202,5 @@ STATE_BUILDERS: dict[str, Callable[[], Any]] = {
     "falcon_mamba": _falcon_mamba,
     "mamba2": _mamba2,
     "nemotron_h": _nemotron_h,
+    "minimax": _minimax,
 }

@@ -16,6 +16,7 @@ from torch import nn
 from hybridkv.memory.layout import NoCacheSpec, StateSpec
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.deltanet import GatedDeltaNet
+from hybridkv.models.blocks.lightning import LightningAttention
 from hybridkv.models.blocks.mamba1 import Mamba1Mixer
 from hybridkv.models.blocks.mamba2 import Mamba2Mixer
 from hybridkv.models.blocks.mlp import ACTIVATIONS, GatedMLP, PlainMLP, SharedMLP
@@ -23,7 +24,7 @@ from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.blocks.short_conv import ShortConv
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.kinds import DELTANET, MAMBA1, SHORT_CONV, STATE_KINDS
+from hybridkv.models.kinds import DELTANET, LIGHTNING, MAMBA1, SHORT_CONV, STATE_KINDS
 from hybridkv.models.shapes.decoder import DecoderShape
 
 #: Gemma 4's norms of its MLP and experts side by side (``dense_and_experts``).
@@ -63,6 +64,9 @@ class DecoderLayer(nn.Module):
         elif spec.kind == MAMBA1:
             assert config.mamba1 is not None, "a Mamba1 layer without its shape"
             self.add_module(self._mixer, Mamba1Mixer(config.mamba1, eps))
+        elif spec.kind == LIGHTNING:
+            assert config.lightning is not None, "a lightning layer without its shape"
+            self.add_module(self._mixer, LightningAttention(config.lightning, layer))
         elif spec.kind == SHORT_CONV:
             assert config.short_conv is not None, "a short-conv layer without its shape"
             self.add_module(self._mixer, ShortConv(config.short_conv))
@@ -95,6 +99,8 @@ class DecoderLayer(nn.Module):
             self.shared_mlp = SharedMLP(size, inner) if inner else None
             self.block_sparse_moe = None if experts is None else MixtureOfExperts(size, experts)
         self.residual_multiplier = config.residual_multiplier
+        scales = config.residual_scales
+        self._scales = (scales.get(str(spec.kind), (1.0, 1.0)), scales.get("mlp", (1.0, 1.0)))
         # Gemma 4: a per-layer input gated into the output, and a learned output scale.
         if config.per_layer_inputs is not None:
             width = config.per_layer_inputs.width
@@ -139,6 +145,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         names, scale = self._names, self.residual_multiplier
+        if names.residual == "from_norm":  # MiniMax's: the residual is the normed input
+            (a, b), (a_mlp, b_mlp) = self._scales
+            normed = self._norm(names.mixer_norm, hidden)
+            hidden = normed * a + self.mix(normed, inputs) * b
+            normed = self._norm(names.mlp_norm, hidden)
+            return normed * a_mlp + self._mlp(normed, hidden) * b_mlp
         if names.residual == "parallel":
             normed = self._norm(names.mixer_norm, hidden)
             return hidden + self.mix(normed, inputs) + self._mlp(normed, hidden)

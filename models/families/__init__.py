@@ -65,6 +65,7 @@ MODULES = {
     "falcon_mamba": "mamba",
     "mamba2": "mamba",
     "nemotron_h": "nemotron_h",
+    "minimax": "minimax",
     "mixtral": "mistral",
 }
 

@@ -71,11 +71,12 @@ def _mlp_width(hf: Mapping[str, Any]) -> int:
     return multiple * ((width + multiple - 1) // multiple)
 
 
+#: An MLP's (or each expert's: ``experts.{e}``) projections as Mixtral's checkpoints name
+#: them, theirs -> ours (LFM2's, MiniMax's).
+W123_PARTS = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 #: LFM2's names of its parts that differ from ours, theirs -> ours.
 LFM2_PARTS = {
-    ".w1.": ".gate_proj.",  # the MLP's and each expert's (LFM2-MoE's ``experts.{e}``)
-    ".w3.": ".up_proj.",
-    ".w2.": ".down_proj.",
+    **W123_PARTS,
     ".self_attn.out_proj.": ".self_attn.o_proj.",
     ".self_attn.q_layernorm.": ".self_attn.q_norm.",
     ".self_attn.k_layernorm.": ".self_attn.k_norm.",

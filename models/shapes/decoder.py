@@ -9,8 +9,11 @@ both::
     sandwich    h = x + norm(mixer(norm(x)));      out = h + norm(mlp(norm(h)))
     post_norm   h = x + norm(mixer(x));            out = h + norm(mlp(h))      (OLMo 2/3)
     parallel    n = norm(x);                       out = x + mixer(n) + mlp(n) (Cohere)
+    from_norm   n = norm(x); h = a n + b mixer(n); m = norm(h); out = a' m + b' mlp(m)
+                                                                       (MiniMax)
 
-with ``m`` the config's ``residual_multiplier`` (1 but for Granite).
+with ``m`` the config's ``residual_multiplier`` (1 but for Granite), and ``a``, ``b`` the
+config's ``residual_scales`` of the layer's kind (``a'``, ``b'``: of ``mlp``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Literal
 
 import attrs
 
-Residual = Literal["pre_norm", "sandwich", "post_norm", "parallel"]
+Residual = Literal["pre_norm", "sandwich", "post_norm", "parallel", "from_norm"]
 #: ``gated``: one gated MLP. ``shared_and_experts``: Granite's shared MLP
 #: (``shared_mlp``) plus, where the config has experts, the mixture (``block_sparse_moe``).
 #: ``experts``: the mixture under ``mlp_name``, a gated MLP in the config's dense layers.
@@ -39,8 +42,8 @@ class DecoderShape:
     """A decoder layer's residual shape and the names its checkpoint gives its parts.
 
     Attributes:
-        residual: ``pre_norm``, ``sandwich``, ``post_norm`` or ``parallel`` (see the
-            module; ``parallel`` names one norm, ``mixer_norm``).
+        residual: ``pre_norm``, ``sandwich``, ``post_norm``, ``parallel`` or ``from_norm``
+            (see the module; ``parallel`` names one norm, ``mixer_norm``).
         mixer_norm: The norm before the mixer (not ``post_norm``).
         mlp_norm: The norm before the MLP (not ``post_norm``).
         post_mixer_norm: The norm of the mixer's output (not ``pre_norm``).
@@ -72,9 +75,8 @@ class DecoderShape:
             if self.mixer_norm is None or self.mlp_norm is not None or after:
                 raise ValueError(f"a parallel layer names one norm, its input's: {self!r}")
             return
-        if (before, after) != {"pre_norm": (True, False), "sandwich": (True, True)}.get(
-            self.residual, (False, True)
-        ):
+        expected = {"pre_norm": (True, False), "sandwich": (True, True), "from_norm": (True, False)}
+        if (before, after) != expected.get(self.residual, (False, True)):
             raise ValueError(f"a {self.residual} layer names other norms: {self!r}")
 
 

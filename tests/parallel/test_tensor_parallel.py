@@ -239,6 +239,14 @@ def test_mamba1_layers_are_refused_before_any_process(name, tiny_models) -> None
     assert not multiprocessing.active_children()
 
 
+def test_lightning_attention_is_refused_before_any_process(tiny_models) -> None:
+    """MiniMax's lightning attention normalises its output over every head: tp = 2 is
+    refused at start, naming why."""
+    with pytest.raises(ParallelConfigError, match="over every head together"):
+        _tensor(tiny_models["minimax"].path, 2)
+    assert not multiprocessing.active_children()
+
+
 def _sample_tokens(executor: Any, prompt: list[int], num: int) -> list[int]:
     """``num`` tokens sampled at temperature 1 after ``prompt``, one step each."""
     tokens = list(prompt)

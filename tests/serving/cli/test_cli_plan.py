@@ -92,6 +92,18 @@ def test_plan_leaves_out_layers_that_keep_nothing(capsys: pytest.CaptureFixture[
         assert "576.00 KiB (0.2%) padding" in out
 
 
+def test_plan_minimax_keeps_block_16_beside_lightning_states(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """minimax-text-01-like: 70 lightning layers (a 4 MiB memory each, 64 K/V pages to
+    the byte) beside 10 softmax attention layers at blocks of 16."""
+    code, out, _ = run(capsys, "plan", "minimax-text-01-like", "--kv-memory", "8GiB")
+    assert code == 0
+    assert "80 KV layers (70 mamba, 10 full)" in out
+    assert "block size 16, state pages of 64 K/V pages" in out
+    assert "requests of 4096 tokens hold 840.00 MiB each, 0 B padding" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

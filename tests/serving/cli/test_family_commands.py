@@ -28,7 +28,17 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(
     "name",
-    [*NEW_FAMILIES, "qwen3_next", "qwen3_5", "lfm2", "lfm3", "jamba", "mamba2", "nemotron_h"],
+    [
+        *NEW_FAMILIES,
+        "qwen3_next",
+        "qwen3_5",
+        "lfm2",
+        "lfm3",
+        "jamba",
+        "mamba2",
+        "nemotron_h",
+        "minimax",
+    ],
 )
 def test_generate_runs_each_new_family(
     name: str, tiny_models: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
