@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from hybridkv.models import multimodal
 from hybridkv.models.config import ModelConfig, eos_ids
 from hybridkv.models.errors import CheckpointError, ModelConfigError
-from hybridkv.models.families import Family, our_name, running_family
+from hybridkv.models.families import Family, normalized, our_name, running_family
 from hybridkv.models.hf_config import read_config
 from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.weights import mxfp4
@@ -112,8 +112,7 @@ class Checkpoint:
         hf = dict(multimodal.text_model_config(outer, text_only=text_only))
         family = running_family(str(hf.get("model_type")))
         assert family.parse is not None, "a family that runs parses"
-        if family.normalize is not None:
-            hf = dict(family.normalize(hf))
+        hf = dict(normalized(family, hf))
         config = family.parse(hf, dtype_bytes=dtype_bytes, policies=policies)
         eos = list(config.eos_token_ids)
         generation_file = folder / "generation_config.json"

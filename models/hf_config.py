@@ -110,6 +110,12 @@ def flag_field(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
+def renamed_fields(cfg: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """``cfg`` with each field of ``names`` that it has copied under its other name
+    (theirs -> ours: Mamba's ``state_size`` as Jamba's ``mamba_d_state``)."""
+    return {**cfg, **{ours: cfg[theirs] for theirs, ours in names.items() if theirs in cfg}}
+
+
 def kind_overrides(
     cfg: Mapping[str, Any], kinds: Sequence[str], kind: str, read: Collection[str]
 ) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import attrs
 
 from hybridkv.memory.layout import AttentionSpec, LayerSpec, ModelLayer, NoCacheSpec, StateSpec
 from hybridkv.models.errors import ModelConfigError
-from hybridkv.models.families import MODULES, Family, family_for
+from hybridkv.models.families import MODULES, Family, family_for, normalized
 from hybridkv.models.hf_config import int_field, text_config
 from hybridkv.models.kinds import (
     CHUNKED,
@@ -92,8 +92,7 @@ def layer_specs_from_config(
     """
     cfg: Mapping[str, Any] = text_config(config)
     family = family_for(cfg["model_type"])
-    if family is not None and family.normalize is not None:
-        cfg = family.normalize(cfg)
+    cfg = normalized(family, cfg)
     num_layers = int_field(cfg, "num_hidden_layers")
     kinds = _layer_kinds(cfg, num_layers, family)
     chosen = _check_choices(policies or {}, kinds)

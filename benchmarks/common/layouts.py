@@ -16,7 +16,7 @@ from hybridkv.memory.layout import (
     PoolSpec,
 )
 from hybridkv.memory.layout_planner import plan_layout, policy_label
-from hybridkv.models.families import family_for
+from hybridkv.models.families import family_for, normalized
 from hybridkv.models.published_shapes import BUILTIN_CONFIGS
 from hybridkv.models.specs import layer_specs_from_config
 from hybridkv.policies import FullAttention
@@ -171,7 +171,7 @@ def hybrid_layout(model: str, plan: LayoutPlan, specs: Sequence[LayerSpec]) -> L
     return Layout(
         pool=plan.pool,
         block_sizes=tuple(p.block_size for p in pages),
-        state_shapes=family.state_shape(cfg).parts,
+        state_shapes=family.state_shape(normalized(family, cfg)).parts,
     )
 
 

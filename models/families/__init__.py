@@ -107,7 +107,8 @@ class Family:
             multi-token prediction layers, ``mtp.``).
         normalize: config.json -> the same with the fields its hub releases name otherwise
             renamed as the family reads them (MiMo-V2-Flash's ``sliding_window_size``);
-            applied before the specs and the parse read it, and idempotent.
+            applied (``normalized``) before any other hook reads the config, and
+            idempotent.
     """
 
     model_types: tuple[str, ...]
@@ -123,6 +124,12 @@ class Family:
     shared_kv: Callable[[Mapping[str, Any], list[str]], Mapping[int, int]] | None = None
     normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     unread: tuple[str, ...] = ()
+
+
+def normalized(family: Family | None, cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``cfg`` as ``family``'s hooks read it (its ``normalize`` applied, where it has one):
+    every caller of a family's ``layer_kinds``, ``parse`` or ``state_shape`` passes this."""
+    return cfg if family is None or family.normalize is None else family.normalize(cfg)
 
 
 def decoder_of(family: Family, kind: str) -> DecoderShape:

@@ -12,6 +12,7 @@ from typing import Any
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.families import Family
 from hybridkv.models.families.common import common_fields
+from hybridkv.models.hf_config import renamed_fields
 from hybridkv.models.kinds import MAMBA, MAMBA1, PolicyChoices
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.mamba1 import mamba1_shape
@@ -42,7 +43,7 @@ _FIELDS = {
 
 
 def _normalize(hf: Mapping[str, Any]) -> Mapping[str, Any]:
-    cfg = {**hf, **{ours: hf[theirs] for theirs, ours in _FIELDS.items() if theirs in hf}}
+    cfg = renamed_fields(hf, _FIELDS)
     if hf.get("model_type") != "mamba2":
         norm = "weightless" if hf.get("model_type") == "falcon_mamba" else "none"
         cfg["mamba_selection_norm"] = norm
@@ -52,11 +53,10 @@ def _normalize(hf: Mapping[str, Any]) -> Mapping[str, Any]:
 def parse_mamba(
     hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
 ) -> ModelConfig:
-    """Read a Mamba, Falcon-Mamba or Mamba2 config.json."""
-    cfg = _normalize(hf)
-    mamba2 = cfg["model_type"] == "mamba2"
+    """Read a Mamba, Falcon-Mamba or Mamba2 config.json (normalized)."""
+    mamba2 = hf["model_type"] == "mamba2"
     return ModelConfig(
-        **common_fields(cfg, dtype_bytes=dtype_bytes, policies=policies, mlp=False),
+        **common_fields(hf, dtype_bytes=dtype_bytes, policies=policies, mlp=False),
         norm_offset=0.0,
         activation="silu",
         qk_norm=False,
@@ -66,13 +66,12 @@ def parse_mamba(
         final_softcap=None,
         rope={},
         mlp_bias=False,
-        mamba=mamba2_shape(cfg) if mamba2 else None,
-        mamba1=None if mamba2 else mamba1_shape(cfg),
+        mamba=mamba2_shape(hf) if mamba2 else None,
+        mamba1=None if mamba2 else mamba1_shape(hf),
     )
 
 
 def _state_shape(cfg: Mapping[str, Any]) -> StateShape:
-    cfg = _normalize(cfg)
     return mamba2_shape(cfg) if cfg["model_type"] == "mamba2" else mamba1_shape(cfg)
 
 

@@ -14,6 +14,7 @@ from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.families import Family
 from hybridkv.models.families.llama import llama_fields
 from hybridkv.models.families.mamba import BACKBONE_PARTS, BACKBONE_RENAMES
+from hybridkv.models.hf_config import renamed_fields
 from hybridkv.models.kinds import FULL, MAMBA, MLP, PolicyChoices, kinds_by, named_kinds
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.mamba2 import mamba2_shape
@@ -39,7 +40,7 @@ _FIELDS = {
 
 
 def _normalize(hf: Mapping[str, Any]) -> Mapping[str, Any]:
-    cfg = {**hf, **{ours: hf[theirs] for theirs, ours in _FIELDS.items() if theirs in hf}}
+    cfg = renamed_fields(hf, _FIELDS)
     heads, width = hf.get("mamba_num_heads"), hf.get("mamba_head_dim")
     if isinstance(heads, int) and isinstance(width, int):
         cfg["mamba_intermediate_size"] = heads * width  # not expand x hidden
@@ -54,14 +55,13 @@ def _normalize(hf: Mapping[str, Any]) -> Mapping[str, Any]:
 def parse_nemotron_h(
     hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
 ) -> ModelConfig:
-    """Read a Nemotron-H config.json (its MoE layers refused, by name)."""
-    cfg = _normalize(hf)
-    fields = llama_fields(cfg, dtype_bytes=dtype_bytes, policies=policies)
+    """Read a Nemotron-H config.json (normalized; its MoE layers refused, by name)."""
+    fields = llama_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
     return ModelConfig(
         **fields,
         norm_scale_first=True,
         nope_layers=frozenset(range(len(fields["layers"]))),
-        mamba=mamba2_shape(cfg),
+        mamba=mamba2_shape(hf),
     )
 
 
@@ -90,11 +90,11 @@ def _checked(kinds: list[str]) -> list[str]:
 
 FAMILY = Family(
     model_types=("nemotron_h",),
-    layer_kinds=lambda cfg, n: _kinds(_normalize(cfg), n),
+    layer_kinds=_kinds,
     parse=parse_nemotron_h,
     decoder=DecoderShape(mixer_norm="norm", mlp_norm=None, mlp="none", mixer_name="mixer"),
     renames=BACKBONE_RENAMES,
     part_renames=BACKBONE_PARTS,
-    state_shape=lambda cfg: mamba2_shape(_normalize(cfg)),
+    state_shape=mamba2_shape,
     normalize=_normalize,
 )

@@ -240,12 +240,14 @@ def format_context(
 
 def _state_shape(config: dict[str, Any]) -> StateShape | None:
     """The state mixer's shape of a config with state layers (Bamba, Qwen3-Next ...)."""
-    from hybridkv.models.families import family_for
+    from hybridkv.models.families import family_for, normalized
     from hybridkv.models.hf_config import text_config
 
     cfg = text_config(config)
     family = family_for(str(cfg.get("model_type")))
-    return family.state_shape(cfg) if family is not None and family.state_shape else None
+    if family is None or family.state_shape is None:
+        return None
+    return family.state_shape(normalized(family, cfg))
 
 
 def format_tensor(
