@@ -50,8 +50,7 @@ class DecoderLayer(nn.Module):
         spec = config.layers[layer]
         # The mixer, under its checkpoint name: ``self_attn``, ``mamba``, ``linear_attn``.
         state = isinstance(spec, StateSpec)
-        self._mixer = STATE_KINDS[str(spec.kind)] if state else "self_attn"
-        self._mixer = shape.mixer_name or self._mixer
+        self._mixer = shape.mixer_name or (STATE_KINDS[str(spec.kind)] if state else "self_attn")
         # A layer that keeps nothing has an MLP for its mixer (Nemotron-H's).
         self._cacheless = isinstance(spec, NoCacheSpec)
         if self._cacheless:
