@@ -18,6 +18,7 @@ of pages ``r * span .. r * span + span - 1``, ``[N // span, state_values]``, and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import attrs
 import torch
@@ -28,22 +29,27 @@ from hybridkv.memory.layout import (
     ModelLayer,
     NoCacheSpec,
     StateSpec,
+    memories,
     owns_pages,
 )
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.policies.base import MemoryPolicy
 
+_Spec = TypeVar("_Spec", AttentionSpec, StateSpec)
+
 
 def allocate_kv_caches(
     plan: LayoutPlan, specs: Sequence[ModelLayer], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per slot the ``specs`` use, and per layer (in ``specs`` order) its
-    paged view. A pipeline stage passes only its layers, and allocates only their slots.
+    """One zeroed tensor per slot the ``specs`` use, and per memory of their layers
+    (``memories``: a layer's, then the state beside it) its paged view. A pipeline stage
+    passes only its layers, and allocates only their slots.
     A layer that reads another's pages (``AttentionSpec.reads``) gets its owner's view, one
     that keeps nothing (``NoCacheSpec``) an empty tensor."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     page_elems = plan.block_bytes // itemsize
+    specs = memories(specs)
     cached = [s for s in specs if not isinstance(s, NoCacheSpec)]
     num_slots = max((plan.slot_of(s)[1] + 1 for s in cached), default=0)
     # Zeros, not empty: a masked read of garbage NaN would still poison the output.
@@ -70,9 +76,9 @@ def allocate_kv_caches(
 
 
 def layer_groups(plan: LayoutPlan, specs: Sequence[ModelLayer]) -> list[int | None]:
-    """Per layer of ``specs``, the KV group whose pages it reads; None for one keeping
-    nothing."""
-    return [None if isinstance(s, NoCacheSpec) else plan.slot_of(s)[0] for s in specs]
+    """Per memory of ``specs``' layers (``memories``), the KV group whose pages it reads;
+    None for a layer keeping nothing."""
+    return [None if isinstance(s, NoCacheSpec) else plan.slot_of(s)[0] for s in memories(specs)]
 
 
 def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> list[ModelLayer]:
@@ -85,7 +91,7 @@ def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> lis
         ModelConfigError: the plan and the model disagree on layers, the cached dtype, or
             what a layer's group keeps.
     """
-    names = [s.name for s in config.layers if owns_pages(s)]
+    names = [s.name for s in memories(config.layers) if owns_pages(s)]
     if sorted(names) != sorted(plan.layer_slots):
         raise ModelConfigError(
             f"the layout's layers {sorted(plan.layer_slots)[:4]}... are not the model's "
@@ -102,16 +108,25 @@ def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> lis
                 f"layer spec {spec.name!r} caches {spec.dtype_bytes} bytes per value, the "
                 f"model's dtype {dtype} has {itemsize}"
             )
-        policy = plan.groups[plan.slot_of(spec)[0]].policy
-        if policy != spec.policy:
-            n = _first_unkept(policy, spec.policy, config.max_position_embeddings)
-            if n is not None:
-                raise ModelConfigError(
-                    f"layer {spec.name!r} attends by {spec.policy!r}, but its KV group keeps "
-                    f"{policy!r}, which has released positions the layer reads at {n} tokens"
-                )
-        kept.append(attrs.evolve(spec, policy=policy))
+        if isinstance(spec, AttentionSpec):
+            beside = None if spec.beside is None else _kept(config, plan, spec.beside)
+            kept.append(attrs.evolve(_kept(config, plan, spec), beside=beside))
+        else:
+            kept.append(_kept(config, plan, spec))
     return kept
+
+
+def _kept(config: ModelConfig, plan: LayoutPlan, spec: _Spec) -> _Spec:
+    """``spec`` with the policy of its KV group in ``plan``."""
+    policy = plan.groups[plan.slot_of(spec)[0]].policy
+    if policy != spec.policy:
+        n = _first_unkept(policy, spec.policy, config.max_position_embeddings)
+        if n is not None:
+            raise ModelConfigError(
+                f"layer {spec.name!r} attends by {spec.policy!r}, but its KV group keeps "
+                f"{policy!r}, which has released positions the layer reads at {n} tokens"
+            )
+    return attrs.evolve(spec, policy=policy)
 
 
 def _first_unkept(kept: MemoryPolicy, attended: MemoryPolicy, max_len: int) -> int | None:

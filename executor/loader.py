@@ -77,14 +77,13 @@ def plan_stages(
         # Only what is kept changes: each layer still attends by its own policy, a
         # subset of every position.
         specs = [attrs.evolve(s, policy=FullAttention()) for s in specs]
-    kept = {s.name for s in specs}
-    names = [s.name for s in layers]
-    stages = split_layers(len(names), num_stages)
+    cuts = split_layers(len(layers), num_stages)
+    stages = [cached_layers(layers[s.start : s.stop]) for s in cuts]
     plan = plan_layout(
         specs,
         options.kv_cache_bytes,
         options.block_size,
-        stages=[[n for n in names[s.start : s.stop] if n in kept] for s in stages],
+        stages=[[s.name for s in stage] for stage in stages],
     )
     return specs, plan
 

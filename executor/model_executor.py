@@ -37,7 +37,7 @@ from hybridkv.executor.sampler import Sampler
 from hybridkv.executor.speculative import draft_rows, kept_tokens, verify_rows, write_kept_states
 from hybridkv.executor.torch_thread import TorchThread
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
-from hybridkv.memory.layout import LayoutPlan, PoolSpec, owns_pages
+from hybridkv.memory.layout import LayoutPlan, PoolSpec, memories, owns_pages
 from hybridkv.memory.offload import KeySpace, LoadReport, OffloadConfig, TransferWorker
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
@@ -62,8 +62,8 @@ class ModelExecutor:
         plan: The KV layout (groups, slots, pages) the caches follow.
         specs: Per layer, in layer order, its spec with the policy its KV group keeps
             (the specs the plan was made from; every layer, also in a pipeline stage).
-        kv_caches: Per layer held, its paged view ``[num_blocks, 2, kv_heads, block_size,
-            head_dim]``.
+        kv_caches: Per memory of the layers held (``memories``: a layer's, then the state
+            beside it), its paged view ``[num_blocks, 2, kv_heads, block_size, head_dim]``.
         tokenizer: The checkpoint's ``tokenizers.Tokenizer``, or None.
         eos_token_ids: End-of-sequence tokens.
         max_model_len: Longest sequence (prompt and output) a request may reach.
@@ -186,7 +186,7 @@ class ModelExecutor:
         once: a layer reading another's pages adds none)."""
         span = self.plan.state_span
         spans = {g.group_id: span for g in self.plan.groups if g.policy.keeps_state}
-        held = [self.specs[i] for i in self.model.layer_range]
+        held = memories(self.specs[i] for i in self.model.layer_range)
         owned = [i for i, spec in enumerate(held) if owns_pages(spec)]
         caches = [self.kv_caches[i] for i in owned]
         groups = [g for g in (self._layer_groups[i] for i in owned) if g is not None]
@@ -386,8 +386,9 @@ class StageInputs:
     Attributes:
         query_lens: Tokens run per request.
         positions: ``[num_tokens]`` position of each token within its request.
-        caches: Per layer held, its KV cache and its group's paged metadata (a state
-            group's: its :class:`StepStates`; None for a layer keeping nothing).
+        caches: Per memory of the layers held (``memories``), its KV cache and its
+            group's paged metadata (a state group's: its :class:`StepStates`; None for a
+            layer keeping nothing).
         input_ids: ``[num_tokens]`` token ids where the executor embeds, else None.
     """
 

@@ -50,6 +50,9 @@ class AttentionSpec:
         reads: The name of an earlier layer whose pages this layer attends instead of
             keeping its own (Gemma 4's KV-shared layers), or None. Such a layer owns no
             memory: the planner leaves it out, and it reads its owner's slot and group.
+        beside: A state mixer that runs beside the attention in the same layer, on the
+            same input (Falcon-H1's Mamba2), or None. It keeps its state in a group of
+            its own: the layout sees it as one more layer (``memories``).
     """
 
     name: str
@@ -59,6 +62,7 @@ class AttentionSpec:
     dtype_bytes: int = attrs.field(validator=_at_least_one)
     kind: str | None = None
     reads: str | None = None
+    beside: StateSpec | None = None
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one page of this layer: K and V of ``block_size`` tokens."""
@@ -100,9 +104,22 @@ LayerSpec = AttentionSpec | StateSpec
 ModelLayer = AttentionSpec | StateSpec | NoCacheSpec
 
 
+def memories(layers: Iterable[ModelLayer]) -> list[LayerSpec | NoCacheSpec]:
+    """Each memory of ``layers``, in layer order: a layer's spec, followed by the state
+    beside it where its attention has one (``AttentionSpec.beside``). The executor keeps
+    a cache per memory; the planner sizes those that keep something (``cached_layers``).
+    """
+    out: list[LayerSpec | NoCacheSpec] = []
+    for spec in layers:
+        out.append(spec)
+        if isinstance(spec, AttentionSpec) and spec.beside is not None:
+            out.append(spec.beside)
+    return out
+
+
 def cached_layers(layers: Iterable[ModelLayer]) -> list[LayerSpec]:
-    """The layers of ``layers`` that keep something in the pool, in order."""
-    return [s for s in layers if not isinstance(s, NoCacheSpec)]
+    """The memories of ``layers`` that keep something in the pool, in order."""
+    return [s for s in memories(layers) if not isinstance(s, NoCacheSpec)]
 
 
 def page_owner(spec: ModelLayer) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import attrs
 
-from hybridkv.memory.layout import AttentionSpec, ModelLayer, StateSpec
+from hybridkv.memory.layout import AttentionSpec, ModelLayer, StateSpec, memories
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import DELTANET, FULL, LIGHTNING, MAMBA, MAMBA1, SHORT_CONV, SLIDING
 from hybridkv.models.shapes.decoder import PerLayerInputs
@@ -36,7 +36,7 @@ def _runnable_layers(instance: ModelConfig, attribute: attrs.Attribute[Any], val
         MAMBA1: instance.mamba1,
         LIGHTNING: instance.lightning,
     }
-    for spec in value:
+    for spec in memories(value):
         if isinstance(spec, StateSpec) and shapes.get(str(spec.kind)) is None:
             raise ModelConfigError(
                 f"layer {spec.name!r} is a {spec.kind or 'state'} layer, and only Mamba2 "

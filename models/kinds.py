@@ -11,6 +11,7 @@ each layer's kind from its config (torch-free).
 ``short_conv``         a short convolution's state (LFM2's ``conv``)
 ``lightning``          a lightning attention memory (MiniMax's ``linear_attention``)
 ``mlp``                nothing: an MLP in place of a mixer (Nemotron-H's ``-``)
+``hybrid``             full attention and a Mamba2 state side by side (Falcon-H1)
 =====================  =========================================================
 
 A config's ``layer_types`` names them where it has it; a family's own pattern otherwise
@@ -34,11 +35,16 @@ SHORT_CONV = "short_conv"
 MAMBA1 = "mamba1"
 MLP = "mlp"
 LIGHTNING = "lightning"
+HYBRID = "hybrid"
 
 #: The kinds that keep a fixed-size state per request instead of K/V, and the name of
 #: their mixer in a checkpoint's layer (``model.layers.{i}.<name>``).
 STATE_KINDS = {MAMBA: "mamba", DELTANET: "linear_attn", SHORT_CONV: "conv", MAMBA1: "mamba"}
 STATE_KINDS[LIGHTNING] = "self_attn"
+
+#: The kinds whose layers run two mixers side by side, and the kinds of the two: the
+#: attention's, and the state's beside it (``AttentionSpec.beside``).
+SIDE_BY_SIDE = {HYBRID: (FULL, MAMBA)}
 
 #: The kinds that keep nothing per request (``NoCacheSpec``).
 NO_CACHE_KINDS = (MLP,)

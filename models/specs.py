@@ -33,6 +33,7 @@ from hybridkv.models.kinds import (
     LAYER_TYPES,
     MAMBA,
     NO_CACHE_KINDS,
+    SIDE_BY_SIDE,
     SLIDING,
     STATE_KINDS,
     PolicyChoices,
@@ -63,10 +64,16 @@ def tensor_rank_spec(spec: ModelLayer, size: int, state: StateShape | None) -> M
     """``spec`` as each of ``size`` tensor-parallel ranks holds it
     (``hybridkv.parallel.tensor_shards``): its share of the KV heads, or one replicated
     head where there are fewer heads than ranks; a state layer's state (of shape
-    ``state``) of its share of the heads and channels."""
+    ``state``) of its share of the heads and channels (the state beside an attention
+    layer's too)."""
     if isinstance(spec, AttentionSpec):
-        return attrs.evolve(spec, num_kv_heads=max(1, spec.num_kv_heads // size))
-    if state is None or isinstance(spec, NoCacheSpec):
+        beside = None if spec.beside is None else _state_share(spec.beside, size, state)
+        return attrs.evolve(spec, num_kv_heads=max(1, spec.num_kv_heads // size), beside=beside)
+    return spec if isinstance(spec, NoCacheSpec) else _state_share(spec, size, state)
+
+
+def _state_share(spec: StateSpec, size: int, state: StateShape | None) -> StateSpec:
+    if state is None:
         return spec
     return attrs.evolve(spec, state_bytes=state.tensor_share(size).state_bytes)
 
@@ -75,7 +82,8 @@ def layer_specs_from_config(
     config: Mapping[str, Any], dtype_bytes: int = 2, *, policies: PolicyChoices | None = None
 ) -> list[ModelLayer]:
     """One spec per layer of a Hugging Face config dict, in layer order (a layer keeping
-    nothing, such as Nemotron-H's MLP layers, as a ``NoCacheSpec``).
+    nothing, such as Nemotron-H's MLP layers, as a ``NoCacheSpec``; one running attention
+    and a state side by side, Falcon-H1's, as an attention spec with its state beside).
 
     Args:
         config: The parsed config.json (a multimodal config's ``text_config`` is used).
@@ -98,13 +106,21 @@ def layer_specs_from_config(
     chosen = _check_choices(policies or {}, kinds)
     by_kind: dict[str, MemoryPolicy] = {}
     specs: list[ModelLayer] = []
+
+    def spec(kind: str, layer: int) -> LayerSpec:
+        if kind not in by_kind:
+            by_kind[kind] = chosen[kind] if kind in chosen else _policy(cfg, kind)
+        return _spec(cfg, family, kind, layer, by_kind[kind], dtype_bytes)
+
     for i, kind in enumerate(kinds):
         if kind in NO_CACHE_KINDS:
             specs.append(NoCacheSpec(name=f"model.layers.{i}.mlp", kind=kind))
-            continue
-        if kind not in by_kind:
-            by_kind[kind] = chosen[kind] if kind in chosen else _policy(cfg, kind)
-        specs.append(_spec(cfg, family, kind, i, by_kind[kind], dtype_bytes))
+        elif kind in SIDE_BY_SIDE:
+            attention, state = (spec(k, i) for k in SIDE_BY_SIDE[kind])
+            assert isinstance(attention, AttentionSpec) and isinstance(state, StateSpec)
+            specs.append(attrs.evolve(attention, beside=state))
+        else:
+            specs.append(spec(kind, i))
     if family is not None and family.shared_kv is not None:
         specs = _shared(specs, family.shared_kv(cfg, kinds))
     return specs
@@ -143,8 +159,10 @@ def _layer_kinds(cfg: Mapping[str, Any], num_layers: int, family: Family | None)
 
 def _check_choices(policies: PolicyChoices, kinds: list[str]) -> dict[str, MemoryPolicy]:
     """``policies``, once every key is a kind of the model and every value a policy that
-    keeps what the kind needs (a state for ``mamba``, K/V for attention kinds)."""
-    present = list(dict.fromkeys(kinds))
+    keeps what the kind needs (a state for ``mamba``, K/V for attention kinds). A layer
+    running two mixers side by side has both kinds (Falcon-H1's ``hybrid``: attention
+    and ``mamba``), each chosen for on its own."""
+    present = list(dict.fromkeys(k for kind in kinds for k in SIDE_BY_SIDE.get(kind, (kind,))))
     for kind in policies:
         if kind not in present:
             raise ModelConfigError(

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hybridkv.kernels import PagedMetadata
+from hybridkv.memory.layout import AttentionSpec
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.decoder import DecoderLayer
@@ -75,6 +76,10 @@ class CausalLM(nn.Module):
         self.config = config
         self.layer_range = range(config.num_layers) if layers is None else layers
         self.model = _Backbone(config, family, self.layer_range)
+        # The layers that run a state mixer beside their attention: a second cache each.
+        self._beside = frozenset(
+            i for i, s in enumerate(config.layers) if isinstance(s, AttentionSpec) and s.beside
+        )
         self.lm_head: nn.Module | None = (
             nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.is_last else None
         )
@@ -181,7 +186,8 @@ class CausalLM(nn.Module):
         Args:
             input_ids: ``[num_tokens]`` token ids.
             positions: ``[num_tokens]`` position of each token within its request.
-            caches: Per layer, its KV cache tensor and its group's paged metadata.
+            caches: Per memory of the layers (``run_layers``), its KV cache tensor and its
+                group's paged metadata.
         """
         return self.run_layers(self.embed(input_ids), positions, caches, input_ids=input_ids)
 
@@ -207,7 +213,9 @@ class CausalLM(nn.Module):
         Args:
             hidden: Embeddings, or the previous stage's output.
             positions: ``[num_tokens]`` position of each token within its request.
-            caches: Per layer held (``layer_range`` order), its KV cache and metadata.
+            caches: Per memory of the layers held (``layer_range`` order, a layer's
+                memory followed by the state beside it: ``memories``), its KV cache
+                and metadata.
             input_ids: The tokens, where ``hidden`` is their embeddings (the first
                 stage): a model with per-layer inputs reads them.
         """
@@ -223,16 +231,22 @@ class CausalLM(nn.Module):
         nope = self.config.nope_layers
         temperature = self.config.query_temperature
         scales = None if temperature is None else query_scales(temperature, positions)
-        for i, (kv_cache, metadata) in zip(self.layer_range, caches, strict=True):
+        entries = iter(caches)
+        for i in self.layer_range:
             cos, sin = no_rope if i in nope else tables.get(kinds[i], no_rope)
             scaled = (
                 scales if temperature is None or not temperature.nope_only or i in nope else None
             )
+            kv_cache, metadata = next(entries)
+            beside = None
+            if i in self._beside:
+                beside = LayerInputs(no_rope[0], no_rope[1], *next(entries))
             inputs = LayerInputs(
                 cos, sin, kv_cache, metadata, query_scale=scaled,
-                per_layer=None if per_layer is None else per_layer[:, i],
+                per_layer=None if per_layer is None else per_layer[:, i], beside=beside,
             )  # fmt: skip
             hidden = self.model.layers[i](hidden, inputs)
+        assert next(entries, None) is None, "a cache for every memory of the layers held"
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,14 @@ import torch
 
 from hybridkv.executor.kv_caches import layer_groups
 from hybridkv.executor.model_executor import LogitsHook, ModelExecutor, StageInputs
-from hybridkv.memory.layout import AttentionSpec, LayoutPlan, ModelLayer, NoCacheSpec, PoolSpec
+from hybridkv.memory.layout import (
+    AttentionSpec,
+    LayoutPlan,
+    ModelLayer,
+    NoCacheSpec,
+    PoolSpec,
+    memories,
+)
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ParallelConfigError
 from hybridkv.parallel.context_attention import ContextLayer, ContextStep
@@ -50,7 +57,7 @@ def check_context_split(specs: Sequence[ModelLayer], *, sinks: bool = False) -> 
             "context parallelism merges each rank's share of a softmax; the model's "
             "attention sinks (a learned logit per head, gpt-oss) are not part of that merge"
         )
-    for spec in specs:
+    for spec in memories(specs):
         if isinstance(spec, NoCacheSpec):
             continue  # runs on each rank's tokens alone
         if not isinstance(spec, AttentionSpec):

@@ -58,6 +58,8 @@ class LayerInputs:
             ``query_temperature``), or None.
         per_layer: ``[num_tokens, width]``: each token's input to this layer (Gemma 4's
             per-layer inputs), or None.
+        beside: The cache and metadata of the state mixer beside the attention (Falcon-H1's
+            Mamba2, ``AttentionSpec.beside``), as that mixer reads them, or None.
     """
 
     cos: torch.Tensor
@@ -66,6 +68,7 @@ class LayerInputs:
     metadata: PagedMetadata | ShardedAttention | StepStates | None
     query_scale: torch.Tensor | None = None
     per_layer: torch.Tensor | None = None
+    beside: LayerInputs | None = None
 
 
 class PagedAttention(nn.Module):

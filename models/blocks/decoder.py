@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.memory.layout import NoCacheSpec, StateSpec
+from hybridkv.memory.layout import AttentionSpec, NoCacheSpec, StateSpec
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.deltanet import GatedDeltaNet
 from hybridkv.models.blocks.lightning import LightningAttention
@@ -35,13 +35,32 @@ _BESIDE_NORMS = (
 )
 
 
+def _state_mixer(config: ModelConfig, kind: str, layer: int) -> nn.Module:
+    """The state mixer of ``kind`` for ``layer``, from the config's shape of it."""
+    eps = config.rms_norm_eps
+    if kind == DELTANET:
+        assert config.deltanet is not None, "a DeltaNet layer without its shape"
+        return GatedDeltaNet(config.deltanet, eps)
+    if kind == MAMBA1:
+        assert config.mamba1 is not None, "a Mamba1 layer without its shape"
+        return Mamba1Mixer(config.mamba1, eps)
+    if kind == LIGHTNING:
+        assert config.lightning is not None, "a lightning layer without its shape"
+        return LightningAttention(config.lightning, layer)
+    if kind == SHORT_CONV:
+        assert config.short_conv is not None, "a short-conv layer without its shape"
+        return ShortConv(config.short_conv)
+    assert config.mamba is not None, "a state layer without a Mamba2 shape"
+    return Mamba2Mixer(config.mamba, eps)
+
+
 class DecoderLayer(nn.Module):
     """One layer: a norm, the mixer, the residual add; a norm, the MLP, the residual add
     (``models/shapes/decoder.py`` has the formulas)."""
 
     def __init__(self, config: ModelConfig, layer: int, shape: DecoderShape) -> None:
         super().__init__()
-        size, eps = config.hidden_size, config.rms_norm_eps
+        size = config.hidden_size
         self._names = shape
         norms = [shape.mixer_norm, shape.mlp_norm, shape.post_mixer_norm, shape.post_mlp_norm]
         for name in norms:
@@ -53,25 +72,19 @@ class DecoderLayer(nn.Module):
         self._mixer = shape.mixer_name or (STATE_KINDS[str(spec.kind)] if state else "self_attn")
         # A layer that keeps nothing has an MLP for its mixer (Nemotron-H's).
         self._cacheless = isinstance(spec, NoCacheSpec)
+        mixer: nn.Module
         if self._cacheless:
-            self.add_module(self._mixer, PlainMLP(config, bias=config.mlp_bias))
-        elif not state:
-            self.add_module(self._mixer, PagedAttention(config, layer))
-        elif spec.kind == DELTANET:
-            assert config.deltanet is not None, "a DeltaNet layer without its shape"
-            self.add_module(self._mixer, GatedDeltaNet(config.deltanet, eps))
-        elif spec.kind == MAMBA1:
-            assert config.mamba1 is not None, "a Mamba1 layer without its shape"
-            self.add_module(self._mixer, Mamba1Mixer(config.mamba1, eps))
-        elif spec.kind == LIGHTNING:
-            assert config.lightning is not None, "a lightning layer without its shape"
-            self.add_module(self._mixer, LightningAttention(config.lightning, layer))
-        elif spec.kind == SHORT_CONV:
-            assert config.short_conv is not None, "a short-conv layer without its shape"
-            self.add_module(self._mixer, ShortConv(config.short_conv))
+            mixer = PlainMLP(config, bias=config.mlp_bias)
+        elif state:
+            mixer = _state_mixer(config, str(spec.kind), layer)
         else:
-            assert config.mamba is not None, "a state layer without a Mamba2 shape"
-            self.add_module(self._mixer, Mamba2Mixer(config.mamba, eps))
+            mixer = PagedAttention(config, layer)
+        self.add_module(self._mixer, mixer)
+        # A state mixer beside the attention (Falcon-H1's Mamba2), under its kind's name.
+        self._beside: str | None = None
+        if isinstance(spec, AttentionSpec) and spec.beside is not None:
+            self._beside = STATE_KINDS[str(spec.beside.kind)]
+            self.add_module(self._beside, _state_mixer(config, str(spec.beside.kind), layer))
         experts = config.experts
         dense = experts is None or layer in experts.dense_layers
         wide = 2 * config.intermediate_size if layer in config.wide_mlp_layers else None
@@ -118,9 +131,13 @@ class DecoderLayer(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def mix(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        """Run whichever mixer the layer has."""
+        """Run whichever mixer the layer has (the sum of both, where a state mixer runs
+        beside the attention)."""
         mixer = getattr(self, self._mixer)
         out: torch.Tensor = mixer(hidden) if self._cacheless else mixer(hidden, inputs)
+        if self._beside is not None:
+            assert inputs.beside is not None, "a state beside the attention without its cache"
+            out = out + getattr(self, self._beside)(hidden, inputs.beside)
         return out
 
     def _mlp(self, normed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hybridkv.memory.sizes import parse_size
 from hybridkv.serving.cli.flags.values import UsageError, dtype_bytes, load_config
@@ -14,8 +14,10 @@ if TYPE_CHECKING:
     from hybridkv.memory.layout_planner import PlanReport
     from hybridkv.models.shapes.state import StateShape
 
+_T = TypeVar("_T")
 
-def split_stages(names: Sequence[str], num_stages: int) -> list[list[str]]:
+
+def split_stages(names: Sequence[_T], num_stages: int) -> list[list[_T]]:
     """Contiguous stages of near-equal layer counts, earlier stages taking the remainder."""
     if num_stages < 1:
         raise UsageError(f"--pp-stages must be >= 1, got {num_stages}")
@@ -81,7 +83,7 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 
 def run_plan(args: argparse.Namespace) -> int:
     """Plan the layout and print it."""
-    from hybridkv.memory.layout import cached_layers, owns_pages
+    from hybridkv.memory.layout import AttentionSpec, NoCacheSpec, cached_layers, owns_pages
     from hybridkv.memory.layout_planner import describe, plan_layout
     from hybridkv.models.specs import layer_specs_from_config, tensor_rank_spec
     from hybridkv.serving.cli.flags.engine import parse_layer_policies
@@ -98,19 +100,20 @@ def run_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tp}")
     one_process, mamba = specs, _state_shape(config)
     specs = [tensor_rank_spec(s, tp, mamba) for s in specs]
-    kept_names = {s.name for s in specs}
-    stages = [
-        [n for n in stage if n in kept_names]
-        for stage in split_stages([s.name for s in layers], args.pp_stages)
-    ]
+    cuts = split_stages(layers, args.pp_stages)
+    stages = [[s.name for s in cached_layers(stage)] for stage in cuts]
     plan = plan_layout(specs, budget, args.block_size, stages=stages)
     report = describe(plan, specs, args.request_tokens)
     summary = ", ".join(f"{p.num_layers} {p.policy}" for p in report.policies)
     raised = plan.block_size != args.block_size
     readers = sum(1 for s in specs if not owns_pages(s))
     shared = f"; {readers} more read an earlier layer's" if readers else ""
-    if len(layers) > len(specs):
-        shared += f"; {len(layers) - len(specs)} more keep nothing"
+    cacheless = sum(1 for s in layers if isinstance(s, NoCacheSpec))
+    if cacheless:
+        shared += f"; {cacheless} more keep nothing"
+    both = sum(1 for s in layers if isinstance(s, AttentionSpec) and s.beside is not None)
+    if both:
+        shared += f"; {both} layers hold a K/V and a state each"
     kept = len(specs) - readers
     print(f"model   {label}: {kept} KV layers ({summary or 'attention-free'}{shared})")
     print(
