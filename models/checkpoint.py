@@ -7,7 +7,7 @@ Weights are read from safetensors only; a folder holding only pickled weights
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from hybridkv.models import multimodal
 from hybridkv.models.config import ModelConfig, eos_ids
 from hybridkv.models.errors import CheckpointError, ModelConfigError
-from hybridkv.models.families import Family, normalized, our_name, running_family
+from hybridkv.models.families import Family, RowScale, normalized, our_name, running_family
 from hybridkv.models.hf_config import read_config
 from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.weights import mxfp4
@@ -67,6 +67,8 @@ class Checkpoint:
         quant_method: ``mxfp4`` where some tensors are stored so (dequantised at load).
         text_of_multimodal: The text model of a multimodal checkpoint: its tensors are
             read under a text model's names, the others left out.
+        scales: The family's multipliers folded into the weights at load
+            (``Family.scales``), per ending of a tensor name.
     """
 
     path: Path
@@ -75,6 +77,7 @@ class Checkpoint:
     eos_token_ids: tuple[int, ...]
     quant_method: str | None = None
     text_of_multimodal: bool = False
+    scales: Mapping[str, tuple[RowScale, ...]] = attrs.field(factory=dict)
 
     @classmethod
     def open(
@@ -120,7 +123,8 @@ class Checkpoint:
             extra = eos_ids(read_config(generation_file).get("eos_token_id"))
             eos += [t for t in extra if t not in eos]
         multimodal_names = multimodal.is_multimodal(outer)
-        return cls(folder, config, family, tuple(eos), method, multimodal_names)
+        scales = {} if family.scales is None else family.scales(hf)
+        return cls(folder, config, family, tuple(eos), method, multimodal_names, scales)
 
     def weight_files(self) -> list[Path]:
         """The safetensors files of the checkpoint.
@@ -179,7 +183,7 @@ class Checkpoint:
                     name = self._name(stored)
                     if name is None or (keep is not None and not keep(name)):
                         continue
-                    tensor = handle.get_tensor(stored)
+                    tensor = _scaled(handle.get_tensor(stored), name, self.scales)
                     weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         return weights if self.quant_method is None else mxfp4.dequantize_all(weights, dtype)
 
@@ -187,3 +191,19 @@ class Checkpoint:
         """The folder's ``tokenizer.json``, or None when it has none."""
         file = self.path / "tokenizer.json"
         return Tokenizer.from_file(str(file)) if file.is_file() else None
+
+
+def _scaled(
+    tensor: torch.Tensor, name: str, scales: Mapping[str, tuple[RowScale, ...]]
+) -> torch.Tensor:
+    """``tensor`` with the runs of rows ``scales`` names for ``name`` multiplied, in
+    float32 (before the cast to the model's dtype)."""
+    runs = next((runs for end, runs in scales.items() if name.endswith(end)), ())
+    if not runs:
+        return tensor
+    out = tensor.float()  # a copy where it is not float32 already
+    if out is tensor:
+        out = tensor.clone()
+    for start, stop, factor in runs:
+        out[start:stop] *= factor
+    return out

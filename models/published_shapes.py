@@ -329,4 +329,20 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "layer_types": ["full_attention" if i % 8 == 7 else "linear_attention" for i in range(80)],
     },
+    # Falcon-H1 7B: 44 layers, each full attention (2 KV heads of 128) beside a Mamba2
+    # (24 heads of 128, one group of 256 states).
+    "falcon-h1-7b-like": {
+        "model_type": "falcon_h1",
+        "num_hidden_layers": 44,
+        "hidden_size": 3072,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "mamba_d_ssm": 3072,
+        "mamba_n_heads": 24,
+        "mamba_d_head": 128,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 256,
+        "mamba_d_conv": 4,
+    },
 }

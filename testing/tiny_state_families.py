@@ -188,6 +188,27 @@ def _minimax() -> Any:
     return MiniMaxForCausalLM(config)
 
 
+def _falcon_h1(**fields: Any) -> Any:
+    """Falcon-H1: three layers of full attention and Mamba2 (8 heads of 16, two B/C groups,
+    SSD chunks of 8) side by side, its norm before the gate; every muP multiplier set."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    multipliers: dict[str, Any] = {
+        "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5, "key_multiplier": 1.2,
+        "attention_in_multiplier": 0.9, "attention_out_multiplier": 1.1,
+        "ssm_in_multiplier": 1.3, "ssm_out_multiplier": 0.6, "mlp_multipliers": [0.7, 1.3],
+        "ssm_multipliers": [0.5, 1.5, 0.8, 1.2, 0.9],
+    }  # fmt: skip
+    shape: dict[str, Any] = {
+        "num_hidden_layers": 3, "num_key_value_heads": 2, "mamba_d_ssm": 128,
+        "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 8,
+        "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_rms_norm": True,
+        "mamba_norm_before_gate": True,
+    }  # fmt: skip
+    config = FalconH1Config(**{**COMMON, **shape, **multipliers, **NO_SPECIAL_TOKENS, **fields})
+    return FalconH1ForCausalLM(config)
+
+
 #: Each family's builder, by the name the tests know it by.
 STATE_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_next": _qwen3_next,
@@ -203,4 +224,6 @@ STATE_BUILDERS: dict[str, Callable[[], Any]] = {
     "mamba2": _mamba2,
     "nemotron_h": _nemotron_h,
     "minimax": _minimax,
+    "falcon_h1": _falcon_h1,
+    "falcon_h1_gate_only": lambda: _falcon_h1(mamba_rms_norm=False, projectors_bias=True),
 }

@@ -52,8 +52,12 @@ class Mamba2Mixer(PagedStateMixer):
         self.dt_bias = nn.Parameter(torch.empty(heads))
         self.A_log = nn.Parameter(torch.empty(heads))
         self.D = nn.Parameter(torch.empty(heads))
-        self.norm = GatedRMSNorm(inner, inner // shape.num_groups, eps)
-        self.out_proj = nn.Linear(inner, shape.hidden_size, bias=shape.proj_bias)
+        # Falcon-H1's may have no norm, only the gate (``Mamba2Shape.gate``).
+        self.norm: nn.Module | None = None
+        if shape.gate != "gate_only":
+            first = shape.gate == "norm_then_gate"
+            self.norm = GatedRMSNorm(inner, inner // shape.num_groups, eps, norm_first=first)
+        self.out_proj = nn.Linear(inner, shape.hidden_size, bias=shape.out_bias)
         self.state_shapes = shape.parts
 
     def shard(self, cut: TensorCut) -> None:
@@ -97,21 +101,8 @@ class Mamba2Mixer(PagedStateMixer):
         self.A_log = param(self.A_log.detach()[heads])
         self.D = param(self.D.detach()[heads])
         norm = self.norm
-        weight = norm.weight.detach()[mine]
-        if shape.num_groups % size == 0:  # whole norm groups on every rank
-            local = GatedRMSNorm(share.intermediate_size, norm.group_size, norm.eps)
-            local.weight = param(weight)
-            self.norm = local
-        else:
-            spread = SpreadGatedRMSNorm(
-                weight,
-                group_index=rank * share.intermediate_size // norm.group_size,
-                num_groups=shape.num_groups,
-                group_size=norm.group_size,
-                eps=norm.eps,
-                reduce=cut.all_reduce,
-            )
-            self.set_submodule("norm", spread)
+        if isinstance(norm, GatedRMSNorm):
+            self.norm = _norm_share(norm, mine, cut, share, shape.num_groups)
         self.set_submodule("out_proj", summed_columns(cut, self.out_proj, mine))
         self.shape = share
         self.state_shapes = share.parts
@@ -125,7 +116,8 @@ class Mamba2Mixer(PagedStateMixer):
         states = inputs.metadata
         assert isinstance(states, StepStates), "a Mamba2 layer in a group without state"
         out = self.mix((xbc, dt), inputs.kv_cache, states, shape.intermediate_size)
-        projected: torch.Tensor = self.out_proj(self.norm(out, gate))
+        gated = out * F.silu(gate) if self.norm is None else self.norm(out, gate)
+        projected: torch.Tensor = self.out_proj(gated)
         return projected
 
     def scan(self, xs: Inputs, state: State, counts: list[int]) -> tuple[torch.Tensor, State]:
@@ -165,3 +157,26 @@ class Mamba2Mixer(PagedStateMixer):
 
     def _a(self) -> torch.Tensor:
         return -torch.exp(self.A_log.float())
+
+
+def _norm_share(
+    norm: GatedRMSNorm, mine: torch.Tensor, cut: TensorCut, share: Mamba2Shape, groups: int
+) -> nn.Module:
+    """The gated norm of a rank's channels ``mine``: whole groups where every rank holds
+    whole groups, else one summing each group's squares over the ranks it spans."""
+    weight = norm.weight.detach()[mine]
+    if groups % cut.size == 0:  # whole norm groups on every rank
+        local = GatedRMSNorm(
+            share.intermediate_size, norm.group_size, norm.eps, norm_first=norm.norm_first
+        )
+        local.weight = param(weight)
+        return local
+    return SpreadGatedRMSNorm(
+        weight,
+        group_index=cut.rank * share.intermediate_size // norm.group_size,
+        num_groups=groups,
+        group_size=norm.group_size,
+        eps=norm.eps,
+        reduce=cut.all_reduce,
+        norm_first=norm.norm_first,
+    )

@@ -113,19 +113,28 @@ def config_rms_norm(config: ModelConfig, dim: int) -> RMSNorm:
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of ``x * silu(gate)`` over groups of channels, in float32 (Mamba2's norm)."""
+    """RMSNorm of ``x * silu(gate)`` over groups of channels, in float32 (Mamba2's norm);
+    with ``norm_first``, ``norm(x) * silu(gate)`` (Falcon-H1's ``mamba_norm_before_gate``).
+    """
 
-    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+    def __init__(self, dim: int, group_size: int, eps: float, *, norm_first: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.group_size = group_size
         self.eps = eps
+        self.norm_first = norm_first
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float() * F.silu(gate.float())
+        h = _gated(x, gate, not self.norm_first)
         grouped = h.view(*h.shape[:-1], -1, self.group_size)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.view(h.shape).to(x.dtype)
+        out = self.weight * grouped.view(h.shape).to(x.dtype)
+        return _gated(out, gate, self.norm_first).to(x.dtype) if self.norm_first else out
+
+
+def _gated(x: torch.Tensor, gate: torch.Tensor, gated: bool) -> torch.Tensor:
+    """``x * silu(gate)`` in float32 where ``gated``, else ``x`` in float32."""
+    return x.float() * F.silu(gate.float()) if gated else x.float()
 
 
 class SpreadGatedRMSNorm(nn.Module):
@@ -139,6 +148,7 @@ class SpreadGatedRMSNorm(nn.Module):
         group_size: Channels in a whole norm group.
         eps: The norm's epsilon.
         reduce: Sums a tensor over the tensor-parallel group, in place.
+        norm_first: Gate after the norm (``GatedRMSNorm``'s).
     """
 
     def __init__(
@@ -150,20 +160,23 @@ class SpreadGatedRMSNorm(nn.Module):
         group_size: int,
         eps: float,
         reduce: Callable[[torch.Tensor], None],
+        norm_first: bool = False,
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.group_index, self.num_groups, self.group_size = group_index, num_groups, group_size
         self.eps = eps
         self.reduce = reduce
+        self.norm_first = norm_first
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float() * F.silu(gate.float())
+        h = _gated(x, gate, not self.norm_first)
         sums = h.new_zeros(h.shape[0], self.num_groups)
         sums[:, self.group_index] = h.pow(2).sum(-1)
         self.reduce(sums)
         scale = torch.rsqrt(sums[:, self.group_index] / self.group_size + self.eps)
-        return self.weight * (h * scale[:, None]).to(x.dtype)
+        out = self.weight * (h * scale[:, None]).to(x.dtype)
+        return _gated(out, gate, self.norm_first).to(x.dtype) if self.norm_first else out
 
 
 class NormThenGate(nn.Module):

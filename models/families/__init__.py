@@ -67,7 +67,12 @@ MODULES = {
     "nemotron_h": "nemotron_h",
     "minimax": "minimax",
     "mixtral": "mistral",
+    "falcon_h1": "falcon_h1",
 }
+
+
+#: Rows ``start:stop`` of a tensor multiplied by ``factor`` (``Family.scales``).
+RowScale = tuple[int, int | None, float]
 
 
 class ConfigParser(Protocol):
@@ -105,6 +110,10 @@ class Family:
             cache rather than keeping its own, that layer's index (Gemma 4); None: none.
         unread: Prefixes of checkpoint tensors the loader leaves unread (Qwen3-Next's
             multi-token prediction layers, ``mtp.``).
+        scales: config -> per ending of a tensor name (``.mamba.in_proj.weight``), runs of
+            its rows multiplied at load, ``(start, stop, factor)`` (stop None: to the
+            end): multipliers the family's layers apply to a projection's input or
+            output, folded into its weights (Falcon-H1's muP multipliers); None: none.
         normalize: config.json -> the same with the fields its hub releases name otherwise
             renamed as the family reads them (MiMo-V2-Flash's ``sliding_window_size``);
             applied (``normalized``) before any other hook reads the config, and
@@ -124,6 +133,7 @@ class Family:
     shared_kv: Callable[[Mapping[str, Any], list[str]], Mapping[int, int]] | None = None
     normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     unread: tuple[str, ...] = ()
+    scales: Callable[[Mapping[str, Any]], Mapping[str, tuple[RowScale, ...]]] | None = None
 
 
 def normalized(family: Family | None, cfg: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -15,7 +15,7 @@ the model reads the same value, so the planner and the layers agree on the layou
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -43,6 +43,12 @@ class Mamba2Shape:
         proj_bias: The in and out projections have biases.
         dt_min: Lower clamp of the time step.
         dt_max: Upper clamp of the time step (inf: none).
+        gate: How the gate ``z`` meets the scan's output ``y``: ``norm(y * silu(z))``
+            (``gate_then_norm``: Mamba2's), ``norm(y) * silu(z)`` (``norm_then_gate``)
+            or ``y * silu(z)`` with no norm (``gate_only``): Falcon-H1's
+            ``mamba_rms_norm`` and ``mamba_norm_before_gate``.
+        out_bias: The out projection has a bias (by default: as the in projection;
+            Falcon-H1's ``projectors_bias``).
     """
 
     hidden_size: int
@@ -57,6 +63,10 @@ class Mamba2Shape:
     proj_bias: bool
     dt_min: float = 0.0
     dt_max: float = float("inf")
+    gate: Literal["gate_then_norm", "norm_then_gate", "gate_only"] = "gate_then_norm"
+    out_bias: bool = attrs.field(
+        default=attrs.Factory(lambda self: self.proj_bias, takes_self=True)
+    )
 
     def tensor_share(self, size: int) -> Mamba2Shape:
         """The mixer as each of ``size`` tensor-parallel ranks holds it: its share of the

@@ -1,6 +1,7 @@
 """The state-mixer hybrids against transformers, float32, with their state in pool pages:
-Mamba2 (Bamba, Granite 4.0-H), Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo Hybrid) and short
-convolutions (LFM2).
+Mamba2 (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1's beside its attention), Gated
+DeltaNet (Qwen3-Next, Qwen3.5, OLMo Hybrid), short convolutions (LFM2, LFM3), Mamba1
+(Jamba, Mamba, Falcon-Mamba) and lightning attention (MiniMax).
 
 The tiny Mamba2 hybrids have one attention layer and three Mamba2 layers, SSD chunks of 8
 positions; every hybrid runs at blocks of 16 tokens, so prefills cross block boundaries
@@ -20,7 +21,7 @@ from hybridkv.policies import MambaLike
 
 HYBRIDS = ["bamba", "granite_moe", "granite_dense", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 HYBRIDS += ["lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "jamba", "mamba", "falcon_mamba", "mamba2"]
-HYBRIDS += ["nemotron_h", "minimax"]
+HYBRIDS += ["nemotron_h", "minimax", "falcon_h1", "falcon_h1_gate_only"]
 BS = 16
 
 
@@ -205,7 +206,7 @@ async def test_engine_outputs_match_transformers_under_preemption(
     "name",
     [
         *("bamba", "granite_moe", "qwen3_next", "lfm2", "lfm3", "olmo_hybrid", "jamba"),
-        *("mamba2", "nemotron_h", "minimax"),
+        *("mamba2", "nemotron_h", "minimax", "falcon_h1"),
     ],
 )
 def test_pipeline_stages_hold_their_state_pages_and_match_transformers(

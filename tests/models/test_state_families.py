@@ -99,3 +99,33 @@ def test_nemotron_h_kinds_from_its_pattern_and_its_mlp_layers_keep_nothing() -> 
         layer_specs_from_config(config, policies={"mlp": make_policy("full")})
     with pytest.raises(ModelConfigError, match="MoE layers"):
         layer_specs_from_config({**config, "hybrid_override_pattern": "M-ME*-"})
+
+
+def test_falcon_h1_layers_keep_attention_and_a_state_side_by_side() -> None:
+    """Each Falcon-H1 layer is full attention with a Mamba2 beside it: two memories, named
+    as the checkpoint names the mixers, each of its own kind's policy (chosen per kind);
+    a policy for the layer's own kind and bad multipliers are refused by name."""
+    from hybridkv.memory.layout import AttentionSpec, cached_layers
+    from hybridkv.models.errors import ModelConfigError
+    from hybridkv.models.families import family_for, normalized
+    from hybridkv.models.published_shapes import BUILTIN_CONFIGS
+    from hybridkv.policies import MambaLike, SlidingWindow
+
+    config = BUILTIN_CONFIGS["falcon-h1-7b-like"]
+    chosen = {"full_attention": SlidingWindow(64), "mamba": MambaLike(checkpoint_every=4)}
+    specs = layer_specs_from_config(config, policies=chosen)
+    assert all(isinstance(s, AttentionSpec) and s.beside is not None for s in specs)
+    memories = cached_layers(specs)
+    assert [s.name for s in memories[:3]] == [
+        "model.layers.0.self_attn",
+        "model.layers.0.mamba",
+        "model.layers.1.self_attn",
+    ]
+    assert [type(s.policy) for s in memories[:2]] == [SlidingWindow, MambaLike]
+    assert memories[1].state_bytes == 4 * ((3072 + 2 * 256) * 3 + 24 * 128 * 256)
+    with pytest.raises(ModelConfigError, match="no layers of that kind; its kinds: full_att"):
+        layer_specs_from_config(config, policies={"hybrid": SlidingWindow(64)})
+    family = family_for("falcon_h1")
+    assert family is not None and family.scales is not None
+    with pytest.raises(ModelConfigError, match="'mlp_multipliers' must be 2 numbers"):
+        family.scales(normalized(family, {**config, "mlp_multipliers": [1.0]}))

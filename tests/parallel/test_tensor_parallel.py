@@ -116,6 +116,7 @@ def test_two_ranks_match_one_process_bamba(
         ("lfm3", 2, 1, 1),
         ("mamba2", 2, 1, 1),
         ("nemotron_h", 2, 2, 1),
+        ("falcon_h1", 2, 2, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(

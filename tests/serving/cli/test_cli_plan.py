@@ -104,6 +104,21 @@ def test_plan_minimax_keeps_block_16_beside_lightning_states(
     assert "requests of 4096 tokens hold 840.00 MiB each, 0 B padding" in out
 
 
+def test_plan_falcon_h1_sizes_both_memories_of_each_layer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """falcon-h1-7b-like: each of its 44 layers keeps K/V in the full group and a Mamba2
+    state (3.04 MiB) in the state group; block 16 is kept, in one stage or two, on one
+    rank or two (each rank a half of the heads and of the state)."""
+    for extra in ([], ["--pp-stages", "2"], ["-tp", "2"]):
+        code, out, _ = run(capsys, "plan", "falcon-h1-7b-like", "--kv-memory", "8GiB", *extra)
+        assert code == 0
+        assert "88 KV layers (44 full, 44 mamba; 44 layers hold a K/V and a state each)" in out
+        assert "block size 16, state pages of 195 K/V pages" in out
+    assert "state   page 1.52 MiB (195 K/V pages)" in out
+    assert "0 B padding" in out.split("state   page")[1].splitlines()[0]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

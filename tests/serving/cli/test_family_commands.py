@@ -38,6 +38,7 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path) -> Path:
         "mamba2",
         "nemotron_h",
         "minimax",
+        "falcon_h1",
     ],
 )
 def test_generate_runs_each_new_family(
