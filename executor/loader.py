@@ -112,7 +112,7 @@ def load_checkpoint(
     checkpoint = options.open_checkpoint(path, dtype_bytes=itemsize)
     config = checkpoint.config
     stages = check_stage_cuts(
-        config.layers, stage.num_stages, per_layer_inputs=config.per_layer_inputs is not None
+        config.layers, stage.num_stages, embeddings_read_by=config.embeddings_read_by
     )
     if not 0 <= stage.index < len(stages):
         raise ParallelConfigError(

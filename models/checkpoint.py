@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -23,6 +23,8 @@ from hybridkv.models.families import Family, RowScale, normalized, our_name, run
 from hybridkv.models.hf_config import read_config
 from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.weights import mxfp4
+
+_T = TypeVar("_T")
 
 
 def _read_index(path: Path) -> dict[str, Any]:
@@ -69,6 +71,8 @@ class Checkpoint:
             read under a text model's names, the others left out.
         scales: The family's multipliers folded into the weights at load
             (``Family.scales``), per ending of a tensor name.
+        aliases: Per prefix of tensors the checkpoint holds once for several layers, the
+            prefix it holds them under (``Family.shared_weights``).
     """
 
     path: Path
@@ -78,6 +82,7 @@ class Checkpoint:
     quant_method: str | None = None
     text_of_multimodal: bool = False
     scales: Mapping[str, tuple[RowScale, ...]] = attrs.field(factory=dict)
+    aliases: Mapping[str, str] = attrs.field(factory=dict)
 
     @classmethod
     def open(
@@ -124,7 +129,8 @@ class Checkpoint:
             eos += [t for t in extra if t not in eos]
         multimodal_names = multimodal.is_multimodal(outer)
         scales = {} if family.scales is None else family.scales(hf)
-        return cls(folder, config, family, tuple(eos), method, multimodal_names, scales)
+        aliases = {} if family.shared_weights is None else family.shared_weights(hf)
+        return cls(folder, config, family, tuple(eos), method, multimodal_names, scales, aliases)
 
     def weight_files(self) -> list[Path]:
         """The safetensors files of the checkpoint.
@@ -150,7 +156,7 @@ class Checkpoint:
         for file in self.weight_files():
             with safe_open(file, framework="pt", device="cpu") as handle:
                 names.update(n for n in map(self._name, handle.keys()) if n is not None)
-        return names
+        return names | set(_aliased(dict.fromkeys(names), self.aliases))  # where absent
 
     def _name(self, stored: str) -> str | None:
         """A stored tensor's name as the model registers it (the family's renames applied);
@@ -185,6 +191,8 @@ class Checkpoint:
                         continue
                     tensor = _scaled(handle.get_tensor(stored), name, self.scales)
                     weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        shared = _aliased(weights, self.aliases)
+        weights = {n: t for n, t in shared.items() if keep is None or keep(n)} | weights
         return weights if self.quant_method is None else mxfp4.dequantize_all(weights, dtype)
 
     def load_tokenizer(self) -> Tokenizer | None:
@@ -207,3 +215,15 @@ def _scaled(
     for start, stop, factor in runs:
         out[start:stop] *= factor
     return out
+
+
+def _aliased(tensors: Mapping[str, _T], aliases: Mapping[str, str]) -> dict[str, _T]:
+    """``tensors`` under each alias of ``aliases`` (reader prefix -> the prefix held),
+    the same objects: a part serving several layers is held once. (A checkpoint that
+    holds a reader's tensors too, as ``save_pretrained`` writes them, keeps its own.)"""
+    return {
+        reader + name[len(held) :]: tensor
+        for reader, held in aliases.items()
+        for name, tensor in tensors.items()
+        if name.startswith(held)
+    }

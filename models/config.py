@@ -16,7 +16,7 @@ import attrs
 from hybridkv.memory.layout import AttentionSpec, ModelLayer, StateSpec, memories
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import DELTANET, FULL, LIGHTNING, MAMBA, MAMBA1, SHORT_CONV, SLIDING
-from hybridkv.models.shapes.decoder import PerLayerInputs
+from hybridkv.models.shapes.decoder import PerLayerInputs, SharedBlocks
 from hybridkv.models.shapes.deltanet import DeltaNetShape
 from hybridkv.models.shapes.lightning import LightningShape
 from hybridkv.models.shapes.mamba1 import Mamba1Shape
@@ -58,7 +58,8 @@ class ModelConfig:
         num_heads: Query heads (0 in a model without attention: Mamba's).
         rms_norm_eps: Epsilon of every RMSNorm.
         norm_offset: RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1, Llama: 0).
-        activation: ``silu``, ``gelu_tanh`` or ``relu2`` (squared ReLU), applied to the
+        activation: ``silu``, ``gelu_tanh``, ``gelu`` (exact) or ``relu2`` (squared ReLU),
+            applied to the
             MLP's gate (to its one projection where it has no gate: Nemotron-H).
         qk_norm: RMSNorm of q and k before rope (Gemma 3, Qwen3, OLMo).
         qk_norm_width: Over each head (``head``: Gemma 3, Qwen3) or over the whole
@@ -116,6 +117,11 @@ class ModelConfig:
             (``layer_scalar``: Gemma 4).
         wide_mlp_layers: The layers whose MLP is twice ``intermediate_size`` wide (Gemma
             4's KV-shared layers under ``use_double_wide_mlp``).
+        attention_input_width: The width of attention's input where it is not
+            ``hidden_size`` (Zamba2's shared blocks read the hidden states beside the token
+            embeddings: twice as wide), or None.
+        shared_blocks: Attention blocks whose weights serve several layers (Zamba2), or
+            None.
     """
 
     model_type: str
@@ -166,6 +172,8 @@ class ModelConfig:
     per_layer_inputs: PerLayerInputs | None = None
     layer_scalar: bool = False
     wide_mlp_layers: frozenset[int] = frozenset()
+    attention_input_width: int | None = None
+    shared_blocks: SharedBlocks | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
@@ -217,6 +225,16 @@ class ModelConfig:
         return {str(s.kind): s.head_dim for s in self.attention_layers}
 
     @property
+    def embeddings_read_by(self) -> str | None:
+        """What in the model reads the token embeddings at later layers (Gemma 4's
+        per-layer inputs, Zamba2's shared blocks), or None."""
+        if self.per_layer_inputs is not None:
+            return "Gemma 4's per-layer inputs are computed from them"
+        if self.shared_blocks is not None:
+            return "Zamba2's shared attention blocks read them beside the hidden states"
+        return None
+
+    @property
     def layer_types(self) -> tuple[str, ...]:
         """Per layer, its kind (``full_attention``, ``sliding_attention``, ...)."""
         return tuple(str(s.kind) for s in self.layers)
@@ -244,8 +262,8 @@ def activation_of(name: str) -> str:
         return "silu"
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
         return "gelu_tanh"
-    if name == "relu2":
-        return "relu2"
+    if name in ("relu2", "gelu"):
+        return name
     raise ModelConfigError(
-        f"activation {name!r} is not supported; supported: silu, gelu_tanh, relu2"
+        f"activation {name!r} is not supported; supported: silu, gelu_tanh, gelu, relu2"
     )

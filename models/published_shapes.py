@@ -345,4 +345,22 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "mamba_d_state": 256,
         "mamba_d_conv": 4,
     },
+    # Zamba2 7B: 81 layers, Mamba2 (112 heads of 64, two groups of 64 states) in each, a
+    # shared block (32 heads of 224 over the hidden states beside the embeddings) before
+    # the Mamba2 of every sixth: two blocks in turn.
+    "zamba2-7b-like": {
+        "model_type": "zamba2",
+        "num_hidden_layers": 81,
+        "hidden_size": 3584,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "n_mamba_heads": 112,
+        "mamba_d_state": 64,
+        "mamba_ngroups": 2,
+        "mamba_expand": 2,
+        "mamba_d_conv": 4,
+        "num_mem_blocks": 2,
+        "use_shared_attention_adapter": True,
+        "layers_block_type": ["hybrid" if i % 6 == 5 else "mamba" for i in range(81)],
+    },
 }

@@ -71,23 +71,23 @@ def split_layers(num_layers: int, num_stages: int) -> list[PipelineStage]:
 
 
 def check_stage_cuts(
-    layers: Sequence[ModelLayer], num_stages: int, *, per_layer_inputs: bool = False
+    layers: Sequence[ModelLayer], num_stages: int, *, embeddings_read_by: str | None = None
 ) -> list[PipelineStage]:
     """The stages of :func:`split_layers`, once every layer that reads another layer's
     cache finds it in its own stage.
 
     Raises:
         ParallelConfigError: as :func:`split_layers`; a cut between a layer and the layer
-            whose cache it reads (Gemma 4's KV-shared layers), or, with
-            ``per_layer_inputs``, any cut: each layer's per-layer input is computed from
-            the token embeddings, which only the first stage holds.
+            whose cache it reads (Gemma 4's KV-shared layers), or, where layers read
+            the token embeddings (``embeddings_read_by`` names what reads them:
+            ``ModelConfig.embeddings_read_by``), any cut: only the first stage holds them.
     """
     stages = split_layers(len(layers), num_stages)
-    if per_layer_inputs and num_stages > 1:
+    if embeddings_read_by is not None and num_stages > 1:
         raise ParallelConfigError(
-            f"pipeline_parallel_size={num_stages}: the model's layers each read a per-layer "
-            "input computed from the token embeddings (Gemma 4's per-layer inputs), which "
-            "only the first stage holds; serve it in one stage"
+            f"pipeline_parallel_size={num_stages}: the model's layers read the token "
+            f"embeddings ({embeddings_read_by}), which only the first stage holds; serve it "
+            "in one stage"
         )
     stage_of = {layers[i].name: stage.index for stage in stages for i in stage.layers}
     for spec in layers:

@@ -30,6 +30,7 @@ from hybridkv.models.blocks.mlp import GatedMLP
 from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.blocks.per_layer import PerLayerEmbedding
 from hybridkv.models.blocks.rope import RotaryTable, query_scales
+from hybridkv.models.blocks.shared_block import SharedBlockLayer
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import CheckpointError
 from hybridkv.models.families import Family, decoder_of, our_name
@@ -51,9 +52,7 @@ class _Backbone(nn.Module):
         )
         self.layers = nn.ModuleList(
             [
-                DecoderLayer(config, i, decoder_of(family, config.layer_types[i]))
-                if i in layers
-                else MissingLayer()
+                _layer(config, family, i) if i in layers else MissingLayer()
                 for i in range(config.num_layers)
             ]
         )
@@ -61,6 +60,15 @@ class _Backbone(nn.Module):
         self.norm = config_norm(config, config.hidden_size) if is_last else None
         has_inputs = config.per_layer_inputs is not None and layers.start == 0
         self.per_layer_inputs = PerLayerEmbedding(config) if has_inputs else None
+
+
+def _layer(config: ModelConfig, family: Family, layer: int) -> nn.Module:
+    """Layer ``layer`` as its family puts it together: the one decoder layer, or a layer
+    running a shared block (Zamba2's)."""
+    shape = decoder_of(family, config.layer_types[layer])
+    if shape.residual == "shared_block":
+        return SharedBlockLayer(config, layer)
+    return DecoderLayer(config, layer, shape)
 
 
 class CausalLM(nn.Module):
@@ -231,6 +239,8 @@ class CausalLM(nn.Module):
         nope = self.config.nope_layers
         temperature = self.config.query_temperature
         scales = None if temperature is None else query_scales(temperature, positions)
+        # Zamba2's shared blocks read the token embeddings beside the hidden states.
+        embeddings = hidden if self.config.shared_blocks is not None else None
         entries = iter(caches)
         for i in self.layer_range:
             cos, sin = no_rope if i in nope else tables.get(kinds[i], no_rope)
@@ -244,6 +254,7 @@ class CausalLM(nn.Module):
             inputs = LayerInputs(
                 cos, sin, kv_cache, metadata, query_scale=scaled,
                 per_layer=None if per_layer is None else per_layer[:, i], beside=beside,
+                embeddings=embeddings,
             )  # fmt: skip
             hidden = self.model.layers[i](hidden, inputs)
         assert next(entries, None) is None, "a cache for every memory of the layers held"

@@ -113,7 +113,7 @@ class StageSettings:
         check_stage_cuts(
             config.layers,
             pipeline_parallel_size,
-            per_layer_inputs=config.per_layer_inputs is not None,
+            embeddings_read_by=config.embeddings_read_by,
         )
         check_tensor_split(checkpoint.config, tensor_parallel_size, options.weights)
         if context_parallel_size > 1:

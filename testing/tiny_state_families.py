@@ -209,6 +209,23 @@ def _falcon_h1(**fields: Any) -> Any:
     return FalconH1ForCausalLM(config)
 
 
+def _zamba2() -> Any:
+    """Zamba2: six layers, Mamba2 (8 heads of 16, two B/C groups, SSD chunks of 8) and three
+    hybrid layers running two shared blocks in turn (rope, adapters of rank 8 per use);
+    tied embeddings, which tie the blocks too: the checkpoint holds each at its first use."""
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    m, h = "mamba", "hybrid"
+    config = Zamba2Config(**{
+        **COMMON, "num_hidden_layers": 6, "layers_block_type": [m, h, m, h, m, h],
+        "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_ngroups": 2,
+        "n_mamba_heads": 8, "chunk_size": 8, "num_mem_blocks": 2,
+        "use_shared_attention_adapter": True, "adapter_rank": 8, "use_mem_rope": True,
+        "rms_norm_eps": 1e-5, **NO_SPECIAL_TOKENS,
+    })  # fmt: skip
+    return Zamba2ForCausalLM(config)
+
+
 #: Each family's builder, by the name the tests know it by.
 STATE_BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen3_next": _qwen3_next,
@@ -226,4 +243,5 @@ STATE_BUILDERS: dict[str, Callable[[], Any]] = {
     "minimax": _minimax,
     "falcon_h1": _falcon_h1,
     "falcon_h1_gate_only": lambda: _falcon_h1(mamba_rms_norm=False, projectors_bias=True),
+    "zamba2": _zamba2,
 }

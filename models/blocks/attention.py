@@ -58,6 +58,8 @@ class LayerInputs:
             ``query_temperature``), or None.
         per_layer: ``[num_tokens, width]``: each token's input to this layer (Gemma 4's
             per-layer inputs), or None.
+        embeddings: ``[num_tokens, hidden]``: the tokens' embeddings, where the layer
+            reads them beside the hidden states (Zamba2's shared blocks), or None.
         beside: The cache and metadata of the state mixer beside the attention (Falcon-H1's
             Mamba2, ``AttentionSpec.beside``), as that mixer reads them, or None.
     """
@@ -69,6 +71,7 @@ class LayerInputs:
     query_scale: torch.Tensor | None = None
     per_layer: torch.Tensor | None = None
     beside: LayerInputs | None = None
+    embeddings: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):
@@ -98,11 +101,12 @@ class PagedAttention(nn.Module):
         # only; one whose values are its keys (``values_from_keys``) has no v_proj.
         self.reads_cache = spec.reads is not None
         self.values_from_keys = spec.kind in config.values_from_keys
-        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
+        width = config.attention_input_width or config.hidden_size
+        self.q_proj = nn.Linear(width, q_width, bias=bias)
         if not self.reads_cache:
-            self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
+            self.k_proj = nn.Linear(width, kv_width, bias=bias)
             if not self.values_from_keys:
-                self.v_proj = nn.Linear(config.hidden_size, v_width, bias=bias)
+                self.v_proj = nn.Linear(width, v_width, bias=bias)
         self.o_proj = nn.Linear(out_width, config.hidden_size, bias=config.attention_out_bias)
         self.gate_proj: nn.Module | None = None
         self.gate_per_head = config.attention_output_gate == "head"
@@ -217,15 +221,20 @@ class PagedAttention(nn.Module):
         self.qkv_proj = joined
         return True
 
-    def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
-        num_tokens, heads, q_width = x.shape[0], self.num_heads, self.num_heads * self.head_dim
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x``'s queries and the keys it computes side by side, and its values (None
+        where the layer computes none), before any norm or rope."""
         if self.qkv_proj is not None:
             qk, v = self.qkv_proj(x).split(self._qk_v_widths, dim=-1)
-        elif self.reads_cache:
-            qk, v = self.q_proj(x), None
-        else:
-            qk = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1)
-            v = None if self.values_from_keys else self.v_proj(x)
+            return qk, v
+        if self.reads_cache:
+            return self.q_proj(x), None
+        qk = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1)
+        return qk, None if self.values_from_keys else self.v_proj(x)
+
+    def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        num_tokens, heads, q_width = x.shape[0], self.num_heads, self.num_heads * self.head_dim
+        qk, v = self.project(x)
         if self.values_from_keys:  # the key projection's output, before its norm and rope
             v = qk[:, q_width:]
         if self.qk_norm and not self.per_head_norm:

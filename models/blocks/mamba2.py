@@ -55,7 +55,7 @@ class Mamba2Mixer(PagedStateMixer):
         # Falcon-H1's may have no norm, only the gate (``Mamba2Shape.gate``).
         self.norm: nn.Module | None = None
         if shape.gate != "gate_only":
-            first = shape.gate == "norm_then_gate"
+            first, eps = shape.gate == "norm_then_gate", shape.norm_eps or eps
             self.norm = GatedRMSNorm(inner, inner // shape.num_groups, eps, norm_first=first)
         self.out_proj = nn.Linear(inner, shape.hidden_size, bias=shape.out_bias)
         self.state_shapes = shape.parts

@@ -28,6 +28,7 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": _gelu_tanh,
+    "gelu": F.gelu,
     "relu2": _relu2,
 }
 

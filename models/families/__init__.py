@@ -68,6 +68,7 @@ MODULES = {
     "minimax": "minimax",
     "mixtral": "mistral",
     "falcon_h1": "falcon_h1",
+    "zamba2": "zamba2",
 }
 
 
@@ -114,6 +115,10 @@ class Family:
             its rows multiplied at load, ``(start, stop, factor)`` (stop None: to the
             end): multipliers the family's layers apply to a projection's input or
             output, folded into its weights (Falcon-H1's muP multipliers); None: none.
+        shared_weights: config -> per prefix of the tensors of a part that serves several
+            layers, the prefix the checkpoint holds them under (Zamba2's shared blocks,
+            stored at their first use): the loader reads them for each that the
+            checkpoint does not hold apart; None: none.
         normalize: config.json -> the same with the fields its hub releases name otherwise
             renamed as the family reads them (MiMo-V2-Flash's ``sliding_window_size``);
             applied (``normalized``) before any other hook reads the config, and
@@ -134,6 +139,7 @@ class Family:
     normalize: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     unread: tuple[str, ...] = ()
     scales: Callable[[Mapping[str, Any]], Mapping[str, tuple[RowScale, ...]]] | None = None
+    shared_weights: Callable[[Mapping[str, Any]], Mapping[str, str]] | None = None
 
 
 def normalized(family: Family | None, cfg: Mapping[str, Any]) -> Mapping[str, Any]:

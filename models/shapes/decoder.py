@@ -13,7 +13,11 @@ both::
                                                                        (MiniMax)
 
 with ``m`` the config's ``residual_multiplier`` (1 but for Granite), and ``a``, ``b`` the
-config's ``residual_scales`` of the layer's kind (``a'``, ``b'``: of ``mlp``).
+config's ``residual_scales`` of the layer's kind (``a'``, ``b'``: of ``mlp``). A layer of
+a shared block (Zamba2's ``hybrid`` layers, ``SharedBlocks``) is put together otherwise::
+
+    shared_block  t = linear(block(cat(x, e)));   out = x + mamba(norm(x + t))
+                  block(y) = mlp(norm(attention(norm(y))))      (e: the token embeddings)
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Literal
 
 import attrs
 
-Residual = Literal["pre_norm", "sandwich", "post_norm", "parallel", "from_norm"]
+Residual = Literal["pre_norm", "sandwich", "post_norm", "parallel", "from_norm", "shared_block"]
 #: ``gated``: one gated MLP. ``shared_and_experts``: Granite's shared MLP
 #: (``shared_mlp``) plus, where the config has experts, the mixture (``block_sparse_moe``).
 #: ``experts``: the mixture under ``mlp_name``, a gated MLP in the config's dense layers.
@@ -75,6 +79,8 @@ class DecoderShape:
             if self.mixer_norm is None or self.mlp_norm is not None or after:
                 raise ValueError(f"a parallel layer names one norm, its input's: {self!r}")
             return
+        if self.residual == "shared_block":
+            return  # its parts are named by the block (``blocks/shared_block.py``)
         expected = {"pre_norm": (True, False), "sandwich": (True, True), "from_norm": (True, False)}
         if (before, after) != expected.get(self.residual, (False, True)):
             raise ValueError(f"a {self.residual} layer names other norms: {self!r}")
@@ -117,3 +123,28 @@ class PerLayerInputs:
 
     width: int
     vocab_size: int
+
+
+@attrs.frozen(kw_only=True)
+class SharedBlocks:
+    """Zamba2's shared attention blocks: ``count`` blocks of attention and MLP whose
+    weights serve every layer of ``uses`` in turn (use ``j`` runs block ``j % count``),
+    each use with a KV cache of its own and low-rank adapters of its own added to the
+    block's gate/up projection and, with ``attention_adapters``, to its q, k and v. A block
+    reads the hidden states beside the token embeddings (``2 x hidden`` wide).
+
+    Attributes:
+        count: Blocks (``num_mem_blocks``).
+        uses: The layers that run a block, in order (the ``hybrid`` layers).
+        adapter_rank: The adapters' rank.
+        attention_adapters: q, k and v have adapters (``use_shared_attention_adapter``).
+    """
+
+    count: int
+    uses: tuple[int, ...]
+    adapter_rank: int
+    attention_adapters: bool = False
+
+    def owner(self, layer: int) -> int:
+        """The layer whose checkpoint tensors hold the weights ``layer``'s block runs."""
+        return self.uses[self.uses.index(layer) % self.count]

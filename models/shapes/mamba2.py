@@ -49,6 +49,7 @@ class Mamba2Shape:
             ``mamba_rms_norm`` and ``mamba_norm_before_gate``.
         out_bias: The out projection has a bias (by default: as the in projection;
             Falcon-H1's ``projectors_bias``).
+        norm_eps: The gated norm's epsilon where it is not the model's (Zamba2's 1e-5).
     """
 
     hidden_size: int
@@ -67,6 +68,7 @@ class Mamba2Shape:
     out_bias: bool = attrs.field(
         default=attrs.Factory(lambda self: self.proj_bias, takes_self=True)
     )
+    norm_eps: float | None = None
 
     def tensor_share(self, size: int) -> Mamba2Shape:
         """The mixer as each of ``size`` tensor-parallel ranks holds it: its share of the

@@ -37,6 +37,7 @@ POOL_PAGES |= dict.fromkeys(("mamba", "falcon_mamba", "mamba2"), 20)
 POOL_PAGES["nemotron_h"] = 64
 POOL_PAGES["minimax"] = 24
 POOL_PAGES["falcon_h1"] = 40
+POOL_PAGES["zamba2"] = 40
 POOL_PAGES |= {
     "olmo3": 24,
     "exaone4": 24,
@@ -105,6 +106,7 @@ async def _serve(
         *("llama", "gemma2", "gemma3", "bamba", "granite_moe", "granite_dense"),
         *("qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "jamba"),
         *("mamba", "falcon_mamba", "mamba2", "nemotron_h", "minimax", "falcon_h1"),
+        "zamba2",
         *NEW_FAMILIES,
     ],
 )

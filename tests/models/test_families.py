@@ -54,7 +54,7 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path, **fields: Any) -> Pa
     return folder
 
 
-@pytest.mark.parametrize("model_type", ["rwkv", "mixtral", "gemma3", "zamba2"])
+@pytest.mark.parametrize("model_type", ["rwkv", "mixtral", "gemma3", "xlstm"])
 def test_a_type_that_does_not_run_is_refused_naming_what_runs(
     model_type: str, tiny_models: Any, tmp_path: Path
 ) -> None:

@@ -129,3 +129,31 @@ def test_falcon_h1_layers_keep_attention_and_a_state_side_by_side() -> None:
     assert family is not None and family.scales is not None
     with pytest.raises(ModelConfigError, match="'mlp_multipliers' must be 2 numbers"):
         family.scales(normalized(family, {**config, "mlp_multipliers": [1.0]}))
+
+
+def test_zamba2_hybrid_layers_keep_a_kv_per_use_and_read_blocks_from_their_first_use() -> None:
+    """Zamba2's hybrid layers each keep their use's K/V beside their Mamba2 state (heads
+    of 2 x hidden / heads); the later uses of a block read its first use's tensors;
+    adapters with fewer KV heads than query heads are refused by name."""
+    from hybridkv.memory.layout import AttentionSpec, StateSpec
+    from hybridkv.models.errors import ModelConfigError
+    from hybridkv.models.families import family_for, normalized
+    from hybridkv.models.published_shapes import BUILTIN_CONFIGS
+
+    config = BUILTIN_CONFIGS["zamba2-7b-like"]
+    specs = layer_specs_from_config(config)
+    hybrid = [i for i, s in enumerate(specs) if isinstance(s, AttentionSpec)]
+    assert hybrid == list(range(5, 81, 6))
+    assert all(isinstance(s, StateSpec) for i, s in enumerate(specs) if i not in hybrid)
+    attention = specs[5]
+    assert isinstance(attention, AttentionSpec) and attention.head_dim == 2 * 3584 // 32
+    assert attention.beside is not None and attention.beside.name == "model.layers.5.mamba"
+    family = family_for("zamba2")
+    assert family is not None and family.shared_weights is not None
+    shared = family.shared_weights(normalized(family, config))
+    assert shared["model.layers.17.shared_transformer."] == "model.layers.5.shared_transformer."
+    assert shared["model.layers.23.shared_transformer."] == "model.layers.11.shared_transformer."
+    assert "model.layers.5.shared_transformer." not in shared
+    assert family.parse is not None
+    with pytest.raises(ModelConfigError, match="adapters need num_key_value_heads equal"):
+        family.parse(normalized(family, {**config, "num_key_value_heads": 8, "vocab_size": 256}))

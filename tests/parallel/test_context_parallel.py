@@ -114,6 +114,7 @@ def test_a_policy_without_one_window_is_refused(tiny_models) -> None:
     [
         ("bamba", None, "'model.layers.0.mamba' is a state layer"),
         ("falcon_h1", None, "'model.layers.0.mamba' is a state layer"),
+        ("zamba2", None, "'model.layers.0.mamba' is a state layer"),
         ("llama", {"full_attention": ChunkedLocal(16)}, "keys are one window"),
         ("gpt_oss", None, "attention sinks"),
         ("gemma4", None, "'model.layers.4.self_attn' computes none"),

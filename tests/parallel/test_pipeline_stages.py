@@ -71,11 +71,18 @@ def test_chained_stages_match_one_process(
     check_same_outputs(run_scenario(drive(chained)), expected)
 
 
-def test_per_layer_inputs_refuse_stages_before_loading(tiny_models) -> None:
-    """Gemma 4 with per-layer inputs in two stages: refused, naming why."""
-    with pytest.raises(ParallelConfigError, match=r"per-layer input.*first stage"):
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("gemma4", r"per-layer input.*first stage"), ("zamba2", r"shared attention.*first stage")],
+)
+def test_layers_reading_the_embeddings_refuse_stages_before_loading(
+    tiny_models, name, reason
+) -> None:
+    """Gemma 4 with per-layer inputs and Zamba2 (its shared blocks read the embeddings) in
+    two stages: refused, naming why."""
+    with pytest.raises(ParallelConfigError, match=reason):
         ModelExecutor.from_pretrained(
-            tiny_models["gemma4"].path,
+            tiny_models[name].path,
             LoadOptions(kv_cache_bytes=KV_BYTES),
             pipeline_stage=1,
             pipeline_parallel_size=2,

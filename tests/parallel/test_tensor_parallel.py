@@ -117,6 +117,7 @@ def test_two_ranks_match_one_process_bamba(
         ("mamba2", 2, 1, 1),
         ("nemotron_h", 2, 2, 1),
         ("falcon_h1", 2, 2, 1),
+        ("zamba2", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(

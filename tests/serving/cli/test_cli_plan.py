@@ -119,6 +119,18 @@ def test_plan_falcon_h1_sizes_both_memories_of_each_layer(
     assert "0 B padding" in out.split("state   page")[1].splitlines()[0]
 
 
+def test_plan_zamba2_keeps_block_16_beside_its_shared_blocks_states(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """zamba2-7b-like: 13 hybrid layers keep a K/V page of 448 KiB (heads of 224) beside
+    their Mamba2 states; 81 states of 1.83 MiB each take 5 K/V pages, block 16 kept."""
+    code, out, _ = run(capsys, "plan", "zamba2-7b-like", "--kv-memory", "8GiB")
+    assert code == 0
+    assert "94 KV layers (81 mamba, 13 full; 13 layers hold a K/V and a state each)" in out
+    assert "block size 16, state pages of 5 K/V pages" in out
+    assert "K/V     page 448.00 KiB (16 tokens)" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -39,6 +39,7 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path) -> Path:
         "nemotron_h",
         "minimax",
         "falcon_h1",
+        "zamba2",
     ],
 )
 def test_generate_runs_each_new_family(
