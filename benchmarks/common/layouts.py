@@ -14,6 +14,7 @@ from hybridkv.memory.layout import (
     LayerSpec,
     LayoutPlan,
     PoolSpec,
+    cached_layers,
 )
 from hybridkv.memory.layout_planner import plan_layout, policy_label
 from hybridkv.models.families import family_for, normalized
@@ -66,6 +67,14 @@ MODELS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": BUILTIN_CONFIGS["qwen3-next-80b-a3b-like"],
     "qwen3.5-27b": BUILTIN_CONFIGS["qwen3.5-27b-like"],
     "lfm2-1.2b": BUILTIN_CONFIGS["lfm2-1.2b-like"],
+    # The other mixers at the shapes of hybridkv plan's rows: OLMo Hybrid 7B (DeltaNet),
+    # MiniMax-Text-01 (lightning attention, 4 MiB a layer), Jamba (Mamba1), Falcon-H1 7B
+    # (Mamba2 beside attention in every layer), Zamba2 7B (shared attention blocks).
+    "olmo-hybrid-7b": BUILTIN_CONFIGS["olmo-hybrid-7b-like"],
+    "minimax-text-01": BUILTIN_CONFIGS["minimax-text-01-like"],
+    "jamba": BUILTIN_CONFIGS["jamba-like"],
+    "falcon-h1-7b": BUILTIN_CONFIGS["falcon-h1-7b-like"],
+    "zamba2-7b": BUILTIN_CONFIGS["zamba2-7b-like"],
 }
 
 
@@ -95,8 +104,9 @@ def parser_config(name: str) -> dict[str, Any]:
 
 
 def model_specs(name: str) -> list[LayerSpec]:
-    """The model's layer specs from hybridkv's parser (bfloat16 K/V, float32 state)."""
-    return layer_specs_from_config(parser_config(name), dtype_bytes=2)
+    """The model's memories from hybridkv's parser (bfloat16 K/V, float32 state; a layer
+    with a state beside its attention gives both: ``cached_layers``)."""
+    return cached_layers(layer_specs_from_config(parser_config(name), dtype_bytes=2))
 
 
 # -- the layout: the one place that plans ------------------------------------------------

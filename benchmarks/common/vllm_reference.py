@@ -48,12 +48,25 @@ class ReferenceRequest:
         self.shared_prefix_boundary = 0
         self.skip_reading_prefix_cache = False
         self.kv_cache_report_mode = "incremental"
+        self.prefix_cache_hit_limit: int | None = None  # vLLM 0.34: no bound
         self._block_hasher = block_hasher
         self.block_hashes.extend(block_hasher(self))
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def _all_token_ids(self) -> list[int]:  # vLLM 0.34's block hasher reads this name
+        return self.all_token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    def get_max_cache_hit_length(self, bound: int | None = None) -> int:
+        """The longest hit vLLM 0.34 allows: all but the last token (and ``bound``)."""
+        return min(n for n in (self.num_tokens - 1, bound) if n is not None)
 
     def append_output_token_ids(self, token: int) -> None:
         """Append a sampled token and hash any block it fills (as vLLM's request does)."""

@@ -107,7 +107,7 @@ from benchmarks.common.layouts import (
 from benchmarks.common.results import add_json_argument, write_json
 from benchmarks.hybrid.capacity import capacity
 from benchmarks.hybrid.report import describe_plan, print_report
-from benchmarks.hybrid.vllm_mamba import load_reference, run_vllm
+from benchmarks.hybrid.vllm_mamba import VLLM_VERSION, load_reference, run_vllm
 from benchmarks.hybrid.workloads import (
     CAPACITY_TOKENS,
     GOAL_BLOCK,
@@ -127,7 +127,7 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     t0 = time.perf_counter()
     budget = parse_size(args.kv_memory)
-    vllm, loaded = load_reference(args)
+    vllm, loaded = load_reference(args, args.vllm_version)
     rng = random.Random(args.seed)
     chat, chat_settings = chat_jobs(args.seed)
     workloads = {
@@ -219,6 +219,7 @@ def parse_args() -> argparse.Namespace:
     ref = p.add_mutually_exclusive_group()
     ref.add_argument("--reference-src", help="an unpacked vLLM source tree (holding vllm/)")
     ref.add_argument("--no-reference", action="store_true", help="hybridkv's numbers only")
+    p.add_argument("--vllm-version", default=VLLM_VERSION, help=f"vLLM's ({VLLM_VERSION})")
     p.add_argument("--seed", type=int, default=0)
     add_json_argument(p)
     return p.parse_args()

@@ -13,7 +13,6 @@ from benchmarks.common.layouts import (
     GroupPage,
     group_pages,
 )
-from benchmarks.hybrid.vllm_mamba import VLLM_VERSION
 from benchmarks.hybrid.workloads import CAPACITY_TOKENS, GOAL_BLOCK, REPEAT_LENGTHS
 from hybridkv.memory.layout import (
     LayerSpec,
@@ -133,7 +132,7 @@ def print_report(
 ) -> None:
     """Print every table of the run (the numbers ``--json`` writes)."""
     models = args.models
-    vllm_label = f"vLLM {VLLM_VERSION}"
+    vllm_label = f"vLLM {args.vllm_version}"
 
     print(
         f"hybrid cliffs: KV memory {args.kv_memory} ({budget:,} B), block size "
