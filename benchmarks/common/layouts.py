@@ -47,21 +47,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "bamba-9b": BUILTIN_CONFIGS["bamba-like"],  # the built-in's values are Bamba 9B's
     # nvidia/Nemotron-H-8B-Base-8K: 52 layers, M Mamba2 (128 heads x 64, d_state 128,
     # 8 groups, conv 4), * attention (32 heads, 8 KV heads of 128), - MLP only.
-    "nemotron-h-8b": {
-        "model_type": "nemotron_h",
-        "num_hidden_layers": 52,
-        "hidden_size": 4096,
-        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "attention_head_dim": 128,
-        "mamba_num_heads": 128,
-        "mamba_head_dim": 64,
-        "ssm_state_size": 128,
-        "n_groups": 8,
-        "conv_kernel": 4,
-        "expand": 2,
-    },
+    "nemotron-h-8b": BUILTIN_CONFIGS["nemotron-h-8b-like"],
     # Qwen/Qwen3-Next-80B-A3B and Qwen3.5-27B: Gated DeltaNet (2.1 and 3.1 MiB of state a
     # layer) to full attention, 3:1; LiquidAI/LFM2-1.2B: short convolutions (16 KiB).
     "qwen3-next-80b-a3b": BUILTIN_CONFIGS["qwen3-next-80b-a3b-like"],
@@ -78,35 +64,10 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def parser_config(name: str) -> dict[str, Any]:
-    """The model's config in a form ``layer_specs_from_config`` reads (Nemotron-H's fields
-    in Granite 4.0-H's form, over its KV layers; the others as published)."""
-    cfg = MODELS[name]
-    if cfg["model_type"] != "nemotron_h":
-        return dict(cfg)
-    kinds = {"M": "mamba", "*": "attention"}
-    layer_types = [kinds[c] for c in cfg["hybrid_override_pattern"] if c in kinds]
-    return {
-        "model_type": "granitemoehybrid",
-        "num_hidden_layers": len(layer_types),
-        "hidden_size": cfg["hidden_size"],
-        "num_attention_heads": cfg["num_attention_heads"],
-        "num_key_value_heads": cfg["num_key_value_heads"],
-        "head_dim": cfg["attention_head_dim"],
-        "layer_types": layer_types,
-        "mamba_n_heads": cfg["mamba_num_heads"],
-        "mamba_d_head": cfg["mamba_head_dim"],
-        "mamba_d_state": cfg["ssm_state_size"],
-        "mamba_n_groups": cfg["n_groups"],
-        "mamba_d_conv": cfg["conv_kernel"],
-        "mamba_expand": cfg["expand"],
-    }
-
-
 def model_specs(name: str) -> list[LayerSpec]:
     """The model's memories from hybridkv's parser (bfloat16 K/V, float32 state; a layer
     with a state beside its attention gives both: ``cached_layers``)."""
-    return cached_layers(layer_specs_from_config(parser_config(name), dtype_bytes=2))
+    return cached_layers(layer_specs_from_config(MODELS[name], dtype_bytes=2))
 
 
 # -- the layout: the one place that plans ------------------------------------------------
@@ -174,7 +135,7 @@ class Layout:
 
 
 def hybrid_layout(model: str, plan: LayoutPlan, specs: Sequence[LayerSpec]) -> Layout:
-    cfg = parser_config(model)
+    cfg = MODELS[model]
     family = family_for(str(cfg["model_type"]))
     assert family is not None and family.state_shape is not None, f"{model} keeps no state"
     pages = group_pages(plan, specs)

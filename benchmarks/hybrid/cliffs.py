@@ -49,15 +49,13 @@ default). Where vLLM refuses a layout the cell reads ``refused: <its error>`` (`
 driven: <why>`` where the adapter cannot express it).
 
 Models, with the fields ``models/specs.py`` reads written in as the published config.json
-values: Granite 4.0-H Tiny, Bamba 9B, Nemotron-H 8B. Their layer specs come from
-``layer_specs_from_config`` (the function the Bamba and Granite configs go through), so the
-state bytes are what the executor would lay out (float32 conv and SSM state). Nemotron-H's
-``nemotron_h`` config is not one the parser reads: its Mamba2 and attention fields are
-passed in Granite 4.0-H's form (``layer_types`` over its KV layers; its 24 MLP-only
-layers, the ``-`` of ``hybrid_override_pattern``, hold no KV and are left out, so layer
-numbers count KV layers only). Unsure: Granite 4.0-H Tiny's attention layer indices
-(written 5, 15, 25, 35) and the exact places of Nemotron-H's ``*`` layers; neither changes
-the layout, which depends on the counts only.
+values (``benchmarks/common/layouts.py``: Granite 4.0-H Tiny, Bamba 9B, Nemotron-H 8B, and
+the mixers beyond Mamba2 at ``hybridkv plan``'s shapes). Their memories come from
+``layer_specs_from_config``, so the state bytes are what the executor would lay out
+(float32 conv and SSM state); layers that keep nothing (Nemotron-H's 24 MLP-only layers)
+are left out. Unsure: Granite 4.0-H Tiny's attention layer indices (written 5, 15, 25, 35)
+and the exact places of Nemotron-H's ``*`` layers; neither changes the layout, which
+depends on the counts only.
 
 The layouts come from one function, :func:`build_layout` (``plan_layout``, two page sizes,
 or ``one_page``: ``unify_page_size``); everything else takes the block size and page bytes
