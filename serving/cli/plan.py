@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -204,8 +205,10 @@ def _page_lines(plan: LayoutPlan, report: PlanReport) -> list[str]:
         size = f"{_bytes(plan.block_bytes * ids)}"  # in one slot tensor
         if name == "K/V":
             size += f" ({plan.block_size} tokens)"
-        elif ids > 1:
-            size += f" ({ids} K/V pages)"
+        else:
+            packed = _states_per_page(plan, {g.group_id for g in groups})
+            parts = [f"{ids} K/V pages"] * (ids > 1) + [f"{packed} states"] * (packed > 1)
+            size += f" ({', '.join(parts)})" if parts else ""
         held = sum(g.blocks_per_request * g.page_ids for g in groups) * slot_bytes
         padding = sum(g.blocks_per_request * g.padding_bytes_per_block for g in groups)
         out.append(
@@ -213,6 +216,17 @@ def _page_lines(plan: LayoutPlan, report: PlanReport) -> list[str]:
             f"{_bytes(held)} each, {_share(padding, held)} padding"
         )
     return out
+
+
+def _states_per_page(plan: LayoutPlan, state_groups: set[int]) -> int:
+    """The most states one slot's state page holds side by side (slots are per stage)."""
+    counts = Counter(
+        (stage, *plan.layer_slots[name])
+        for stage, names in enumerate(plan.stages)
+        for name in names
+        if plan.layer_slots[name][0] in state_groups
+    )
+    return max(counts.values())
 
 
 def format_context(

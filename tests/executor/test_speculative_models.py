@@ -29,15 +29,15 @@ SPEC = SpeculativeConfig(
 NUM_TOKENS = 14
 #: Bytes of a pool of this many pages of 4 tokens (K/V ones; a state takes a span of
 #: them): three requests of about 30 tokens do not fit at once.
-POOL_PAGES = {"bamba": 64, "granite_moe": 64, "granite_dense": 64, "qwen3": 36}
-POOL_PAGES |= {"qwen3_next": 64, "qwen3_5": 64, "lfm2": 24, "lfm2_moe": 24, "olmo_hybrid": 64}
+POOL_PAGES = {"bamba": 56, "granite_moe": 56, "granite_dense": 56, "qwen3": 36}
+POOL_PAGES |= {"qwen3_next": 56, "qwen3_5": 56, "lfm2": 24, "lfm2_moe": 24, "olmo_hybrid": 56}
 POOL_PAGES["lfm3"] = 24
 POOL_PAGES["jamba"] = 32
 POOL_PAGES |= dict.fromkeys(("mamba", "falcon_mamba", "mamba2"), 20)
 POOL_PAGES["nemotron_h"] = 64
 POOL_PAGES["minimax"] = 24
 POOL_PAGES["falcon_h1"] = 40
-POOL_PAGES["zamba2"] = 40
+POOL_PAGES["zamba2"] = 36
 POOL_PAGES |= {
     "olmo3": 24,
     "exaone4": 24,

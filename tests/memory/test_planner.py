@@ -146,6 +146,34 @@ def test_state_larger_than_attention_page_takes_a_span_of_pages() -> None:
     assert report.blocks_per_request == 6 + 3 * 3
 
 
+def test_states_pack_into_a_longer_span_when_one_each_pads_past_the_goal() -> None:
+    """Four 40 KiB states beside two K/V layers of 16 KiB: one state to 3 pages pads
+    16.7%; two to 5 pages (80 KiB) pad nothing, in one state group instead of two."""
+    states = [StateSpec(name=f"m{i}", policy=MambaLike(), state_bytes=40 * 1024) for i in range(4)]
+    specs: list[LayerSpec] = [attn("a0"), attn("a1"), *states]
+    plan = plan_layout(specs, 1 << 22, block_size=16)
+    report = describe(plan, specs, 96)
+    assert (plan.block_size, plan.state_span, plan.group_size) == (16, 5, 2)
+    assert [(g.policy, len(g.layer_names)) for g in plan.groups] == [(FULL, 2), (MambaLike(), 4)]
+    # Two states side by side in each slot's span: the second at 40 KiB into the span.
+    slots = [plan.layer_slots[s.name][1] for s in states]
+    assert sorted(slots) == [0, 0, 1, 1]
+    assert sorted(plan.offset_of(s) for s in states) == [0, 0, 40 * 1024, 40 * 1024]
+    assert [g.padding_bytes_per_block for g in report.groups] == [0, 0]
+
+
+def test_states_are_not_packed_where_packing_pads_more_or_adds_groups() -> None:
+    """A lone 40 KiB state keeps its 3-page span (16.7%): two to 5 pages would leave half
+    the span empty. Six beside four K/V layers keep it too: two to 5 pages fill 3 of 4
+    slots (25%), three to 8 pages fill 2 slots but cut the K/V layers into a second group."""
+    state = StateSpec(name="m0", policy=MambaLike(), state_bytes=40 * 1024)
+    assert plan_layout([attn("a0"), state], 1 << 22).state_span == 3
+    six: list[LayerSpec] = [attn(f"a{i}") for i in range(4)]
+    six += [attrs.evolve(state, name=f"m{i}") for i in range(6)]
+    plan = plan_layout(six, 1 << 22)
+    assert (plan.state_span, plan.group_size, len(plan.groups)) == (3, 6, 2)
+
+
 def test_one_page_size_raises_block_size() -> None:
     """``unify_page_size``: a 40 KiB state makes blocks of 48 tokens (48 KiB pages); the
     state pads 8 KiB (what a single page size forces, as vLLM)."""

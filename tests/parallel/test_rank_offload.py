@@ -62,18 +62,14 @@ def test_every_rank_s_keys_name_its_share(tiny_models) -> None:
 
 
 def test_a_group_past_stage_0_is_looked_up_in_the_remote_tier_or_refused(tiny_models) -> None:
-    """Bamba over two stages: two Mamba groups have no layer on stage 0. With Redis, rank 0
-    looks them up under stage 1's keys; with host memory alone it could not, and says so."""
-    stage0 = stage(tiny_models, "bamba", 0, 2)
+    """Qwen3-Next over two stages: its full-attention group (1) has no layer on stage 0
+    (its three DeltaNet states share one group). With Redis, rank 0 looks it up under stage
+    1's keys; with host memory alone it could not, and says so."""
+    stage0 = stage(tiny_models, "qwen3_next", 0, 2)
     try:
         layout = ParallelConfig(pipeline=2)
         keys, setup = plan_offload(OffloadConfig.from_specs([HOST, REDIS]), stage0, layout)
-        assert keys.group_fingerprints == (
-            setup.fingerprints[0],
-            setup.fingerprints[1],
-            setup.fingerprints[1],
-            setup.fingerprints[0],
-        )
+        assert keys.group_fingerprints == (setup.fingerprints[0], setup.fingerprints[1])
         with pytest.raises(OffloadConfigError, match=r"KV group 1 .* stage 1") as info:
             plan_offload(OffloadConfig.from_specs([HOST]), stage0, layout)
         assert "redis://" in str(info.value)
@@ -84,25 +80,26 @@ def test_a_group_past_stage_0_is_looked_up_in_the_remote_tier_or_refused(tiny_mo
 
 
 def test_a_rank_moves_only_the_groups_it_holds_under_its_own_keys(tiny_models) -> None:
-    """Stage 1 of Bamba holds groups 1 and 2: of a step's saves it stores theirs, under
-    its share's keys; a load of all four groups is reported for the two it wrote."""
-    stage1 = stage(tiny_models, "bamba", 1, 2)
+    """Stage 1 of Nemotron-H holds group 1 (its second Mamba2 layer) of the three: of a
+    step's saves it stores that one's, under its share's keys; a load of all three groups
+    is reported for the one it wrote."""
+    stage1 = stage(tiny_models, "nemotron_h", 1, 2)
     host = HostTier(16 << 20)
     ranks = RankTransfers(stage1, OffloadConfig(tiers=[host]), "model.tp0of1-pp1of2-cp0of1")
     try:
-        rank0_keys = [f"hkv:model.tp0of1-pp0of1-cp0of1:{g}.k:-:{g:032x}".encode() for g in range(4)]
+        rank0_keys = [f"hkv:model.tp0of1-pp0of1-cp0of1:{g}.k:-:{g:032x}".encode() for g in range(3)]
         saves = tuple(BlockSave(g, 1, key) for g, key in enumerate(rank0_keys))
         ranks.run(KVTransfers(saves=saves), is_idle=False)
         assert ranks.worker.wait_saved()
         stored = sorted(parse_key(k)[0] for k in host.held_keys())
-        assert stored == [1, 2]
+        assert stored == [1]
         assert all(k.startswith(b"hkv:model.tp0of1-pp1of2-cp0of1:") for k in host.held_keys())
         task = LoadTask("r", tuple(BlockLoad(g, 0, 2, key, 0) for g, key in enumerate(rank0_keys)))
         reports = ranks.run(KVTransfers(loads=(task,), num_loading=0), is_idle=True)
         while not reports:  # the loader thread answers within a few idle steps
             reports = ranks.run(KVTransfers(num_loading=1), is_idle=True)
         (report,) = reports
-        assert sorted(report.loaded) == [(1, 0), (2, 0)] and not report.failed
+        assert sorted(report.loaded) == [(1, 0)] and not report.failed
     finally:
         ranks.close()
         stage1.close()

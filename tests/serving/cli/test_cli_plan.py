@@ -72,12 +72,17 @@ def test_plan_with_context_ranks_shows_the_longest_request_per_rank(
 
 
 def test_plan_mamba_hybrid_shows_both_page_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    """jamba-like keeps blocks of 16 tokens; a Mamba1 state (float32) takes 10 K/V pages."""
+    """jamba-like keeps blocks of 16 tokens. A Mamba1 state (float32, 608 KiB) would waste
+    5% of 10 K/V pages; seven of them share 67 pages instead, one state group of 4 slots."""
     code, out, _ = run(capsys, "plan", "jamba-like", "--kv-memory", "2GiB")
     assert code == 0
-    assert "block size 16, state pages of 10 K/V pages" in out and "raised" not in out
+    assert "block size 16, state pages of 67 K/V pages" in out and "raised" not in out
+    assert "pool    2 groups, 4 slot tensors" in out
     assert "K/V     page 64.00 KiB (16 tokens); requests of 4096 tokens hold 64.00 MiB" in out
-    assert "state   page 640.00 KiB (10 K/V pages); requests of 4096 tokens hold 52.50 MiB" in out
+    assert (
+        "state   page 4.19 MiB (67 K/V pages, 7 states); requests of 4096 tokens hold "
+        "50.25 MiB each, 384.00 KiB (0.7%) padding"
+    ) in out
 
 
 def test_plan_leaves_out_layers_that_keep_nothing(capsys: pytest.CaptureFixture[str]) -> None:
@@ -123,12 +128,16 @@ def test_plan_zamba2_keeps_block_16_beside_its_shared_blocks_states(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """zamba2-7b-like: 13 hybrid layers keep a K/V page of 448 KiB (heads of 224) beside
-    their Mamba2 states; 81 states of 1.83 MiB each take 5 K/V pages, block 16 kept."""
+    their Mamba2 states, block 16 kept. One state of 1.83 MiB to 5 K/V pages would pad
+    25% (16% in the page, empty slots of 7 state groups); seven to 30 pages, in one group
+    over the 13 slots, pad 12.9%."""
     code, out, _ = run(capsys, "plan", "zamba2-7b-like", "--kv-memory", "8GiB")
     assert code == 0
     assert "94 KV layers (81 mamba, 13 full; 13 layers hold a K/V and a state each)" in out
-    assert "block size 16, state pages of 5 K/V pages" in out
+    assert "block size 16, state pages of 30 K/V pages" in out
+    assert "pool    2 groups, 13 slot tensors" in out
     assert "K/V     page 448.00 KiB (16 tokens)" in out
+    assert "(30 K/V pages, 7 states)" in out and "65.98 MiB (12.9%) padding" in out
 
 
 @pytest.mark.parametrize(
