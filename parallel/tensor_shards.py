@@ -9,6 +9,8 @@ its share (Megatron's split, as vLLM does it)::
     down (output_linear)       input columns of its MLP width    SummedOverRanks: all-reduce
     experts                    each expert's MLP, split so       all-reduce of their sum
     Mamba2 mixer               its heads and groups              SummedOverRanks: all-reduce
+    Mamba1 mixer               its channels; x_proj's columns    all-reduce (x_proj, out_proj)
+    lightning attention        its heads                         all-reduce (norm, out_proj)
     embed_tokens, lm_head      a run of the vocabulary           VocabParallel*: reduce, gather
 
 Each block cuts itself (``shard``, with what ``RankCut`` gives it); this module checks the
@@ -65,18 +67,6 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
             "q and k over every head together (qk_norm over the whole projection), which "
             "ranks holding a share of the heads cannot compute apart"
         )
-    if config.mamba1 is not None:
-        raise ParallelConfigError(
-            f"tensor_parallel_size={size}: {config.model_type}'s Mamba1 layers project every "
-            "channel to their time steps, B and C (x_proj), which ranks holding a share of "
-            "the channels cannot compute apart"
-        )
-    if config.lightning is not None:
-        raise ParallelConfigError(
-            f"tensor_parallel_size={size}: {config.model_type}'s lightning attention layers "
-            "normalise their output over every head together, which ranks holding a share "
-            "of the heads cannot compute apart"
-        )
     if weights == "int4":
         _check_int4_groups(config, size)
     kv_heads = sorted({s.num_kv_heads for s in config.attention_layers})
@@ -96,6 +86,10 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
         ]
     if config.short_conv is not None:
         values.append(("hidden_size (short convolutions)", config.short_conv.channels, False))
+    if config.mamba1 is not None:
+        values.append(
+            ("mamba_expand x hidden_size (Mamba1 channels)", config.mamba1.channels, False)
+        )
     if config.deltanet is not None:
         values += [
             ("linear_num_key_heads", config.deltanet.num_key_heads, False),
@@ -119,6 +113,8 @@ def _check_int4_groups(config: ModelConfig, size: int) -> None:
     ]
     if config.mamba is not None:
         widths.append(("mamba intermediate size", config.mamba.intermediate_size))
+    if config.mamba1 is not None:
+        widths.append(("Mamba1 channels", config.mamba1.channels))
     cut = [
         f"{name}={width} into {width // size}"
         for name, width in widths
@@ -168,7 +164,8 @@ class TensorShard:
         """``config`` as one rank holds it: its heads, KV heads, widths and state."""
         size = self.ranks.size
         mamba, deltanet, conv = config.mamba, config.deltanet, config.short_conv
-        state = mamba or deltanet or conv
+        mamba1, lightning = config.mamba1, config.lightning
+        state = mamba or deltanet or conv or mamba1 or lightning
         # (attrs' converter on ``layers`` confuses mypy's evolve signature: a dict it is.)
         shares: dict[str, Any] = {
             "num_heads": config.num_heads // size,
@@ -178,6 +175,8 @@ class TensorShard:
             "mamba": None if mamba is None else mamba.tensor_share(size),
             "deltanet": None if deltanet is None else deltanet.tensor_share(size),
             "short_conv": None if conv is None else conv.tensor_share(size),
+            "mamba1": None if mamba1 is None else mamba1.tensor_share(size),
+            "lightning": None if lightning is None else lightning.tensor_share(size),
         }
         return attrs.evolve(config, **shares)
 

@@ -25,7 +25,7 @@ from hybridkv.models.blocks.attention import LayerInputs
 from hybridkv.models.blocks.norms import NormThenGate
 from hybridkv.models.blocks.state_mixer import Inputs, PagedStateMixer, State
 from hybridkv.models.shapes.deltanet import DeltaNetShape
-from hybridkv.models.weights.cuts import TensorCut, param, rows_of, summed_columns
+from hybridkv.models.weights.cuts import TensorCut, channels_of, param, rows_of, summed_columns
 
 #: OLMo Hybrid's names of the mixer's parts -> Qwen3.5's.
 _OLMO_NAMES = {
@@ -101,12 +101,7 @@ class GatedDeltaNet(PagedStateMixer):
         self.set_submodule("in_proj_z", rows_of(self.in_proj_z, values))
         self.set_submodule("in_proj_b", rows_of(self.in_proj_b, heads))
         self.set_submodule("in_proj_a", rows_of(self.in_proj_a, heads))
-        with torch.device("meta"):
-            conv = nn.Conv1d(
-                share.conv_dim, share.conv_dim, shape.conv_kernel, groups=share.conv_dim, bias=False
-            )
-        conv.weight = param(self.conv1d.weight.detach()[channels])
-        self.conv1d = conv
+        self.conv1d = channels_of(self.conv1d, channels)
         self.dt_bias = param(self.dt_bias.detach()[heads])
         self.A_log = param(self.A_log.detach()[heads])
         self.set_submodule("out_proj", summed_columns(cut, self.out_proj, values))

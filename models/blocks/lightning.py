@@ -23,9 +23,10 @@ from torch import nn
 from hybridkv.kernels.ssm import ssd_decode, ssd_scan_states
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.attention import LayerInputs
-from hybridkv.models.blocks.norms import RMSNorm
+from hybridkv.models.blocks.norms import RMSNorm, SpreadGatedRMSNorm
 from hybridkv.models.blocks.state_mixer import Inputs, PagedStateMixer, State
 from hybridkv.models.shapes.lightning import LightningShape
+from hybridkv.models.weights.cuts import TensorCut, rows_of, summed_columns
 
 #: The SSD chunk the prefill scans by (the result does not depend on it).
 _CHUNK = 64
@@ -46,7 +47,8 @@ class LightningAttention(PagedStateMixer):
         self.qkv_proj = nn.Linear(shape.hidden_size, 3 * width, bias=False)
         self.output_gate = nn.Linear(shape.hidden_size, width, bias=False)
         self.out_proj = nn.Linear(width, shape.hidden_size, bias=False)
-        self.norm = RMSNorm(width, 1e-6, 0.0)  # transformers' default eps, not the config's
+        # transformers' default eps, not the config's
+        self.norm: RMSNorm | SpreadGatedRMSNorm = RMSNorm(width, 1e-6, 0.0)
         self.register_buffer("slope_rate", torch.empty(shape.num_heads, 1, 1))
         self.state_shapes = shape.parts
 
@@ -63,6 +65,36 @@ class LightningAttention(PagedStateMixer):
         base = 1 / (2 ** (8 / heads))
         depth = 1 - self.layer / (layers - 1 + 1e-5) + 1e-5
         return (base ** (torch.arange(heads) + 1) * depth)[:, None, None]
+
+    def shard(self, cut: TensorCut) -> None:
+        """Keep the rank's run of heads: their q, k and v rows (interleaved per head in
+        ``qkv_proj``), gate rows, rates and memories; ``out_proj`` summed over the group.
+        The output norm spans every head, so each token's sum of squares is summed over
+        the group before it scales (one value a token)."""
+        shape, share = self.shape, self.shape.tensor_share(cut.size)
+        heads = torch.arange(cut.rank * share.num_heads, (cut.rank + 1) * share.num_heads)
+        width = share.num_heads * shape.head_dim
+        mine = torch.arange(cut.rank * width, (cut.rank + 1) * width)
+        qkv = torch.arange(3 * shape.head_dim)
+        self.set_submodule(
+            "qkv_proj", rows_of(self.qkv_proj, (heads[:, None] * 3 * shape.head_dim + qkv).view(-1))
+        )
+        self.set_submodule("output_gate", rows_of(self.output_gate, mine))
+        norm = self.norm
+        assert isinstance(norm, RMSNorm)
+        self.norm = SpreadGatedRMSNorm(
+            norm.weight.detach()[mine],
+            group_index=0,
+            num_groups=1,
+            group_size=shape.num_heads * shape.head_dim,
+            eps=norm.eps,
+            reduce=cut.all_reduce,
+            norm_first=True,
+        )
+        self.slope_rate = self.slope_rate[heads].contiguous()
+        self.set_submodule("out_proj", summed_columns(cut, self.out_proj, mine))
+        self.shape = share
+        self.state_shapes = share.parts
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         shape = self.shape

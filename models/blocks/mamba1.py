@@ -21,6 +21,7 @@ from hybridkv.models.blocks.attention import LayerInputs
 from hybridkv.models.blocks.norms import RMSNorm, WeightlessRMSNorm
 from hybridkv.models.blocks.state_mixer import Inputs, PagedStateMixer, State
 from hybridkv.models.shapes.mamba1 import Mamba1Shape
+from hybridkv.models.weights.cuts import TensorCut, channels_of, param, rows_of, summed_columns
 
 
 class Mamba1Mixer(PagedStateMixer):
@@ -41,6 +42,30 @@ class Mamba1Mixer(PagedStateMixer):
         self.out_proj = nn.Linear(channels, shape.hidden_size, bias=shape.proj_bias)
         self.dt_layernorm, self.b_layernorm, self.c_layernorm = _selection_norms(shape, eps)
         self.state_shapes = shape.parts
+
+    def shard(self, cut: TensorCut) -> None:
+        """Keep the rank's run of channels: their rows of ``in_proj`` (x and gate), of
+        the convolution, of ``dt_proj`` and the scan's ``A`` and ``D``, and their state.
+        ``x_proj`` reads every channel, so its columns are cut and its output (the time
+        step's rank and B, C: a few dozen values a token) summed over the group before
+        the selection norms; ``out_proj`` is summed over the group too::
+
+            in_proj rows   [ x: channels | gate: channels ]
+            rank r keeps     channels/tp   channels/tp
+        """
+        share = self.shape.tensor_share(cut.size)
+        mine = torch.arange(cut.rank * share.channels, (cut.rank + 1) * share.channels)
+        self.set_submodule(
+            "in_proj", rows_of(self.in_proj, torch.cat((mine, self.shape.channels + mine)))
+        )
+        self.conv1d = channels_of(self.conv1d, mine)
+        self.set_submodule("x_proj", summed_columns(cut, self.x_proj, mine))
+        self.set_submodule("dt_proj", rows_of(self.dt_proj, mine))
+        self.A_log = param(self.A_log.detach()[mine])
+        self.D = param(self.D.detach()[mine])
+        self.set_submodule("out_proj", summed_columns(cut, self.out_proj, mine))
+        self.shape = share
+        self.state_shapes = share.parts
 
     def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         states = inputs.metadata

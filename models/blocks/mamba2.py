@@ -25,7 +25,14 @@ from hybridkv.models.blocks.attention import LayerInputs
 from hybridkv.models.blocks.norms import GatedRMSNorm, SpreadGatedRMSNorm
 from hybridkv.models.blocks.state_mixer import Inputs, PagedStateMixer, State
 from hybridkv.models.shapes.mamba2 import Mamba2Shape
-from hybridkv.models.weights.cuts import TensorCut, held_run, param, rows_of, summed_columns
+from hybridkv.models.weights.cuts import (
+    TensorCut,
+    channels_of,
+    held_run,
+    param,
+    rows_of,
+    summed_columns,
+)
 
 
 class Mamba2Mixer(PagedStateMixer):
@@ -84,19 +91,7 @@ class Mamba2Mixer(PagedStateMixer):
         channels = torch.cat((mine, inner + groups, inner + num_state + groups))  # of x, B, C
         rows = torch.cat((mine, inner + channels, inner + shape.conv_dim + heads))
         self.set_submodule("in_proj", rows_of(self.in_proj, rows))
-        conv = self.conv1d
-        with torch.device("meta"):
-            conv_share = nn.Conv1d(
-                share.conv_dim,
-                share.conv_dim,
-                shape.conv_kernel,
-                groups=share.conv_dim,
-                bias=conv.bias is not None,
-            )
-        conv_share.weight = param(conv.weight.detach()[channels])
-        if conv.bias is not None:
-            conv_share.bias = param(conv.bias.detach()[channels])
-        self.conv1d = conv_share
+        self.conv1d = channels_of(self.conv1d, channels)
         self.dt_bias = param(self.dt_bias.detach()[heads])
         self.A_log = param(self.A_log.detach()[heads])
         self.D = param(self.D.detach()[heads])

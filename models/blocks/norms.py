@@ -140,7 +140,9 @@ def _gated(x: torch.Tensor, gate: torch.Tensor, gated: bool) -> torch.Tensor:
 class SpreadGatedRMSNorm(nn.Module):
     """Mamba2's gated norm on a tensor-parallel rank whose channels are part of a norm
     group spread over several ranks: each group's sum of squares is summed over the
-    ranks (``reduce``) before it scales.
+    ranks (``reduce``) before it scales. Called without a gate (and ``norm_first``), an
+    RMSNorm of Llama's convention spread over the ranks (lightning attention's output
+    norm over every head).
 
     Args:
         weight: The rank's channels of the norm weight.
@@ -169,14 +171,17 @@ class SpreadGatedRMSNorm(nn.Module):
         self.reduce = reduce
         self.norm_first = norm_first
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = _gated(x, gate, not self.norm_first)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        assert gate is not None or self.norm_first, "a gate goes in before the norm"
+        h = x.float() if gate is None else _gated(x, gate, not self.norm_first)
         sums = h.new_zeros(h.shape[0], self.num_groups)
         sums[:, self.group_index] = h.pow(2).sum(-1)
         self.reduce(sums)
         scale = torch.rsqrt(sums[:, self.group_index] / self.group_size + self.eps)
         out = self.weight * (h * scale[:, None]).to(x.dtype)
-        return _gated(out, gate, self.norm_first).to(x.dtype) if self.norm_first else out
+        if gate is None or not self.norm_first:
+            return out
+        return _gated(out, gate, True).to(x.dtype)
 
 
 class NormThenGate(nn.Module):

@@ -18,7 +18,7 @@ from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.attention import LayerInputs
 from hybridkv.models.blocks.state_mixer import Inputs, PagedStateMixer, State
 from hybridkv.models.shapes.short_conv import ShortConvShape
-from hybridkv.models.weights.cuts import TensorCut, param, rows_of, summed_columns
+from hybridkv.models.weights.cuts import TensorCut, channels_of, rows_of, summed_columns
 
 
 class ShortConv(PagedStateMixer):
@@ -40,15 +40,7 @@ class ShortConv(PagedStateMixer):
         mine = torch.arange(cut.rank * share.channels, (cut.rank + 1) * share.channels)
         rows = torch.cat((mine, width + mine, 2 * width + mine))
         self.set_submodule("in_proj", rows_of(self.in_proj, rows))
-        conv, channels = self.conv, share.channels
-        with torch.device("meta"):
-            local = nn.Conv1d(
-                channels, channels, share.kernel, groups=channels, bias=conv.bias is not None
-            )
-        local.weight = param(conv.weight.detach()[mine])
-        if conv.bias is not None:
-            local.bias = param(conv.bias.detach()[mine])
-        self.conv = local
+        self.conv = channels_of(self.conv, mine)
         self.set_submodule("out_proj", summed_columns(cut, self.out_proj, mine))
         self.shape = share
         self.state_shapes = share.parts

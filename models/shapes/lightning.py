@@ -37,9 +37,8 @@ class LightningShape:
         return STATE_DTYPE_BYTES * sum(math.prod(part) for part in self.parts)
 
     def tensor_share(self, size: int) -> LightningShape:
-        """Not cut: tensor parallelism is refused for lightning attention (its output
-        norm spans every head)."""
-        return self
+        """What each of ``size`` tensor-parallel ranks holds: a run of the heads."""
+        return attrs.evolve(self, num_heads=self.num_heads // size)
 
 
 def lightning_shape(cfg: Mapping[str, Any]) -> LightningShape:

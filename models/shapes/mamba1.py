@@ -42,9 +42,9 @@ class Mamba1Shape:
         return STATE_DTYPE_BYTES * sum(math.prod(part) for part in self.parts)
 
     def tensor_share(self, size: int) -> Mamba1Shape:
-        """Not cut: tensor parallelism is refused for Mamba1 (``x_proj`` reads every
-        channel)."""
-        return self
+        """What each of ``size`` tensor-parallel ranks holds: a run of the channels (the
+        time step's rank and B/C's states whole)."""
+        return attrs.evolve(self, channels=self.channels // size)
 
 
 def mamba1_shape(cfg: Mapping[str, Any]) -> Mamba1Shape:

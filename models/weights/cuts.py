@@ -83,6 +83,22 @@ def rows_of(linear: nn.Module, rows: torch.Tensor | slice) -> nn.Module:
     return cut
 
 
+def channels_of(conv: nn.Conv1d, channels: torch.Tensor) -> nn.Conv1d:
+    """A depthwise (one filter per channel) ``conv``'s ``channels``, with their bias."""
+    with torch.device("meta"):
+        cut = nn.Conv1d(
+            len(channels),
+            len(channels),
+            conv.kernel_size[0],
+            groups=len(channels),
+            bias=conv.bias is not None,
+        )
+    cut.weight = param(conv.weight.detach()[channels])
+    if conv.bias is not None:
+        cut.bias = param(conv.bias.detach()[channels])
+    return cut
+
+
 def columns_of(linear: nn.Module, columns: torch.Tensor | slice) -> nn.Module:
     """``linear``'s input columns ``columns``, without its bias (added after the sum)."""
     if isinstance(linear, QuantizedLinear):

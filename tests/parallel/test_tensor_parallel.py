@@ -118,6 +118,9 @@ def test_two_ranks_match_one_process_bamba(
         ("nemotron_h", 2, 2, 1),
         ("falcon_h1", 2, 2, 1),
         ("zamba2", 2, 1, 1),
+        ("jamba", 2, 2, 1),
+        ("falcon_mamba", 2, 1, 1),
+        ("minimax", 2, 1, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
@@ -127,7 +130,9 @@ def test_more_ranks_layer_kinds_stages_and_context_match_one_process(
     Gemma 2 (soft-caps, tied head), Llama on 4 ranks (KV heads replicated in pairs),
     Gemma 3 on 4, Granite 4.0-H with experts (each expert's width split) and without
     (4 ranks: a B/C group and a norm group spread over two ranks), Bamba on 4, and
-    2 x 2 with pipeline stages and with context ranks (four processes)."""
+    2 x 2 with pipeline stages and with context ranks (four processes); every family
+    since on 2 (Mamba1 by channels, its x_proj summed; lightning attention by heads, its
+    output norm's squares summed), some with stages."""
     expected = run_scenario(make_driver(name))
     path = tiny_models[name].path
     with _tensor(path, tp, pipeline_parallel_size=pp, context_parallel_size=cp) as executor:
@@ -232,21 +237,12 @@ def test_qk_norms_over_every_head_are_refused_before_any_process(tiny_models) ->
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize("name", ["jamba", "falcon_mamba"])
-def test_mamba1_layers_are_refused_before_any_process(name, tiny_models) -> None:
-    """Jamba's and Falcon-Mamba's Mamba1 layers project every channel to their time steps:
-    tp = 2 is refused at start, naming why."""
-    with pytest.raises(ParallelConfigError, match="Mamba1 layers project every channel"):
-        _tensor(tiny_models[name].path, 2)
-    assert not multiprocessing.active_children()
-
-
-def test_lightning_attention_is_refused_before_any_process(tiny_models) -> None:
-    """MiniMax's lightning attention normalises its output over every head: tp = 2 is
-    refused at start, naming why."""
-    with pytest.raises(ParallelConfigError, match="over every head together"):
-        _tensor(tiny_models["minimax"].path, 2)
-    assert not multiprocessing.active_children()
+def test_mamba1_channels_the_ranks_cannot_share_are_refused(tiny_models) -> None:
+    """Jamba's Mamba1 layers are cut by channels (128 in the tiny model): tp = 3 is refused,
+    naming them beside the heads it does not divide."""
+    jamba = Checkpoint.open(tiny_models["jamba"].path).config
+    with pytest.raises(ParallelConfigError, match=r"Mamba1 channels\)=128"):
+        check_tensor_split(jamba, 3)
 
 
 def _sample_tokens(executor: Any, prompt: list[int], num: int) -> list[int]:
