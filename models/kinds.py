@@ -11,6 +11,7 @@ each layer's kind from its config (torch-free).
 ``short_conv``         a short convolution's state (LFM2's ``conv``)
 ``lightning``          a lightning attention memory (MiniMax's ``linear_attention``)
 ``mlp``                nothing: an MLP in place of a mixer (Nemotron-H's ``-``)
+``moe``                nothing: experts in place of a mixer (Nemotron-H's ``E``)
 ``hybrid``             full attention and a Mamba2 state side by side (Falcon-H1)
 =====================  =========================================================
 
@@ -34,6 +35,7 @@ DELTANET = "deltanet"
 SHORT_CONV = "short_conv"
 MAMBA1 = "mamba1"
 MLP = "mlp"
+MOE = "moe"
 LIGHTNING = "lightning"
 HYBRID = "hybrid"
 
@@ -47,7 +49,7 @@ STATE_KINDS[LIGHTNING] = "self_attn"
 SIDE_BY_SIDE = {HYBRID: (FULL, MAMBA)}
 
 #: The kinds that keep nothing per request (``NoCacheSpec``).
-NO_CACHE_KINDS = (MLP,)
+NO_CACHE_KINDS = (MLP, MOE)
 
 #: ``layer_types`` entries we can size.
 LAYER_TYPES = (FULL, SLIDING, CHUNKED)

@@ -318,6 +318,30 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "conv_kernel": 4,
         "chunk_size": 128,
     },
+    # Nemotron 3 Nano 30B-A3B: 52 layers, 23 Mamba2 (64 heads of 64, 8 groups of 128
+    # states) alternating with 23 of experts (128, six a token, beside a shared one), 6
+    # of attention (2 KV heads of 128).
+    "nemotron-3-nano-30b-a3b-like": {
+        "model_type": "nemotron_h",
+        "num_hidden_layers": 52,
+        "hidden_size": 2688,
+        "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "intermediate_size": 1856,
+        "mamba_num_heads": 64,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "chunk_size": 128,
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712,
+        "routed_scaling_factor": 2.5,
+    },
     # MiniMax-Text-01: 80 layers, 7 lightning attention (64 heads of 128) to 1 softmax
     # attention (8 KV heads of 128), 32 experts in every layer.
     "minimax-text-01-like": {

@@ -207,7 +207,8 @@ def save_tiny(name: str, folder: Path, *, seed: int = 0) -> Path:
 
 def save_redrawn(model: Any, folder: Path, *, seed: int = 0) -> Path:
     """Save the transformers ``model`` into ``folder`` as :func:`save_tiny` does, every
-    weight redrawn around its own mean first; return the folder."""
+    weight redrawn around its own mean first (and the experts' selection biases, which
+    transformers keeps as buffers of zeros); return the folder."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -215,6 +216,9 @@ def save_redrawn(model: Any, folder: Path, *, seed: int = 0) -> Path:
         for param in model.parameters():
             noise = torch.randn(param.shape, generator=generator) * 0.1
             param.copy_(param.mean() + noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     return folder

@@ -162,14 +162,18 @@ def _mamba2() -> Any:
 
 def _nemotron_h() -> Any:
     """Nemotron-H: Mamba2 (8 heads of 16, two B/C groups, SSD chunks of 8), attention
-    without rope and squared-ReLU MLP layers that keep nothing, ``M-*-M``."""
+    without rope, a squared-ReLU MLP layer and a layer of experts (Nemotron 3's: 8 in 2
+    groups, two a token from the best group, over a latent width of 32, beside a shared
+    expert), which keep nothing, ``M-*EM``."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     config = NemotronHConfig(
         **COMMON, num_key_value_heads=2, head_dim=16,
-        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention"],
+        layers_block_type=["linear_attention", "mlp", "full_attention", "moe", "linear_attention"],
         mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=8,
-        conv_kernel=4, use_mamba_kernels=False, **NO_SPECIAL_TOKENS,
+        conv_kernel=4, use_mamba_kernels=False, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+        moe_latent_size=32, routed_scaling_factor=2.5, **NO_SPECIAL_TOKENS,
     )  # fmt: skip
     return NemotronHForCausalLM(config)
 

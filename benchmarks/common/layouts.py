@@ -61,6 +61,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "jamba": BUILTIN_CONFIGS["jamba-like"],
     "falcon-h1-7b": BUILTIN_CONFIGS["falcon-h1-7b-like"],
     "zamba2-7b": BUILTIN_CONFIGS["zamba2-7b-like"],
+    # Nemotron 3 Nano 30B-A3B: Mamba2 alternating with layers of experts (keeping nothing).
+    "nemotron-3-nano": BUILTIN_CONFIGS["nemotron-3-nano-30b-a3b-like"],
 }
 
 

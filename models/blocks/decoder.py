@@ -24,7 +24,7 @@ from hybridkv.models.blocks.moe import MixtureOfExperts
 from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.blocks.short_conv import ShortConv
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.kinds import DELTANET, LIGHTNING, MAMBA1, SHORT_CONV, STATE_KINDS
+from hybridkv.models.kinds import DELTANET, LIGHTNING, MAMBA1, MOE, SHORT_CONV, STATE_KINDS
 from hybridkv.models.shapes.decoder import DecoderShape
 
 #: Gemma 4's norms of its MLP and experts side by side (``dense_and_experts``).
@@ -33,6 +33,17 @@ _BESIDE_NORMS = (
     "pre_feedforward_layernorm_2",
     "post_feedforward_layernorm_2",
 )
+
+
+def _cacheless_mixer(config: ModelConfig, kind: str) -> nn.Module:
+    """The mixer of a layer that keeps nothing: experts beside a shared expert (``moe``)
+    or an MLP, neither with a gate."""
+    if kind != MOE:
+        return PlainMLP(config, bias=config.mlp_bias)
+    experts = config.experts
+    assert experts is not None, "a MoE layer in a model without experts"
+    shared = PlainMLP(config, bias=config.mlp_bias, inner=experts.shared_inner)
+    return MixtureOfExperts(config.hidden_size, experts, shared if experts.shared_inner else None)
 
 
 def _state_mixer(config: ModelConfig, kind: str, layer: int) -> nn.Module:
@@ -70,11 +81,11 @@ class DecoderLayer(nn.Module):
         # The mixer, under its checkpoint name: ``self_attn``, ``mamba``, ``linear_attn``.
         state = isinstance(spec, StateSpec)
         self._mixer = shape.mixer_name or (STATE_KINDS[str(spec.kind)] if state else "self_attn")
-        # A layer that keeps nothing has an MLP for its mixer (Nemotron-H's).
+        # A layer that keeps nothing has an MLP or experts for its mixer (Nemotron-H's).
         self._cacheless = isinstance(spec, NoCacheSpec)
         mixer: nn.Module
         if self._cacheless:
-            mixer = PlainMLP(config, bias=config.mlp_bias)
+            mixer = _cacheless_mixer(config, str(spec.kind))
         elif state:
             mixer = _state_mixer(config, str(spec.kind), layer)
         else:

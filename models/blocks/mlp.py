@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.models.config import ModelConfig
-from hybridkv.models.weights.cuts import TensorCut, gated_share, rows_of, summed_columns
+from hybridkv.models.weights.cuts import (
+    TensorCut,
+    columns_of,
+    gated_share,
+    rows_of,
+    summed_columns,
+)
 from hybridkv.models.weights.fused_linear import cat_linears, split_joined
 
 
@@ -81,20 +87,26 @@ class GatedMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """``down(act(up(x)))``, no gate (Nemotron-H's MLP layers, squared ReLU)."""
+    """``down(act(up(x)))``, no gate (Nemotron-H's MLP layers and shared experts, squared
+    ReLU), ``inner`` wide (the config's MLP width by default)."""
 
-    def __init__(self, config: ModelConfig, *, bias: bool) -> None:
+    def __init__(self, config: ModelConfig, *, bias: bool, inner: int | None = None) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        inner = inner or config.intermediate_size
+        self.up_proj = nn.Linear(config.hidden_size, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, config.hidden_size, bias=bias)
         self.act = ACTIVATIONS[config.activation]
 
-    def shard(self, cut: TensorCut) -> None:
-        """Keep the rank's run of the width: rows of up, columns of down (summed)."""
+    def shard(self, cut: TensorCut, *, summed: bool = True) -> None:
+        """Keep the rank's run of the width: rows of up, columns of down, summed over
+        the group unless the caller sums (``summed``: a mixture's shared expert)."""
         width = self.up_proj.out_features // cut.size
         held = torch.arange(cut.rank * width, (cut.rank + 1) * width)
         self.set_submodule("up_proj", rows_of(self.up_proj, held))
-        self.set_submodule("down_proj", summed_columns(cut, self.down_proj, held))
+        down = self.down_proj
+        self.set_submodule(
+            "down_proj", summed_columns(cut, down, held) if summed else columns_of(down, held)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down_proj(self.act(self.up_proj(x)))

@@ -10,7 +10,10 @@ transposed stacks (``experts.gate_up_proj`` ``[experts, hidden, 2 * inner]``, ga
 channels alternating in gpt-oss's and gate's first in Llama 4's; ``experts.down_proj``;
 gpt-oss's ``_bias`` of each; the router as ``router``, with gpt-oss's bias, or
 ``router.gate``). A shared expert every token runs (Llama 4's ``shared_expert``, AFMoE's
-``shared_experts``) is added to the routed experts' output.
+``shared_experts``) is added to the routed experts' output. Nemotron-H's experts have no
+gate (``experts.up_proj`` ``[experts, inner, latent]``, ``down_proj``), read and write a
+latent width projected from and back to the hidden size (``fc1_latent_proj``,
+``fc2_latent_proj``), beside a shared expert without a gate.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.models.blocks.mlp import GatedMLP
+from hybridkv.models.blocks.mlp import GatedMLP, PlainMLP
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.shapes.moe import ExpertsShape, Stacks
 from hybridkv.models.weights.cuts import TensorCut, gated_share, param
@@ -92,18 +95,23 @@ class MixtureOfExperts(nn.Module):
     every released Granite MoE's are.
     """
 
-    def __init__(self, hidden: int, shape: ExpertsShape, shared: GatedMLP | None = None) -> None:
+    def __init__(
+        self, hidden: int, shape: ExpertsShape, shared: GatedMLP | PlainMLP | None = None
+    ) -> None:
         super().__init__()
-        inner = shape.inner
-        if hidden % 8 or inner % 8:
+        inner, width = shape.inner, shape.latent or hidden
+        if width % 8 or inner % 8:
             raise ModelConfigError(
-                f"experts of hidden size {hidden} and inner size {inner}: both must be "
+                f"experts of width {width} and inner size {inner}: both must be "
                 "multiples of 8 (the grouped matmul's rows are 16-byte aligned)"
             )
         experts, bias = shape.num_experts, shape.bias
         self.router = _Router(hidden, shape)
-        self.input_linear = _ExpertWeights(experts, 2 * inner, hidden, bias=bias)
-        self.output_linear = _ExpertWeights(experts, hidden, inner, bias=bias)
+        rows = 2 * inner if shape.gated else inner
+        self.input_linear = _ExpertWeights(experts, rows, width, bias=bias)
+        self.output_linear = _ExpertWeights(experts, width, inner, bias=bias)
+        self.fc1_latent_proj = nn.Linear(hidden, width, bias=False) if shape.latent else None
+        self.fc2_latent_proj = nn.Linear(width, hidden, bias=False) if shape.latent else None
         self.shared_expert = shared
         self.shared_expert_gate = RouterLinear(hidden, 1, bias=False) if shape.shared_gate else None
         self._sum: Callable[[torch.Tensor], None] | None = None
@@ -120,8 +128,9 @@ class MixtureOfExperts(nn.Module):
                 key = f"{prefix}experts.{e}.{part}.weight"
                 if key in state_dict:
                     tensors.append(state_dict.pop(key))
-        if names["gate_proj"]:
-            gate_up = [torch.cat(p) for p in zip(names["gate_proj"], names["up_proj"], strict=True)]
+        if names["up_proj"]:  # gate and up stacked, or up alone (no gate)
+            parts = zip(names["gate_proj"], names["up_proj"], strict=True)
+            gate_up = [torch.cat(p) for p in parts] if names["gate_proj"] else names["up_proj"]
             state_dict[f"{prefix}input_linear.weight"] = torch.stack(gate_up)
             state_dict[f"{prefix}output_linear.weight"] = torch.stack(names["down_proj"])
         for old, new in _ROUTER_NAMES.items():
@@ -138,9 +147,9 @@ class MixtureOfExperts(nn.Module):
         (the router runs whole on every rank, so each routes a token alike; the down
         biases are added by the first rank only)."""
         stacked, out = self.input_linear.weight.detach(), self.output_linear.weight.detach()
-        width = stacked.shape[1] // 2 // cut.size
+        width = out.shape[2] // cut.size
         held = torch.arange(cut.rank * width, (cut.rank + 1) * width)
-        rows = torch.cat((held, held + width * cut.size))
+        rows = torch.cat((held, held + width * cut.size)) if self.shape.gated else held
         self.input_linear.weight = param(stacked[:, rows])
         self.output_linear.weight = param(out[:, :, held])
         if self.input_linear.bias is not None:
@@ -148,7 +157,9 @@ class MixtureOfExperts(nn.Module):
         if self.output_linear.bias is not None and cut.rank:
             self.output_linear.bias = param(torch.zeros_like(self.output_linear.bias))
         shared = self.shared_expert
-        if shared is not None:  # its share of the width, summed with the experts'
+        if isinstance(shared, PlainMLP):
+            shared.shard(cut, summed=False)
+        elif shared is not None:  # its share of the width, summed with the experts'
             parts = gated_share(
                 cut, shared.gate_proj, shared.up_proj, shared.down_proj, summed=False
             )
@@ -182,6 +193,8 @@ class MixtureOfExperts(nn.Module):
         return experts, weights.to(x.dtype)
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self.shape.gated:
+            return torch.relu(gate_up).square()
         gate, up = gate_up.chunk(2, dim=-1)
         if self.shape.activation == "silu":
             return F.silu(gate) * up
@@ -200,7 +213,8 @@ class MixtureOfExperts(nn.Module):
         tokens, by_expert = order // self.shape.top_k, flat[order]
         every = torch.arange(self.input_linear.weight.shape[0], device=x.device)
         ends = torch.searchsorted(by_expert, every, right=True).to(torch.int32)
-        rows = x[tokens]
+        latent = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        rows = latent[tokens]
         if self.shape.weight_inputs:
             rows = rows * weights.flatten()[order, None]
         gate_up = _grouped_mm(rows, self.input_linear.weight.transpose(1, 2), ends)
@@ -214,7 +228,11 @@ class MixtureOfExperts(nn.Module):
         base = torch.zeros_like(x) if self.shared_expert is None else self.shared_expert(x)
         if self.shared_expert_gate is not None:
             base = base * torch.sigmoid(self.shared_expert_gate(x))
-        out: torch.Tensor = base.index_add_(0, tokens, y)
+        if self.fc2_latent_proj is not None:
+            y = self.fc2_latent_proj(torch.zeros_like(latent).index_add_(0, tokens, y))
+            out: torch.Tensor = base + y
+        else:
+            out = base.index_add_(0, tokens, y)
         if self._sum is not None:  # a tensor-parallel rank's share
             self._sum(out)
         return out
@@ -233,7 +251,8 @@ def _stacks(state_dict: dict[str, Any], prefix: str, layout: Stacks) -> None:
     """``experts.gate_up_proj`` and ``experts.down_proj``, with any biases, laid out as
     ``layout`` says (``models/shapes/moe.py``), as ``input_linear`` (gate rows, then up
     rows) and ``output_linear``."""
-    stacks = {"gate_up_proj": "input_linear", "down_proj": "output_linear"}
+    stacks = {"gate_up_proj": "input_linear", "up_proj": "input_linear"}
+    stacks["down_proj"] = "output_linear"  # (``up_proj``: experts without a gate)
     for theirs, ours in stacks.items():
         for suffix, name in (("", "weight"), ("_bias", "bias")):
             key = f"{prefix}experts.{theirs}{suffix}"

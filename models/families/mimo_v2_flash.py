@@ -14,10 +14,10 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.families import Family
 from hybridkv.models.families.llama import llama_fields
-from hybridkv.models.hf_config import flag_field, float_field, int_field
+from hybridkv.models.hf_config import float_field, int_field
 from hybridkv.models.kinds import FULL, SLIDING, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
-from hybridkv.models.shapes.moe import ExpertsShape
+from hybridkv.models.shapes.moe import ExpertsShape, grouped_sigmoid_router
 
 #: The rope of a config that names none (transformers' default: the released model's).
 _ROPE = {
@@ -35,10 +35,6 @@ def parse_mimo_v2_flash(
     fields = llama_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
     num_layers = len(fields["layers"])
     dense = _mlp_kinds(hf, num_layers)
-    experts = int_field(hf, "n_routed_experts")
-    groups = int_field(hf, "n_group", 1)
-    if experts % groups:
-        raise ModelConfigError(f"n_routed_experts={experts} is not a multiple of n_group={groups}")
     return ModelConfig(
         **{**fields, "rms_norm_eps": float_field(hf, "rms_norm_eps", 1e-5)},
         attention_out_bias=False,
@@ -46,16 +42,8 @@ def parse_mimo_v2_flash(
         v_head_dim=int_field(hf, "v_head_dim"),
         value_scale=float(hf.get("attention_value_scale") or 1.0),
         experts=ExpertsShape(
-            num_experts=experts,
-            top_k=int_field(hf, "num_experts_per_tok"),
-            inner=int_field(hf, "moe_intermediate_size"),
+            **grouped_sigmoid_router(hf),
             dense_layers=frozenset(i for i, kind in enumerate(dense) if kind == "dense"),
-            router="sigmoid",
-            selection_bias=True,
-            renormalize=flag_field(hf, "norm_topk_prob", True),
-            route_scale=float(hf.get("routed_scaling_factor") or 1.0),
-            groups=groups,
-            top_groups=int_field(hf, "topk_group", 1),
         ),
     )
 

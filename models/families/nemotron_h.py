@@ -1,6 +1,10 @@
 """Nemotron-H: a block per layer of one mixer each, by ``hybrid_override_pattern`` (or
-``layers_block_type``): Mamba2 (``M``), attention without rope (``*``), or an MLP of
-squared ReLU without a gate (``-``), which keeps nothing per request. Each block is
+``layers_block_type``): Mamba2 (``M``), attention without rope (``*``), an MLP of squared
+ReLU without a gate (``-``) or experts (``E``, Nemotron 3), which keep nothing per
+request. The experts are squared-ReLU MLPs without a gate over a latent width
+(``moe_latent_size``), chosen by DeepSeek V3's router (sigmoid scores with a learned bias,
+within the best ``topk_group`` of ``n_group`` groups, scaled by
+``routed_scaling_factor``), beside a shared expert. Each block is
 ``out = x + mixer(norm(x))`` (``mlp="none"``, the mixer named ``mixer`` whatever its kind);
 the checkpoint's ``backbone.`` names are read as ours, the norms scale in float32."""
 
@@ -14,15 +18,16 @@ from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.families import Family
 from hybridkv.models.families.llama import llama_fields
 from hybridkv.models.families.mamba import BACKBONE_PARTS, BACKBONE_RENAMES
-from hybridkv.models.hf_config import renamed_fields
-from hybridkv.models.kinds import FULL, MAMBA, MLP, PolicyChoices, kinds_by, named_kinds
+from hybridkv.models.hf_config import flag_field, int_field, renamed_fields
+from hybridkv.models.kinds import FULL, MAMBA, MLP, MOE, PolicyChoices, kinds_by, named_kinds
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.mamba2 import mamba2_shape
+from hybridkv.models.shapes.moe import ExpertsShape, grouped_sigmoid_router
 
 #: ``hybrid_override_pattern``'s letters and ``layers_block_type``'s names, by kind.
-_LETTERS = {"M": MAMBA, "*": FULL, "-": MLP, "E": "moe"}
+_LETTERS = {"M": MAMBA, "*": FULL, "-": MLP, "E": MOE}
 _NAMES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": FULL, "full_attention": FULL}
-_NAMES |= {"mlp": MLP, "moe": "moe"}
+_NAMES |= {"mlp": MLP, "moe": MOE}
 
 #: Its config fields by the names ``mamba2_shape`` reads.
 _FIELDS = {
@@ -55,13 +60,31 @@ def _normalize(hf: Mapping[str, Any]) -> Mapping[str, Any]:
 def parse_nemotron_h(
     hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
 ) -> ModelConfig:
-    """Read a Nemotron-H config.json (normalized; its MoE layers refused, by name)."""
+    """Read a Nemotron-H config.json (normalized)."""
     fields = llama_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
+    layers = fields["layers"]
+    has_experts = any(getattr(spec, "kind", None) == MOE for spec in layers)
     return ModelConfig(
         **fields,
         norm_scale_first=True,
-        nope_layers=frozenset(range(len(fields["layers"]))),
+        nope_layers=frozenset(range(len(layers))),
         mamba=mamba2_shape(hf),
+        experts=_experts(hf) if has_experts else None,
+    )
+
+
+def _experts(hf: Mapping[str, Any]) -> ExpertsShape:
+    if flag_field(hf, "mlp_bias", False):
+        raise ModelConfigError(
+            "Nemotron-H experts with mlp_bias: the latent projections' biases are not read "
+            "here (no released Nemotron 3 has them)"
+        )
+    return ExpertsShape(
+        **grouped_sigmoid_router(hf),
+        activation="relu2",
+        shared_inner=int_field(hf, "moe_shared_expert_intermediate_size", 0),
+        latent=int(hf.get("moe_latent_size") or 0),
+        stacks="plain",
     )
 
 
@@ -72,25 +95,12 @@ def _pattern(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
     unknown = sorted(set(pattern) - set(_LETTERS))
     if unknown:
         raise ModelConfigError(f"hybrid_override_pattern has letters {unknown}; known: M * - E")
-    return _checked(named_kinds(list(pattern), num_layers, _LETTERS))
-
-
-def _kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
-    return _checked(kinds_by(_pattern, _NAMES)(cfg, num_layers))
-
-
-def _checked(kinds: list[str]) -> list[str]:
-    if "moe" in kinds:
-        raise ModelConfigError(
-            "Nemotron-H's MoE layers (E, moe: Nemotron 3) do not run here yet; the dense "
-            "Nemotron-H models (M, * and - layers) do"
-        )
-    return kinds
+    return named_kinds(list(pattern), num_layers, _LETTERS)
 
 
 FAMILY = Family(
     model_types=("nemotron_h",),
-    layer_kinds=_kinds,
+    layer_kinds=kinds_by(_pattern, _NAMES),
     parse=parse_nemotron_h,
     decoder=DecoderShape(mixer_norm="norm", mlp_norm=None, mlp="none", mixer_name="mixer"),
     renames=BACKBONE_RENAMES,

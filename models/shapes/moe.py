@@ -15,17 +15,22 @@ activation ``clamped`` gpt-oss's: gate clamped above and up on both sides at
                        ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``
 activation             ``gelu_tanh(gate) * up`` (GeGLU: Gemma 4)
 ``gelu_tanh``
+activation ``relu2``   ``relu(up) ** 2``, no gate (Nemotron-H's experts)
 =====================  =========================================================
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import attrs
 
+from hybridkv.models.errors import ModelConfigError
+from hybridkv.models.hf_config import flag_field, int_field
+
 Router = Literal["softmax", "sigmoid"]
-ExpertActivation = Literal["silu", "clamped", "gelu_tanh"]
+ExpertActivation = Literal["silu", "clamped", "gelu_tanh", "relu2"]
 Stacks = Literal["transposed_alternating", "transposed", "plain"]
 
 
@@ -68,6 +73,9 @@ class ExpertsShape:
             ``per_expert_scale`` (Gemma 4).
         shared_gate: The shared expert's output is multiplied by the sigmoid of a learned
             projection of the input (``shared_expert_gate``: Qwen3-Next).
+        latent: The experts read and write this width, projected from and back to the
+            hidden size around them (``fc1_latent_proj``, ``fc2_latent_proj``:
+            Nemotron-H's ``moe_latent_size``); 0: the hidden size itself.
     """
 
     num_experts: int
@@ -90,8 +98,40 @@ class ExpertsShape:
     router_norm_eps: float | None = None
     expert_scales: bool = False
     shared_gate: bool = False
+    latent: int = 0
+
+    @property
+    def gated(self) -> bool:
+        """Each expert has a gate beside its up projection (all but ``relu2``)."""
+        return self.activation != "relu2"
 
     def tensor_share(self, size: int) -> ExpertsShape:
         """The shape one of ``size`` tensor-parallel ranks holds: each expert's width
         (and the shared expert's) split."""
         return attrs.evolve(self, inner=self.inner // size, shared_inner=self.shared_inner // size)
+
+
+def grouped_sigmoid_router(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``ExpertsShape`` fields of DeepSeek V3's router, as a config names them
+    (MiMo-V2-Flash, Nemotron 3): ``n_routed_experts`` chosen ``num_experts_per_tok`` at a
+    time by sigmoid scores plus a learned bias, within the best ``topk_group`` of
+    ``n_group`` groups, renormalised under ``norm_topk_prob`` and scaled by
+    ``routed_scaling_factor``.
+
+    Raises:
+        ModelConfigError: experts that the groups do not divide.
+    """
+    experts, groups = int_field(hf, "n_routed_experts"), int_field(hf, "n_group", 1)
+    if experts % groups:
+        raise ModelConfigError(f"n_routed_experts={experts} is not a multiple of n_group={groups}")
+    return {
+        "num_experts": experts,
+        "top_k": int_field(hf, "num_experts_per_tok"),
+        "inner": int_field(hf, "moe_intermediate_size"),
+        "router": "sigmoid",
+        "selection_bias": True,
+        "renormalize": flag_field(hf, "norm_topk_prob", True),
+        "route_scale": float(hf.get("routed_scaling_factor") or 1.0),
+        "groups": groups,
+        "top_groups": int_field(hf, "topk_group", 1),
+    }

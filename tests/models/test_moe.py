@@ -47,7 +47,7 @@ def test_experts_equal_routing_token_by_token(
 
 
 def test_sizes_not_multiples_of_eight_are_refused() -> None:
-    with pytest.raises(ModelConfigError, match="hidden size 60 and inner size 24"):
+    with pytest.raises(ModelConfigError, match="width 60 and inner size 24"):
         MixtureOfExperts(60, ExpertsShape(num_experts=EXPERTS, top_k=TOP_K, inner=24))
 
 

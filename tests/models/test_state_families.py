@@ -84,10 +84,12 @@ def test_olmo_hybrid_without_rope_matches(
 
 
 def test_nemotron_h_kinds_from_its_pattern_and_its_mlp_layers_keep_nothing() -> None:
-    """``hybrid_override_pattern``'s letters give the kinds; ``-`` layers keep nothing, a
-    policy chosen for them and MoE layers (``E``) are refused by name."""
+    """``hybrid_override_pattern``'s letters give the kinds; ``-`` and ``E`` (experts,
+    Nemotron 3) layers keep nothing, and a policy chosen for them is refused by name, as
+    are experts the groups do not divide and latent projections with biases."""
     from hybridkv.memory.layout import NoCacheSpec
     from hybridkv.models.errors import ModelConfigError
+    from hybridkv.models.families import family_for, normalized
     from hybridkv.models.published_shapes import BUILTIN_CONFIGS
     from hybridkv.policies import make_policy
 
@@ -97,8 +99,33 @@ def test_nemotron_h_kinds_from_its_pattern_and_its_mlp_layers_keep_nothing() -> 
     assert all(isinstance(s, NoCacheSpec) for s in specs if s.kind == "mlp")
     with pytest.raises(ModelConfigError, match="layer kind 'mlp', whose layers keep nothing"):
         layer_specs_from_config(config, policies={"mlp": make_policy("full")})
-    with pytest.raises(ModelConfigError, match="MoE layers"):
-        layer_specs_from_config({**config, "hybrid_override_pattern": "M-ME*-"})
+    family = family_for("nemotron_h")
+    assert family is not None and family.parse is not None
+    parse = family.parse
+
+    def parse_config(cfg: dict[str, Any]) -> Any:
+        return parse(normalized(family, {**cfg, "vocab_size": 256}))
+
+    nano = BUILTIN_CONFIGS["nemotron-3-nano-30b-a3b-like"]
+    specs = layer_specs_from_config(nano)
+    assert [s.kind for s in specs[:6]] == [
+        "mamba",
+        "moe",
+        "mamba",
+        "moe",
+        "mamba",
+        "full_attention",
+    ]
+    assert sum(isinstance(s, NoCacheSpec) for s in specs) == 23
+    experts = parse_config(nano).experts
+    assert experts is not None and (experts.num_experts, experts.top_k) == (128, 6)
+    assert (experts.activation, experts.shared_inner, experts.route_scale) == ("relu2", 3712, 2.5)
+    with pytest.raises(
+        ModelConfigError, match="n_routed_experts=128 is not a multiple of n_group=3"
+    ):
+        parse_config({**nano, "n_group": 3})
+    with pytest.raises(ModelConfigError, match="mlp_bias"):
+        parse_config({**nano, "mlp_bias": True})
 
 
 def test_falcon_h1_layers_keep_attention_and_a_state_side_by_side() -> None:
