@@ -1,18 +1,23 @@
 """The executor's KV tensors: laid out by the plan, checked against what each layer attends.
 
-Memory picture (a Gemma-3-like model, plan.group_size = 2 slots, N pages per slot)::
+Memory picture (plan.group_size = 2 slots, N page ids): one tensor, each page id's page
+of every slot side by side::
 
-    slot 0  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 0 of every group
-    slot 1  [ page 0 (null) | page 1 | ... | page N-1 ]   layers of slot 1 of every group
+    page 0 (null)  [ slot 0 | slot 1 ]
+    page 1         [ slot 0 | slot 1 ]     K/V: the layers of slot 0 and 1 of its group
+    ...
+    page N-1       [ slot 0 | slot 1 ]
 
-Each layer views its slot tensor as ``[N, 2, kv_heads, block_size, head_dim]``, from its
-offset in the slot's pages (layers whose pages are a fraction of the slot's sit side by
-side: ``plan.layer_offsets``). A page id belongs to one group at a time, so the layers
-sharing a slot never collide. A state (Mamba2) layer views the same bytes as float32 rows,
-one per state page, whatever the model's dtype (``hybridkv.models.blocks.mamba2`` has the
-row's layout): where a state page spans ``plan.state_span`` pages, row ``r`` is the bytes
-of pages ``r * span .. r * span + span - 1``, ``[N // span, state_values]``, and page id
-``p`` of a state group reads row ``p // span`` (``StepStates`` translates).
+An attention layer views its slot's column as ``[N, 2, kv_heads, block_size, head_dim]``,
+from its offset in the slot's page (layers whose pages are a fraction of the slot's sit
+side by side: ``plan.layer_offsets``). A page id belongs to one group at a time, so the
+layers sharing a slot never collide. A state layer views the pool as float32 rows, one
+per state page, whatever the model's dtype (``hybridkv.models.blocks.state_mixer`` has
+the row's layout): where a state page spans ``plan.state_span`` page ids, row ``r`` is the
+bytes of pages ``r * span .. r * span + span - 1`` over every slot, ``[N // span,
+state_values]`` from the state's offset in them (a group's states one after another, a
+state running on from one slot into the next), and page id ``p`` of a state group reads
+row ``p // span`` (``StepStates`` translates).
 """
 
 from __future__ import annotations
@@ -42,9 +47,9 @@ _Spec = TypeVar("_Spec", AttentionSpec, StateSpec)
 def allocate_kv_caches(
     plan: LayoutPlan, specs: Sequence[ModelLayer], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per slot the ``specs`` use, and per memory of their layers
-    (``memories``: a layer's, then the state beside it) its paged view. A pipeline stage
-    passes only its layers, and allocates only their slots.
+    """One zeroed pool of the slots the ``specs`` use, and per memory of their layers
+    (``memories``: a layer's, then the state beside it) its paged view of it. A pipeline
+    stage passes only its layers, and allocates only their slots.
     A layer that reads another's pages (``AttentionSpec.reads``) gets its owner's view, one
     that keeps nothing (``NoCacheSpec``) an empty tensor."""
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -53,25 +58,24 @@ def allocate_kv_caches(
     cached = [s for s in specs if not isinstance(s, NoCacheSpec)]
     num_slots = max((plan.slot_of(s)[1] + 1 for s in cached), default=0)
     # Zeros, not empty: a masked read of garbage NaN would still poison the output.
-    slots = [
-        torch.zeros(plan.num_blocks, page_elems, dtype=dtype, device=device)
-        for _ in range(num_slots)
-    ]
+    pool = torch.zeros(plan.num_blocks, num_slots, page_elems, dtype=dtype, device=device)
+    span = plan.state_span
+    # A state page: its span of page ids over every slot, one row of float32 values.
+    rows = pool.view(plan.num_blocks // span, span * num_slots * page_elems).view(torch.float32)
     views = []
     for spec in specs:
         if isinstance(spec, NoCacheSpec):
             views.append(torch.empty(0, dtype=dtype, device=device))
             continue
-        _, slot = plan.slot_of(spec)
         if isinstance(spec, StateSpec):
-            span, start = plan.state_span, plan.offset_of(spec) // 4
-            rows = slots[slot].view(plan.num_blocks // span, span * page_elems)
-            views.append(rows.view(torch.float32)[:, start : start + spec.state_bytes // 4])
+            start = plan.offset_of(spec) // 4
+            views.append(rows[:, start : start + spec.state_bytes // 4])
             continue
+        _, slot = plan.slot_of(spec)
         shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
         start = plan.offset_of(spec) // itemsize
         layer_elems = spec.block_bytes(plan.block_size) // itemsize
-        views.append(slots[slot][:, start : start + layer_elems].view(shape))
+        views.append(pool[:, slot, start : start + layer_elems].view(shape))
     return views
 
 

@@ -4,15 +4,21 @@ The planner (``hybridkv.memory.layout_planner``) turns per-layer specs and a byt
 :class:`LayoutPlan`. The executor reads the plan to allocate KV tensors; the KV cache
 manager reads it for its groups and pool size.
 
-Memory picture (group_size = 2 slots, three groups sharing one pool of N pages)::
+Memory picture (group_size = 2 slots, three groups sharing one pool of N pages): each
+page id holds its page of every slot side by side (``executor/kv_caches.py``)::
 
-    slot 0 tensor  [ page 0 | page 1 | page 2 | ... | page N-1 ]   layer full.0, sw.0, sw.1
-    slot 1 tensor  [ page 0 | page 1 | page 2 | ... | page N-1 ]   layer full.1, sw.2, sw.3
+              slot 0    slot 1
+    page 0  [ null    | null    ]
+    page 1  [ full.0  | full.1  ]   a page of group 0: a block of both its layers
+    page 2  [ sw.0    | sw.2    ]   a page of group 1
+    ...
+    page N-1
 
 A page id belongs to one group at a time, and then holds one block of tokens of every
-layer of that group, each layer in its own slot tensor. With pipeline stages each stage
-(device) has its own slot tensors and numbers the slots of its layers from 0, so a stage
-holding one layer of each group needs a single slot tensor.
+layer of that group, each layer in its own slot (a state group: its states one after
+another over the slots). With pipeline stages each stage (device) has its own pool and
+numbers the slots of its layers from 0, so a stage holding one layer of each group needs
+a single slot.
 """
 
 from __future__ import annotations
@@ -176,15 +182,17 @@ class LayoutPlan:
     Attributes:
         block_size: Tokens per block (every group uses the same).
         num_blocks: Pages in the pool, the null page 0 included.
-        block_bytes: Bytes of one page in one slot tensor: the largest K/V layer's page
+        block_bytes: Bytes of one page in one slot: the largest K/V layer's page
             (a state page is ``state_span`` of them).
         groups: The KV groups, ``group_id`` equal to the position.
-        group_size: Slot tensors to allocate per device: the layers per group without
+        group_size: Slots to allocate per device: the layers per group without
             pipeline stages, the largest stage's count with them.
         layer_slots: Layer name -> (group id, slot), the slot local to the layer's stage
-            (layers whose pages are a fraction of ``block_bytes`` may share a slot).
+            (layers whose pages are a fraction of ``block_bytes`` may share a slot; a
+            state's: the last slot it reaches).
         layer_offsets: Layer name -> byte offset of its page within its slot's page, for
-            the layers packed after the first into a slot; absent: 0.
+            the layers packed after the first into a slot, or of a state within its
+            group's state page (its span over every slot); absent: 0.
         budget_bytes: The budget the plan was made for.
         padding_bytes: Bytes lost to unified page sizes and empty slots, over the pool.
         uniform_num_blocks: Pages a uniform allocator (every layer as full attention in
@@ -213,7 +221,8 @@ class LayoutPlan:
         return self.layer_slots[page_owner(spec)]
 
     def offset_of(self, spec: LayerSpec) -> int:
-        """Byte offset of the layer's page (its owner's) within its slot's page."""
+        """Byte offset of the layer's page (its owner's) within its slot's page, or of a
+        state within its group's state page."""
         return self.layer_offsets.get(page_owner(spec), 0)
 
     @property
@@ -228,10 +237,10 @@ class LayoutPlan:
 
     @property
     def state_page_bytes(self) -> int:
-        """Bytes of one state page in one slot tensor (its span of pages)."""
+        """Bytes of one state page in one slot (its span of pages)."""
         return self.state_span * self.block_bytes
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes the KV tensors take: every slot tensor holds every page."""
+        """Bytes the KV pool takes: every slot of every page."""
         return self.num_blocks * self.group_size * self.block_bytes

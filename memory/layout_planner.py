@@ -6,16 +6,16 @@ Steps, in order:
    form one family, in order of first appearance; each keeps its layers in model order.
 2. **Group size** (slots per group). A family whose layers' K/V pages are a k-th of the
    largest (Gemma 4 31B's full layers: half its sliding ones') packs k layers side by side
-   in one slot (``layer_offsets``), so m layers take ``cdiv(m, k)`` slots, and so does a
-   family of states k of which fit in a page (LFM2's); other pages that do not divide the
-   largest are padded to it (k = 1); k states share a span of pages where step 4 packs
-   them. The candidates are the
-   families' slot counts; the planner takes the one that leaves the fewest empty slots,
+   in one slot (``layer_offsets``), so m layers take ``cdiv(m, k)`` slots; other pages
+   that do not divide the largest are padded to it (k = 1). A family of states takes the
+   slots its bytes fill (step 4). The candidates are the families' slot counts; the
+   planner takes the one that leaves the fewest empty slots,
    and on a tie the larger one (fewer groups, fewer block tables). Gemma-3-like 4 full +
    22 sliding gives 4 (2 empty slots, not 18); 10 full + 11 sliding gives 11 (1 empty
    slot, not 9).
-3. **Groups.** A family of m layers in s slots gets ``g = cdiv(s, group_size)`` groups,
-   group i holding ``layers[i::g]``. Striding, rather than cutting runs, keeps pipeline
+3. **Groups.** A family of m layers in s slots gets ``g = cdiv(s, group_size)`` groups
+   (states: as many as state pages of ``group_size`` slots need), group i holding
+   ``layers[i::g]``. Striding, rather than cutting runs, keeps pipeline
    stages balanced (seed 000): stage 0 {full.0, sw.0, sw.1}, stage 1 {full.1, sw.2, sw.3}
    gives (full.0, full.1), (sw.0, sw.2), (sw.1, sw.3), so each stage holds one layer per
    group.
@@ -23,17 +23,20 @@ Steps, in order:
    size asked for (smaller attention pages are packed or padded), and a state page is the smallest
    number of K/V pages that holds the largest state (``state_span``; 1 where a state fits
    a K/V page), carved from the same pool (``hybridkv.memory.spans``). No group's page
-   forces another group's block size. Where one state to a span pads as much as
-   :data:`PADDING_GOAL`, k states share a longer span, side by side in each slot
-   (``layer_offsets``; :func:`_choose_span`): Jamba's 608 KiB states waste 5% of 10
-   pages of 64 KiB, seven to 67 pages waste 0.7%, in one group instead of seven.
+   forces another group's block size. A page id holds its page of every slot side by
+   side (``executor/kv_caches.py``), so a group's state page is one run of ``span x
+   slots`` pages, its states one after another in it (``layer_offsets``), a state
+   running on from one slot into the next; a family of states takes the slots its bytes
+   fill. Where that pads as much as :data:`PADDING_GOAL`, a longer span may pad less
+   (:func:`_choose_span`): Jamba's 28 states of 9.5 K/V pages waste 5% over 10 pages a
+   slot, 2.2% over 17, in four groups instead of seven.
    With ``unify_page_size`` the planner does what a single page size forces instead (as
    vLLM does): it raises the block size to the smallest multiple of the requested one
    whose attention page holds the state, pads the state up to that page, and past
    ``max_block_size`` says so with :class:`LayoutError`.
 5. **Slots and N.** ``budget_bytes`` is the KV memory of one device. Each pipeline stage
    gives its layers of a group slots 0, 1, ... (k layers to a slot where they pack) and
-   allocates one slot tensor per slot it uses; ``group_size`` of the plan is the largest
+   allocates the slots it uses; ``group_size`` of the plan is the largest
    stage's count (the slots per group without stages).
    ``num_blocks = budget // (group_size * block_bytes)``, page 0 being the null block,
    rounded down to a multiple of ``state_span``; it must hold the null page's span, one
@@ -44,7 +47,7 @@ An attention-free model (no specs) gets a plan with no groups, ``group_size`` 0 
 nothing and does not limit N.
 
 ``padding_bytes`` is an upper bound: ``num_blocks`` times the padding in one page id of
-the most padded group, over every stage's slot tensors (:func:`describe` weighs it by use).
+the most padded group, over every stage's slots (:func:`describe` weighs it by use).
 
 The uniform baseline puts every layer, as full attention with its own page size, in one
 group: per device, ``budget // sum of the page bytes of the stage's layers``.
@@ -56,6 +59,7 @@ from collections.abc import Sequence
 
 from hybridkv.memory.errors import LayoutError
 from hybridkv.memory.layout import KVGroup, LayerSpec, LayoutPlan, StateSpec, owns_pages, page_owner
+from hybridkv.memory.packing import Packing, choose_group_size
 from hybridkv.memory.plan_report import (
     GroupReport,
     PlanReport,
@@ -133,12 +137,10 @@ def plan_layout(
     block_bytes, span = _page_sizes(specs, block_size, unify_page_size)
     if span > 1:
         span = _choose_span(specs, block_bytes, block_size, span, budget_bytes)
-    packed = {s.name: _per_slot(s, block_bytes, block_size, span) for s in specs}
-    groups = _build_groups(specs, packed)
+    packing = Packing(specs, block_bytes, block_size, span)
+    groups = packing.groups()
     stage_of = {n: i for i, stage in enumerate(stage_names) for n in stage}
-    layer_slots, offsets, stage_slots = _assign_slots(
-        groups, stage_of, len(stage_names), packed, block_bytes, span
-    )
+    layer_slots, offsets, stage_slots = packing.assign(groups, stage_of, len(stage_names))
     group_size = max(stage_slots)
     num_blocks = budget_bytes // (group_size * block_bytes) // span * span
     least = _least_blocks(groups, span)
@@ -249,17 +251,6 @@ def _unified_block_size(specs: Sequence[LayerSpec], block_size: int, limit: int)
     return unified
 
 
-def choose_group_size(counts: Sequence[int]) -> int:
-    """Layers per group: the family count leaving fewest empty slots, larger on a tie."""
-    if not counts:
-        return 0
-
-    def empty_slots(size: int) -> int:
-        return sum(cdiv(m, size) * size - m for m in counts)
-
-    return min(set(counts), key=lambda size: (empty_slots(size), -size))
-
-
 def _least_blocks(groups: Sequence[KVGroup], span: int) -> int:
     """Page ids a pool needs: the null page's span, a state page per state group and a
     K/V page per K/V group (in whole spans where states span several)."""
@@ -275,18 +266,22 @@ def _choose_span(
     """The state span: the least one, or a longer one that packs several states to a slot
     where that takes the states' padding under :data:`PADDING_GOAL`.
 
-    A state of 9.5 K/V pages wastes 5% of a 10-page span; seven to a 67-page span waste
-    0.7%. A longer span is taken only if it adds no group, pads the K/V families no more,
-    and the budget still holds the pool's least pages; of those, the shortest under the
-    goal, else the one of least state padding (the least span on a tie).
+    States lie one after another over a group's state page in every slot, so a state may
+    run on from one slot into the next: what pads is the end of the group's page. Zamba2
+    7B's 81 states of 4.2 K/V pages over 13 slots pad 25% at 5 pages, 3.2% at 9. A longer
+    span is taken only if it adds no group, pads the K/V families no more, and the budget
+    still holds the pool's least pages; of those, the least span under the goal, else the
+    one of least padding. The least: a state page needs a span with no K/V page in use,
+    and long spans are the harder to find whole (Zamba2's chats in hybrid_cliffs hit 0.603
+    of their prefixes at 9 pages, 0.550 at 27).
     """
 
     def cost(span: int) -> tuple[int, int, float] | None:
         """Groups, K/V padding per page id and state padding share at ``span``; None
         where the budget cannot hold the pool's least pages."""
-        packed = {s.name: _per_slot(s, page, block_size, span) for s in specs}
-        groups = _build_groups(specs, packed)
-        size = max(_slots(g, packed) for g in groups)
+        packing = Packing(specs, page, block_size, span)
+        groups = packing.groups()
+        size = max(packing.slots(g.layer_names) for g in groups)
         if budget // (size * page) // span * span < _least_blocks(groups, span):
             return None
         by_name = {s.name: s for s in specs}
@@ -300,79 +295,14 @@ def _choose_span(
     base = cost(least)
     if base is None or base[2] < PADDING_GOAL:
         return least
-    best, best_share = least, base[2]
+
+    def rank(span: int, groups: int, share: float) -> tuple[int, float, int]:
+        # Under the goal: the least span; else the least padding, then the least span.
+        return (0, 0.0, span) if share < PADDING_GOAL else (1, share, span)
+
+    best = rank(least, base[0], base[2])
     for span in range(least + 1, least * _LONGEST_SPAN + 1):
         found = cost(span)
-        if found is None or found[0] > base[0] or found[1] > base[1]:
-            continue
-        if found[2] < PADDING_GOAL:
-            return span
-        if found[2] < best_share:
-            best, best_share = span, found[2]
-    return best
-
-
-def _per_slot(spec: LayerSpec, page: int, block_size: int, span: int = 1) -> int:
-    """Layers like ``spec`` that fit side by side in one slot of ``page`` bytes: k where its
-    K/V page is exactly a k-th of it, as many states as fit in a span of ``span`` pages
-    (LFM2's short convolutions in one page, Zamba2's Mamba2 states three to 13 pages),
-    else 1 (a page padded to ``page``)."""
-    own = spec.block_bytes(block_size)
-    if isinstance(spec, StateSpec):
-        return max(1, span * page // own)
-    return 1 if page % own else page // own
-
-
-def _slots(group: KVGroup, packed: dict[str, int]) -> int:
-    """Slots the layers of ``group`` take, k to a slot where they pack."""
-    return cdiv(len(group.layer_names), min(packed[n] for n in group.layer_names))
-
-
-def _build_groups(specs: Sequence[LayerSpec], packed: dict[str, int]) -> tuple[KVGroup, ...]:
-    families: dict[MemoryPolicy, list[str]] = {}
-    for spec in specs:
-        families.setdefault(spec.policy, []).append(spec.name)
-    per_slot = {p: min(packed[n] for n in names) for p, names in families.items()}
-    slots = {p: cdiv(len(names), per_slot[p]) for p, names in families.items()}
-    size = choose_group_size(list(slots.values()))
-    groups: list[KVGroup] = []
-    for policy, layers in families.items():
-        num_groups = cdiv(slots[policy], size)
-        for i in range(num_groups):
-            groups.append(
-                KVGroup(
-                    group_id=len(groups), policy=policy, layer_names=tuple(layers[i::num_groups])
-                )
-            )
-    return tuple(groups)
-
-
-def _assign_slots(
-    groups: Sequence[KVGroup],
-    stage_of: dict[str, int],
-    num_stages: int,
-    packed: dict[str, int],
-    page: int,
-    span: int,
-) -> tuple[dict[str, tuple[int, int]], dict[str, int], list[int]]:
-    """Layer -> (group, slot within its stage) and byte offset in the slot's page, or in
-    its span of pages for a state (k layers of a group to a slot where they pack), and the
-    slot tensors of each stage."""
-    layer_slots: dict[str, tuple[int, int]] = {}
-    offsets: dict[str, int] = {}
-    stage_slots = [0] * num_stages
-    for group in groups:
-        per_slot = min(packed[n] for n in group.layer_names)
-        # States are read as float32 rows: their offsets stay on whole values.
-        stride = span * page // per_slot // 4 * 4 if group.policy.keeps_state else page // per_slot
-        used = [0] * num_stages
-        for name in group.layer_names:
-            stage = stage_of[name]
-            slot, place = divmod(used[stage], per_slot)
-            layer_slots[name] = (group.group_id, slot)
-            if place:
-                offsets[name] = place * stride
-            used[stage] += 1
-        slots = [cdiv(n, per_slot) for n in used]
-        stage_slots = [max(a, b) for a, b in zip(stage_slots, slots, strict=True)]
-    return layer_slots, offsets, stage_slots
+        if found is not None and found[0] <= base[0] and found[1] <= base[1]:
+            best = min(best, rank(span, found[0], found[2]))
+    return best[2]

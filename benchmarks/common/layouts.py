@@ -86,7 +86,7 @@ def build_layout(model: str, budget: int, block_size: int, *, one_page: bool = F
 @attrs.frozen
 class GroupPage:
     """One group's page: its policy, layers, block size, the bytes of its page in one slot
-    tensor and of a page id over every slot tensor, and the bytes its layers fill."""
+    tensor and of a page id over every slot, and the bytes its layers fill."""
 
     policy: str
     num_layers: int
@@ -97,7 +97,7 @@ class GroupPage:
 
 
 def _group_page(plan: LayoutPlan, group: KVGroup) -> tuple[int, int]:
-    """A group's block size and the bytes of its page in one slot tensor (a state page:
+    """A group's block size and the bytes of its page in one slot (a state page:
     ``state_span`` K/V pages). The one reader of the plan's page sizes: the rest of the
     script takes each group's values from :func:`group_pages` and :class:`Layout`."""
     span = plan.state_span if group.policy.keeps_state else 1

@@ -83,7 +83,7 @@ def _waste_of_pool(
     tokens: int,
 ) -> float | None:
     """Bytes of the pages the admitted requests hold that hold nothing (page padding,
-    the empty slots of partial K/V blocks, empty slot tensors), over the pool's bytes.
+    the empty slots of partial K/V blocks, empty slots), over the pool's bytes.
 
     Content: every request's K/V of its ``tokens`` in each attention layer, and one
     state per state layer in each state page held (checkpoints count as content)."""

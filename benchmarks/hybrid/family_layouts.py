@@ -6,7 +6,7 @@ For each shape of ``models/published_shapes.py`` the issue lists, the layer spec
 ``layer_specs_from_config`` (bfloat16 K/V, block size 16):
 
 - **hybridkv**: ``plan_layout`` and ``describe``: the pages a request of L tokens holds in
-  every group, times the bytes of a page id over every slot tensor (packing and padding
+  every group, times the bytes of a page id over every slot (packing and padding
   counted as the planner lays them out);
 - **uniform**: every layer as full attention with its own page: L tokens of every layer
   that keeps K/V;

@@ -14,7 +14,7 @@ Three measurements, side by side in one run:
    an occupancy. Printed: cached prompt tokens over prompt tokens of turns 2 and later.
 2. **KV + state bytes per request** of Bamba-like and Granite-4.0-H-like layouts
    (bfloat16 K/V, float32 state) at 1k, 8k and 32k tokens: the planner's layout (pages
-   per request times the bytes of a page id over every slot tensor, padding included)
+   per request times the bytes of a page id over every slot, padding included)
    against the uniform layout (every layer keeps a page per block: K/V, or a state).
 3. **Prefill tokens/s** of a tiny random Bamba checkpoint (float32, CPU): hybridkv's
    executor (paged attention, the SSD scan with a checkpoint at every block boundary)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -141,7 +140,7 @@ def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
     """The tables of a plan with KV groups: groups, policies, stages, capacity, padding."""
     out = [
         f"pool    {_count(len(plan.groups), 'group')}, "
-        f"{_count(plan.group_size, 'slot tensor')} per device, "
+        f"{_count(plan.group_size, 'slot')} per device, "
         f"{plan.num_blocks} pages (the null page included)",
         *_page_lines(plan, report),
         "",
@@ -163,7 +162,7 @@ def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
     if len(plan.stages) > 1:
         out.append("")
         out += _table(
-            ["stage", "layers", "slot tensors"],
+            ["stage", "layers", "slots"],
             [[i, len(names), num] for i, (names, num)
              in enumerate(zip(plan.stages, report.stage_slots, strict=True))],
         )  # fmt: skip
@@ -192,8 +191,8 @@ def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
 
 
 def _page_lines(plan: LayoutPlan, report: PlanReport) -> list[str]:
-    """The two page sizes (in one slot tensor), the bytes each kind takes per request
-    (over every slot tensor) and its padding."""
+    """The two page sizes (in one slot), the bytes each kind takes per request
+    (over every slot) and its padding."""
     slot_bytes = sum(report.stage_slots) * plan.block_bytes
     kinds = [("K/V", [g for g in report.groups if not g.keeps_state])]
     kinds.append(("state", [g for g in report.groups if g.keeps_state]))
@@ -202,13 +201,11 @@ def _page_lines(plan: LayoutPlan, report: PlanReport) -> list[str]:
         if not groups:
             continue
         ids = groups[0].page_ids
-        size = f"{_bytes(plan.block_bytes * ids)}"  # in one slot tensor
+        size = f"{_bytes(plan.block_bytes * ids)}"  # in one slot
         if name == "K/V":
             size += f" ({plan.block_size} tokens)"
-        else:
-            packed = _states_per_page(plan, {g.group_id for g in groups})
-            parts = [f"{ids} K/V pages"] * (ids > 1) + [f"{packed} states"] * (packed > 1)
-            size += f" ({', '.join(parts)})" if parts else ""
+        elif ids > 1:
+            size += f" ({ids} K/V pages)"
         held = sum(g.blocks_per_request * g.page_ids for g in groups) * slot_bytes
         padding = sum(g.blocks_per_request * g.padding_bytes_per_block for g in groups)
         out.append(
@@ -216,17 +213,6 @@ def _page_lines(plan: LayoutPlan, report: PlanReport) -> list[str]:
             f"{_bytes(held)} each, {_share(padding, held)} padding"
         )
     return out
-
-
-def _states_per_page(plan: LayoutPlan, state_groups: set[int]) -> int:
-    """The most states one slot's state page holds side by side (slots are per stage)."""
-    counts = Counter(
-        (stage, *plan.layer_slots[name])
-        for stage, names in enumerate(plan.stages)
-        for name in names
-        if plan.layer_slots[name][0] in state_groups
-    )
-    return max(counts.values())
 
 
 def format_context(

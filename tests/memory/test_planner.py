@@ -49,7 +49,7 @@ def test_seed_pipeline_example_groups_by_stride() -> None:
 
 
 def test_seed_pipeline_example_each_stage_holds_one_layer_per_group() -> None:
-    """Every stage uses one slot tensor, holding one layer of each group."""
+    """Every stage uses one slot, holding one layer of each group."""
     plan = plan_layout(seed_model(), 1 << 20, stages=SEED_STAGES)
     assert plan.group_size == 1
     assert plan.layer_slots == {
@@ -83,7 +83,7 @@ def test_gemma3_like_groups_four_layers_with_strided_sliding_groups() -> None:
 
 
 def test_gemma3_like_two_stages_share_slots_within_each_stage() -> None:
-    """Two stages of 13 layers each need two slot tensors, not three."""
+    """Two stages of 13 layers each need two slots, not three."""
     specs = gemma3_like()
     names = [s.name for s in specs]
     plan = plan_layout(specs, 1 << 30, stages=[names[:13], names[13:]])
@@ -148,30 +148,34 @@ def test_state_larger_than_attention_page_takes_a_span_of_pages() -> None:
 
 def test_states_pack_into_a_longer_span_when_one_each_pads_past_the_goal() -> None:
     """Four 40 KiB states beside two K/V layers of 16 KiB: one state to 3 pages pads
-    16.7%; two to 5 pages (80 KiB) pad nothing, in one state group instead of two."""
+    16.7% (two groups of two slots); a state page of 5 pages (80 KiB) in each of the two
+    slots holds all four, one after another, nothing padded, in one group."""
     states = [StateSpec(name=f"m{i}", policy=MambaLike(), state_bytes=40 * 1024) for i in range(4)]
     specs: list[LayerSpec] = [attn("a0"), attn("a1"), *states]
     plan = plan_layout(specs, 1 << 22, block_size=16)
     report = describe(plan, specs, 96)
     assert (plan.block_size, plan.state_span, plan.group_size) == (16, 5, 2)
     assert [(g.policy, len(g.layer_names)) for g in plan.groups] == [(FULL, 2), (MambaLike(), 4)]
-    # Two states side by side in each slot's span: the second at 40 KiB into the span.
-    slots = [plan.layer_slots[s.name][1] for s in states]
-    assert sorted(slots) == [0, 0, 1, 1]
-    assert sorted(plan.offset_of(s) for s in states) == [0, 0, 40 * 1024, 40 * 1024]
+    # Offsets within the group's state page (5 pages of slot 0, then 5 of slot 1); a
+    # state's slot is the last it reaches.
+    assert [plan.offset_of(s) for s in states] == [0, 40 * 1024, 80 * 1024, 120 * 1024]
+    assert [plan.layer_slots[s.name] for s in states] == [(1, 0), (1, 0), (1, 1), (1, 1)]
     assert [g.padding_bytes_per_block for g in report.groups] == [0, 0]
 
 
-def test_states_are_not_packed_where_packing_pads_more_or_adds_groups() -> None:
-    """A lone 40 KiB state keeps its 3-page span (16.7%): two to 5 pages would leave half
-    the span empty. Six beside four K/V layers keep it too: two to 5 pages fill 3 of 4
-    slots (25%), three to 8 pages fill 2 slots but cut the K/V layers into a second group."""
+def test_states_run_on_across_slots_and_are_not_packed_where_that_pads_more() -> None:
+    """A lone 40 KiB state keeps its 3-page span (16.7%): a longer one would pad more.
+    Six beside four K/V layers fill five slots of 3 pages exactly, a state running on from
+    one slot into the next where the slot's page ends inside it."""
     state = StateSpec(name="m0", policy=MambaLike(), state_bytes=40 * 1024)
     assert plan_layout([attn("a0"), state], 1 << 22).state_span == 3
     six: list[LayerSpec] = [attn(f"a{i}") for i in range(4)]
     six += [attrs.evolve(state, name=f"m{i}") for i in range(6)]
     plan = plan_layout(six, 1 << 22)
-    assert (plan.state_span, plan.group_size, len(plan.groups)) == (3, 6, 2)
+    report = describe(plan, six, 96)
+    assert (plan.state_span, plan.group_size, len(plan.groups)) == (3, 5, 2)
+    assert [plan.layer_slots[f"m{i}"][1] for i in range(6)] == [0, 1, 2, 3, 4, 4]
+    assert [g.padding_bytes_per_block for g in report.groups] == [PAGE, 0]
 
 
 def test_one_page_size_raises_block_size() -> None:

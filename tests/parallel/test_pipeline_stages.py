@@ -105,7 +105,7 @@ def test_a_cut_between_a_layer_and_the_cache_it_reads_is_refused() -> None:
 
 
 def test_each_stage_holds_only_its_layers_and_pages(tiny_models) -> None:
-    """Gemma 3 (s s f s s f) in 3 stages: two layers each, their weights, one slot tensor
+    """Gemma 3 (s s f s s f) in 3 stages: two layers each, their weights, one slot
     each of the same page count; embedding first, norm and head last."""
     stages = _stages(tiny_models["gemma3"].path, 3)
     assert len({s.pool for s in stages}) == 1
@@ -156,7 +156,7 @@ def test_seed_000_stages_hold_one_layer_per_group(
     seed_000_checkpoint, drive, run_scenario, check_same_outputs, chain
 ) -> None:
     """Two stages of {full.0, sw.0, sw.1} and {full.1, sw.2, sw.3}: groups (full.0, full.1),
-    (sw.0, sw.2), (sw.1, sw.3), so each stage needs one slot tensor, no padding slot."""
+    (sw.0, sw.2), (sw.1, sw.3), so each stage needs one slot, no padding slot."""
     stages = _stages(seed_000_checkpoint, 2)
     names = [f"model.layers.{i}.self_attn" for i in range(6)]
     groups = [g.layer_names for g in stages[0].plan.groups]

@@ -25,7 +25,7 @@ def test_plan_builtin_gemma3_like(capsys: pytest.CaptureFixture[str]) -> None:
     """gemma3-like in 2 GiB: 7 groups of 16 KiB pages, 32768 blocks, 3.79x uniform."""
     code, out, err = run(capsys, "plan", "gemma3-like", "--kv-memory", "2GiB")
     assert (code, err) == (0, "")
-    assert "7 groups, 4 slot tensors per device, 32768 pages" in out
+    assert "7 groups, 4 slots per device, 32768 pages" in out
     assert "K/V     page 16.00 KiB (16 tokens)" in out and "\nstate" not in out
     assert "sliding_window(window=512)  6       22      198" in out
     assert "requests of 4096 tokens  72      19       3.79x" in out
@@ -46,16 +46,16 @@ def test_plan_config_json_in_a_folder(tmp_path: Path, capsys: pytest.CaptureFixt
     code, out, _ = run(capsys, "plan", str(tmp_path), "--kv-memory", "64MiB", "--dtype", "fp32")
     assert code == 0
     # A page: K and V, 2 heads of 64, 4 bytes, 16 tokens = 16 KiB; 8 slots per block.
-    assert "1 group, 8 slot tensors per device, 512 pages" in out
+    assert "1 group, 8 slots per device, 512 pages" in out
     assert "K/V     page 16.00 KiB (16 tokens)" in out
     assert f"model   {tmp_path / 'config.json'}: 8 KV layers (8 sliding_window" in out
 
 
 def test_plan_with_pipeline_stages_prints_stage_slots(capsys: pytest.CaptureFixture[str]) -> None:
-    """Two stages of gemma3-like each hold two slot tensors."""
+    """Two stages of gemma3-like each hold two slots."""
     code, out, _ = run(capsys, "plan", "gemma3-like", "--kv-memory", "1GiB", "--pp-stages", "2")
     assert code == 0
-    assert "stage  layers  slot tensors\n0      13      2\n1      13      2" in out
+    assert "stage  layers  slots\n0      13      2\n1      13      2" in out
 
 
 def test_plan_with_context_ranks_shows_the_longest_request_per_rank(
@@ -73,15 +73,16 @@ def test_plan_with_context_ranks_shows_the_longest_request_per_rank(
 
 def test_plan_mamba_hybrid_shows_both_page_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     """jamba-like keeps blocks of 16 tokens. A Mamba1 state (float32, 608 KiB) would waste
-    5% of 10 K/V pages; seven of them share 67 pages instead, one state group of 4 slots."""
+    5% of 10 K/V pages; its 28 lie one after another over state pages of 17 pages in each
+    of 4 slots instead, 4 state groups."""
     code, out, _ = run(capsys, "plan", "jamba-like", "--kv-memory", "2GiB")
     assert code == 0
-    assert "block size 16, state pages of 67 K/V pages" in out and "raised" not in out
-    assert "pool    2 groups, 4 slot tensors" in out
+    assert "block size 16, state pages of 17 K/V pages" in out and "raised" not in out
+    assert "pool    5 groups, 4 slots" in out
     assert "K/V     page 64.00 KiB (16 tokens); requests of 4096 tokens hold 64.00 MiB" in out
     assert (
-        "state   page 4.19 MiB (67 K/V pages, 7 states); requests of 4096 tokens hold "
-        "50.25 MiB each, 384.00 KiB (0.7%) padding"
+        "state   page 1.06 MiB (17 K/V pages); requests of 4096 tokens hold "
+        "51.00 MiB each, 1.12 MiB (2.2%) padding"
     ) in out
 
 
@@ -129,15 +130,15 @@ def test_plan_zamba2_keeps_block_16_beside_its_shared_blocks_states(
 ) -> None:
     """zamba2-7b-like: 13 hybrid layers keep a K/V page of 448 KiB (heads of 224) beside
     their Mamba2 states, block 16 kept. One state of 1.83 MiB to 5 K/V pages would pad
-    25% (16% in the page, empty slots of 7 state groups); seven to 30 pages, in one group
-    over the 13 slots, pad 12.9%."""
+    25% (16% in the page, empty slots of 7 state groups); the 81 states one after another
+    over state pages of 9 pages in each of the 13 slots pad 3.2%, in 3 groups."""
     code, out, _ = run(capsys, "plan", "zamba2-7b-like", "--kv-memory", "8GiB")
     assert code == 0
     assert "94 KV layers (81 mamba, 13 full; 13 layers hold a K/V and a state each)" in out
-    assert "block size 16, state pages of 30 K/V pages" in out
-    assert "pool    2 groups, 13 slot tensors" in out
+    assert "block size 16, state pages of 9 K/V pages" in out
+    assert "pool    4 groups, 13 slots" in out
     assert "K/V     page 448.00 KiB (16 tokens)" in out
-    assert "(30 K/V pages, 7 states)" in out and "65.98 MiB (12.9%) padding" in out
+    assert "14.79 MiB (3.2%) padding" in out
 
 
 @pytest.mark.parametrize(
@@ -206,7 +207,7 @@ def test_console_script_runs_plan() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert "1 group, 32 slot tensors per device, 512 pages" in done.stdout
+    assert "1 group, 32 slots per device, 512 pages" in done.stdout
     assert "K/V     page 64.00 KiB (16 tokens)" in done.stdout
 
 
