@@ -59,15 +59,18 @@ def allocate_kv_caches(
     num_slots = max((plan.slot_of(s)[1] + 1 for s in cached), default=0)
     # Zeros, not empty: a masked read of garbage NaN would still poison the output.
     pool = torch.zeros(plan.num_blocks, num_slots, page_elems, dtype=dtype, device=device)
-    span = plan.state_span
-    # A state page: its span of page ids over every slot, one row of float32 values.
-    rows = pool.view(plan.num_blocks // span, span * num_slots * page_elems).view(torch.float32)
+    rows = (
+        _state_rows(pool, plan.state_span)
+        if any(isinstance(s, StateSpec) for s in cached)
+        else None
+    )
     views = []
     for spec in specs:
         if isinstance(spec, NoCacheSpec):
             views.append(torch.empty(0, dtype=dtype, device=device))
             continue
         if isinstance(spec, StateSpec):
+            assert rows is not None
             start = plan.offset_of(spec) // 4
             views.append(rows[:, start : start + spec.state_bytes // 4])
             continue
@@ -77,6 +80,12 @@ def allocate_kv_caches(
         layer_elems = spec.block_bytes(plan.block_size) // itemsize
         views.append(pool[:, slot, start : start + layer_elems].view(shape))
     return views
+
+
+def _state_rows(pool: torch.Tensor, span: int) -> torch.Tensor:
+    """The pool as float32 rows, one per state page: its span of page ids over every slot."""
+    num_blocks, num_slots, page_elems = pool.shape
+    return pool.view(num_blocks // span, span * num_slots * page_elems).view(torch.float32)
 
 
 def layer_groups(plan: LayoutPlan, specs: Sequence[ModelLayer]) -> list[int | None]:
