@@ -74,6 +74,11 @@ def allocate_kv_caches(
             start = plan.offset_of(spec) // 4
             views.append(rows[:, start : start + spec.state_bytes // 4])
             continue
+        if spec.latent:
+            raise ModelConfigError(
+                f"layer {spec.name!r} keeps a latent (multi-head latent attention), which "
+                "hybridkv plan sizes but the kernels do not run yet"
+            )
         _, slot = plan.slot_of(spec)
         shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
         start = plan.offset_of(spec) // itemsize

@@ -59,6 +59,9 @@ class AttentionSpec:
         beside: A state mixer that runs beside the attention in the same layer, on the
             same input (Falcon-H1's Mamba2), or None. It keeps its state in a group of
             its own: the layout sees it as one more layer (``memories``).
+        latent: The layer keeps one ``head_dim`` vector per token and KV head, from which
+            its keys and values both come (multi-head latent attention: DeepSeek V3's
+            compressed latent beside its rope key), not a key and a value.
     """
 
     name: str
@@ -69,10 +72,13 @@ class AttentionSpec:
     kind: str | None = None
     reads: str | None = None
     beside: StateSpec | None = None
+    latent: bool = False
 
     def block_bytes(self, block_size: int) -> int:
-        """Bytes of one page of this layer: K and V of ``block_size`` tokens."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes * block_size
+        """Bytes of one page of this layer: K and V (or the latent) of ``block_size``
+        tokens."""
+        vectors = 1 if self.latent else 2
+        return vectors * self.num_kv_heads * self.head_dim * self.dtype_bytes * block_size
 
 
 @attrs.frozen(kw_only=True)

@@ -209,6 +209,13 @@ def _spec(
         state_bytes = family.state_shape(cfg).state_bytes
         name = f"model.layers.{layer}.{STATE_KINDS[kind]}"
         return StateSpec(name=name, policy=policy, state_bytes=state_bytes, kind=kind)
+    name = f"model.layers.{layer}.self_attn"
+    if family is not None and family.latent_width is not None:
+        width = family.latent_width(cfg)
+        return AttentionSpec(
+            name=name, policy=policy, num_kv_heads=1, head_dim=width, dtype_bytes=dtype_bytes,
+            kind=kind, latent=True,
+        )  # fmt: skip
     num_heads = int_field(cfg, "num_attention_heads")
     if family is not None and family.kv_shape is not None:
         kv_heads, head_dim = family.kv_shape(cfg, kind)
@@ -216,7 +223,7 @@ def _spec(
         kv_heads = int_field(cfg, "num_key_value_heads", num_heads)
         head_dim = _head_dim(cfg)
     return AttentionSpec(
-        name=f"model.layers.{layer}.self_attn",
+        name=name,
         policy=policy,
         num_kv_heads=kv_heads,
         head_dim=head_dim,

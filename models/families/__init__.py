@@ -69,6 +69,8 @@ MODULES = {
     "mixtral": "mistral",
     "falcon_h1": "falcon_h1",
     "zamba2": "zamba2",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
 }
 
 
@@ -115,6 +117,9 @@ class Family:
             its rows multiplied at load, ``(start, stop, factor)`` (stop None: to the
             end): multipliers the family's layers apply to a projection's input or
             output, folded into its weights (Falcon-H1's muP multipliers); None: none.
+        latent_width: config -> the width of the one vector per token its attention layers
+            keep (multi-head latent attention: ``kv_lora_rank + qk_rope_head_dim``); None:
+            a key and a value per KV head.
         shared_weights: config -> per prefix of the tensors of a part that serves several
             layers, the prefix the checkpoint holds them under (Zamba2's shared blocks,
             stored at their first use): the loader reads them for each that the
@@ -140,6 +145,7 @@ class Family:
     unread: tuple[str, ...] = ()
     scales: Callable[[Mapping[str, Any]], Mapping[str, tuple[RowScale, ...]]] | None = None
     shared_weights: Callable[[Mapping[str, Any]], Mapping[str, str]] | None = None
+    latent_width: Callable[[Mapping[str, Any]], int] | None = None
 
 
 def normalized(family: Family | None, cfg: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -114,6 +114,9 @@ def run_plan(args: argparse.Namespace) -> int:
     both = sum(1 for s in layers if isinstance(s, AttentionSpec) and s.beside is not None)
     if both:
         shared += f"; {both} layers hold a K/V and a state each"
+    latent = [s for s in specs if isinstance(s, AttentionSpec) and s.latent]
+    if latent:
+        shared += f"; latent attention: {latent[0].head_dim} values a token and layer"
     kept = len(specs) - readers
     print(f"model   {label}: {kept} KV layers ({summary or 'attention-free'}{shared})")
     print(

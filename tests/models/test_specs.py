@@ -204,3 +204,29 @@ def test_bamba_and_granite_configs_give_mamba2_state_layers() -> None:
     assert state.state_bytes == 4 * ((8192 + 2 * 128) * 3 + 128 * 64 * 128)
     granite = layer_specs_from_config(BUILTIN_CONFIGS["granite-4.0-h-like"])
     assert [i for i, s in enumerate(granite) if s.kind == "full_attention"] == [9, 19, 29, 39]
+
+
+def test_latent_attention_keeps_one_vector_a_token_and_does_not_run_yet() -> None:
+    """DeepSeek V3's and Kimi K2's layers keep the 512-value latent beside the 64-value
+    rope key, 576 values a token and layer (18 KiB a page of 16 in bfloat16, not a K and
+    a V per head); ``hybridkv plan`` sizes them, loading them is refused by name, and so is
+    allocating pages for them."""
+    import torch
+
+    from hybridkv.executor.kv_caches import allocate_kv_caches
+    from hybridkv.memory.layout_planner import plan_layout
+    from hybridkv.models.families import running_family
+
+    for name in ("deepseek-v3-like", "kimi-k2-like"):
+        specs = layer_specs_from_config(BUILTIN_CONFIGS[name])
+        assert len(specs) == 61
+        assert all(isinstance(s, AttentionSpec) and s.latent for s in specs)
+        assert {(s.num_kv_heads, s.head_dim, s.block_bytes(16)) for s in specs} == {
+            (1, 576, 16 * 576 * 2)
+        }
+    for model_type in ("deepseek_v3", "kimi_k2"):
+        with pytest.raises(ModelConfigError, match=f"'{model_type}' is not supported"):
+            running_family(model_type)
+    plan = plan_layout(specs[:2], 1 << 20)
+    with pytest.raises(ModelConfigError, match="keeps a latent"):
+        allocate_kv_caches(plan, specs[:2], torch.bfloat16, torch.device("cpu"))

@@ -141,6 +141,16 @@ def test_plan_zamba2_keeps_block_16_beside_its_shared_blocks_states(
     assert "14.79 MiB (3.2%) padding" in out
 
 
+def test_plan_sizes_latent_attention(capsys: pytest.CaptureFixture[str]) -> None:
+    """deepseek-v3-like: 61 layers of one 576-value latent a token, 18 KiB a page of 16
+    tokens (68.6 KiB a token of context), the same on every tensor rank (replicated)."""
+    code, out, _ = run(capsys, "plan", "deepseek-v3-like", "--kv-memory", "8GiB", "-tp", "2")
+    assert code == 0
+    assert "61 KV layers (61 full; latent attention: 576 values a token and layer)" in out
+    assert "K/V     page 18.00 KiB (16 tokens)" in out
+    assert "2      1              68.62 KiB" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
