@@ -284,7 +284,7 @@ def _choose_span(
         size = max(packing.slots(g.layer_names) for g in groups)
         if budget // (size * page) // span * span < _least_blocks(groups, span):
             return None
-        by_name = {s.name: s for s in specs}
+        by_name = packing.by_name
         kv = [g for g in groups if not g.policy.keeps_state]
         kv_padding = sum(size * page - group_bytes(g, by_name, block_size) for g in kv)
         states = [g for g in groups if g.policy.keeps_state]
@@ -296,13 +296,13 @@ def _choose_span(
     if base is None or base[2] < PADDING_GOAL:
         return least
 
-    def rank(span: int, groups: int, share: float) -> tuple[int, float, int]:
+    def rank(span: int, share: float) -> tuple[int, float, int]:
         # Under the goal: the least span; else the least padding, then the least span.
         return (0, 0.0, span) if share < PADDING_GOAL else (1, share, span)
 
-    best = rank(least, base[0], base[2])
+    best = rank(least, base[2])
     for span in range(least + 1, least * _LONGEST_SPAN + 1):
         found = cost(span)
         if found is not None and found[0] <= base[0] and found[1] <= base[1]:
-            best = min(best, rank(span, found[0], found[2]))
+            best = min(best, rank(span, found[2]))
     return best[2]

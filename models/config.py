@@ -59,8 +59,8 @@ class ModelConfig:
         rms_norm_eps: Epsilon of every RMSNorm.
         norm_offset: RMSNorm multiplies by ``norm_offset + weight`` (Gemma: 1, Llama: 0).
         activation: ``silu``, ``gelu_tanh``, ``gelu`` (exact) or ``relu2`` (squared ReLU),
-            applied to the
-            MLP's gate (to its one projection where it has no gate: Nemotron-H).
+            applied to the MLP's gate (to its one projection where it has no gate:
+            Nemotron-H).
         qk_norm: RMSNorm of q and k before rope (Gemma 3, Qwen3, OLMo).
         qk_norm_width: Over each head (``head``: Gemma 3, Qwen3) or over the whole
             projection, every head together (``projection``: OLMo 2/3).

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.models.blocks.mlp import GatedMLP, PlainMLP
+from hybridkv.models.blocks.mlp import ACTIVATIONS, GatedMLP, PlainMLP
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.shapes.moe import ExpertsShape, Stacks
 from hybridkv.models.weights.cuts import TensorCut, gated_share, param
@@ -193,13 +193,13 @@ class MixtureOfExperts(nn.Module):
         return experts, weights.to(x.dtype)
 
     def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' activation, of the MLPs' table (``ACTIVATIONS``) but gpt-oss's."""
+        activation = self.shape.activation
         if not self.shape.gated:
-            return torch.relu(gate_up).square()
+            return ACTIVATIONS[activation](gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        if self.shape.activation == "silu":
-            return F.silu(gate) * up
-        if self.shape.activation == "gelu_tanh":
-            return F.gelu(gate, approximate="tanh") * up
+        if activation != "clamped":
+            return ACTIVATIONS[activation](gate) * up
         limit = self.shape.limit
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         return (up + 1) * gate * torch.sigmoid(gate * self.shape.alpha)
@@ -251,8 +251,11 @@ def _stacks(state_dict: dict[str, Any], prefix: str, layout: Stacks) -> None:
     """``experts.gate_up_proj`` and ``experts.down_proj``, with any biases, laid out as
     ``layout`` says (``models/shapes/moe.py``), as ``input_linear`` (gate rows, then up
     rows) and ``output_linear``."""
-    stacks = {"gate_up_proj": "input_linear", "up_proj": "input_linear"}
-    stacks["down_proj"] = "output_linear"  # (``up_proj``: experts without a gate)
+    stacks = {  # ``up_proj``: experts without a gate
+        "gate_up_proj": "input_linear",
+        "up_proj": "input_linear",
+        "down_proj": "output_linear",
+    }
     for theirs, ours in stacks.items():
         for suffix, name in (("", "weight"), ("_bias", "bias")):
             key = f"{prefix}experts.{theirs}{suffix}"

@@ -63,7 +63,7 @@ def parse_nemotron_h(
     """Read a Nemotron-H config.json (normalized)."""
     fields = llama_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
     layers = fields["layers"]
-    has_experts = any(getattr(spec, "kind", None) == MOE for spec in layers)
+    has_experts = any(spec.kind == MOE for spec in layers)
     return ModelConfig(
         **fields,
         norm_scale_first=True,
