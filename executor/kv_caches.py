@@ -51,7 +51,8 @@ def allocate_kv_caches(
     (``memories``: a layer's, then the state beside it) its paged view of it. A pipeline
     stage passes only its layers, and allocates only their slots.
     A layer that reads another's pages (``AttentionSpec.reads``) gets its owner's view, one
-    that keeps nothing (``NoCacheSpec``) an empty tensor."""
+    that keeps nothing (``NoCacheSpec``) an empty tensor; a latent layer's view has a K/V
+    axis of stride 0 (``kernels/geometry.py``)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     page_elems = plan.block_bytes // itemsize
     specs = memories(specs)
@@ -74,16 +75,15 @@ def allocate_kv_caches(
             start = plan.offset_of(spec) // 4
             views.append(rows[:, start : start + spec.state_bytes // 4])
             continue
-        if spec.latent:
-            raise ModelConfigError(
-                f"layer {spec.name!r} keeps a latent (multi-head latent attention), which "
-                "hybridkv plan sizes but the kernels do not run yet"
-            )
         _, slot = plan.slot_of(spec)
-        shape = (plan.num_blocks, 2, spec.num_kv_heads, plan.block_size, spec.head_dim)
+        # A latent (multi-head latent attention) is one vector a token, read as the key
+        # and the value: a K/V axis of stride 0 over pages of keys alone.
+        runs = 1 if spec.latent else 2
+        shape = (plan.num_blocks, runs, spec.num_kv_heads, plan.block_size, spec.head_dim)
         start = plan.offset_of(spec) // itemsize
         layer_elems = spec.block_bytes(plan.block_size) // itemsize
-        views.append(pool[:, slot, start : start + layer_elems].view(shape))
+        view = pool[:, slot, start : start + layer_elems].view(shape)
+        views.append(view.expand(-1, 2, -1, -1, -1))
     return views
 
 

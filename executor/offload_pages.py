@@ -28,7 +28,8 @@ class KVPages:
 
     Args:
         caches: Per layer held, its paged view ``[num_blocks, 2, heads, bs, head_dim]`` (a
-            state layer's: one float32 row per state page).
+            state layer's: one float32 row per state page; a latent layer's K/V axis of
+            stride 0 is read and written once).
         layer_groups: Per layer held, its KV group.
         device: Where the caches live.
         state_spans: Per state group whose pages span several page ids, the span.
@@ -46,6 +47,8 @@ class KVPages:
         self._spans = state_spans or {}
         self._layers: dict[int, list[torch.Tensor]] = {}
         for cache, group in zip(caches, layer_groups, strict=True):
+            if cache.dim() == 5 and cache.stride(1) == 0:  # values that are the keys
+                cache = cache[:, :1]
             self._layers.setdefault(group, []).append(cache)
         self.device = device
         self._pin = device.type == "cuda"

@@ -1,4 +1,5 @@
-"""Writing one layer's new keys and values into its paged cache.
+"""Writing one layer's new keys and values into its paged cache, and reading a request's
+keys back whole.
 
 Cache layout of one layer (head-major pages, so a page's keys for one head are contiguous)::
 
@@ -37,30 +38,58 @@ def check_cache(kv_cache: torch.Tensor, meta: PagedMetadata) -> CacheGeometry:
 
 
 def write_kv(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: PagedMetadata
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, meta: PagedMetadata
 ) -> None:
     """Store the batch's new keys and values in ``kv_cache`` in place.
 
     Args:
         kv_cache: ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``.
         key: ``[num_tokens, num_kv_heads, head_dim]``, tokens in request order.
-        value: same shape as ``key``.
+        value: same shape as ``key``; None where the cache's values are its keys (a K/V
+            axis of stride 0: multi-head latent attention's one latent per token).
         meta: this step's metadata of the cache's KV group.
 
     Raises:
-        KernelInputError: shapes, dtypes or block tables do not fit the cache.
+        KernelInputError: shapes, dtypes or block tables do not fit the cache, or values
+            come for a cache whose values are its keys (or none for one that keeps them).
     """
     geometry = check_cache(kv_cache, meta)
+    if (value is None) != geometry.values_are_keys:
+        raise KernelInputError(
+            "a cache whose values are its keys (K/V stride 0) takes keys alone, and any "
+            f"other takes both: values {'missing' if value is None else 'given'}"
+        )
     expected = (meta.num_tokens, geometry.num_kv_heads, geometry.head_dim)
-    if tuple(key.shape) != expected or tuple(value.shape) != expected:
+    parts = [key] if value is None else [key, value]
+    if any(tuple(part.shape) != expected for part in parts):
         raise KernelInputError(
-            f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be "
-            f"[num_tokens, num_kv_heads, head_dim] = {expected}"
+            f"key {tuple(key.shape)} and value {None if value is None else tuple(value.shape)}"
+            f" must be [num_tokens, num_kv_heads, head_dim] = {expected}"
         )
-    if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+    if any(part.dtype != kv_cache.dtype for part in parts):
         raise KernelInputError(
-            f"key {key.dtype} / value {value.dtype} must match kv_cache dtype {kv_cache.dtype}"
+            f"key {key.dtype} / value {None if value is None else value.dtype} must match "
+            f"kv_cache dtype {kv_cache.dtype}"
         )
+    if value is None:
+        kv_cache[:, 0][meta.write_blocks, :, meta.write_offsets] = key
+        return
     # Advanced indices around slices: the indexed view is [num_tokens, 2, num_kv_heads,
     # head_dim], keys and values in one write.
     kv_cache[meta.write_blocks, :, :, meta.write_offsets] = torch.stack((key, value), dim=1)
+
+
+def context_keys(kv_cache: torch.Tensor, meta: PagedMetadata, request: int) -> torch.Tensor:
+    """``[context_len, num_kv_heads, head_dim]``: the keys of request ``request``'s whole
+    context, in position order, read from its pages (a page its table names as the null
+    block reads as that block's zeros).
+
+    Raises:
+        KernelInputError: the cache does not fit the metadata.
+    """
+    geometry = check_cache(kv_cache, meta)
+    context = meta.context_lens[request]
+    num_pages = -(-context // meta.block_size)
+    pages = meta.block_table[request, :num_pages].to(kv_cache.device)
+    keys = kv_cache[:, 0].index_select(0, pages).transpose(1, 2)
+    return keys.reshape(-1, geometry.num_kv_heads, geometry.head_dim)[:context]

@@ -1,10 +1,13 @@
-"""The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5) in plain torch: a chunked form
-for prefill and the recurrence for decode, over one state per value head.
+"""The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5; Kimi Delta Attention: Kimi
+Linear) in plain torch: a chunked form for prefill and the recurrence for decode, over one
+state per value head.
 
 Per value head, a ``[Dk, Dv]`` state ``S`` and, for each token, a query ``q``, key ``k``
-(both unit length), value ``v``, decay ``g <= 0`` (log space) and rate ``beta``::
+(both unit length), value ``v``, decay ``g <= 0`` (log space: one per head, or one per key
+channel in Kimi Delta Attention, each row of ``S`` fading at its own rate) and rate
+``beta``::
 
-    S <- exp(g) S                          the old memory fades
+    S <- diag(exp(g)) S                    the old memory fades
     S <- S + k (beta (v - k^T S))^T        the delta rule: write only what S mispredicts
     o  = S^T q / sqrt(Dk)
 
@@ -35,12 +38,14 @@ def delta_rule_decode(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per request, batched: ``q``, ``k`` ``[B, H, Dk]``, ``v`` ``[B, H, Dv]``,
-    ``g``, ``beta`` ``[B, H]``, ``state`` ``[B, H, Dk, Dv]``.
+    ``g`` ``[B, H]`` (or ``[B, H, Dk]``: a decay per key channel), ``beta`` ``[B, H]``,
+    ``state`` ``[B, H, Dk, Dv]``.
 
     Returns ``([B, H, Dv]`` outputs in ``v``'s dtype, ``[B, H, Dk, Dv]`` the states after).
     """
     q, k, v = q.float() * q.shape[-1] ** -0.5, k.float(), v.float()
-    state = state.float() * g.float().exp()[..., None, None]
+    decay = g.float().exp()
+    state = state.float() * (decay[..., None] if decay.dim() == k.dim() else decay[..., None, None])
     delta = (v - (state * k[..., None]).sum(-2)) * beta.float()[..., None]
     state = state + k[..., None] * delta[..., None, :]
     out = (state * q[..., None]).sum(-2)
@@ -57,9 +62,9 @@ def delta_rule_states(
     counts: Sequence[int],
     chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's tokens: ``q``, ``k`` ``[L, H, Dk]``, ``v`` ``[L, H, Dv]``, ``g``,
-    ``beta`` ``[L, H]``, from ``state`` ``[H, Dk, Dv]``; with the state after each of
-    ``counts`` tokens (ascending, in ``[1, L]``, the last ``L``).
+    """One request's tokens: ``q``, ``k`` ``[L, H, Dk]``, ``v`` ``[L, H, Dv]``, ``g``
+    ``[L, H]`` (or ``[L, H, Dk]``), ``beta`` ``[L, H]``, from ``state`` ``[H, Dk, Dv]``; with
+    the state after each of ``counts`` tokens (ascending, in ``[1, L]``, the last ``L``).
 
     The states at the counts are exact, not interpolated: the tokens up to the first count
     run as one piece, those between counts evenly spaced (a prefill's block ends) as one
@@ -123,36 +128,55 @@ def _chunked(
     q, k, v, g, beta = (heads(x) for x in (q, k, v, g, beta))
     q = q * q.shape[-1] ** -0.5
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    decay = g.cumsum(-1)  # [H, C, chunk]: log decay from the chunk's start to each position
+    # [H, C, chunk, 1 or Dk]: log decay from the chunk's start to each position, per head
+    # or per key channel.
+    decay = g.cumsum(2)
+    decay = decay[..., None] if decay.dim() == 3 else decay
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf"))
-    pairwise = pairwise.exp()
     # The UT system: (I + strictly lower (beta k k^T) decayed) u = beta v, and likewise
     # for the decayed keys that read the state carried in.
-    system = (k_beta @ k.transpose(-1, -2) * pairwise).tril(-1)
+    system = _decayed_products(k_beta, k, decay, causal).tril(-1)
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     values = torch.linalg.solve_triangular(system + eye, v_beta, upper=False, unitriangular=True)
     reads = torch.linalg.solve_triangular(
-        system + eye, k_beta * decay.exp()[..., None], upper=False, unitriangular=True
+        system + eye, k_beta * decay.exp(), upper=False, unitriangular=True
     )
-    scores = q @ k.transpose(-1, -2) * pairwise
-    q_decayed = q * decay.exp()[..., None]
-    k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
-    chunk_decay = decay[..., -1].exp()[..., None, None]
-    if every is not None:  # [H, C, ends, chunk]: each key's decay to each end in its chunk
+    scores = _decayed_products(q, k, decay, causal)
+    q_decayed = q * decay.exp()
+    k_to_end = k * (decay[..., -1:, :] - decay).exp()
+    chunk_decay = decay[..., -1, :].exp()[..., None]  # [H, C, 1 or Dk, 1]
+    if every is not None:  # [H, C, ends, chunk, 1 or Dk]: each key's decay to each end
         ends = torch.arange(every - 1, chunk, every, device=q.device)
         upto = torch.arange(chunk, device=q.device)[None, :] <= ends[:, None]
-        to_ends = (decay[..., ends, None] - decay[..., None, :]).masked_fill(~upto, float("-inf"))
-        to_ends = to_ends.exp()[..., None]  # [H, C, ends, chunk, 1]
-        end_decay = decay[..., ends].exp()[..., None, None]  # [H, C, ends, 1, 1]
+        to_ends = decay[..., ends, None, :] - decay[..., None, :, :]
+        to_ends = to_ends.masked_fill(~upto[..., None], float("-inf")).exp()
+        end_decay = decay[..., ends, :].exp()[..., None]  # [H, C, ends, 1 or Dk, 1]
     out = torch.empty_like(values)
     kept = []
     for c in range(q.shape[1]):
         new = values[:, c] - reads[:, c] @ state
         out[:, c] = q_decayed[:, c] @ state + scores[:, c] @ new
-        if every is not None:  # k^T (w * new): each end's decays on the values, not keys
-            written = k[:, c, None].transpose(-1, -2) @ (to_ends[:, c] * new[:, None])
+        if every is not None:  # (k decayed to each end)^T new
+            written = (k[:, c, None] * to_ends[:, c]).transpose(-1, -2) @ new[:, None]
             kept.extend((state[:, None] * end_decay[:, c] + written).unbind(1))
         state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ new
     out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1)
     return out, kept[: length // every] if every is not None else [state]
+
+
+def _decayed_products(
+    a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, causal: torch.Tensor
+) -> torch.Tensor:
+    """``[H, C, n, n]``: ``sum_d a[i, d] b[j, d] exp(decay[i, d] - decay[j, d])`` for
+    ``j <= i`` in each chunk, 0 above: ``a @ b^T`` times one decay per pair where the decay
+    is per head (``decay`` ``[H, C, n, 1]``); per key channel (``[H, C, n, Dk]``) the decay
+    stays inside the sum, a chunk at a time (``[H, n, n, Dk]`` at once)."""
+    if decay.shape[-1] == 1:
+        pairwise = (decay - decay.transpose(-1, -2)).masked_fill(~causal, float("-inf"))
+        return a @ b.transpose(-1, -2) * pairwise.exp()
+    out = []
+    for c in range(a.shape[1]):
+        pairwise = decay[:, c, :, None] - decay[:, c, None]  # [H, n, n, Dk]
+        pairwise = pairwise.masked_fill(~causal[..., None], float("-inf")).exp()
+        out.append((a[:, c, :, None] * b[:, c, None] * pairwise).sum(-1))
+    return torch.stack(out, dim=1)

@@ -10,6 +10,10 @@ cache is a view into a shared pool whose pages are larger (``page_stride`` eleme
 
 The gather reads runs as rows of one 2-D view of the storage whose row starts are
 ``row_stride = gcd(page_stride, run_len)`` apart (rows may overlap; they are only read).
+
+A cache whose values are its keys (multi-head latent attention keeps one latent per
+token, read as both) has a K/V axis of stride 0: its pages hold the key runs alone,
+and the value runs are the same bytes (``value_offset`` 0).
 """
 
 from __future__ import annotations
@@ -30,13 +34,19 @@ class CacheGeometry:
     block_size: int
     head_dim: int
     page_stride: int
+    #: Elements from a page's key runs to its value runs: the keys' (0: the values are
+    #: the keys).
+    value_offset: int = attrs.field(
+        default=attrs.Factory(lambda g: g.num_kv_heads * g.run_len, takes_self=True)
+    )
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> CacheGeometry:
         """Read the geometry of ``kv_cache``, checking that each page is contiguous.
 
         Raises:
-            KernelInputError: not 5-D with a K/V axis of 2, or a page is not contiguous.
+            KernelInputError: not 5-D with a K/V axis of 2, or a page is not contiguous
+                (the K/V axis may have stride 0: values that are the keys).
         """
         if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
             raise KernelInputError(
@@ -44,14 +54,25 @@ class CacheGeometry:
                 f"got {tuple(kv_cache.shape)}"
             )
         _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
-        page_elems = 2 * num_kv_heads * block_size * head_dim
-        inner = (num_kv_heads * block_size * head_dim, block_size * head_dim, head_dim, 1)
-        if kv_cache.stride()[1:] != inner or kv_cache.stride(0) < page_elems:
+        keys = num_kv_heads * block_size * head_dim
+        value_offset = 0 if kv_cache.stride(1) == 0 else keys
+        inner = (value_offset, block_size * head_dim, head_dim, 1)
+        if kv_cache.stride()[1:] != inner or kv_cache.stride(0) < value_offset + keys:
             raise KernelInputError(
                 f"kv_cache strides {kv_cache.stride()} must keep each page contiguous "
-                f"(inner strides {inner}, page stride >= {page_elems})"
+                f"(inner strides {inner}, page stride >= {value_offset + keys})"
             )
-        return cls(num_kv_heads, block_size, head_dim, kv_cache.stride(0))
+        return cls(num_kv_heads, block_size, head_dim, kv_cache.stride(0), value_offset)
+
+    @property
+    def values_are_keys(self) -> bool:
+        """The values are the keys' bytes (a K/V axis of stride 0)."""
+        return self.value_offset == 0
+
+    @property
+    def page_len(self) -> int:
+        """Elements of one page's runs (its keys and values, or its keys alone)."""
+        return self.value_offset + self.num_kv_heads * self.run_len
 
     @property
     def run_len(self) -> int:
@@ -72,7 +93,7 @@ class CacheGeometry:
         kv = torch.arange(2).view(2, *([1] * pages.dim()), 1)
         heads = torch.arange(self.num_kv_heads)[:, None]
         offset = pages[None, ..., None, :] * self.page_stride
-        offset = offset + (kv * self.num_kv_heads + heads) * self.run_len
+        offset = offset + kv * self.value_offset + heads * self.run_len
         return offset // self.row_stride
 
     @property
@@ -88,20 +109,20 @@ class CacheGeometry:
         """
         heads = torch.arange(self.num_kv_heads)[:, None, None]
         offset = pages[..., None, :, None] * self.page_stride
-        offset = offset + (self.num_kv_heads + heads) * self.run_len
+        offset = offset + self.value_offset + heads * self.run_len
         offset = offset + torch.arange(self.block_size) * self.head_dim
         return (offset // self.head_dim).flatten(-2)
 
     def token_rows_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """``kv_cache``'s storage as ``[num_rows, head_dim]`` rows, one per key or value."""
-        span = (kv_cache.shape[0] - 1) * self.page_stride + 2 * self.num_kv_heads * self.run_len
+        span = (kv_cache.shape[0] - 1) * self.page_stride + self.page_len
         return kv_cache.as_strided(
             (span // self.head_dim, self.head_dim), (self.head_dim, 1), kv_cache.storage_offset()
         )
 
     def rows_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """``kv_cache``'s storage as ``[num_rows, run_len]`` rows ``row_stride`` apart."""
-        span = (kv_cache.shape[0] - 1) * self.page_stride + 2 * self.num_kv_heads * self.run_len
+        span = (kv_cache.shape[0] - 1) * self.page_stride + self.page_len
         num_rows = (span - self.run_len) // self.row_stride + 1
         return kv_cache.as_strided(
             (num_rows, self.run_len), (self.row_stride, 1), kv_cache.storage_offset()

@@ -16,6 +16,7 @@ block: it is never written, and never read inside an attended range.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -64,6 +65,9 @@ class PagedMetadata:
     workspace: GatherWorkspace
     layouts: dict[PlanKey, GatherLayout] = attrs.field(factory=dict)
     _plans: dict[PlanKey, GatherPlan] = attrs.field(factory=dict, init=False)
+    _subsets: dict[tuple[int, ...], tuple[PagedMetadata, torch.Tensor]] = attrs.field(
+        factory=dict, init=False
+    )
 
     @property
     def num_requests(self) -> int:
@@ -159,6 +163,27 @@ class PagedMetadata:
                 )
             )
         return out
+
+    def subset(self, requests: Sequence[int]) -> tuple[PagedMetadata, torch.Tensor]:
+        """The metadata of ``requests`` alone (in that order), and the indices of their
+        tokens in this step's tokens (on ``device``); built on first use and kept, so
+        the layers of a group that split their batch alike split it once a step."""
+        key = tuple(requests)
+        found = self._subsets.get(key)
+        if found is None:
+            firsts = [0, *itertools.accumulate(self.query_lens)]
+            tokens = [t for i in key for t in range(firsts[i], firsts[i + 1])]
+            meta = PagedMetadata.build(
+                [self.query_lens[i] for i in key],
+                [self.context_lens[i] for i in key],
+                self.block_table[list(key)].tolist(),
+                self.block_size,
+                self.device,
+                workspace=self.workspace,
+            )
+            found = (meta, torch.tensor(tokens, dtype=torch.long, device=self.device))
+            self._subsets[key] = found
+        return found
 
     def plan(
         self,

@@ -18,6 +18,7 @@ from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import DELTANET, FULL, LIGHTNING, MAMBA, MAMBA1, SHORT_CONV, SLIDING
 from hybridkv.models.shapes.decoder import PerLayerInputs, SharedBlocks
 from hybridkv.models.shapes.deltanet import DeltaNetShape
+from hybridkv.models.shapes.latent import LatentShape
 from hybridkv.models.shapes.lightning import LightningShape
 from hybridkv.models.shapes.mamba1 import Mamba1Shape
 from hybridkv.models.shapes.mamba2 import Mamba2Shape
@@ -122,6 +123,8 @@ class ModelConfig:
             embeddings: twice as wide), or None.
         shared_blocks: Attention blocks whose weights serve several layers (Zamba2), or
             None.
+        latent: The projections of the attention layers that cache one latent a token
+            (multi-head latent attention: DeepSeek V3, Kimi K2), or None.
     """
 
     model_type: str
@@ -174,6 +177,7 @@ class ModelConfig:
     wide_mlp_layers: frozenset[int] = frozenset()
     attention_input_width: int | None = None
     shared_blocks: SharedBlocks | None = None
+    latent: LatentShape | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
@@ -223,6 +227,16 @@ class ModelConfig:
     def head_dims(self) -> dict[str, int]:
         """Per attention layer kind, the width of its heads."""
         return {str(s.kind): s.head_dim for s in self.attention_layers}
+
+    @property
+    def rope_dims(self) -> dict[str, int]:
+        """Per attention layer kind, the width its rope tables are built for: the head's,
+        or a latent layer's rope key's."""
+        latent = self.latent
+        return {
+            str(s.kind): latent.rope_dim if s.latent and latent is not None else s.head_dim
+            for s in self.attention_layers
+        }
 
     @property
     def embeddings_read_by(self) -> str | None:

@@ -146,7 +146,7 @@ class CausalLM(nn.Module):
             head.weight = embedding.weight
         model.rope_tables = {  # state layers have no rope
             kind: RotaryTable(
-                config.rope[kind], config.head_dims.get(kind, config.head_dim), device
+                config.rope[kind], config.rope_dims.get(kind, config.head_dim), device
             )
             for kind in sorted({config.layer_types[i] for i in model.layer_range} & {*config.rope})
         }

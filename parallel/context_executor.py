@@ -50,7 +50,8 @@ def check_context_split(specs: Sequence[ModelLayer], *, sinks: bool = False) -> 
             attends each shard to one window of keys), or, with ``sinks``, attention
             with a learned sink per head (gpt-oss), which the ring's merge leaves out;
             a layer reading another layer's cache (Gemma 4), which computes no keys for
-            the ring to attend.
+            the ring to attend; latent attention (DeepSeek V3), whose ring would pass
+            latents the merge does not expand.
     """
     if sinks:
         raise ParallelConfigError(
@@ -69,6 +70,12 @@ def check_context_split(specs: Sequence[ModelLayer], *, sinks: bool = False) -> 
             raise ParallelConfigError(
                 f"context parallelism attends each rank's new keys; layer {spec.name!r} "
                 f"computes none (it reads the cache of {spec.reads!r})"
+            )
+        if spec.latent:
+            raise ParallelConfigError(
+                f"context parallelism attends keys and values of each head; layer "
+                f"{spec.name!r} keeps one latent a token (multi-head latent attention), "
+                "which its ring does not pass"
             )
         if spec.policy.attention_window() is None:
             raise ParallelConfigError(

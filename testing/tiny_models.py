@@ -4,7 +4,7 @@ model folders for tests, made in a moment and without a download.
 ``save_tiny(name, folder)`` writes one of :data:`TINY_ARCHITECTURES` (every architecture
 the suite compares with transformers: Llama, Gemma 2 and 3 with windows, Mamba2 hybrids
 with and without experts, and the families of ``tiny_families.py``,
-``tiny_expert_families.py`` and ``tiny_state_families.py``);
+``tiny_expert_families.py``, ``tiny_state_families.py`` and ``tiny_latent_families.py``);
 ``make gpu-check`` runs each on the GPU against the CPU.
 ``save_tiny_llama(folder)`` writes a 2-layer Llama (64 wide, a vocabulary of the
 257 ids of :func:`~hybridkv.testing.byte_tokenizer`, which it saves beside it), and
@@ -21,6 +21,7 @@ from typing import Any
 from hybridkv.testing.sample_tokenizers import BYTE_EOS, byte_tokenizer
 from hybridkv.testing.tiny_expert_families import EXPERT_BUILDERS
 from hybridkv.testing.tiny_families import COMMON, FAMILY_BUILDERS, WINDOW
+from hybridkv.testing.tiny_latent_families import LATENT_BUILDERS
 from hybridkv.testing.tiny_state_families import STATE_BUILDERS
 
 
@@ -187,6 +188,7 @@ TINY_ARCHITECTURES: dict[str, Callable[[], Any]] = {
     **FAMILY_BUILDERS,
     **EXPERT_BUILDERS,
     **STATE_BUILDERS,
+    **LATENT_BUILDERS,
 }
 
 

@@ -2,7 +2,8 @@
 
 The parts are registered under the names the family's checkpoint gives them, so weights
 load with ``load_state_dict`` and no renaming; the mixer is the layer's spec's: paged
-attention (``self_attn``) for an attention spec, Mamba2 (``mamba``), Gated DeltaNet
+attention (``self_attn``) for an attention spec (latent attention for one caching a
+latent), Mamba2 (``mamba``), Gated DeltaNet
 (``linear_attn``) or a short convolution (``conv``) for a state spec of that kind.
 """
 
@@ -16,6 +17,7 @@ from torch import nn
 from hybridkv.memory.layout import AttentionSpec, NoCacheSpec, StateSpec
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.deltanet import GatedDeltaNet
+from hybridkv.models.blocks.latent_attention import LatentAttention
 from hybridkv.models.blocks.lightning import LightningAttention
 from hybridkv.models.blocks.mamba1 import Mamba1Mixer
 from hybridkv.models.blocks.mamba2 import Mamba2Mixer
@@ -88,6 +90,8 @@ class DecoderLayer(nn.Module):
             mixer = _cacheless_mixer(config, str(spec.kind))
         elif state:
             mixer = _state_mixer(config, str(spec.kind), layer)
+        elif isinstance(spec, AttentionSpec) and spec.latent:
+            mixer = LatentAttention(config, layer)
         else:
             mixer = PagedAttention(config, layer)
         self.add_module(self._mixer, mixer)

@@ -1,16 +1,47 @@
-"""DeepSeek V3 and Kimi K2, sized by ``hybridkv plan`` (they do not run here yet): every
-layer is multi-head latent attention, which keeps one vector per token and layer, the
-compressed latent (``kv_lora_rank``) beside the rope key (``qk_rope_head_dim``), from
-which the keys and values of all its heads come."""
+"""DeepSeek V3 and Kimi K2: every layer multi-head latent attention, which keeps one
+vector per token and layer, the compressed latent (``kv_lora_rank``) beside the rope key
+(``qk_rope_head_dim``), from which the keys and values of all its heads come
+(``blocks/latent_attention.py``); a dense MLP in the first ``first_k_dense_replace``
+layers, then experts chosen by DeepSeek's router (sigmoid scores plus a learned bias,
+within the best ``topk_group`` of ``n_group`` groups, renormalised and scaled) beside
+``n_shared_experts`` shared ones; under a YaRN rope, the scores' scale times YaRN's
+``mscale_all_dim`` squared."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+from hybridkv.models.config import ModelConfig
 from hybridkv.models.families import Family
+from hybridkv.models.families.llama import llama_fields
 from hybridkv.models.hf_config import int_field
-from hybridkv.models.kinds import FULL
+from hybridkv.models.kinds import FULL, PolicyChoices
+from hybridkv.models.shapes.decoder import DecoderShape
+from hybridkv.models.shapes.latent import latent_shape
+from hybridkv.models.shapes.moe import ExpertsShape, grouped_sigmoid_router
+from hybridkv.models.shapes.rope import softmax_mscale
+
+
+def parse_deepseek_v3(
+    hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
+) -> ModelConfig:
+    """Read a DeepSeek V3 (or Kimi K2) config.json."""
+    fields = llama_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
+    latent = latent_shape(hf)
+    num_layers = len(fields["layers"])
+    dense = min(int(hf.get("first_k_dense_replace") or 0), num_layers)
+    shared = int(hf.get("n_shared_experts") or 0) * int_field(hf, "moe_intermediate_size")
+    return ModelConfig(
+        **{**fields, "query_scale": latent.qk_head_dim**-0.5 * softmax_mscale(hf)},
+        latent=latent,
+        experts=ExpertsShape(
+            **grouped_sigmoid_router(hf),
+            shared_inner=shared,
+            dense_layers=frozenset(range(dense)),
+            stacks="plain",
+        ),
+    )
 
 
 def _kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
@@ -18,12 +49,13 @@ def _kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
 
 
 def _latent_width(cfg: Mapping[str, Any]) -> int:
-    return int_field(cfg, "kv_lora_rank") + int_field(cfg, "qk_rope_head_dim")
+    return latent_shape(cfg).width
 
 
 FAMILY = Family(
-    model_types=(),
+    model_types=("deepseek_v3", "kimi_k2"),
     layer_kinds=_kinds,
-    sized_types=("deepseek_v3", "kimi_k2"),
+    parse=parse_deepseek_v3,
+    decoder=DecoderShape(mlp="experts"),
     latent_width=_latent_width,
 )

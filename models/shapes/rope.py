@@ -181,6 +181,18 @@ def rope_from_hf(hf: Mapping[str, Any], *, default_theta: float) -> RopeSpec:
     )
 
 
+def softmax_mscale(hf: Mapping[str, Any]) -> float:
+    """The multiplier of the attention scores' scale under a scaled rope with
+    ``mscale_all_dim`` (DeepSeek's: YaRN's mscale of that dimension, squared, for every
+    channel, the rotated ones and the rest); 1 otherwise."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    spec = rope_from_hf(hf, default_theta=10_000.0)
+    all_dim = params.get("mscale_all_dim") if isinstance(params, Mapping) else None
+    if spec.rope_type == "default" or not all_dim:
+        return 1.0
+    return _yarn_mscale(spec.factor, float(all_dim)) ** 2
+
+
 def rope_by_kind(
     hf: Mapping[str, Any], kinds: tuple[str, ...], *, default_theta: float
 ) -> dict[str, RopeSpec]:

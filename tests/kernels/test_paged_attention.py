@@ -48,6 +48,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     seed: int = 0
     page_padding: int = 0  # extra elements per page: the cache is a view into a wider pool
+    values_are_keys: bool = False  # one vector a token read as key and value (MLA's latent)
 
 
 def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,17 +58,18 @@ def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tenso
     needed = [-(-ctx // bs) for _, ctx in case.requests]
     num_blocks = sum(needed) + 3
     pages = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    page_elems = 2 * hkv * bs * d
+    kv_runs = 1 if case.values_are_keys else 2
+    page_elems = kv_runs * hkv * bs * d
     pool = torch.full((num_blocks, page_elems + case.page_padding), math.nan, dtype=case.dtype)
-    cache = pool[:, :page_elems].view(num_blocks, 2, hkv, bs, d)
+    cache = pool[:, :page_elems].view(num_blocks, kv_runs, hkv, bs, d).expand(-1, 2, -1, -1, -1)
     tables, keys, values, queries, new_k, new_v = [], [], [], [], [], []
     for (q_len, ctx), n in zip(case.requests, needed, strict=True):
         table, pages = pages[:n], pages[n:]
         k = torch.randn(ctx, hkv, d, generator=gen).to(case.dtype)
-        v = torch.randn(ctx, hkv, d, generator=gen).to(case.dtype)
+        v = k if case.values_are_keys else torch.randn(ctx, hkv, d, generator=gen).to(case.dtype)
         key_start = 0 if case.window is None else max(0, ctx - q_len - case.window + 1)
         for pos in range(key_start, ctx - q_len):  # the cached prefix, written earlier
-            cache[table[pos // bs], :, :, pos % bs] = torch.stack([k[pos], v[pos]])
+            cache[table[pos // bs], :kv_runs, :, pos % bs] = torch.stack([k[pos], v[pos]])[:kv_runs]
         # Blocks wholly before the window were released: the table holds the null block.
         tables.append([0 if (j + 1) * bs <= key_start else p for j, p in enumerate(table)])
         keys.append(k)
@@ -79,7 +81,8 @@ def run_case(case: Case, device: str = "cpu") -> tuple[torch.Tensor, torch.Tenso
     ctx_lens = [c for _, c in case.requests]
     meta = PagedMetadata.build(q_lens, ctx_lens, tables, bs, device=device)
     cache = cache.to(device)
-    write_kv(cache, torch.cat(new_k).to(device), torch.cat(new_v).to(device), meta)
+    new_values = None if case.values_are_keys else torch.cat(new_v).to(device)
+    write_kv(cache, torch.cat(new_k).to(device), new_values, meta)
     scale = d**-0.5
     sinks = torch.randn(case.num_q_heads, generator=gen) * 2 if case.sinks else None
     out = paged_attention(
@@ -203,6 +206,28 @@ def test_bfloat16_mixed_batch() -> None:
 def test_cache_viewed_into_a_pool_of_wider_pages(page_padding: int) -> None:
     """Pages further apart than their size (a shared pool) are read correctly, NaN gaps unread."""
     check(Case(requests=((1, 9), (5, 14), (7, 7)), window=6, page_padding=page_padding))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_values_that_are_the_keys(window: int | None) -> None:
+    """A cache of one vector a token, read as its key and its value (a K/V axis of
+    stride 0: multi-head latent attention's latent), in a pool of wider pages: prefills,
+    chunks and decodes, 16 query heads on the one KV head."""
+    requests = ((1, 9), (5, 14), (7, 7), (1, 22))
+    case = Case(
+        requests, num_q_heads=16, num_kv_heads=1, values_are_keys=True, page_padding=40,
+        window=window,
+    )  # fmt: skip
+    check(case)
+
+
+def test_values_for_a_cache_whose_values_are_its_keys_are_refused() -> None:
+    meta = PagedMetadata.build([1], [1], [[1]], 4)
+    latent = torch.zeros(2, 1, 1, 4, 8).expand(-1, 2, -1, -1, -1)
+    with pytest.raises(KernelInputError, match="values given"):
+        write_kv(latent, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), meta)
+    with pytest.raises(KernelInputError, match="values missing"):
+        write_kv(torch.zeros(2, 2, 1, 4, 8), torch.zeros(1, 1, 8), None, meta)
 
 
 def test_cache_with_non_contiguous_pages_is_rejected() -> None:

@@ -1,4 +1,5 @@
-"""write_kv: new keys and values land in their pages, nothing else changes."""
+"""write_kv: new keys and values land in their pages, nothing else changes; a request's
+keys read back whole (context_keys), and a step's metadata split by request (subset)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from hybridkv.kernels import KernelInputError, PagedMetadata, write_kv
+from hybridkv.kernels.cache_ops import context_keys
 
 
 def test_keys_and_values_land_at_their_slots() -> None:
@@ -19,6 +21,32 @@ def test_keys_and_values_land_at_their_slots() -> None:
         page, offset = divmod(slot, 4)
         torch.testing.assert_close(cache[page, 0, :, offset], key[token])
         torch.testing.assert_close(cache[page, 1, :, offset], value[token])
+
+
+def test_a_latent_cache_keeps_one_vector_a_token_and_reads_it_back_in_order() -> None:
+    """Keys alone into a cache whose values are its keys (stride-0 K/V axis), in pages of
+    a wider pool; each request's context read back in position order."""
+    pool = torch.zeros(6, 2 * 4 * 8)
+    cache = pool[:, : 4 * 8].view(6, 1, 1, 4, 8).expand(-1, 2, -1, -1, -1)
+    meta = PagedMetadata.build([6, 1], [6, 3], [[5, 2], [3]], 4)
+    key = torch.randn(7, 1, 8)
+    write_kv(cache, key, None, meta)
+    torch.testing.assert_close(context_keys(cache, meta, 0), key[:6])
+    later = PagedMetadata.build([1], [4], [[3]], 4)
+    write_kv(cache, torch.ones(1, 1, 8), None, later)
+    torch.testing.assert_close(context_keys(cache, later, 0)[2], key[6])
+    assert int(pool[:, 4 * 8 :].count_nonzero()) == 0  # the rest of each pool page
+
+
+def test_a_subset_of_requests_has_their_tokens_and_tables() -> None:
+    """The decodes of a mixed step split off: their lengths, tables, slots and the
+    indices of their tokens in the step, the same object for a second ask."""
+    meta = PagedMetadata.build([3, 1, 2, 1], [3, 6, 9, 2], [[1], [2, 3], [4, 5, 6], [7]], 4)
+    alone, tokens = meta.subset([1, 3])
+    assert alone.query_lens == (1, 1) and alone.context_lens == (6, 2)
+    assert tokens.tolist() == [3, 6]
+    assert alone.slot_mapping.tolist() == meta.slot_mapping[tokens].tolist()
+    assert meta.subset([1, 3])[0] is alone
 
 
 def test_other_slots_are_untouched() -> None:

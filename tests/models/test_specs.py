@@ -206,16 +206,15 @@ def test_bamba_and_granite_configs_give_mamba2_state_layers() -> None:
     assert [i for i, s in enumerate(granite) if s.kind == "full_attention"] == [9, 19, 29, 39]
 
 
-def test_latent_attention_keeps_one_vector_a_token_and_does_not_run_yet() -> None:
+def test_latent_attention_keeps_one_vector_a_token() -> None:
     """DeepSeek V3's and Kimi K2's layers keep the 512-value latent beside the 64-value
     rope key, 576 values a token and layer (18 KiB a page of 16 in bfloat16, not a K and
-    a V per head); ``hybridkv plan`` sizes them, loading them is refused by name, and so is
-    allocating pages for them."""
+    a V per head); their pages are viewed with a K/V axis of stride 0, the values read
+    from the keys' bytes."""
     import torch
 
     from hybridkv.executor.kv_caches import allocate_kv_caches
     from hybridkv.memory.layout_planner import plan_layout
-    from hybridkv.models.families import running_family
 
     for name in ("deepseek-v3-like", "kimi-k2-like"):
         specs = layer_specs_from_config(BUILTIN_CONFIGS[name])
@@ -224,9 +223,9 @@ def test_latent_attention_keeps_one_vector_a_token_and_does_not_run_yet() -> Non
         assert {(s.num_kv_heads, s.head_dim, s.block_bytes(16)) for s in specs} == {
             (1, 576, 16 * 576 * 2)
         }
-    for model_type in ("deepseek_v3", "kimi_k2"):
-        with pytest.raises(ModelConfigError, match=f"'{model_type}' is not supported"):
-            running_family(model_type)
     plan = plan_layout(specs[:2], 1 << 20)
-    with pytest.raises(ModelConfigError, match="keeps a latent"):
-        allocate_kv_caches(plan, specs[:2], torch.bfloat16, torch.device("cpu"))
+    views = allocate_kv_caches(plan, specs[:2], torch.bfloat16, torch.device("cpu"))
+    assert [tuple(v.shape[1:]) for v in views] == [(2, 1, plan.block_size, 576)] * 2
+    assert {v.stride(1) for v in views} == {0}
+    views[0][1, 0, 0, 0, 0] = 1.0
+    assert float(views[0][1, 1, 0, 0, 0]) == 1.0 and float(views[1].abs().sum()) == 0

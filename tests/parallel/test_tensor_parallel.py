@@ -121,6 +121,7 @@ def test_two_ranks_match_one_process_bamba(
         ("jamba", 2, 2, 1),
         ("falcon_mamba", 2, 1, 1),
         ("minimax", 2, 1, 1),
+        ("deepseek_v3", 2, 2, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(

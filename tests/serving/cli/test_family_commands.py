@@ -52,14 +52,16 @@ def test_generate_runs_each_new_family(
     assert "5 generated (length)" in capsys.readouterr().err
 
 
-def test_serve_answers_with_a_new_family(tiny_models: Any, tmp_path: Path) -> None:
-    """``hybridkv serve`` in its own process on Qwen3 answers a completion."""
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+def test_serve_answers_with_a_new_family(name: str, tiny_models: Any, tmp_path: Path) -> None:
+    """``hybridkv serve`` in its own process on Qwen3, and on DeepSeek V3 (latent
+    attention), answers a completion."""
     import httpx
 
-    folder = _folder_of(tiny_models, "qwen3", tmp_path)
+    folder = _folder_of(tiny_models, name, tmp_path)
     server = Server(["serve", str(folder), "--port", "0", "--kv-memory", "1MiB"])
     try:
-        body = {"model": "qwen3", "prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
+        body = {"model": name, "prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
         answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
         assert answer.get("usage", {}).get("completion_tokens") == 4, answer
     finally:

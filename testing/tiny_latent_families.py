@@ -1,0 +1,45 @@
+"""Tiny random-weight models of the families with latent attention (DeepSeek V3) and
+Kimi Delta Attention (Kimi Linear), as transformers builds them; listed after every other
+family in ``hybridkv.testing.tiny_models`` (each model's seed is its place in that list)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hybridkv.testing.tiny_families import COMMON, NO_SPECIAL_TOKENS, YARN
+
+
+def _deepseek_v3() -> Any:
+    """DeepSeek V3: multi-head latent attention (latent 32 beside a rope key of 8, low-rank
+    queries, interleaved rope, YaRN with ``mscale_all_dim``), a dense first layer, experts
+    (4 in 2 groups, the best group's two a token) beside a shared one."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        **COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=4,  # transformers' eager path repeats its expanded heads by this
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        first_k_dense_replace=1,
+        rope_parameters={**YARN, "rope_theta": 10_000.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        **NO_SPECIAL_TOKENS,
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
+#: Each architecture's builder of a fresh (untrained) transformers model.
+LATENT_BUILDERS: dict[str, Callable[[], Any]] = {
+    "deepseek_v3": _deepseek_v3,
+}

@@ -1,0 +1,103 @@
+"""Multi-head latent attention (DeepSeek V3, Kimi K2) beyond the shared scenarios of
+``test_model_logits.py``: Kimi K2's model type, queries without a low-rank projection and
+rope on the halves, the weight formats, and the latent pages through the offload path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.executor.load_options import LoadOptions
+from hybridkv.executor.model_executor import ModelExecutor
+from hybridkv.executor.offload_pages import KVPages
+from hybridkv.models.blocks.latent_attention import LatentAttention
+
+
+def test_kimi_k2_reads_as_deepseek_v3(
+    tiny_models: Any, tmp_path: Path, drive: Any, prompt_of: Any, check_reference: Any
+) -> None:
+    """Kimi K2's checkpoints are DeepSeek V3's layers under ``model_type`` kimi_k2."""
+    folder = tmp_path / "kimi_k2"
+    shutil.copytree(tiny_models["deepseek_v3"].path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    executor = ModelExecutor.from_pretrained(folder, LoadOptions(kv_cache_bytes=1 << 20))
+    assert executor.config.model_type == "kimi_k2"
+    driver = drive(executor)
+    driver.add("a", prompt_of(30, 3))
+    driver.run(3)
+    check_reference(tiny_models["deepseek_v3"], driver, "a")
+
+
+def test_full_rank_queries_and_half_split_rope_match(
+    tmp_path: Path, drive: Any, prompt_of: Any, check_reference: Any
+) -> None:
+    """``q_lora_rank`` null (one ``q_proj``: DeepSeek V2 Lite, Kimi Linear), rope on the
+    two halves (``rope_interleave`` false), plain rope, no experts in the first layer
+    only: a prompt, chunks and decodes give transformers' logits."""
+    from model_fixtures import TinyModel
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from hybridkv.testing.tiny_families import COMMON, NO_SPECIAL_TOKENS
+    from hybridkv.testing.tiny_models import save_redrawn
+
+    config = DeepseekV3Config(
+        **COMMON, num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=24,
+        moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=2,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        rope_interleave=False, **NO_SPECIAL_TOKENS,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder = save_redrawn(DeepseekV3ForCausalLM(config), tmp_path / "full_rank", seed=5)
+    reference = TinyModel.load("deepseek_v3", folder)
+    executor = ModelExecutor.from_pretrained(
+        folder, LoadOptions(kv_cache_bytes=1 << 20, block_size=4)
+    )
+    driver = drive(executor)
+    driver.add("a", prompt_of(27, 8))
+    driver.add("b", prompt_of(9, 9))
+    driver.run(4, chunk=6)
+    check_reference(reference, driver, "a")
+    check_reference(reference, driver, "b")
+
+
+def test_int8_weights_leave_the_latent_up_projection_in_the_models_dtype(
+    tiny_models: Any, drive: Any, prompt_of: Any
+) -> None:
+    """``kv_b_proj`` is read as two matrices per head, never run as a linear layer: int8
+    weights quantise the other projections and leave it, and the model still serves."""
+    options = LoadOptions(kv_cache_bytes=1 << 20, weights="int8")
+    executor = ModelExecutor.from_pretrained(tiny_models["deepseek_v3"].path, options)
+    layers = [m for m in executor.model.modules() if isinstance(m, LatentAttention)]
+    assert len(layers) == 3
+    for layer in layers:
+        assert layer.kv_b_proj.weight.dtype == torch.float32
+        assert type(layer.o_proj).__name__ == "Int8Linear"
+    driver = drive(executor)
+    driver.add("a", prompt_of(20, 1))
+    driver.run(3)
+    assert len(driver.active["a"].output) == 3
+
+
+def test_latent_pages_go_to_the_host_and_back_once(tiny_models: Any) -> None:
+    """A latent page is moved as the one vector a token it keeps (not twice, as key and
+    value), and written back into the keys' bytes."""
+    executor = ModelExecutor.from_pretrained(
+        tiny_models["deepseek_v3"].path, LoadOptions(kv_cache_bytes=1 << 20, block_size=4)
+    )
+    pages = executor.kv_pages()
+    assert isinstance(pages, KVPages)
+    (group,) = pages.groups
+    cache = executor.kv_caches[0]
+    keys = cache[:, 0]
+    keys.copy_(torch.arange(keys.numel(), dtype=cache.dtype).view(keys.shape))
+    blocks = pages.read_pages(group, [3, 5])
+    assert blocks[0].shape == (3, 1, 1, 4, 40)
+    before = cache[3].clone()
+    pages.write_pages(group, [7], blocks[:1])
+    torch.testing.assert_close(cache[7], before)
