@@ -199,4 +199,27 @@ STATE_MIXER_CONFIGS: dict[str, dict[str, Any]] = {
         "use_shared_attention_adapter": True,
         "layers_block_type": ["hybrid" if i % 6 == 5 else "mamba" for i in range(81)],
     },
+    # Kimi-Linear-48B-A3B: 27 layers, Kimi Delta Attention (32 heads of 128, a decay per
+    # key channel) in 20, multi-head latent attention without rope (a latent of 512 beside
+    # 64) in every fourth and the last, as the hub's config names them.
+    "kimi-linear-48b-a3b-like": {
+        "model_type": "kimi_linear",
+        "num_hidden_layers": 27,
+        "hidden_size": 2304,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "model_max_length": 1048576,
+        "linear_attn_config": {
+            "kda_layers": [i for i in range(1, 28) if i % 4 and i != 27],
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "num_heads": 32,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+        },
+    },
 }

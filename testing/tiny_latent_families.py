@@ -39,7 +39,41 @@ def _deepseek_v3() -> Any:
     return DeepseekV3ForCausalLM(config)
 
 
+def _kimi_linear() -> Any:
+    """Kimi Linear: Kimi Delta Attention layers (4 heads of 16, decays per key channel)
+    and latent attention without rope (latent 16 beside 8, one ``q_proj``), alternating; a
+    dense first layer, then experts (4 in 2 groups, two a token) beside a shared one."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    linear, full = "linear_attention", "full_attention"
+    config = KimiLinearConfig(
+        **COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe_intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        layer_types=[linear, full, linear, full],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        **NO_SPECIAL_TOKENS,
+    )
+    return KimiLinearForCausalLM(config)
+
+
 #: Each architecture's builder of a fresh (untrained) transformers model.
 LATENT_BUILDERS: dict[str, Callable[[], Any]] = {
     "deepseek_v3": _deepseek_v3,
+    "kimi_linear": _kimi_linear,
 }

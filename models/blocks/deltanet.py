@@ -1,11 +1,15 @@
-"""Gated DeltaNet (Qwen3-Next's and Qwen3.5's ``linear_attn``) over a flat batch, its state
-in pages of the shared pool (``blocks/state_mixer.py``)::
+"""Gated DeltaNet (Qwen3-Next's and Qwen3.5's ``linear_attn``) and Kimi Delta Attention
+(Kimi Linear's ``linear_attention`` layers) over a flat batch, the state in pages of the
+shared pool (``blocks/state_mixer.py``)::
 
     page row   [ conv state: (q, k, v channels) x (K-1) | memory: v heads x Dk x Dv ]
 
 Weight names follow Qwen3.5 checkpoints (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
 ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``); Qwen3-Next's
 ``in_proj_qkvz`` and ``in_proj_ba``, grouped by key head, are read into them at load.
+Kimi Delta Attention's decay per key channel comes from two projections (``f_a_proj``,
+``f_b_proj``: our ``in_proj_a``) and a bias per channel, its output gate from two more
+(``g_a_proj``, ``g_b_proj``: our ``in_proj_z``), through a sigmoid.
 The convolution and its SiLU are Mamba2's (``kernels/ssm.py``), the memory's update the
 gated delta rule (``kernels/delta_rule.py``).
 """
@@ -35,6 +39,27 @@ _OLMO_NAMES = {
     "o_proj.weight": "out_proj.weight",
     "o_norm.weight": "norm.weight",
 }
+#: Kimi Delta Attention's low-rank projections -> the two layers of ours.
+_KDA_NAMES = {
+    "f_a_proj.weight": "in_proj_a.0.weight",
+    "f_b_proj.weight": "in_proj_a.1.weight",
+    "g_a_proj.weight": "in_proj_z.0.weight",
+    "g_b_proj.weight": "in_proj_z.1.weight",
+}
+
+
+def _projection(hidden: int, out: int, rank: int) -> nn.Module:
+    """``hidden -> out``, through ``rank`` where that is not 0 (two layers, no bias)."""
+    if not rank:
+        return nn.Linear(hidden, out, bias=False)
+    return nn.Sequential(nn.Linear(hidden, rank, bias=False), nn.Linear(rank, out, bias=False))
+
+
+def _rows(projection: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """The output ``rows`` of a projection of :func:`_projection` (of its last layer)."""
+    if isinstance(projection, nn.Sequential):
+        return nn.Sequential(projection[0], rows_of(projection[1], rows))
+    return rows_of(projection, rows)
 
 
 class GatedDeltaNet(PagedStateMixer):
@@ -44,24 +69,35 @@ class GatedDeltaNet(PagedStateMixer):
         super().__init__()
         self.shape = shape
         hidden, heads = shape.hidden_size, shape.num_value_heads
+        # Kimi Delta Attention: a decay per key channel, both gates of rank key_head_dim.
+        rank = shape.key_head_dim if shape.kda else 0
+        decays = shape.key_dim if shape.kda else heads
         self.in_proj_qkv = nn.Linear(hidden, shape.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, shape.value_dim, bias=False)
+        self.in_proj_z = _projection(hidden, shape.value_dim, rank)
         self.in_proj_b = nn.Linear(hidden, heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, heads, bias=False)
+        self.in_proj_a = _projection(hidden, decays, rank)
         self.conv1d = nn.Conv1d(
             shape.conv_dim, shape.conv_dim, shape.conv_kernel, groups=shape.conv_dim, bias=False
         )
-        self.dt_bias = nn.Parameter(torch.empty(heads))
+        self.dt_bias = nn.Parameter(torch.empty(decays))
         self.A_log = nn.Parameter(torch.empty(heads))
-        self.norm = NormThenGate(shape.value_head_dim, shape.norm_eps or eps)
+        self.norm = NormThenGate(shape.value_head_dim, shape.norm_eps or eps, sigmoid=shape.kda)
         self.out_proj = nn.Linear(shape.value_dim, hidden, bias=False)
         self.state_shapes = shape.parts
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """Qwen3-Next's projections, each key head's q, k, v, z (and b, a) side by side,
         read as Qwen3.5's: every head's q, then k, v, z (b, a); OLMo Hybrid's separate
-        ones (``q_proj`` ... ``g_proj``, ``o_proj``, ``o_norm``) under Qwen3.5's names."""
+        ones (``q_proj`` ... ``g_proj``, ``o_proj``, ``o_norm``) and Kimi Delta
+        Attention's (those, its low-rank gates, its forget gate's ``A_log`` of one value
+        a head) under Qwen3.5's names."""
         shape = self.shape
+        for theirs, ours in _KDA_NAMES.items():
+            if f"{prefix}{theirs}" in state_dict:
+                state_dict[f"{prefix}{ours}"] = state_dict.pop(f"{prefix}{theirs}")
+        a_log = state_dict.get(f"{prefix}A_log")
+        if a_log is not None:
+            state_dict[f"{prefix}A_log"] = a_log.reshape(-1)
         for theirs, ours in (("{}_proj", "in_proj_qkv"), ("{}_conv1d", "conv1d")):
             parts = [state_dict.pop(f"{prefix}{theirs.format(n)}.weight", None) for n in "qkv"]
             if all(p is not None for p in parts):
@@ -97,12 +133,13 @@ class GatedDeltaNet(PagedStateMixer):
             cut.rank * share.num_value_heads, (cut.rank + 1) * share.num_value_heads
         )
         channels = torch.cat((keys, shape.key_dim + keys, 2 * shape.key_dim + values))
+        decays = keys if shape.kda else heads
         self.set_submodule("in_proj_qkv", rows_of(self.in_proj_qkv, channels))
-        self.set_submodule("in_proj_z", rows_of(self.in_proj_z, values))
+        self.set_submodule("in_proj_z", _rows(self.in_proj_z, values))
         self.set_submodule("in_proj_b", rows_of(self.in_proj_b, heads))
-        self.set_submodule("in_proj_a", rows_of(self.in_proj_a, heads))
+        self.set_submodule("in_proj_a", _rows(self.in_proj_a, decays))
         self.conv1d = channels_of(self.conv1d, channels)
-        self.dt_bias = param(self.dt_bias.detach()[heads])
+        self.dt_bias = param(self.dt_bias.detach()[decays])
         self.A_log = param(self.A_log.detach()[heads])
         self.set_submodule("out_proj", summed_columns(cut, self.out_proj, values))
         self.shape = share
@@ -157,7 +194,10 @@ class GatedDeltaNet(PagedStateMixer):
         return unit(q), unit(k), v.reshape(-1, shape.num_value_heads, shape.value_head_dim)
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's log decay ``g`` and write rate ``beta`` per value head."""
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        """Each token's log decay ``g`` per value head (``[T, H]``; per key channel,
+        ``[T, H, Dk]``, in Kimi Delta Attention) and write rate ``beta`` per value head."""
+        rates = F.softplus(a.float() + self.dt_bias).view(a.shape[0], self.A_log.shape[0], -1)
+        g = -self.A_log.float().exp()[:, None] * rates
+        g = g if self.shape.kda else g[..., 0]
         rate = b.sigmoid()
         return g, rate * self.shape.rate_scale if self.shape.rate_scale != 1.0 else rate

@@ -122,8 +122,11 @@ class LatentAttention(nn.Module):
         q_nope, q_pe = torch.split(q, [shape.nope_dim, shape.rope_dim], dim=-1)
         latent = self.kv_a_proj_with_mqa(x)
         c, k_pe = torch.split(latent, [shape.kv_lora_rank, shape.rope_dim], dim=-1)
-        # The heads' rope queries and the one rope key rotated in one call.
-        pe = apply_rope(torch.cat((q_pe, k_pe[:, None]), dim=1), inputs.cos, inputs.sin)
+        # The heads' rope queries and the one rope key rotated in one call (Kimi Linear's
+        # latent layers are NoPE: empty tables, the "rope" channels left as they are).
+        pe = torch.cat((q_pe, k_pe[:, None]), dim=1)
+        if inputs.cos.numel():
+            pe = apply_rope(pe, inputs.cos, inputs.sin)
         q_pe = pe[:, :heads]
         write_kv(
             cache, torch.cat((self.kv_a_layernorm(c), pe[:, heads]), dim=-1)[:, None], None, meta

@@ -186,13 +186,17 @@ class SpreadGatedRMSNorm(nn.Module):
 
 class NormThenGate(nn.Module):
     """RMSNorm over each head, scaled by ``weight`` in the input's dtype, then multiplied
-    by ``silu(gate)`` in float32 (Gated DeltaNet's output norm; Mamba2's gates first)."""
+    by ``silu(gate)`` in float32 (Gated DeltaNet's output norm; Mamba2's gates first), or
+    with ``sigmoid``, in float32 throughout, by ``sigmoid(gate)`` (Kimi Delta Attention's)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, *, sigmoid: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.sigmoid = sigmoid
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.sigmoid:
+            return (self.weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+        return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)

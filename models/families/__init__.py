@@ -71,6 +71,7 @@ MODULES = {
     "zamba2": "zamba2",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "kimi_linear": "kimi_linear",
 }
 
 

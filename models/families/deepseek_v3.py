@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridkv.models.config import ModelConfig
+from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.families import Family
 from hybridkv.models.families.llama import llama_fields
 from hybridkv.models.hf_config import int_field
@@ -27,21 +28,42 @@ def parse_deepseek_v3(
     hf: Mapping[str, Any], *, dtype_bytes: int = 2, policies: PolicyChoices | None = None
 ) -> ModelConfig:
     """Read a DeepSeek V3 (or Kimi K2) config.json."""
+    return ModelConfig(**latent_fields(hf, dtype_bytes=dtype_bytes, policies=policies))
+
+
+def latent_fields(
+    hf: Mapping[str, Any], *, dtype_bytes: int, policies: PolicyChoices | None
+) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of DeepSeek V3's latent attention and experts (Kimi
+    Linear's too)."""
     fields = llama_fields(hf, dtype_bytes=dtype_bytes, policies=policies)
     latent = latent_shape(hf)
-    num_layers = len(fields["layers"])
-    dense = min(int(hf.get("first_k_dense_replace") or 0), num_layers)
     shared = int(hf.get("n_shared_experts") or 0) * int_field(hf, "moe_intermediate_size")
-    return ModelConfig(
-        **{**fields, "query_scale": latent.qk_head_dim**-0.5 * softmax_mscale(hf)},
-        latent=latent,
-        experts=ExpertsShape(
-            **grouped_sigmoid_router(hf),
-            shared_inner=shared,
-            dense_layers=frozenset(range(dense)),
-            stacks="plain",
-        ),
+    experts = ExpertsShape(
+        **grouped_sigmoid_router(hf),
+        shared_inner=shared,
+        dense_layers=_dense_layers(hf, len(fields["layers"])),
+        stacks="plain",
     )
+    scale = latent.qk_head_dim**-0.5 * softmax_mscale(hf)
+    return {**fields, "query_scale": scale, "latent": latent, "experts": experts}
+
+
+def _dense_layers(hf: Mapping[str, Any], num_layers: int) -> frozenset[int]:
+    """The layers with a dense MLP: ``dense`` in ``mlp_layer_types`` where the config
+    has them, else the first ``first_k_dense_replace``.
+
+    Raises:
+        ModelConfigError: ``mlp_layer_types`` not one of dense or sparse per layer.
+    """
+    kinds = hf.get("mlp_layer_types")
+    if kinds is None:
+        return frozenset(range(min(int(hf.get("first_k_dense_replace") or 0), num_layers)))
+    if len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}:
+        raise ModelConfigError(
+            f"config field 'mlp_layer_types' must hold {num_layers} of dense or sparse"
+        )
+    return frozenset(i for i, kind in enumerate(kinds) if kind == "dense")
 
 
 def _kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:

@@ -1,5 +1,5 @@
-"""Gated DeltaNet's shape (Qwen3-Next, Qwen3.5), read from config.json (torch-free;
-``hybridkv.models.blocks.deltanet`` builds the mixer).
+"""Gated DeltaNet's shape (Qwen3-Next, Qwen3.5) and Kimi Delta Attention's (Kimi Linear),
+read from config.json (torch-free; ``hybridkv.models.blocks.deltanet`` builds the mixer).
 
 Per request and layer the state is the causal convolution's last ``K - 1`` inputs of q, k
 and v (``[conv_dim, K-1]``) and, per value head, a ``[key_head_dim, value_head_dim]``
@@ -33,6 +33,10 @@ class DeltaNetShape:
         rate_scale: The write rate ``sigmoid(b)`` is multiplied by it (OLMo Hybrid's 2:
             negative eigenvalues allowed).
         norm_eps: The output norm's epsilon where it is not the model's (OLMo Hybrid's).
+        kda: Kimi Delta Attention: the memory fades per key channel, at rates from a
+            low-rank projection (``f_a_proj``, ``f_b_proj``), and the output norm is gated
+            by the sigmoid of another (``g_a_proj``, ``g_b_proj``), each of rank
+            ``key_head_dim``; Gated DeltaNet's fades per head and gates by a SiLU.
     """
 
     hidden_size: int
@@ -43,6 +47,7 @@ class DeltaNetShape:
     conv_kernel: int
     rate_scale: float = 1.0
     norm_eps: float | None = None
+    kda: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -111,3 +116,18 @@ def deltanet_shape(cfg: Mapping[str, Any]) -> DeltaNetShape:
             f"linear_num_key_heads={shape.num_key_heads}"
         )
     return shape
+
+
+def kda_shape(cfg: Mapping[str, Any]) -> DeltaNetShape:
+    """The Kimi Delta Attention of a Kimi Linear config (normalized: ``linear_num_heads``
+    heads of ``linear_head_dim`` for queries, keys and values alike)."""
+    heads, width = int_field(cfg, "linear_num_heads"), int_field(cfg, "linear_head_dim")
+    return DeltaNetShape(
+        hidden_size=int_field(cfg, "hidden_size"),
+        num_key_heads=heads,
+        num_value_heads=heads,
+        key_head_dim=width,
+        value_head_dim=width,
+        conv_kernel=int_field(cfg, "linear_conv_kernel_dim", 4),
+        kda=True,
+    )

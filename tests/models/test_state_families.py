@@ -1,5 +1,6 @@
-"""Gated DeltaNet families (Qwen3-Next, Qwen3.5) beyond the shared hybrid scenarios
-(``test_mamba_hybrid.py``): prompts over several of the delta rule's chunks, the loader
+"""Gated DeltaNet families (Qwen3-Next, Qwen3.5, Kimi Linear's delta attention) beyond
+the shared hybrid scenarios (``test_mamba_hybrid.py``): prompts over several of the delta
+rule's chunks, the loader
 leaving the multi-token prediction layers unread, and layer kinds from the pattern."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hybridkv.models.kinds import DELTANET, FULL
 from hybridkv.models.specs import layer_specs_from_config
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "kimi_linear"])
 def test_a_prompt_over_three_chunks_matches(
     name: str, tiny_models: Any, make_driver: Any, prompt_of: Any, check_reference: Any
 ) -> None:
@@ -184,3 +185,39 @@ def test_zamba2_hybrid_layers_keep_a_kv_per_use_and_read_blocks_from_their_first
     assert family.parse is not None
     with pytest.raises(ModelConfigError, match="adapters need num_key_value_heads equal"):
         family.parse(normalized(family, {**config, "num_key_value_heads": 8, "vocab_size": 256}))
+
+
+def test_kimi_linear_reads_the_hubs_linear_attn_config(
+    tiny_models: Any, tmp_path: Path, drive: Any, prompt_of: Any, check_reference: Any
+) -> None:
+    """Kimi Linear's hub config names its layers in ``linear_attn_config`` (counted from 1)
+    with the delta attention's heads, width and taps: read as transformers reads them, the
+    model gives its logits; ``hybridkv plan``'s row at the published shape has 20 delta
+    attention layers and 7 of one 576-value latent."""
+    import json
+
+    from hybridkv.models.published_shapes import BUILTIN_CONFIGS
+
+    folder = tmp_path / "hub"
+    shutil.copytree(tiny_models["kimi_linear"].path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    kinds = config.pop("layer_types")
+    config["linear_attn_config"] = {
+        "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "full_attention"],
+        "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "linear_attention"],
+        "num_heads": config.pop("linear_num_heads"),
+        "head_dim": config.pop("linear_head_dim"),
+        "short_conv_kernel_size": config.pop("linear_conv_kernel_dim"),
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    executor = ModelExecutor.from_pretrained(folder, LoadOptions(kv_cache_bytes=1 << 20))
+    assert executor.config.layer_types == (DELTANET, FULL, DELTANET, FULL)
+    driver = drive(executor)
+    driver.add("a", prompt_of(70, 5))
+    driver.run(3)
+    check_reference(tiny_models["kimi_linear"], driver, "a")
+    specs = layer_specs_from_config(BUILTIN_CONFIGS["kimi-linear-48b-a3b-like"])
+    assert [i for i, s in enumerate(specs) if s.kind == FULL] == [3, 7, 11, 15, 19, 23, 26]
+    state = specs[0]
+    assert isinstance(state, StateSpec) and state.state_bytes == 4 * (3 * 4096 * 3 + 32 * 128**2)
+    assert {(s.head_dim, s.latent) for s in specs if s.kind == FULL} == {(576, True)}

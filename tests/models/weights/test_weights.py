@@ -135,7 +135,7 @@ INT8_ONLY = (
     *("smollm3", "seed_oss", "olmo3", "exaone4", "phi3", "cohere2"),
     *("ministral3", "llama4", "granite_swa", "granitemoe_swa", "qwen3_moe", "gemma4"),
     *("jamba", "lfm2", "lfm3", "falcon_mamba", "mamba2", "nemotron_h", "minimax"),
-    *("falcon_h1", "zamba2"),
+    *("falcon_h1", "zamba2", "deepseek_v3"),
 )
 
 

@@ -40,6 +40,7 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path) -> Path:
         "minimax",
         "falcon_h1",
         "zamba2",
+        "kimi_linear",
     ],
 )
 def test_generate_runs_each_new_family(
