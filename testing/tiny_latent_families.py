@@ -72,8 +72,39 @@ def _kimi_linear() -> Any:
     return KimiLinearForCausalLM(config)
 
 
+def _bailing_hybrid() -> Any:
+    """Ling 3.0: Kimi Delta Attention layers (4 heads of 16, decays per key channel,
+    bounded) and latent attention with rope and a gate per head, alternating; a dense
+    first layer, then experts (4 in 2 groups, two a token) beside a shared one."""
+    from transformers import BailingHybridConfig, BailingHybridForCausalLM
+
+    config = BailingHybridConfig(
+        **COMMON,
+        num_hidden_layers=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe_intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        layer_group_size=2,
+        first_k_dense_replace=1,
+        **NO_SPECIAL_TOKENS,
+    )
+    return BailingHybridForCausalLM(config)
+
+
 #: Each architecture's builder of a fresh (untrained) transformers model.
 LATENT_BUILDERS: dict[str, Callable[[], Any]] = {
     "deepseek_v3": _deepseek_v3,
     "kimi_linear": _kimi_linear,
+    "bailing_hybrid": _bailing_hybrid,
 }

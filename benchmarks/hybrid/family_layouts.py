@@ -15,7 +15,8 @@ For each shape of ``models/published_shapes.py`` the issue lists, the layer spec
   code run from the wheel's sources as ``hybrid/cliffs.py`` runs 0.33's): one
   ``FullAttentionSpec``, ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec`` per layer
   that keeps K/V (values of their own width, as vLLM keeps MiMo-V2-Flash's; Gemma 4's
-  KV-shared layers have no spec, as vLLM gives them none), vLLM's default layout
+  KV-shared layers have no spec, as vLLM gives them none; an ``MLAAttentionSpec`` of one
+  576-value latent for DeepSeek V3's and Kimi K2's latent attention), vLLM's default layout
   (``LBNHC``, the first of its preference); a request of L tokens holds, in each group,
   the blocks of its block size the group's window keeps, times vLLM's bytes per block.
 
@@ -52,7 +53,7 @@ SHAPES = (
     "qwen3-8b-like", "qwen3-30b-a3b-like", "gpt-oss-20b-like", "gpt-oss-120b-like",
     "llama4-scout-like", "mistral-small-3.2-like", "phi-4-mini-like", "gemma-4-31b-like",
     "gemma-4-e4b-like", "mimo-v2-flash-like", "command-a-like", "olmo3-7b-like",
-    "smollm3-3b-like", "exaone4-32b-like",
+    "smollm3-3b-like", "exaone4-32b-like", "deepseek-v3-like", "kimi-k2-like",
 )  # fmt: skip
 TOKENS = (4096, 32768)
 BLOCK = 16
@@ -88,7 +89,9 @@ def vllm_row(vllm: Any, specs: Sequence[LayerSpec], budget: int, tokens: int) ->
         common = dict(block_size=BLOCK, num_kv_heads=spec.num_kv_heads, head_size=spec.head_dim,
                       dtype=torch.bfloat16)  # fmt: skip
         policy = spec.policy
-        if isinstance(policy, SlidingWindow):
+        if spec.latent:
+            kv_specs[spec.name] = vllm.spec.MLAAttentionSpec(**common)
+        elif isinstance(policy, SlidingWindow):
             kv_specs[spec.name] = vllm.spec.SlidingWindowSpec(
                 **common, sliding_window=policy.window
             )
@@ -111,6 +114,17 @@ def vllm_row(vllm: Any, specs: Sequence[LayerSpec], budget: int, tokens: int) ->
         "vllm_groups": len(groups),
         "vllm_block_sizes": sorted({g.kv_cache_spec.block_size for g in groups}),
     }
+
+
+def per_head_bytes(config: dict[str, Any], tokens: int) -> int:
+    """For a model of latent attention, the bytes a request of ``tokens`` would hold with
+    a bfloat16 key and value per head in every layer (what an engine that does not keep
+    the latent caches); 0 for any other model."""
+    if "kv_lora_rank" not in config:
+        return 0
+    key = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    per_token = config["num_attention_heads"] * (key + config["v_head_dim"]) * 2
+    return int(per_token * config["num_hidden_layers"] * tokens)
 
 
 def _policy(spec: Any) -> MemoryPolicy:
@@ -192,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{shape:24} {_mib(row['hybridkv_bytes']):>13} {row['hybridkv_padding']:>9.1%} "
                   f"{_mib(row['uniform_bytes']):>12} {theirs:>10} | {row['hybridkv_requests']:>9} "
                   f"{row['uniform_requests']:>8} {fit:>6} {sizes:>12}")  # fmt: skip
+        for row in rows[-len(SHAPES) :]:
+            expanded = per_head_bytes(BUILTIN_CONFIGS[row["shape"]], tokens)
+            if expanded:
+                row["per_head_kv_bytes"] = expanded
+                print(f"  {row['shape']}: a key and a value per head instead of the latent: "
+                      f"{_mib(expanded)} MiB a request")  # fmt: skip
     write_json(args.json, {"vllm": line, "budget_gib": args.budget, "rows": rows})
     return 0
 

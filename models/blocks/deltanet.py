@@ -39,8 +39,10 @@ _OLMO_NAMES = {
     "o_proj.weight": "out_proj.weight",
     "o_norm.weight": "norm.weight",
 }
-#: Kimi Delta Attention's low-rank projections -> the two layers of ours.
+#: Kimi Delta Attention's projections of the decay and the output gate -> ours (two
+#: layers each where they are low-rank).
 _KDA_NAMES = {
+    "f_proj.weight": "in_proj_a.weight",
     "f_a_proj.weight": "in_proj_a.0.weight",
     "f_b_proj.weight": "in_proj_a.1.weight",
     "g_a_proj.weight": "in_proj_z.0.weight",
@@ -69,8 +71,9 @@ class GatedDeltaNet(PagedStateMixer):
         super().__init__()
         self.shape = shape
         hidden, heads = shape.hidden_size, shape.num_value_heads
-        # Kimi Delta Attention: a decay per key channel, both gates of rank key_head_dim.
-        rank = shape.key_head_dim if shape.kda else 0
+        # Kimi Delta Attention: a decay per key channel (both gates of a low rank in Kimi
+        # Linear's).
+        rank = shape.gate_rank
         decays = shape.key_dim if shape.kda else heads
         self.in_proj_qkv = nn.Linear(hidden, shape.conv_dim, bias=False)
         self.in_proj_z = _projection(hidden, shape.value_dim, rank)
@@ -196,8 +199,10 @@ class GatedDeltaNet(PagedStateMixer):
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's log decay ``g`` per value head (``[T, H]``; per key channel,
         ``[T, H, Dk]``, in Kimi Delta Attention) and write rate ``beta`` per value head."""
-        rates = F.softplus(a.float() + self.dt_bias).view(a.shape[0], self.A_log.shape[0], -1)
-        g = -self.A_log.float().exp()[:, None] * rates
+        heads, bound = self.A_log.shape[0], self.shape.decay_bound
+        a = (a.float() + self.dt_bias).view(a.shape[0], heads, -1)
+        speed = self.A_log.float().exp()[:, None]
+        g = bound * torch.sigmoid(speed * a) if bound is not None else -speed * F.softplus(a)
         g = g if self.shape.kda else g[..., 0]
         rate = b.sigmoid()
         return g, rate * self.shape.rate_scale if self.shape.rate_scale != 1.0 else rate

@@ -71,6 +71,10 @@ class LatentAttention(nn.Module):
         up = heads * (shape.nope_dim + shape.v_head_dim)
         self.kv_b_proj = _UpProjection(shape.kv_lora_rank, up, bias=False)
         self.o_proj = nn.Linear(heads * shape.v_head_dim, hidden, bias=bias)
+        # Ling's: each head's output times the sigmoid of a projection of the input.
+        self.g_proj: nn.Module | None = None
+        if config.attention_output_gate == "head":
+            self.g_proj = nn.Linear(hidden, heads, bias=False)
         self.scale = config.query_scale
         window = spec.policy.attention_window()
         self.sliding_window = None if window is None else window.size
@@ -91,8 +95,9 @@ class LatentAttention(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def shard(self, cut: TensorCut) -> None:
-        """Keep the rank's heads: their rows of the query's last projection and of
-        ``kv_b_proj``, their columns of ``o_proj`` (summed over the group)."""
+        """Keep the rank's heads: their rows of the query's last projection, of
+        ``kv_b_proj`` and of the output gate, their columns of ``o_proj`` (summed over the
+        group)."""
         shape, heads = self.shape, self.num_heads // cut.size
         first = cut.rank * heads
 
@@ -105,6 +110,8 @@ class LatentAttention(nn.Module):
         self.kv_b_proj.weight = param(up)
         self.kv_b_proj.out_features = up.shape[0]
         self.set_submodule("o_proj", summed_columns(cut, self.o_proj, rows(shape.v_head_dim)))
+        if self.g_proj is not None:
+            self.g_proj = rows_of(self.g_proj, rows(1))
         self.num_heads = heads
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +153,8 @@ class LatentAttention(nn.Module):
                 rows = slice(firsts[i], firsts[i + 1])
                 latents = context_keys(cache, meta, i)[:, 0]
                 values[rows] = self._expanded(q_nope[rows], q_pe[rows], latents)
+        if self.g_proj is not None:
+            values = values * torch.sigmoid(self.g_proj(x).float()).to(values.dtype)[..., None]
         projected: torch.Tensor = self.o_proj(values.reshape(num_tokens, -1))
         return projected
 

@@ -31,14 +31,15 @@ from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.shapes.moe import ExpertsShape, Stacks
 from hybridkv.models.weights.cuts import TensorCut, gated_share, param
 
-#: The router's names in Qwen3-MoE's, gpt-oss's, AFMoE's and MiMo-V2-Flash's checkpoints
-#: -> ours.
+#: The router's names in Qwen3-MoE's, gpt-oss's, AFMoE's, MiMo-V2-Flash's and Ling's
+#: checkpoints -> ours.
 _ROUTER_NAMES = {
     "gate.weight": "router.layer.weight",
     "router.weight": "router.layer.weight",
     "router.bias": "router.layer.bias",
     "router.gate.weight": "router.layer.weight",
     "gate.e_score_correction_bias": "expert_bias",
+    "gate.expert_bias": "expert_bias",
     "router.proj.weight": "router.layer.weight",
 }
 

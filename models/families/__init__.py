@@ -72,6 +72,7 @@ MODULES = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "kimi_linear": "kimi_linear",
+    "bailing_hybrid": "bailing_hybrid",
 }
 
 

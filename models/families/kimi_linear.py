@@ -22,8 +22,8 @@ from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.deltanet import kda_shape
 from hybridkv.models.shapes.latent import latent_shape
 
-#: The hub's names of DeepSeek V3's fields (transformers' ``attribute_map``).
-_NAMES = {
+#: The hub's names of DeepSeek V3's fields (transformers' ``attribute_map``; Ling's too).
+HUB_NAMES = {
     "num_experts": "n_routed_experts",
     "num_experts_per_token": "num_experts_per_tok",
     "num_expert_group": "n_group",
@@ -56,7 +56,7 @@ def _pattern(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
 def _normalize(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """The hub's names as transformers reads them; ``linear_attn_config``'s layer lists
     (counted from 1) as ``layer_types``."""
-    out = {_NAMES.get(k, k): v for k, v in cfg.items() if k != "linear_attn_config"}
+    out = {HUB_NAMES.get(k, k): v for k, v in cfg.items() if k != "linear_attn_config"}
     linear = cfg.get("linear_attn_config") or {}
     if not isinstance(linear, Mapping):
         raise ModelConfigError("config field 'linear_attn_config' must be a mapping")

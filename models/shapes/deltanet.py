@@ -33,10 +33,14 @@ class DeltaNetShape:
         rate_scale: The write rate ``sigmoid(b)`` is multiplied by it (OLMo Hybrid's 2:
             negative eigenvalues allowed).
         norm_eps: The output norm's epsilon where it is not the model's (OLMo Hybrid's).
-        kda: Kimi Delta Attention: the memory fades per key channel, at rates from a
-            low-rank projection (``f_a_proj``, ``f_b_proj``), and the output norm is gated
-            by the sigmoid of another (``g_a_proj``, ``g_b_proj``), each of rank
-            ``key_head_dim``; Gated DeltaNet's fades per head and gates by a SiLU.
+        kda: Kimi Delta Attention: the memory fades per key channel, and the output norm
+            is gated by a sigmoid; Gated DeltaNet's fades per head and gates by a SiLU.
+        gate_rank: The decay's and the output gate's projections pass through this width
+            (Kimi Linear's ``f_a_proj``, ``f_b_proj``, ``g_a_proj``, ``g_b_proj``: the
+            head width); 0: one projection each (Ling's ``f_proj``, ``g_proj``).
+        decay_bound: The log decay is ``decay_bound * sigmoid(exp(A_log) * (a +
+            dt_bias))``, bounded below (Ling's ``kda_safe_gate``); None:
+            ``-exp(A_log) * softplus(a + dt_bias)``.
     """
 
     hidden_size: int
@@ -48,6 +52,8 @@ class DeltaNetShape:
     rate_scale: float = 1.0
     norm_eps: float | None = None
     kda: bool = False
+    gate_rank: int = 0
+    decay_bound: float | None = None
 
     @property
     def key_dim(self) -> int:
@@ -130,4 +136,5 @@ def kda_shape(cfg: Mapping[str, Any]) -> DeltaNetShape:
         value_head_dim=width,
         conv_kernel=int_field(cfg, "linear_conv_kernel_dim", 4),
         kda=True,
+        gate_rank=width,
     )

@@ -22,6 +22,7 @@ from hybridkv.policies import MambaLike
 HYBRIDS = ["bamba", "granite_moe", "granite_dense", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 HYBRIDS += ["lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "jamba", "mamba", "falcon_mamba", "mamba2"]
 HYBRIDS += ["nemotron_h", "minimax", "falcon_h1", "falcon_h1_gate_only", "zamba2", "kimi_linear"]
+HYBRIDS += ["bailing_hybrid"]
 BS = 16
 
 
@@ -206,7 +207,7 @@ async def test_engine_outputs_match_transformers_under_preemption(
     "name",
     [
         *("bamba", "granite_moe", "qwen3_next", "lfm2", "lfm3", "olmo_hybrid", "jamba"),
-        *("mamba2", "nemotron_h", "minimax", "falcon_h1", "kimi_linear"),
+        *("mamba2", "nemotron_h", "minimax", "falcon_h1", "kimi_linear", "bailing_hybrid"),
     ],
 )
 def test_pipeline_stages_hold_their_state_pages_and_match_transformers(

@@ -1,4 +1,4 @@
-"""Gated DeltaNet families (Qwen3-Next, Qwen3.5, Kimi Linear's delta attention) beyond
+"""Gated DeltaNet families (Qwen3-Next, Qwen3.5, Kimi Linear's and Ling's delta attention) beyond
 the shared hybrid scenarios (``test_mamba_hybrid.py``): prompts over several of the delta
 rule's chunks, the loader
 leaving the multi-token prediction layers unread, and layer kinds from the pattern."""
@@ -16,11 +16,12 @@ from safetensors.torch import save_file
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
 from hybridkv.memory.layout import StateSpec
+from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import DELTANET, FULL
 from hybridkv.models.specs import layer_specs_from_config
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "kimi_linear"])
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "kimi_linear", "bailing_hybrid"])
 def test_a_prompt_over_three_chunks_matches(
     name: str, tiny_models: Any, make_driver: Any, prompt_of: Any, check_reference: Any
 ) -> None:
@@ -221,3 +222,29 @@ def test_kimi_linear_reads_the_hubs_linear_attn_config(
     state = specs[0]
     assert isinstance(state, StateSpec) and state.state_bytes == 4 * (3 * 4096 * 3 + 32 * 128**2)
     assert {(s.head_dim, s.latent) for s in specs if s.kind == FULL} == {(576, True)}
+
+
+def test_ling_reads_its_hub_config_and_refuses_clipped_experts(
+    tiny_models: Any, tmp_path: Path, drive: Any, prompt_of: Any, check_reference: Any
+) -> None:
+    """Ling's hub config names the delta attention's heads by the model's (``head_dim``,
+    ``short_conv_kernel_size``) and its layers by ``layer_group_size``: read so, the model
+    gives its logits; experts whose SwiGLU is clipped are refused by name."""
+    import json
+
+    folder = tmp_path / "hub"
+    shutil.copytree(tiny_models["bailing_hybrid"].path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    for name in ("layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+        config.pop(name)
+    (folder / "config.json").write_text(json.dumps({**config, "head_dim": 16}))
+    executor = ModelExecutor.from_pretrained(folder, LoadOptions(kv_cache_bytes=1 << 20))
+    assert executor.config.layer_types == (DELTANET, FULL, DELTANET, FULL)
+    driver = drive(executor)
+    driver.add("a", prompt_of(70, 6))
+    driver.run(3)
+    check_reference(tiny_models["bailing_hybrid"], driver, "a")
+    limits = {**config, "head_dim": 16, "expert_swiglu_limit_list": [0, 7.0, 7.0, 7.0]}
+    (folder / "config.json").write_text(json.dumps(limits))
+    with pytest.raises(ModelConfigError, match="'expert_swiglu_limit_list' clips"):
+        ModelExecutor.from_pretrained(folder, LoadOptions(kv_cache_bytes=1 << 20))

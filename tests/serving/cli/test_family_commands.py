@@ -41,6 +41,7 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path) -> Path:
         "falcon_h1",
         "zamba2",
         "kimi_linear",
+        "bailing_hybrid",
     ],
 )
 def test_generate_runs_each_new_family(
