@@ -41,7 +41,7 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.policies.base import MemoryPolicy
 
-_Spec = TypeVar("_Spec", AttentionSpec, StateSpec)
+_Spec = TypeVar("_Spec", bound=AttentionSpec | StateSpec)
 
 
 def allocate_kv_caches(

@@ -56,9 +56,11 @@ class AttentionSpec:
         reads: The name of an earlier layer whose pages this layer attends instead of
             keeping its own (Gemma 4's KV-shared layers), or None. Such a layer owns no
             memory: the planner leaves it out, and it reads its owner's slot and group.
-        beside: A state mixer that runs beside the attention in the same layer, on the
-            same input (Falcon-H1's Mamba2), or None. It keeps its state in a group of
-            its own: the layout sees it as one more layer (``memories``).
+        beside: A second memory of the layer, kept in pages of its own: the state of a
+            mixer that runs beside the attention on the same input (Falcon-H1's Mamba2),
+            or the keys of an indexer that picks the tokens the attention reads (DeepSeek
+            V3.2's, one ``latent`` vector a token), or None. The layout sees it as one
+            more layer (``memories``).
         latent: The layer keeps one ``head_dim`` vector per token and KV head, from which
             its keys and values both come (multi-head latent attention: DeepSeek V3's
             compressed latent beside its rope key), not a key and a value.
@@ -71,7 +73,7 @@ class AttentionSpec:
     dtype_bytes: int = attrs.field(validator=_at_least_one)
     kind: str | None = None
     reads: str | None = None
-    beside: StateSpec | None = None
+    beside: StateSpec | AttentionSpec | None = None
     latent: bool = False
 
     def block_bytes(self, block_size: int) -> int:

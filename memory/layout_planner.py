@@ -173,14 +173,38 @@ def plan_layout(
     )
 
 
+#: The K/V page may be up to this many times the widest layer's page (``_kv_page``).
+MAX_PAGE_MULTIPLE = 8
+
+
 def _page_sizes(specs: Sequence[LayerSpec], block_size: int, unified: bool) -> tuple[int, int]:
     """Bytes of a K/V page per slot, and the K/V pages one state page takes."""
-    kv = [s.block_bytes(block_size) for s in specs if not isinstance(s, StateSpec)]
+    kv = [s for s in specs if not isinstance(s, StateSpec)]
     states = [s.state_bytes for s in specs if isinstance(s, StateSpec)]
-    if unified or not kv or not states:
-        return max(kv + states), 1
-    page = max(kv)
-    return page, cdiv(max(states), page)
+    if unified or not kv:
+        return max([s.block_bytes(block_size) for s in kv] + states), 1
+    page = _kv_page(kv, block_size)
+    return (page, 1) if not states else (page, cdiv(max(states), page))
+
+
+def _kv_page(specs: Sequence[LayerSpec], block_size: int) -> int:
+    """The K/V page: the multiple of the widest layer's page (up to
+    ``MAX_PAGE_MULTIPLE``) whose slots hold the K/V layers in the fewest bytes, the
+    layers of each policy and page size k to a slot where their page is a k-th of it
+    (else one, padded); the smaller on a tie. DeepSeek V3.2's 61 latents of 18 KiB a page
+    and 61 index keys of 4 KiB: 36 KiB, two latents or nine index keys a slot (38 slots,
+    where 18 KiB pages take 122)."""
+    sizes = [s.block_bytes(block_size) for s in specs]
+    counts: dict[tuple[object, int], int] = {}
+    for spec, size in zip(specs, sizes, strict=True):
+        counts[(spec.policy, size)] = counts.get((spec.policy, size), 0) + 1
+
+    def held(page: int) -> int:
+        per_slot = {size: 1 if page % size else page // size for _, size in counts}
+        return page * sum(cdiv(n, per_slot[size]) for (_, size), n in counts.items())
+
+    widest = max(sizes)
+    return min((m * widest for m in range(1, MAX_PAGE_MULTIPLE + 1)), key=held)
 
 
 def _check_inputs(specs: Sequence[LayerSpec], budget_bytes: int, block_size: int) -> None:

@@ -1,8 +1,8 @@
 """How a plan's layers fill its pages: K/V layers in slots (k to a slot where their pages
-are a k-th of the widest), states one after another over a state page of every slot, the
-families cut into groups of one slot count, and each layer's slot and byte offset per
-pipeline stage. ``hybridkv.memory.layout_planner`` chooses the page sizes and the span;
-this lays the layers out in them."""
+are a k-th of the page, each page size in slots of its own), states one after another
+over a state page of every slot, the families cut into groups of one slot count, and each
+layer's slot and byte offset per pipeline stage. ``hybridkv.memory.layout_planner``
+chooses the page sizes and the span; this lays the layers out in them."""
 
 from __future__ import annotations
 
@@ -39,24 +39,32 @@ def _stride(spec: StateSpec) -> int:
 
 class Packing:
     """How the layers of ``specs`` fill pages of ``page`` bytes at ``block_size``, states
-    in state pages of ``span`` pages: K/V layers k to a slot where they pack, states one
-    after another over the state page of every slot (``state_page`` bytes a slot)."""
+    in state pages of ``span`` pages: K/V layers k to a slot where they pack (the layers of
+    one page size together), states one after another over the state page of every slot
+    (``state_page`` bytes a slot)."""
 
     def __init__(self, specs: Sequence[LayerSpec], page: int, block_size: int, span: int):
         self.by_name = {s.name: s for s in specs}
         self.page, self.block_size, self.span = page, block_size, span
         self.state_page = span * page
 
-    def per_slot(self, names: Sequence[str]) -> int:
-        """K/V layers of ``names`` to a slot."""
-        return min(_kv_per_slot(self.by_name[n], self.page, self.block_size) for n in names)
-
     def slots(self, names: Sequence[str]) -> int:
-        """Slots the layers ``names`` of one policy take."""
+        """Slots the layers ``names`` of one policy take: K/V layers of each page size k
+        to a slot, states one after another over the state pages."""
         specs = [self.by_name[n] for n in names]
         if isinstance(specs[0], StateSpec):
             return cdiv(sum(_stride(s) for s in specs if isinstance(s, StateSpec)), self.state_page)
-        return cdiv(len(names), self.per_slot(names))
+        widths: dict[int, int] = {}
+        for spec in specs:
+            own = spec.block_bytes(self.block_size)
+            widths[own] = widths.get(own, 0) + 1
+        return sum(
+            cdiv(count, _kv_per_slot(spec, self.page, self.block_size))
+            for spec, count in ((self._of_width(specs, own), n) for own, n in widths.items())
+        )
+
+    def _of_width(self, specs: Sequence[LayerSpec], own: int) -> LayerSpec:
+        return next(s for s in specs if s.block_bytes(self.block_size) == own)
 
     def groups(self) -> tuple[KVGroup, ...]:
         """Families of equal policies cut into groups of ``choose_group_size`` slots."""
@@ -88,21 +96,27 @@ class Packing:
         offsets: dict[str, int] = {}
         stage_slots = [0] * num_stages
         for group in groups:
-            used = [0] * num_stages  # layers, or a state page's bytes
-            state = group.policy.keeps_state
-            per_slot = 1 if state else self.per_slot(group.layer_names)
+            used = [0] * num_stages  # slots, or a state page's bytes
+            # Per stage and K/V page size: the slot being filled and the layers in it.
+            filling: dict[tuple[int, int], tuple[int, int]] = {}
             for name in group.layer_names:
                 stage, spec = stage_of[name], self.by_name[name]
                 if isinstance(spec, StateSpec):
                     start, used[stage] = used[stage], used[stage] + _stride(spec)
                     slot = cdiv(used[stage], self.state_page) - 1
                 else:
-                    slot, place = divmod(used[stage], per_slot)
-                    start, used[stage] = place * (self.page // per_slot), used[stage] + 1
+                    own = spec.block_bytes(self.block_size)
+                    slot, count = filling.get((stage, own), (used[stage], 0))
+                    if count == _kv_per_slot(spec, self.page, self.block_size):
+                        slot, count = used[stage], 0
+                    if slot == used[stage]:  # a fresh slot
+                        used[stage] += 1
+                    start = count * own
+                    filling[(stage, own)] = (slot, count + 1)
                 layer_slots[name] = (group.group_id, slot)
                 if start:
                     offsets[name] = start
-            unit = self.state_page if state else per_slot
-            slots = [cdiv(n, unit) for n in used]
-            stage_slots = [max(a, b) for a, b in zip(stage_slots, slots, strict=True)]
+            if group.policy.keeps_state:
+                used = [cdiv(n, self.state_page) for n in used]
+            stage_slots = [max(a, b) for a, b in zip(stage_slots, used, strict=True)]
         return layer_slots, offsets, stage_slots

@@ -7,6 +7,7 @@ Weights are read from safetensors only; a folder holding only pickled weights
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -55,6 +56,10 @@ def _quant_method(hf: dict[str, Any]) -> str | None:
         f"quantization_config (quant_method {method!r}) is not supported: load the "
         "checkpoint's unquantised release; --weights int8 or int4 quantises it at load"
     )
+
+
+#: A decoder layer's tensors, and its index.
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @attrs.frozen
@@ -161,9 +166,13 @@ class Checkpoint:
     def _name(self, stored: str) -> str | None:
         """A stored tensor's name as the model registers it (the family's renames applied);
         None for one it does not read (a vision tower's; one under the family's ``unread``
-        prefixes, such as Qwen3-Next's MTP layers)."""
+        prefixes, such as Qwen3-Next's MTP layers; a layer past ``num_hidden_layers``, as
+        DeepSeek V3 and Ling store theirs)."""
         name = multimodal.text_weight_name(stored) if self.text_of_multimodal else stored
         if name is None or name.startswith(self.family.unread):
+            return None
+        past = _LAYER.match(name)  # DeepSeek's and Ling's MTP layers, after the decoder
+        if past is not None and int(past.group(1)) >= self.config.num_layers:
             return None
         return our_name(self.family, name)
 

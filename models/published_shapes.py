@@ -21,6 +21,20 @@ _GPT_OSS_20B: dict[str, Any] = {
     "num_experts_per_tok": 4,
 }
 
+#: DeepSeek-V3's published shape, which V3.2 and Kimi K2 share.
+_DEEPSEEK_V3: dict[str, Any] = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+}
+
 #: Configs shaped like public checkpoints, for ``hybridkv plan NAME`` without a download.
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     # Gemma 3 1B: 26 layers, 5 sliding (window 512) to 1 full, one KV head of 256.
@@ -201,30 +215,22 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     },
     # DeepSeek-V3 (and R1): 61 layers of multi-head latent attention (128 heads over a
     # latent of 512 beside a rope key of 64: 576 values a token and layer).
-    "deepseek-v3-like": {
-        "model_type": "deepseek_v3",
-        "num_hidden_layers": 61,
-        "hidden_size": 7168,
-        "num_attention_heads": 128,
-        "num_key_value_heads": 128,
-        "kv_lora_rank": 512,
-        "q_lora_rank": 1536,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
+    "deepseek-v3-like": _DEEPSEEK_V3,
+    # DeepSeek-V3.2: DeepSeek V3's layers with a lightning indexer in each (64 heads of
+    # 128, the best 2,048 keys a query), its keys a second memory of the layer.
+    "deepseek-v3.2-like": {
+        **_DEEPSEEK_V3,
+        "model_type": "deepseek_v32",
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 2048,
     },
     # Kimi K2: DeepSeek V3's layers with 64 heads (the same latent).
     "kimi-k2-like": {
+        **_DEEPSEEK_V3,
         "model_type": "kimi_k2",
-        "num_hidden_layers": 61,
-        "hidden_size": 7168,
         "num_attention_heads": 64,
         "num_key_value_heads": 64,
-        "kv_lora_rank": 512,
-        "q_lora_rank": 1536,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
     },
     **STATE_MIXER_CONFIGS,
 }

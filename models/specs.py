@@ -40,6 +40,7 @@ from hybridkv.models.kinds import (
     layer_types_kinds,
     pattern_layer_types,
 )
+from hybridkv.models.shapes.latent import latent_shape
 from hybridkv.models.shapes.state import StateShape
 from hybridkv.policies import MemoryPolicy, check_policy, make_policy
 
@@ -72,8 +73,10 @@ def tensor_rank_spec(spec: ModelLayer, size: int, state: StateShape | None) -> M
     return spec if isinstance(spec, NoCacheSpec) else _state_share(spec, size, state)
 
 
-def _state_share(spec: StateSpec, size: int, state: StateShape | None) -> StateSpec:
-    if state is None:
+def _state_share(
+    spec: StateSpec | AttentionSpec, size: int, state: StateShape | None
+) -> StateSpec | AttentionSpec:
+    if state is None or isinstance(spec, AttentionSpec):  # an indexer's keys: on every rank
         return spec
     return attrs.evolve(spec, state_bytes=state.tensor_share(size).state_bytes)
 
@@ -211,10 +214,16 @@ def _spec(
         return StateSpec(name=name, policy=policy, state_bytes=state_bytes, kind=kind)
     name = f"model.layers.{layer}.self_attn"
     if family is not None and family.latent_width is not None:
-        width = family.latent_width(cfg)
+        width, index = family.latent_width(cfg), latent_shape(cfg).index_head_dim
+        indexer = None
+        if index:  # DeepSeek V3.2: the indexer's keys, one a token, in pages of their own
+            indexer = AttentionSpec(
+                name=f"{name}.indexer", policy=policy, num_kv_heads=1, head_dim=index,
+                dtype_bytes=dtype_bytes, kind=kind, latent=True,
+            )  # fmt: skip
         return AttentionSpec(
             name=name, policy=policy, num_kv_heads=1, head_dim=width, dtype_bytes=dtype_bytes,
-            kind=kind, latent=True,
+            kind=kind, latent=True, beside=indexer,
         )  # fmt: skip
     num_heads = int_field(cfg, "num_attention_heads")
     if family is not None and family.kv_shape is not None:

@@ -84,7 +84,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.layer_range = range(config.num_layers) if layers is None else layers
         self.model = _Backbone(config, family, self.layer_range)
-        # The layers that run a state mixer beside their attention: a second cache each.
+        # The layers with a second memory (a state mixer beside their attention, an
+        # indexer's keys): a second cache each.
         self._beside = frozenset(
             i for i, s in enumerate(config.layers) if isinstance(s, AttentionSpec) and s.beside
         )
@@ -250,7 +251,7 @@ class CausalLM(nn.Module):
             kv_cache, metadata = next(entries)
             beside = None
             if i in self._beside:
-                beside = LayerInputs(no_rope[0], no_rope[1], *next(entries))
+                beside = LayerInputs(cos, sin, *next(entries))  # an indexer rotates its keys
             inputs = LayerInputs(
                 cos, sin, kv_cache, metadata, query_scale=scaled,
                 per_layer=None if per_layer is None else per_layer[:, i], beside=beside,

@@ -9,6 +9,27 @@ from typing import Any
 
 from hybridkv.testing.tiny_families import COMMON, NO_SPECIAL_TOKENS, YARN
 
+#: DeepSeek V3's tiny shape (V3.2's too).
+_DEEPSEEK: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,  # transformers' eager path repeats its expanded heads by this
+    "q_lora_rank": 24,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "moe_intermediate_size": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.5,
+    "first_k_dense_replace": 1,
+    "rope_parameters": {**YARN, "rope_theta": 10_000.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    **COMMON,
+}
+
 
 def _deepseek_v3() -> Any:
     """DeepSeek V3: multi-head latent attention (latent 32 beside a rope key of 8, low-rank
@@ -16,26 +37,7 @@ def _deepseek_v3() -> Any:
     (4 in 2 groups, the best group's two a token) beside a shared one."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
-        **COMMON,
-        num_hidden_layers=3,
-        num_key_value_heads=4,  # transformers' eager path repeats its expanded heads by this
-        q_lora_rank=24,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        moe_intermediate_size=16,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=1.5,
-        first_k_dense_replace=1,
-        rope_parameters={**YARN, "rope_theta": 10_000.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-        **NO_SPECIAL_TOKENS,
-    )
+    config = DeepseekV3Config(**_DEEPSEEK, **NO_SPECIAL_TOKENS)
     return DeepseekV3ForCausalLM(config)
 
 
@@ -102,9 +104,22 @@ def _bailing_hybrid() -> Any:
     return BailingHybridForCausalLM(config)
 
 
+def _deepseek_v32() -> Any:
+    """DeepSeek V3.2: DeepSeek V3's tiny layers with a lightning indexer (16 heads of 16,
+    the best 8 keys a query: prompts of tens of tokens attend sparsely; enough heads that
+    no two keys tie at a zero score)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    config = DeepseekV32Config(
+        **_DEEPSEEK, index_topk=8, index_head_dim=16, index_n_heads=16, **NO_SPECIAL_TOKENS
+    )
+    return DeepseekV32ForCausalLM(config)
+
+
 #: Each architecture's builder of a fresh (untrained) transformers model.
 LATENT_BUILDERS: dict[str, Callable[[], Any]] = {
     "deepseek_v3": _deepseek_v3,
     "kimi_linear": _kimi_linear,
     "bailing_hybrid": _bailing_hybrid,
+    "deepseek_v32": _deepseek_v32,
 }

@@ -33,7 +33,7 @@ NEW_FAMILIES = (
     *("qwen2", "qwen3", "mistral", "smollm3", "seed_oss", "olmo3", "exaone4"),
     *("qwen3_moe", "phi3", "cohere2", "gpt_oss", "ministral3", "llama4"),
     *("granite_swa", "granitemoe_swa", "afmoe", "mimo_v2_flash", "gemma4", "gemma4_moe"),
-    "deepseek_v3",
+    *("deepseek_v3", "deepseek_v32"),
 )
 ATTENTION = ("llama", "gemma2", "gemma3", *NEW_FAMILIES)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

@@ -16,7 +16,9 @@ For each shape of ``models/published_shapes.py`` the issue lists, the layer spec
   ``FullAttentionSpec``, ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec`` per layer
   that keeps K/V (values of their own width, as vLLM keeps MiMo-V2-Flash's; Gemma 4's
   KV-shared layers have no spec, as vLLM gives them none; an ``MLAAttentionSpec`` of one
-  576-value latent for DeepSeek V3's and Kimi K2's latent attention), vLLM's default layout
+  576-value latent for DeepSeek V3's and Kimi K2's latent attention, and for DeepSeek
+  V3.2's indexer one of its keys as vLLM caches them, 128 fp8 values and a float32 scale
+  a token, where hybridkv keeps them in the model's dtype), vLLM's default layout
   (``LBNHC``, the first of its preference); a request of L tokens holds, in each group,
   the blocks of its block size the group's window keeps, times vLLM's bytes per block.
 
@@ -41,7 +43,7 @@ from typing import Any
 
 from benchmarks.common.results import add_json_argument, write_json
 from benchmarks.hybrid.vllm_mamba import load_reference
-from hybridkv.memory.layout import AttentionSpec, LayerSpec, owns_pages
+from hybridkv.memory.layout import AttentionSpec, LayerSpec, cached_layers, owns_pages
 from hybridkv.memory.layout_planner import describe, plan_layout
 from hybridkv.models.published_shapes import BUILTIN_CONFIGS
 from hybridkv.models.specs import layer_specs_from_config
@@ -53,7 +55,8 @@ SHAPES = (
     "qwen3-8b-like", "qwen3-30b-a3b-like", "gpt-oss-20b-like", "gpt-oss-120b-like",
     "llama4-scout-like", "mistral-small-3.2-like", "phi-4-mini-like", "gemma-4-31b-like",
     "gemma-4-e4b-like", "mimo-v2-flash-like", "command-a-like", "olmo3-7b-like",
-    "smollm3-3b-like", "exaone4-32b-like", "deepseek-v3-like", "kimi-k2-like",
+    "smollm3-3b-like", "exaone4-32b-like", "deepseek-v3-like", "deepseek-v3.2-like",
+    "kimi-k2-like",
 )  # fmt: skip
 TOKENS = (4096, 32768)
 BLOCK = 16
@@ -62,6 +65,7 @@ GiB = 1 << 30
 
 def hybridkv_row(specs: Sequence[LayerSpec], budget: int, tokens: int) -> dict[str, Any]:
     """hybridkv's and the uniform layout's bytes per request and requests that fit."""
+    specs = cached_layers(specs)  # DeepSeek V3.2's index keys beside its latents
     plan = plan_layout(specs, budget, BLOCK)
     report = describe(plan, specs, tokens)
     page_id = sum(report.stage_slots) * plan.block_bytes
@@ -82,10 +86,16 @@ def vllm_row(vllm: Any, specs: Sequence[LayerSpec], budget: int, tokens: int) ->
 
     planning = vllm.planning
     kv_specs = {}
-    for spec in specs:
+    for spec in cached_layers(specs):
         if not owns_pages(spec):
             continue
         assert isinstance(spec, AttentionSpec)
+        if spec.name.endswith(".indexer"):  # DeepSeek V3.2's index keys: fp8 and a scale
+            kv_specs[spec.name] = vllm.spec.MLAAttentionSpec(
+                block_size=BLOCK, num_kv_heads=1, head_size=spec.head_dim + 4,
+                dtype=torch.uint8,
+            )  # fmt: skip
+            continue
         common = dict(block_size=BLOCK, num_kv_heads=spec.num_kv_heads, head_size=spec.head_dim,
                       dtype=torch.bfloat16)  # fmt: skip
         policy = spec.policy

@@ -97,7 +97,7 @@ class DecoderLayer(nn.Module):
         self.add_module(self._mixer, mixer)
         # A state mixer beside the attention (Falcon-H1's Mamba2), under its kind's name.
         self._beside: str | None = None
-        if isinstance(spec, AttentionSpec) and spec.beside is not None:
+        if isinstance(spec, AttentionSpec) and isinstance(spec.beside, StateSpec):
             self._beside = STATE_KINDS[str(spec.beside.kind)]
             self.add_module(self._beside, _state_mixer(config, str(spec.beside.kind), layer))
         experts = config.experts

@@ -34,6 +34,7 @@ from hybridkv.memory.layout import AttentionSpec
 from hybridkv.models.blocks.attention import LayerInputs
 from hybridkv.models.blocks.norms import config_rms_norm
 from hybridkv.models.blocks.rope import apply_rope
+from hybridkv.models.blocks.sparse_indexer import SparseIndexer
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.weights.cuts import TensorCut, param, rows_of, summed_columns
@@ -75,6 +76,13 @@ class LatentAttention(nn.Module):
         self.g_proj: nn.Module | None = None
         if config.attention_output_gate == "head":
             self.g_proj = nn.Linear(hidden, heads, bias=False)
+        # DeepSeek V3.2: an indexer picks the keys each query attends, its own keys kept
+        # beside the latent (``spec.beside``).
+        self.indexer: SparseIndexer | None = None
+        if shape.index_topk:
+            if not shape.q_lora_rank:
+                raise ModelConfigError("an indexer reads the low-rank query: q_lora_rank is null")
+            self.indexer = SparseIndexer(hidden, shape)
         self.scale = config.query_scale
         window = spec.policy.attention_window()
         self.sliding_window = None if window is None else window.size
@@ -114,18 +122,20 @@ class LatentAttention(nn.Module):
             self.g_proj = rows_of(self.g_proj, rows(1))
         self.num_heads = heads
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The heads' queries, and the low-rank ones they come from (None without)."""
         if self.shape.q_lora_rank:
-            out: torch.Tensor = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-            return out
+            low: torch.Tensor = self.q_a_layernorm(self.q_a_proj(x))
+            return self.q_b_proj(low), low
         direct: torch.Tensor = self.q_proj(x)
-        return direct
+        return direct, None
 
     def forward(self, x: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
         shape, heads, num_tokens = self.shape, self.num_heads, x.shape[0]
         meta, cache = inputs.metadata, inputs.kv_cache
         assert isinstance(meta, PagedMetadata), "latent attention reads a paged cache"
-        q = self._queries(x).view(num_tokens, heads, shape.qk_head_dim)
+        q, q_low = self._queries(x)
+        q = q.view(num_tokens, heads, -1)
         q_nope, q_pe = torch.split(q, [shape.nope_dim, shape.rope_dim], dim=-1)
         latent = self.kv_a_proj_with_mqa(x)
         c, k_pe = torch.split(latent, [shape.kv_lora_rank, shape.rope_dim], dim=-1)
@@ -135,28 +145,54 @@ class LatentAttention(nn.Module):
         if inputs.cos.numel():
             pe = apply_rope(pe, inputs.cos, inputs.sin)
         q_pe = pe[:, :heads]
-        write_kv(
-            cache, torch.cat((self.kv_a_layernorm(c), pe[:, heads]), dim=-1)[:, None], None, meta
-        )
+        cached = torch.cat((self.kv_a_layernorm(c), pe[:, heads]), dim=-1)
+        write_kv(cache, cached[:, None], None, meta)
         lens = meta.query_lens
+        chosen = self._chosen(x, q_low, inputs)
+        # Prefills, and every request whose indexer leaves keys out, attend expanded.
         prefills = [i for i, n in enumerate(lens) if n > 1] if self.live_spans is None else []
-        if not prefills:
+        expanded = sorted({*prefills, *chosen})
+        if not expanded:
             values = self._absorbed(q_nope, q_pe, cache, meta)
         else:
             values = x.new_empty(num_tokens, heads, shape.v_head_dim)
-            decodes = [i for i, n in enumerate(lens) if n == 1]
-            if decodes:
-                alone, tokens = meta.subset(decodes)
+            absorbed = [i for i in range(len(lens)) if i not in expanded]
+            if absorbed:
+                alone, tokens = meta.subset(absorbed)
                 values[tokens] = self._absorbed(q_nope[tokens], q_pe[tokens], cache, alone)
             firsts = [0, *itertools.accumulate(lens)]
-            for i in prefills:
+            for i in expanded:
                 rows = slice(firsts[i], firsts[i + 1])
                 latents = context_keys(cache, meta, i)[:, 0]
-                values[rows] = self._expanded(q_nope[rows], q_pe[rows], latents)
+                values[rows] = self._expanded(q_nope[rows], q_pe[rows], latents, chosen.get(i))
         if self.g_proj is not None:
             values = values * torch.sigmoid(self.g_proj(x).float()).to(values.dtype)[..., None]
         projected: torch.Tensor = self.o_proj(values.reshape(num_tokens, -1))
         return projected
+
+    def _chosen(
+        self, x: torch.Tensor, q_low: torch.Tensor | None, inputs: LayerInputs
+    ) -> dict[int, torch.Tensor]:
+        """Per request whose indexer leaves keys out (a context longer than its top k),
+        the keys each of its queries attends ``[queries, context]``; the step's index keys
+        written into their pages first. Empty without an indexer."""
+        if self.indexer is None:
+            return {}
+        beside = inputs.beside
+        assert beside is not None and q_low is not None, "an indexer without its keys' cache"
+        meta = beside.metadata
+        assert isinstance(meta, PagedMetadata), "an indexer's keys are paged"
+        write_kv(beside.kv_cache, self.indexer.keys(x, inputs.cos, inputs.sin)[:, None], None, meta)
+        q, weights = self.indexer.queries(x, q_low, inputs.cos, inputs.sin)
+        firsts = [0, *itertools.accumulate(meta.query_lens)]
+        chosen = {}
+        for i in range(meta.num_requests):
+            if meta.context_lens[i] <= self.indexer.top_k:
+                continue
+            rows = slice(firsts[i], firsts[i + 1])
+            keys = context_keys(beside.kv_cache, meta, i)[:, 0]
+            chosen[i] = self.indexer.selected(q[rows], weights[rows], keys)
+        return chosen
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_uk`` ``[heads, nope_dim, kv_lora_rank]`` and ``W_uv`` ``[heads, v_head_dim,
@@ -186,11 +222,16 @@ class LatentAttention(nn.Module):
         return torch.bmm(attended, w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _expanded(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latents: torch.Tensor,
+        chosen: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[queries, heads, v_head_dim]``: one prefill's queries (its last positions)
+        """``[queries, heads, v_head_dim]``: one request's queries (its last positions)
         against its context's latents ``[context, width]`` expanded to every head's keys
-        and values (a prompt's attention at the heads' own width)."""
+        and values (a prompt's attention at the heads' own width), each query reading
+        only its ``chosen`` keys where an indexer chose them."""
         shape, heads = self.shape, self.num_heads
         num_queries, context = q_nope.shape[0], latents.shape[0]
         c, k_pe = torch.split(latents, [shape.kv_lora_rank, shape.rope_dim], dim=-1)
@@ -199,12 +240,14 @@ class LatentAttention(nn.Module):
         keys = torch.cat((k_nope, k_pe[:, None].expand(-1, heads, -1)), dim=-1)
         query = torch.cat((q_nope, q_pe), dim=-1)
         mask = None
-        if num_queries != context or self.sliding_window is not None:
+        if num_queries != context or self.sliding_window is not None or chosen is not None:
             q_pos = torch.arange(context - num_queries, context, device=latents.device)[:, None]
             k_pos = torch.arange(context, device=latents.device)[None, :]
             mask = k_pos <= q_pos
             if self.sliding_window is not None:
                 mask &= k_pos > q_pos - self.sliding_window
+            if chosen is not None:
+                mask &= chosen
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1),
             keys.transpose(0, 1),

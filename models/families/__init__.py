@@ -73,6 +73,7 @@ MODULES = {
     "kimi_k2": "deepseek_v3",
     "kimi_linear": "kimi_linear",
     "bailing_hybrid": "bailing_hybrid",
+    "deepseek_v32": "deepseek_v32",
 }
 
 

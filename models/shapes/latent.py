@@ -32,6 +32,10 @@ class LatentShape:
         rope_dim: The rope key's width (``qk_rope_head_dim``), shared by the heads.
         v_head_dim: Each head's value width.
         rope_interleaved: Rope rotates adjacent channel pairs (``rope_interleave``).
+        index_heads: DeepSeek Sparse Attention's indexer heads (``index_n_heads``: DeepSeek
+            V3.2); 0: every query attends its whole context.
+        index_head_dim: The indexer's key width, one key a token kept beside the latent.
+        index_topk: The keys each query attends, the best its indexer scores.
     """
 
     q_lora_rank: int
@@ -40,6 +44,9 @@ class LatentShape:
     rope_dim: int
     v_head_dim: int
     rope_interleaved: bool = True
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     @property
     def width(self) -> int:
@@ -54,7 +61,7 @@ class LatentShape:
 
 def latent_shape(cfg: Mapping[str, Any]) -> LatentShape:
     """The latent attention of a DeepSeek V3 config (``q_lora_rank`` null: no low-rank
-    queries)."""
+    queries), and DeepSeek V3.2's indexer where it names one (``index_n_heads``)."""
     return LatentShape(
         q_lora_rank=int(cfg.get("q_lora_rank") or 0),
         kv_lora_rank=int_field(cfg, "kv_lora_rank"),
@@ -62,4 +69,7 @@ def latent_shape(cfg: Mapping[str, Any]) -> LatentShape:
         rope_dim=int_field(cfg, "qk_rope_head_dim"),
         v_head_dim=int_field(cfg, "v_head_dim"),
         rope_interleaved=flag_field(cfg, "rope_interleave", True),
+        index_heads=int(cfg.get("index_n_heads") or 0),
+        index_head_dim=int(cfg.get("index_head_dim") or 0),
+        index_topk=int(cfg.get("index_topk") or 0),
     )

@@ -83,7 +83,13 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 
 def run_plan(args: argparse.Namespace) -> int:
     """Plan the layout and print it."""
-    from hybridkv.memory.layout import AttentionSpec, NoCacheSpec, cached_layers, owns_pages
+    from hybridkv.memory.layout import (
+        AttentionSpec,
+        NoCacheSpec,
+        StateSpec,
+        cached_layers,
+        owns_pages,
+    )
     from hybridkv.memory.layout_planner import describe, plan_layout
     from hybridkv.models.specs import layer_specs_from_config, tensor_rank_spec
     from hybridkv.serving.cli.flags.engine import parse_layer_policies
@@ -111,12 +117,16 @@ def run_plan(args: argparse.Namespace) -> int:
     cacheless = sum(1 for s in layers if isinstance(s, NoCacheSpec))
     if cacheless:
         shared += f"; {cacheless} more keep nothing"
-    both = sum(1 for s in layers if isinstance(s, AttentionSpec) and s.beside is not None)
-    if both:
-        shared += f"; {both} layers hold a K/V and a state each"
-    latent = [s for s in specs if isinstance(s, AttentionSpec) and s.latent]
+    besides = [s.beside for s in layers if isinstance(s, AttentionSpec) and s.beside is not None]
+    states = sum(1 for s in besides if isinstance(s, StateSpec))
+    if states:
+        shared += f"; {states} layers hold a K/V and a state each"
+    latent = [s for s in layers if isinstance(s, AttentionSpec) and s.latent]
     if latent:
         shared += f"; latent attention: {latent[0].head_dim} values a token and layer"
+    indexed = [s for s in besides if isinstance(s, AttentionSpec)]
+    if indexed:
+        shared += f", and {indexed[0].head_dim} of an indexer's keys in {len(indexed)}"
     kept = len(specs) - readers
     print(f"model   {label}: {kept} KV layers ({summary or 'attention-free'}{shared})")
     print(

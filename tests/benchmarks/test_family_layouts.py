@@ -34,7 +34,9 @@ def test_rows_of_every_shape_at_both_lengths(
     expected = [(s, t) for t in layouts.TOKENS for s in layouts.SHAPES]
     assert [(r["shape"], r["tokens"]) for r in rows] == expected
     for row in rows:
-        assert 0 < row["hybridkv_bytes"] <= row["uniform_bytes"], row
+        # Beyond its padding (DeepSeek V3.2's part-filled last slots), never more.
+        held = row["hybridkv_bytes"] * (1 - row["hybridkv_padding"])
+        assert 0 < held <= row["uniform_bytes"] * 1.0001, row
         assert "vllm_bytes" not in row
     gemma = [r for r in rows if r["shape"] == "gemma-4-31b-like"]
     assert all(r["hybridkv_padding"] == 0 for r in gemma)

@@ -355,6 +355,24 @@ def test_half_pages_pack_two_layers_to_a_slot() -> None:
     assert padded.layer_offsets == {} and padded.padding_bytes > 0
 
 
+def test_pages_that_do_not_divide_the_widest_take_the_page_that_holds_them_best() -> None:
+    """Twelve layers of 9 units a page and nine of 2 (DeepSeek V3.2's latents and index
+    keys, in small): a page of 18 units holds two or nine, 6 + 1 slots and no padding
+    where pages of 9 take 21; two layers of 9 and one of 2 keep the page of 9, a bigger
+    page leaving slots half empty."""
+    wide = [AttentionSpec(name=f"w{i}", policy=FULL, num_kv_heads=1, head_dim=72,
+                          dtype_bytes=2) for i in range(12)]  # fmt: skip
+    narrow = [AttentionSpec(name=f"n{i}", policy=FULL, num_kv_heads=1, head_dim=16,
+                            dtype_bytes=2) for i in range(9)]  # fmt: skip
+    unit = 16 * 16 * 2  # 16 values of 2 bytes, 16 tokens
+    plan = plan_layout([*wide, *narrow], 1 << 24, block_size=16)
+    assert plan.block_bytes == 18 * unit
+    assert len({plan.slot_of(s)[1] for s in [*wide, *narrow]}) == 6 + 1
+    assert plan.padding_bytes == 0
+    few = plan_layout([*wide[:2], narrow[0]], 1 << 24, block_size=16)
+    assert few.block_bytes == 9 * unit
+
+
 def test_packed_layers_stay_in_their_stage() -> None:
     """Two wide sliding layers and four half-page full layers over two stages: each stage
     packs its own two full layers into one slot, so no slot holds layers of two stages."""

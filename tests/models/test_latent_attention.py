@@ -1,6 +1,7 @@
-"""Multi-head latent attention (DeepSeek V3, Kimi K2) beyond the shared scenarios of
-``test_model_logits.py``: Kimi K2's model type, queries without a low-rank projection and
-rope on the halves, the weight formats, and the latent pages through the offload path."""
+"""Multi-head latent attention (DeepSeek V3, Kimi K2, V3.2's sparse attention) beyond the
+shared scenarios of ``test_model_logits.py``: Kimi K2's model type, queries without a
+low-rank projection and rope on the halves, the weight formats, the latent pages through
+the offload path, and the indexer's keys beside the latent."""
 
 from __future__ import annotations
 
@@ -29,6 +30,26 @@ def test_kimi_k2_reads_as_deepseek_v3(
     assert executor.config.model_type == "kimi_k2"
     driver = drive(executor)
     driver.add("a", prompt_of(30, 3))
+    driver.run(3)
+    check_reference(tiny_models["deepseek_v3"], driver, "a")
+
+
+def test_multi_token_prediction_layers_after_the_decoder_are_left_unread(
+    tiny_models: Any, tmp_path: Path, drive: Any, prompt_of: Any, check_reference: Any
+) -> None:
+    """DeepSeek V3's checkpoints store their MTP layer after the decoder's
+    (``model.layers.61.*`` of V3's 61): such tensors load as nothing, and the model
+    serves its logits."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "with_mtp"
+    shutil.copytree(tiny_models["deepseek_v3"].path, folder)
+    extra = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+             "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(96, 32)}  # fmt: skip
+    save_file(extra, str(folder / "mtp.safetensors"))
+    executor = ModelExecutor.from_pretrained(folder, LoadOptions(kv_cache_bytes=1 << 20))
+    driver = drive(executor)
+    driver.add("a", prompt_of(20, 2))
     driver.run(3)
     check_reference(tiny_models["deepseek_v3"], driver, "a")
 
@@ -101,3 +122,37 @@ def test_latent_pages_go_to_the_host_and_back_once(tiny_models: Any) -> None:
     before = cache[3].clone()
     pages.write_pages(group, [7], blocks[:1])
     torch.testing.assert_close(cache[7], before)
+
+
+def test_the_indexer_keeps_its_keys_beside_the_latent_and_picks_what_each_query_reads(
+    tiny_models: Any, tmp_path: Path, drive: Any, prompt_of: Any, check_reference: Any
+) -> None:
+    """DeepSeek V3.2: each layer's index keys are a second memory (16 values a token) in
+    slots of their own; with a top k of 8 the logits are transformers' (test_model_logits)
+    and not dense attention's, and with a top k at least the context they are dense
+    attention's, transformers' at that top k."""
+    from model_fixtures import TinyModel
+
+    from hybridkv.memory.layout import AttentionSpec
+
+    executor = ModelExecutor.from_pretrained(
+        tiny_models["deepseek_v32"].path, LoadOptions(kv_cache_bytes=1 << 20, block_size=4)
+    )
+    spec = executor.config.layers[1]
+    assert isinstance(spec, AttentionSpec) and isinstance(spec.beside, AttentionSpec)
+    assert (spec.beside.name, spec.beside.head_dim) == ("model.layers.1.self_attn.indexer", 16)
+    slots = {executor.plan.slot_of(s)[1] for s in (spec, spec.beside)}
+    assert len(slots) == 2  # 40 and 16 values a token: pages of their own in the group
+    executor.close()
+    folder = tmp_path / "dense"
+    shutil.copytree(tiny_models["deepseek_v32"].path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "index_topk": 64}))
+    dense = TinyModel.load("deepseek_v32", folder)
+    driver = drive(ModelExecutor.from_pretrained(folder, LoadOptions(kv_cache_bytes=1 << 20)))
+    prompt = prompt_of(40, 4)
+    driver.add("a", prompt)
+    driver.run(4)
+    check_reference(dense, driver, "a")
+    sparse = tiny_models["deepseek_v32"].reference_logits(prompt)[-1]
+    assert float((driver.logits["a"][0] - sparse).abs().max()) > 0.1

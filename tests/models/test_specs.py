@@ -229,3 +229,20 @@ def test_latent_attention_keeps_one_vector_a_token() -> None:
     assert {v.stride(1) for v in views} == {0}
     views[0][1, 0, 0, 0, 0] = 1.0
     assert float(views[0][1, 1, 0, 0, 0]) == 1.0 and float(views[1].abs().sum()) == 0
+
+
+def test_deepseek_v32_keeps_its_index_keys_beside_each_latent() -> None:
+    """DeepSeek V3.2's layers keep the latent (18 KiB a page of 16) and, beside it, the
+    indexer's 128-value key a token (4 KiB a page): a page of 36 KiB holds two latents or
+    nine index keys, so the 122 memories take 38 slots where pages of the widest took
+    122 (4 KiB of every 18 padding)."""
+    from hybridkv.memory.layout import cached_layers
+    from hybridkv.memory.layout_planner import plan_layout
+
+    specs = layer_specs_from_config(BUILTIN_CONFIGS["deepseek-v3.2-like"])
+    assert len(specs) == 61
+    besides = [s.beside for s in specs if isinstance(s, AttentionSpec)]
+    assert all(isinstance(b, AttentionSpec) and b.latent and b.head_dim == 128 for b in besides)
+    plan = plan_layout(cached_layers(specs), 8 << 30)
+    assert plan.block_bytes == 2 * 16 * 576 * 2
+    assert len({plan.slot_of(s)[1] for s in cached_layers(specs)}) == 38

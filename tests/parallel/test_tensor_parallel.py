@@ -122,6 +122,7 @@ def test_two_ranks_match_one_process_bamba(
         ("falcon_mamba", 2, 1, 1),
         ("minimax", 2, 1, 1),
         ("deepseek_v3", 2, 2, 1),
+        ("deepseek_v32", 2, 1, 1),
         ("kimi_linear", 2, 2, 1),
         ("bailing_hybrid", 2, 2, 1),
     ],
