@@ -63,6 +63,9 @@ MODELS: dict[str, dict[str, Any]] = {
     "zamba2-7b": BUILTIN_CONFIGS["zamba2-7b-like"],
     # Nemotron 3 Nano 30B-A3B: Mamba2 alternating with layers of experts (keeping nothing).
     "nemotron-3-nano": BUILTIN_CONFIGS["nemotron-3-nano-30b-a3b-like"],
+    # Kimi-Linear-48B-A3B: Kimi Delta Attention (2.1 MiB of state a layer) beside latent
+    # attention (one 576-value latent a token), 20 to 7.
+    "kimi-linear-48b-a3b": BUILTIN_CONFIGS["kimi-linear-48b-a3b-like"],
 }
 
 
