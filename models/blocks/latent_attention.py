@@ -8,7 +8,9 @@ attended latent (its first ``kv_lora_rank`` channels) to the head's value space.
 prefill (or a chunk of one) reads its context's latents back and expands them to each
 head's keys and values (``kv_b_proj``), attending at the heads' own width (192 against
 576 a head in DeepSeek V3), as vLLM does; a policy whose keys are not one window
-(``live_spans``) attends absorbed throughout::
+(``live_spans``) attends absorbed throughout. Where DeepSeek V3.2's indexer
+(``sparse_indexer.py``) leaves keys out, a prefill's expanded attention is masked to each
+query's choice and a decode reads its chosen latents alone, gathered, absorbed::
 
     x ─ q_a_proj ─ q_a_layernorm ─ q_b_proj ─ [q_nope | q_pe] ── W_uk^T ─┐
     x ─ kv_a_proj_with_mqa ─ [c ─ kv_a_layernorm | k_pe] ── rope ─ cache ─┤
@@ -164,6 +166,10 @@ class LatentAttention(nn.Module):
             for i in expanded:
                 rows = slice(firsts[i], firsts[i + 1])
                 latents = context_keys(cache, meta, i)[:, 0]
+                if lens[i] == 1 and i in chosen:  # a decode reads its top k alone
+                    picked = latents[chosen[i][0].nonzero()[:, 0]]
+                    values[rows] = self._absorbed_over(q_nope[rows], q_pe[rows], picked)
+                    continue
                 values[rows] = self._expanded(q_nope[rows], q_pe[rows], latents, chosen.get(i))
         if self.g_proj is not None:
             values = values * torch.sigmoid(self.g_proj(x).float()).to(values.dtype)[..., None]
@@ -220,6 +226,19 @@ class LatentAttention(nn.Module):
         )
         attended = out[..., : self.shape.kv_lora_rank].transpose(0, 1)
         return torch.bmm(attended, w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _absorbed_over(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor
+    ) -> torch.Tensor:
+        """``[1, heads, v_head_dim]``: one decode's query, absorbed, against the latents it
+        reads ``[keys, width]`` (the indexer's top k, gathered: a step's cost is the top
+        k's, not the context's)."""
+        w_uk, w_uv = self._up()
+        absorbed = torch.einsum("hn,hnl->hl", q_nope[0], w_uk)
+        query = torch.cat((absorbed, q_pe[0]), dim=-1)
+        weights = torch.softmax((query @ latents.T).float() * self.scale, dim=-1)
+        attended = weights.to(latents.dtype) @ latents[:, : self.shape.kv_lora_rank]
+        return torch.einsum("hl,hvl->hv", attended, w_uv)[None]
 
     def _expanded(
         self,

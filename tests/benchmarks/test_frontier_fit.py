@@ -3,13 +3,32 @@ published shapes, and the longest request their cache holds beside the weights."
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from pathlib import Path
+from types import ModuleType
 
-from benchmarks.hybrid import frontier_fit
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_parameters_and_the_context_beside_the_weights(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def frontier_fit() -> ModuleType:
+    """The script, imported as ``python -m`` does from the repository root (the suite's
+    ``tests/benchmarks`` would otherwise stand for ``benchmarks``)."""
+    path = list(sys.path)
+    try:
+        sys.path.insert(0, str(ROOT))
+        return importlib.import_module("benchmarks.hybrid.frontier_fit")
+    finally:
+        sys.path[:] = path
+
+
+def test_parameters_and_the_context_beside_the_weights(
+    frontier_fit: ModuleType, tmp_path: Path
+) -> None:
     """DeepSeek V3 counts its published 671B parameters and Kimi K2 over a trillion; on
     one GPU of 80 GiB no FP8 release fits, on eight V3's latent cache holds tens of
     thousands of tokens beside its weights, and Kimi Linear reaches its whole context."""
