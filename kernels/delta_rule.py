@@ -43,13 +43,14 @@ def delta_rule_decode(
 
     Returns ``([B, H, Dv]`` outputs in ``v``'s dtype, ``[B, H, Dk, Dv]`` the states after).
     """
+    dtype = v.dtype
     q, k, v = q.float() * q.shape[-1] ** -0.5, k.float(), v.float()
     decay = g.float().exp()
     state = state.float() * (decay[..., None] if decay.dim() == k.dim() else decay[..., None, None])
     delta = (v - (state * k[..., None]).sum(-2)) * beta.float()[..., None]
     state = state + k[..., None] * delta[..., None, :]
     out = (state * q[..., None]).sum(-2)
-    return out.to(v.dtype), state
+    return out.to(dtype), state
 
 
 def delta_rule_states(
