@@ -1,13 +1,18 @@
 """The decode step of the new attention families at their published widths, against
 transformers' ``generate`` on the same random weights.
 
-Two models, each a few layers of its published shape (random weights, ``--dtype``):
+Each model is a few layers of its published shape (random weights, ``--dtype``):
 
-  qwen3-0.6b   Qwen3-0.6B's widths (hidden 1,024, 16 heads, 8 KV heads of 128, MLP 3,072,
-               vocabulary 151,936, tied head), 4 of its 28 layers
-  gpt-oss-20b  gpt-oss-20b's widths (hidden 2,880, 64 heads, 8 KV heads of 64, 32 experts
-               of 2,880, four a token, sinks, vocabulary 201,088), 2 of its 24 layers (one
-               sliding, one full)
+  qwen3-0.6b       Qwen3-0.6B's widths (hidden 1,024, 16 heads, 8 KV heads of 128, MLP
+                   3,072, vocabulary 151,936, tied head), 4 of its 28 layers
+  gpt-oss-20b      gpt-oss-20b's widths (hidden 2,880, 64 heads, 8 KV heads of 64, 32
+                   experts of 2,880, four a token, sinks, vocabulary 201,088), 2 of its 24
+                   layers (one sliding, one full)
+  deepseek-v3      DeepSeek V3's first 2 of 61 layers (hidden 7,168, latent attention of 128
+                   heads over a 576-value latent, dense MLPs of 18,432, vocabulary 129,280)
+  kimi-linear-48b  Kimi-Linear-48B-A3B's widths, 2 of its 27 layers: Kimi Delta Attention
+                   (32 heads of 128) with a dense MLP, latent attention without rope with
+                   256 experts of 1,024 (eight a token) beside a shared one
 
 For batch 1 and 8 (``--batches``), prompts of ``--context`` tokens, then ``--steps``
 decode steps. Ours: ``ModelExecutor.execute`` one decode step at a time (no engine, no
@@ -16,7 +21,7 @@ tokens and to 4, the difference divided by ``--steps`` (the prefill and the firs
 cancel). Three repeats, alternating the two, each system's median over them with the
 spread; the ratio is transformers' time per step over ours.
 
-    python -m benchmarks.decode.families [--models qwen3-0.6b gpt-oss-20b] [--quick]
+    python -m benchmarks.decode.families [--models qwen3-0.6b ...] [--quick]
 
 Memory: gpt-oss's two layers hold 3.2 GB of experts in bfloat16, loaded twice (ours and
 transformers'), 11 GB in all. The last line printed is one JSON object. Results: the
@@ -69,6 +74,18 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_local_experts": 32,
             "num_experts_per_tok": 4,
             "sliding_window": 128,
+        },
+    ),
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        {"num_hidden_layers": 2},  # the rest transformers' defaults: V3's widths
+    ),
+    "kimi-linear-48b": (
+        "KimiLinearConfig",
+        {
+            "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+            "mlp_layer_types": ["dense", "sparse"],
         },
     ),
 }
@@ -131,7 +148,7 @@ def measure(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         options = LoadOptions(kv_cache_bytes=64 << 20, block_size=16, dtype=dtype)
         executor = ModelExecutor.from_pretrained(path, options)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    vocab = MODELS[name][1]["vocab_size"]
+    vocab = executor.config.vocab_size
     for batch in args.batches:
         generator = torch.Generator().manual_seed(batch)
         prompts = torch.randint(3, vocab, (batch, args.context), generator=generator).tolist()
