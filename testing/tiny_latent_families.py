@@ -31,6 +31,27 @@ _DEEPSEEK: dict[str, Any] = {
 }
 
 
+#: Kimi Linear's and Ling's tiny shape: 4 layers, latent attention of one ``q_proj`` (latent
+#: 16 beside 8), experts (4 in 2 groups, two a token) beside a shared one.
+_LATENT_HYBRID: dict[str, Any] = {
+    **COMMON,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": None,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "moe_intermediate_size": 16,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.5,
+}
+
+
 def _deepseek_v3() -> Any:
     """DeepSeek V3: multi-head latent attention (latent 32 beside a rope key of 8, low-rank
     queries, interleaved rope, YaRN with ``mscale_all_dim``), a dense first layer, experts
@@ -49,21 +70,7 @@ def _kimi_linear() -> Any:
 
     linear, full = "linear_attention", "full_attention"
     config = KimiLinearConfig(
-        **COMMON,
-        num_hidden_layers=4,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        moe_intermediate_size=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=1.5,
+        **_LATENT_HYBRID,
         linear_head_dim=16,
         linear_num_heads=4,
         linear_conv_kernel_dim=4,
@@ -81,22 +88,8 @@ def _bailing_hybrid() -> Any:
     from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
     config = BailingHybridConfig(
-        **COMMON,
-        num_hidden_layers=4,
-        num_key_value_heads=4,
+        **_LATENT_HYBRID,
         head_dim=16,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        moe_intermediate_size=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=1.5,
         layer_group_size=2,
         first_k_dense_replace=1,
         **NO_SPECIAL_TOKENS,

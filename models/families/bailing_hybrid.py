@@ -23,7 +23,7 @@ from hybridkv.models.hf_config import flag_field, float_field, int_field
 from hybridkv.models.kinds import DELTANET, FULL, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.deltanet import DeltaNetShape, kda_shape
-from hybridkv.models.shapes.latent import latent_shape
+from hybridkv.models.shapes.latent import latent_width
 
 
 def parse_bailing_hybrid(
@@ -69,10 +69,6 @@ def _normalize(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
-def _latent_width(cfg: Mapping[str, Any]) -> int:
-    return latent_shape(cfg).width
-
-
 FAMILY = Family(
     model_types=("bailing_hybrid",),
     layer_kinds=kinds_by(_pattern, {"full_attention": FULL, "linear_attention": DELTANET}),
@@ -81,6 +77,6 @@ FAMILY = Family(
     renames={"model.word_embeddings.weight": "model.embed_tokens.weight"},
     part_renames={".attention.dense.": ".self_attn.o_proj.", ".attention.": ".self_attn."},
     state_shape=_delta_shape,
-    latent_width=_latent_width,
+    latent_width=latent_width,
     normalize=_normalize,
 )

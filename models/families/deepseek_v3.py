@@ -19,7 +19,7 @@ from hybridkv.models.families.llama import llama_fields
 from hybridkv.models.hf_config import int_field
 from hybridkv.models.kinds import FULL, PolicyChoices
 from hybridkv.models.shapes.decoder import DecoderShape
-from hybridkv.models.shapes.latent import latent_shape
+from hybridkv.models.shapes.latent import latent_shape, latent_width
 from hybridkv.models.shapes.moe import ExpertsShape, grouped_sigmoid_router
 from hybridkv.models.shapes.rope import softmax_mscale
 
@@ -70,14 +70,10 @@ def _kinds(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
     return [FULL] * num_layers
 
 
-def _latent_width(cfg: Mapping[str, Any]) -> int:
-    return latent_shape(cfg).width
-
-
 FAMILY = Family(
     model_types=("deepseek_v3", "kimi_k2"),
     layer_kinds=_kinds,
     parse=parse_deepseek_v3,
     decoder=DecoderShape(mlp="experts"),
-    latent_width=_latent_width,
+    latent_width=latent_width,
 )

@@ -20,7 +20,7 @@ from hybridkv.models.families.deepseek_v3 import latent_fields
 from hybridkv.models.kinds import DELTANET, FULL, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.deltanet import kda_shape
-from hybridkv.models.shapes.latent import latent_shape
+from hybridkv.models.shapes.latent import latent_width
 
 #: The hub's names of DeepSeek V3's fields (transformers' ``attribute_map``; Ling's too).
 HUB_NAMES = {
@@ -70,10 +70,6 @@ def _normalize(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
-def _latent_width(cfg: Mapping[str, Any]) -> int:
-    return latent_shape(cfg).width
-
-
 FAMILY = Family(
     model_types=("kimi_linear",),
     layer_kinds=kinds_by(_pattern, {"full_attention": FULL, "linear_attention": DELTANET}),
@@ -81,6 +77,6 @@ FAMILY = Family(
     decoder=DecoderShape(mlp="experts", mlp_name="block_sparse_moe", mixer_name="self_attn"),
     part_renames={".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."},
     state_shape=kda_shape,
-    latent_width=_latent_width,
+    latent_width=latent_width,
     normalize=_normalize,
 )

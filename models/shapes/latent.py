@@ -73,3 +73,9 @@ def latent_shape(cfg: Mapping[str, Any]) -> LatentShape:
         index_head_dim=int(cfg.get("index_head_dim") or 0),
         index_topk=int(cfg.get("index_topk") or 0),
     )
+
+
+def latent_width(cfg: Mapping[str, Any]) -> int:
+    """Values a latent attention layer keeps a token (``Family.latent_width`` of every
+    family with latent attention)."""
+    return latent_shape(cfg).width
