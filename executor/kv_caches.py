@@ -79,7 +79,8 @@ def allocate_kv_caches(
         # A latent (multi-head latent attention) is one vector a token, read as the key
         # and the value: a K/V axis of stride 0 over pages of keys alone.
         runs = 1 if spec.latent else 2
-        shape = (plan.num_blocks, runs, spec.num_kv_heads, plan.block_size, spec.head_dim)
+        positions = spec.policy.page_positions(plan.block_size)  # compressed: fewer
+        shape = (plan.num_blocks, runs, spec.num_kv_heads, positions, spec.head_dim)
         start = plan.offset_of(spec) // itemsize
         layer_elems = spec.block_bytes(plan.block_size) // itemsize
         view = pool[:, slot, start : start + layer_elems].view(shape)
@@ -126,12 +127,17 @@ def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> lis
                 f"layer spec {spec.name!r} caches {spec.dtype_bytes} bytes per value, the "
                 f"model's dtype {dtype} has {itemsize}"
             )
-        if isinstance(spec, AttentionSpec):
-            beside = None if spec.beside is None else _kept(config, plan, spec.beside)
-            kept.append(attrs.evolve(_kept(config, plan, spec), beside=beside))
-        else:
-            kept.append(_kept(config, plan, spec))
+        kept.append(_kept_chain(config, plan, spec))
     return kept
+
+
+def _kept_chain(config: ModelConfig, plan: LayoutPlan, spec: _Spec) -> _Spec:
+    """``spec`` and every memory beside it with the policies of their KV groups."""
+    if isinstance(spec, AttentionSpec) and spec.beside is not None:
+        return attrs.evolve(
+            _kept(config, plan, spec), beside=_kept_chain(config, plan, spec.beside)
+        )
+    return _kept(config, plan, spec)
 
 
 def _kept(config: ModelConfig, plan: LayoutPlan, spec: _Spec) -> _Spec:

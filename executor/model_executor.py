@@ -270,7 +270,7 @@ class ModelExecutor:
                     query_lens, context_lens, tables, bs, self.plan.state_span, drafts
                 )
         input_ids = None
-        if self.model.is_first:
+        if self.model.is_first or self.model.config.reads_token_ids:
             ids = [t for r in requests for t in r.token_ids]
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return StageInputs(
@@ -285,15 +285,20 @@ class ModelExecutor:
 
     def forward(self, inputs: StageInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run the layers held: from the token ids (first stage) or the previous stage's
-        ``hidden`` states; returns ``[num_tokens, hidden_size]``."""
+        ``hidden`` states (as the wire carries them: ``[num_tokens, streams * hidden]``
+        where the model has several residual streams); returns ``[num_tokens,
+        hidden_size]`` (``[num_tokens, streams, hidden_size]``)."""
         with torch.inference_mode():
+            ids = inputs.input_ids
             if hidden is None:
-                assert inputs.input_ids is not None, "a later stage needs hidden states"
-                ids = inputs.input_ids
+                assert ids is not None, "a later stage needs hidden states"
                 return self.model.run_layers(
                     self.model.embed(ids), inputs.positions, inputs.caches, input_ids=ids
                 )
-            return self.model.run_layers(hidden, inputs.positions, inputs.caches)
+            streams = self.model.config.residual_streams
+            if streams > 1 and hidden.dim() == 2:
+                hidden = hidden.view(hidden.shape[0], streams, -1)
+            return self.model.run_layers(hidden, inputs.positions, inputs.caches, input_ids=ids)
 
     def finish(self, batch: StepBatch, inputs: StageInputs, hidden: torch.Tensor) -> StepResult:
         """Sample where asked, with logprobs and prompt logprobs (the last stage); verify

@@ -60,7 +60,9 @@ class AttentionSpec:
             mixer that runs beside the attention on the same input (Falcon-H1's Mamba2),
             or the keys of an indexer that picks the tokens the attention reads (DeepSeek
             V3.2's, one ``latent`` vector a token), or None. The layout sees it as one
-            more layer (``memories``).
+            more layer (``memories``). It may have a memory beside it in turn (DeepSeek
+            V4: the window's keys, beside them the compressed entries, beside those the
+            state of the tokens waiting for their entry).
         latent: The layer keeps one ``head_dim`` vector per token and KV head, from which
             its keys and values both come (multi-head latent attention: DeepSeek V3's
             compressed latent beside its rope key), not a key and a value.
@@ -78,9 +80,10 @@ class AttentionSpec:
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one page of this layer: K and V (or the latent) of ``block_size``
-        tokens."""
+        tokens (of the positions its policy keeps for them: ``page_positions``)."""
         vectors = 1 if self.latent else 2
-        return vectors * self.num_kv_heads * self.head_dim * self.dtype_bytes * block_size
+        positions = self.policy.page_positions(block_size)
+        return vectors * self.num_kv_heads * self.head_dim * self.dtype_bytes * positions
 
 
 @attrs.frozen(kw_only=True)
@@ -119,15 +122,17 @@ ModelLayer = AttentionSpec | StateSpec | NoCacheSpec
 
 
 def memories(layers: Iterable[ModelLayer]) -> list[LayerSpec | NoCacheSpec]:
-    """Each memory of ``layers``, in layer order: a layer's spec, followed by the state
-    beside it where its attention has one (``AttentionSpec.beside``). The executor keeps
-    a cache per memory; the planner sizes those that keep something (``cached_layers``).
+    """Each memory of ``layers``, in layer order: a layer's spec, followed by the memories
+    beside it where its attention has them (``AttentionSpec.beside``, and theirs). The
+    executor keeps a cache per memory; the planner sizes those that keep something
+    (``cached_layers``).
     """
     out: list[LayerSpec | NoCacheSpec] = []
-    for spec in layers:
-        out.append(spec)
-        if isinstance(spec, AttentionSpec) and spec.beside is not None:
-            out.append(spec.beside)
+    for layer in layers:
+        spec: LayerSpec | NoCacheSpec | None = layer
+        while spec is not None:
+            out.append(spec)
+            spec = spec.beside if isinstance(spec, AttentionSpec) else None
     return out
 
 

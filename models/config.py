@@ -16,7 +16,8 @@ import attrs
 from hybridkv.memory.layout import AttentionSpec, ModelLayer, StateSpec, memories
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import DELTANET, FULL, LIGHTNING, MAMBA, MAMBA1, SHORT_CONV, SLIDING
-from hybridkv.models.shapes.decoder import PerLayerInputs, SharedBlocks
+from hybridkv.models.shapes.compressed import COMPRESSOR, CompressedShape
+from hybridkv.models.shapes.decoder import HyperConnections, PerLayerInputs, SharedBlocks
 from hybridkv.models.shapes.deltanet import DeltaNetShape
 from hybridkv.models.shapes.latent import LatentShape
 from hybridkv.models.shapes.lightning import LightningShape
@@ -36,6 +37,7 @@ def _runnable_layers(instance: ModelConfig, attribute: attrs.Attribute[Any], val
         SHORT_CONV: instance.short_conv,
         MAMBA1: instance.mamba1,
         LIGHTNING: instance.lightning,
+        COMPRESSOR: instance.compressed,
     }
     for spec in memories(value):
         if isinstance(spec, StateSpec) and shapes.get(str(spec.kind)) is None:
@@ -125,6 +127,11 @@ class ModelConfig:
             None.
         latent: The projections of the attention layers that cache one latent a token
             (multi-head latent attention: DeepSeek V3, Kimi K2), or None.
+        compressed: The attention of DeepSeek V4 (a window beside compressed entries), or
+            None.
+        hyper: The residual streams of hyper-connections (DeepSeek V4), or None.
+        mlp_limit: The gated MLPs' gate is clamped above and their up projection on both
+            sides at it (DeepSeek V4's shared experts), or None.
     """
 
     model_type: str
@@ -178,6 +185,9 @@ class ModelConfig:
     attention_input_width: int | None = None
     shared_blocks: SharedBlocks | None = None
     latent: LatentShape | None = None
+    compressed: CompressedShape | None = None
+    hyper: HyperConnections | None = None
+    mlp_limit: float | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
@@ -233,10 +243,23 @@ class ModelConfig:
         """Per attention layer kind, the width its rope tables are built for: the head's,
         or a latent layer's rope key's."""
         latent = self.latent
+        if self.compressed is not None:  # DeepSeek V4: the last rope_dim of each head
+            return {str(s.kind): self.compressed.rope_dim for s in self.attention_layers}
         return {
             str(s.kind): latent.rope_dim if s.latent and latent is not None else s.head_dim
             for s in self.attention_layers
         }
+
+    @property
+    def residual_streams(self) -> int:
+        """Residual streams a token carries from layer to layer (hyper-connections'; 1)."""
+        return 1 if self.hyper is None else self.hyper.streams
+
+    @property
+    def reads_token_ids(self) -> bool:
+        """Whether layers past the embedding read the token ids (DeepSeek V4's hashed
+        experts), so every pipeline stage needs them."""
+        return self.experts is not None and bool(self.experts.hashed_layers)
 
     @property
     def embeddings_read_by(self) -> str | None:

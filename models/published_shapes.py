@@ -232,5 +232,24 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 64,
         "num_key_value_heads": 64,
     },
+    # DeepSeek-V4 as its transformers config's defaults (V4-Flash): 43 layers, each a window
+    # of 128 tokens of one 512-value vector; beside it entries of 4 tokens (CSA: an indexer
+    # of 64 heads of 128 keeps the best 512) or of 128 (HCA), two HCA layers first, then
+    # CSA and HCA alternating.
+    "deepseek-v4-like": {
+        "model_type": "deepseek_v4",
+        "num_hidden_layers": 43,
+        "hidden_size": 4096,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "sliding_window": 128,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+    },
     **STATE_MIXER_CONFIGS,
 }

@@ -40,6 +40,7 @@ from hybridkv.models.kinds import (
     layer_types_kinds,
     pattern_layer_types,
 )
+from hybridkv.models.shapes.compressed import CSA, HCA
 from hybridkv.models.shapes.latent import latent_shape
 from hybridkv.models.shapes.state import StateShape
 from hybridkv.policies import MemoryPolicy, check_policy, make_policy
@@ -68,15 +69,18 @@ def tensor_rank_spec(spec: ModelLayer, size: int, state: StateShape | None) -> M
     ``state``) of its share of the heads and channels (the state beside an attention
     layer's too)."""
     if isinstance(spec, AttentionSpec):
-        beside = None if spec.beside is None else _state_share(spec.beside, size, state)
+        beside = None if spec.beside is None else _beside_share(spec.beside, size, state)
         return attrs.evolve(spec, num_kv_heads=max(1, spec.num_kv_heads // size), beside=beside)
-    return spec if isinstance(spec, NoCacheSpec) else _state_share(spec, size, state)
+    return spec if isinstance(spec, NoCacheSpec) else _beside_share(spec, size, state)
 
 
-def _state_share(
+def _beside_share(
     spec: StateSpec | AttentionSpec, size: int, state: StateShape | None
 ) -> StateSpec | AttentionSpec:
-    if state is None or isinstance(spec, AttentionSpec):  # an indexer's keys: on every rank
+    if isinstance(spec, AttentionSpec):  # an indexer's keys, compressed entries: whole
+        beside = None if spec.beside is None else _beside_share(spec.beside, size, state)
+        return attrs.evolve(spec, beside=beside)
+    if state is None:
         return spec
     return attrs.evolve(spec, state_bytes=state.tensor_share(size).state_bytes)
 
@@ -193,6 +197,8 @@ def _policy(cfg: Mapping[str, Any], kind: str) -> MemoryPolicy:
         return make_policy("full")
     if kind == SLIDING:
         return make_policy("sliding_window", window=int_field(cfg, "sliding_window"))
+    if kind in (CSA, HCA):  # DeepSeek V4: the window beside the compressed entries
+        return make_policy("sliding_window", window=int_field(cfg, "sliding_window"))
     if kind == CHUNKED:
         return make_policy("chunked_local", chunk=int_field(cfg, "attention_chunk_size"))
     assert kind in STATE_KINDS, kind  # _layer_kinds refused every other kind
@@ -231,7 +237,7 @@ def _spec(
     else:
         kv_heads = int_field(cfg, "num_key_value_heads", num_heads)
         head_dim = _head_dim(cfg)
-    return AttentionSpec(
+    spec = AttentionSpec(
         name=name,
         policy=policy,
         num_kv_heads=kv_heads,
@@ -239,6 +245,7 @@ def _spec(
         dtype_bytes=dtype_bytes,
         kind=kind,
     )
+    return spec if family is None or family.beside is None else family.beside(cfg, spec)
 
 
 def _head_dim(cfg: Mapping[str, Any]) -> int:

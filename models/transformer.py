@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from hybridkv.kernels import PagedMetadata
-from hybridkv.memory.layout import AttentionSpec
+from hybridkv.memory.layout import memories
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.decoder import DecoderLayer
+from hybridkv.models.blocks.hyper_connections import HyperHead
 from hybridkv.models.blocks.mlp import GatedMLP
 from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.blocks.per_layer import PerLayerEmbedding
@@ -60,6 +61,13 @@ class _Backbone(nn.Module):
         self.norm = config_norm(config, config.hidden_size) if is_last else None
         has_inputs = config.per_layer_inputs is not None and layers.start == 0
         self.per_layer_inputs = PerLayerEmbedding(config) if has_inputs else None
+        # DeepSeek V4: the residual streams summed into one before the final norm.
+        hyper = config.hyper
+        self.hc_head = (
+            HyperHead(hyper, config.hidden_size, config.rms_norm_eps)
+            if hyper is not None and is_last
+            else None
+        )
 
 
 def _layer(config: ModelConfig, family: Family, layer: int) -> nn.Module:
@@ -86,9 +94,7 @@ class CausalLM(nn.Module):
         self.model = _Backbone(config, family, self.layer_range)
         # The layers with a second memory (a state mixer beside their attention, an
         # indexer's keys): a second cache each.
-        self._beside = frozenset(
-            i for i, s in enumerate(config.layers) if isinstance(s, AttentionSpec) and s.beside
-        )
+        self._beside = {i: len(memories([s])) - 1 for i, s in enumerate(config.layers)}
         self.lm_head: nn.Module | None = (
             nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.is_last else None
         )
@@ -207,6 +213,8 @@ class CausalLM(nn.Module):
         if self.config.embed_scale is not None:
             # Scaled in the model dtype, as the reference does (bf16 rounds the factor).
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
+        if self.config.hyper is not None:  # each of the residual streams starts as it
+            hidden = hidden.unsqueeze(1).expand(-1, self.config.hyper.streams, -1).contiguous()
         return hidden
 
     def run_layers(
@@ -249,13 +257,14 @@ class CausalLM(nn.Module):
                 scales if temperature is None or not temperature.nope_only or i in nope else None
             )
             kv_cache, metadata = next(entries)
-            beside = None
-            if i in self._beside:
-                beside = LayerInputs(cos, sin, *next(entries))  # an indexer rotates its keys
+            beside = None  # the memories beside the layer's, nested (an indexer rotates)
+            for cache, meta in reversed([next(entries) for _ in range(self._beside[i])]):
+                beside = LayerInputs(cos, sin, cache, meta, beside=beside)
             inputs = LayerInputs(
                 cos, sin, kv_cache, metadata, query_scale=scaled,
                 per_layer=None if per_layer is None else per_layer[:, i], beside=beside,
-                embeddings=embeddings,
+                embeddings=embeddings, rotary=self.rope_tables.get(kinds[i]),
+                positions=positions, token_ids=input_ids,
             )  # fmt: skip
             hidden = self.model.layers[i](hidden, inputs)
         assert next(entries, None) is None, "a cache for every memory of the layers held"
@@ -264,6 +273,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, LM head and soft-cap for the selected rows; float32 ``[rows, vocab]``."""
         assert self.lm_head is not None and self.model.norm is not None, "only the last stage"
+        if self.model.hc_head is not None:
+            hidden = self.model.hc_head(hidden)
         logits: torch.Tensor = self.lm_head(self.model.norm(hidden)).float()
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling

@@ -135,7 +135,7 @@ class StageSettings:
         return cls(
             path=str(path),
             num_stages=pipeline_parallel_size,
-            hidden_size=checkpoint.config.hidden_size,
+            hidden_size=checkpoint.config.hidden_size * checkpoint.config.residual_streams,
             options=options,
             step_timeout_s=step_timeout_s,
             log_level=structlog.get_logger().bind().get_effective_level(),

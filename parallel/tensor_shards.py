@@ -90,6 +90,8 @@ def check_tensor_split(config: ModelConfig, size: int, weights: str = "dtype") -
         values.append(
             ("mamba_expand x hidden_size (Mamba1 channels)", config.mamba1.channels, False)
         )
+    if config.compressed is not None:  # DeepSeek V4: whole groups of heads a rank
+        values.append(("o_groups", config.compressed.o_groups, False))
     if config.deltanet is not None:
         values += [
             ("linear_num_key_heads", config.deltanet.num_key_heads, False),

@@ -2,7 +2,13 @@
 
 from hybridkv.errors import CapacityError, HybridKVError
 from hybridkv.policies.base import AttentionWindow, MemoryPolicy, Span, cdiv
-from hybridkv.policies.builtin import ChunkedLocal, FullAttention, MambaLike, SlidingWindow
+from hybridkv.policies.builtin import (
+    ChunkedLocal,
+    CompressedEntries,
+    FullAttention,
+    MambaLike,
+    SlidingWindow,
+)
 from hybridkv.policies.errors import PolicyError
 from hybridkv.policies.laws import PolicyLawError, check_policy_laws
 from hybridkv.policies.registry import (
@@ -19,6 +25,7 @@ __all__ = [
     "AttentionWindow",
     "CapacityError",
     "ChunkedLocal",
+    "CompressedEntries",
     "FullAttention",
     "HybridKVError",
     "MambaLike",

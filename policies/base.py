@@ -151,6 +151,12 @@ class MemoryPolicy(abc.ABC):
                 blocks.add(j)
         return sorted(blocks)
 
+    def page_positions(self, block_size: int) -> int:
+        """Positions of its cache one page holds: a block's tokens (the generic answer), or
+        fewer where a policy keeps one vector for several tokens (``CompressedEntries``:
+        one entry a ``rate`` of them). A K/V page is this many vectors a KV head."""
+        return block_size
+
     def checkpoint_interval(self) -> int | None:
         """For a policy that ``keeps_state``: keep a checkpoint every this many blocks of a
         long prefill (None: at doubling block counts, see :meth:`page_blocks`)."""

@@ -1,4 +1,5 @@
-"""The built-in policies: full attention, sliding window, chunked local, mamba-like."""
+"""The built-in policies: full attention, sliding window, chunked local, compressed
+entries, mamba-like."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hybridkv.policies.base import (
     cdiv,
     positive,
 )
+from hybridkv.policies.errors import PolicyError
 
 
 @attrs.frozen
@@ -27,7 +29,7 @@ class FullAttention(MemoryPolicy):
     def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
         return ((0, num_tokens),) if num_tokens > 0 else ()
 
-    def attention_window(self) -> AttentionWindow:
+    def attention_window(self) -> AttentionWindow | None:
         return AttentionWindow()  # causal: every key up to the query
 
     def first_live_block(self, num_tokens: int, block_size: int) -> int:
@@ -117,6 +119,42 @@ class ChunkedLocal(MemoryPolicy):
         latest = block_size - math.gcd(self.chunk, block_size)
         bound = (latest + self.chunk - 1) // block_size + 1
         return min(bound, cdiv(max(num_tokens, 1), block_size))
+
+
+@attrs.frozen
+class CompressedEntries(FullAttention):
+    """Entries each made from ``rate`` consecutive tokens (DeepSeek V4's compressed
+    attention): entry e is made from tokens ``[e * rate, (e + 1) * rate)``, written once
+    its last token is computed and read by every later query, so every block stays live
+    (as under full attention); the tokens of an entry not yet complete wait in a small
+    state of their own (``models/blocks/compressor.py``), not here.
+
+    A page holds the entries its block's tokens complete, ``block_size // rate`` of them
+    (``page_positions``), or, where ``rate`` is a multiple of the block size, one entry
+    in the page of the block its last token falls in (the blocks before it in the same
+    entry hold nothing)::
+
+        tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     bs=4, rate=2: a page of 2 entries
+        entries  [e0  e1] | [e2  e3] | [e4    ]   e4 written when token 9 is
+
+    So a page is a function of its block's prefix alone, and a prefix hit of k blocks
+    resumes with every entry before ``k * block_size`` cached. Rates that are neither a
+    divisor nor a multiple of the block size are refused.
+    """
+
+    name: ClassVar[str] = "compressed"
+    rate: int = attrs.field(validator=positive)
+
+    def attention_window(self) -> AttentionWindow | None:
+        return None  # a query reads entries, not the keys of a window
+
+    def page_positions(self, block_size: int) -> int:
+        if block_size % self.rate and self.rate % block_size:
+            raise PolicyError(
+                f"compressed entries of {self.rate} tokens in blocks of {block_size}: the "
+                "block size must be a multiple or a divisor of the rate"
+            )
+        return max(1, block_size // self.rate)
 
 
 @attrs.frozen

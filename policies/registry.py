@@ -18,7 +18,13 @@ from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from hybridkv.policies.base import MemoryPolicy
-from hybridkv.policies.builtin import ChunkedLocal, FullAttention, MambaLike, SlidingWindow
+from hybridkv.policies.builtin import (
+    ChunkedLocal,
+    CompressedEntries,
+    FullAttention,
+    MambaLike,
+    SlidingWindow,
+)
 from hybridkv.policies.errors import PolicyError
 
 P = TypeVar("P", bound=type[MemoryPolicy])
@@ -112,5 +118,5 @@ def make_policy(name: str, **params: Any) -> MemoryPolicy:
         raise PolicyError(f"bad parameters for policy {name!r}: {exc}") from None
 
 
-for _cls in (FullAttention, SlidingWindow, ChunkedLocal, MambaLike):
+for _cls in (FullAttention, SlidingWindow, ChunkedLocal, CompressedEntries, MambaLike):
     register_policy(_cls)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hybridkv.models.shapes.compressed import CSA, HCA
 from hybridkv.testing.tiny_families import COMMON, NO_SPECIAL_TOKENS, YARN
 
 #: DeepSeek V3's tiny shape (V3.2's too).
@@ -109,10 +110,50 @@ def _deepseek_v32() -> Any:
     return DeepseekV32ForCausalLM(config)
 
 
+def _deepseek_v4() -> Any:
+    """DeepSeek V4: a window of 8 in every layer; beside it entries of 4 tokens (CSA, an
+    indexer of 16 heads keeping the best 4 a query) or of 32 (HCA, two blocks of 16 an
+    entry), YaRN on the compressed layers' rope; two residual streams; experts (4, two a
+    token) chosen by a random table of the token id in the first layer, clamped at 2."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    config = DeepseekV4Config(
+        **{**COMMON, "intermediate_size": 16},
+        num_hidden_layers=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=24,
+        partial_rotary_factor=0.25,
+        o_groups=2,
+        o_lora_rank=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", CSA, HCA, CSA],
+        compress_rates={CSA: 4, HCA: 32},
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=4,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+        swiglu_limit=2.0,
+        rope_parameters=dict(YARN),
+        **NO_SPECIAL_TOKENS,
+    )
+    model = DeepseekV4ForCausalLM(config)
+    table = model.model.layers[0].mlp.gate.tid2eid
+    table.copy_(torch.randint(0, 4, table.shape, generator=torch.Generator().manual_seed(4)))
+    return model
+
+
 #: Each architecture's builder of a fresh (untrained) transformers model.
 LATENT_BUILDERS: dict[str, Callable[[], Any]] = {
     "deepseek_v3": _deepseek_v3,
     "kimi_linear": _kimi_linear,
     "bailing_hybrid": _bailing_hybrid,
     "deepseek_v32": _deepseek_v32,
+    "deepseek_v4": _deepseek_v4,
 }

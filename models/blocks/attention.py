@@ -18,7 +18,7 @@ from hybridkv.kernels import PagedMetadata, paged_attention, write_kv
 from hybridkv.memory.layout import AttentionSpec
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.norms import config_rms_norm, rms_norm
-from hybridkv.models.blocks.rope import apply_rope
+from hybridkv.models.blocks.rope import RotaryTable, apply_rope
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.weights.cuts import TensorCut, held_run, param, rows_of, summed_columns
 from hybridkv.models.weights.fused_linear import cat_linears, split_joined
@@ -60,8 +60,14 @@ class LayerInputs:
             per-layer inputs), or None.
         embeddings: ``[num_tokens, hidden]``: the tokens' embeddings, where the layer
             reads them beside the hidden states (Zamba2's shared blocks), or None.
-        beside: The cache and metadata of the state mixer beside the attention (Falcon-H1's
-            Mamba2, ``AttentionSpec.beside``), as that mixer reads them, or None.
+        beside: The cache and metadata of the memory beside the attention's (Falcon-H1's
+            Mamba2, ``AttentionSpec.beside``), as its reader reads them (with the one
+            beside it in turn), or None.
+        rotary: The rope table of the layer's kind, for positions other than the
+            tokens' own (DeepSeek V4's compressed entries), or None.
+        positions: ``[num_tokens]``: each token's position in its request, or None.
+        token_ids: ``[num_tokens]``: the tokens, where the layers may read them (DeepSeek
+            V4's experts chosen by token id), or None.
     """
 
     cos: torch.Tensor
@@ -72,6 +78,9 @@ class LayerInputs:
     per_layer: torch.Tensor | None = None
     beside: LayerInputs | None = None
     embeddings: torch.Tensor | None = None
+    rotary: RotaryTable | None = None
+    positions: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
 
 
 class PagedAttention(nn.Module):

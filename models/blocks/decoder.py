@@ -16,7 +16,9 @@ from torch import nn
 
 from hybridkv.memory.layout import AttentionSpec, NoCacheSpec, StateSpec
 from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
+from hybridkv.models.blocks.compressed_attention import CompressedAttention
 from hybridkv.models.blocks.deltanet import GatedDeltaNet
+from hybridkv.models.blocks.hyper_connections import HyperConnection
 from hybridkv.models.blocks.latent_attention import LatentAttention
 from hybridkv.models.blocks.lightning import LightningAttention
 from hybridkv.models.blocks.mamba1 import Mamba1Mixer
@@ -90,6 +92,8 @@ class DecoderLayer(nn.Module):
             mixer = _cacheless_mixer(config, str(spec.kind))
         elif state:
             mixer = _state_mixer(config, str(spec.kind), layer)
+        elif config.compressed is not None:
+            mixer = CompressedAttention(config, layer)
         elif isinstance(spec, AttentionSpec) and spec.latent:
             mixer = LatentAttention(config, layer)
         else:
@@ -119,7 +123,8 @@ class DecoderLayer(nn.Module):
             shared = None
             if experts.shared_inner:
                 shared = GatedMLP(config, bias=config.mlp_bias, inner=experts.shared_inner)
-            self.add_module(shape.mlp_name, MixtureOfExperts(size, experts, shared))
+            hashed = layer in experts.hashed_layers
+            self.add_module(shape.mlp_name, MixtureOfExperts(size, experts, shared, hashed=hashed))
         else:
             # Granite SWA's MoE may have none (``shared_intermediate_size`` 0).
             inner = config.intermediate_size
@@ -135,6 +140,11 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(width, size, bias=False)
             self.post_per_layer_input_norm = config_norm(config, size)
         self.act = ACTIVATIONS[config.activation]
+        if shape.residual == "hyper":  # DeepSeek V4's streams around each sublayer
+            assert config.hyper is not None, "a hyper-connected layer without its shape"
+            eps = config.rms_norm_eps
+            self.attn_hc = HyperConnection(config.hyper, size, eps)
+            self.ffn_hc = HyperConnection(config.hyper, size, eps)
         self.layer_scalar = nn.Parameter(torch.empty(1)) if config.layer_scalar else None
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -155,11 +165,16 @@ class DecoderLayer(nn.Module):
             out = out + getattr(self, self._beside)(hidden, inputs.beside)
         return out
 
-    def _mlp(self, normed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def _mlp(
+        self, normed: torch.Tensor, hidden: torch.Tensor, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The MLP of the normed input (Granite's: the experts' output plus the shared
-        MLP's; Gemma 4's: the dense MLP's beside the experts', which read ``hidden``)."""
+        MLP's; Gemma 4's: the dense MLP's beside the experts', which read ``hidden``;
+        DeepSeek V4's hashed experts, chosen by ``token_ids``)."""
         if self._names.mlp != "shared_and_experts":
-            out: torch.Tensor = getattr(self, self._names.mlp_name)(normed)
+            mlp = getattr(self, self._names.mlp_name)
+            hashed = isinstance(mlp, MixtureOfExperts) and mlp.tid2eid is not None
+            out: torch.Tensor = mlp(normed, token_ids=token_ids) if hashed else mlp(normed)
             if self.moe is None:
                 return out
             after_mlp, before_experts, after_experts = (getattr(self, n) for n in _BESIDE_NORMS)
@@ -182,6 +197,13 @@ class DecoderLayer(nn.Module):
             hidden = normed * a + self.mix(normed, inputs) * b
             normed = self._norm(names.mlp_norm, hidden)
             return normed * a_mlp + self._mlp(normed, hidden) * b_mlp
+        if names.residual == "hyper":  # ``hidden``: the streams, [T, n, hidden]
+            collapsed, post, comb = self.attn_hc(hidden)
+            out = self.mix(self._norm(names.mixer_norm, collapsed), inputs)
+            hidden = HyperConnection.write_back(hidden, out, post, comb)
+            collapsed, post, comb = self.ffn_hc(hidden)
+            out = self._mlp(self._norm(names.mlp_norm, collapsed), collapsed, inputs.token_ids)
+            return HyperConnection.write_back(hidden, out, post, comb)
         if names.residual == "parallel":
             normed = self._norm(names.mixer_norm, hidden)
             return hidden + self.mix(normed, inputs) + self._mlp(normed, hidden)

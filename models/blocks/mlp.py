@@ -54,6 +54,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.gate_up_proj: nn.Module | None = None
         self.act = ACTIVATIONS[config.activation]
+        self.limit = config.mlp_limit
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         inner = self.down_proj.in_features
@@ -82,6 +83,8 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.limit is not None:  # DeepSeek V4's clamps
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         out: torch.Tensor = self.down_proj(self.act(gate).mul_(up))
         return out
 

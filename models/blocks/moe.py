@@ -40,6 +40,7 @@ _ROUTER_NAMES = {
     "router.gate.weight": "router.layer.weight",
     "gate.e_score_correction_bias": "expert_bias",
     "gate.expert_bias": "expert_bias",
+    "gate.tid2eid": "tid2eid",
     "router.proj.weight": "router.layer.weight",
 }
 
@@ -97,7 +98,12 @@ class MixtureOfExperts(nn.Module):
     """
 
     def __init__(
-        self, hidden: int, shape: ExpertsShape, shared: GatedMLP | PlainMLP | None = None
+        self,
+        hidden: int,
+        shape: ExpertsShape,
+        shared: GatedMLP | PlainMLP | None = None,
+        *,
+        hashed: bool = False,
     ) -> None:
         super().__init__()
         inner, width = shape.inner, shape.latent or hidden
@@ -116,7 +122,12 @@ class MixtureOfExperts(nn.Module):
         self.shared_expert = shared
         self.shared_expert_gate = RouterLinear(hidden, 1, bias=False) if shape.shared_gate else None
         self._sum: Callable[[torch.Tensor], None] | None = None
-        self.expert_bias = nn.Parameter(torch.empty(experts)) if shape.selection_bias else None
+        biased = shape.selection_bias and not hashed
+        self.expert_bias = nn.Parameter(torch.empty(experts)) if biased else None
+        # DeepSeek V4's hashed layers: each token's experts, a row of a table by its id.
+        table = torch.empty(shape.vocab_size, shape.top_k).long() if hashed else None
+        self.tid2eid: torch.Tensor | None
+        self.register_buffer("tid2eid", table)
         self.shape = shape
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -169,16 +180,23 @@ class MixtureOfExperts(nn.Module):
         self._sum = cut.all_reduce
         self.shape = self.shape.tensor_share(cut.size)
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's ``top_k`` experts ``[T, k]`` and their weights, in ``x``'s dtype."""
+    def _route(
+        self, x: torch.Tensor, token_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts ``[T, k]`` and their weights, in ``x``'s dtype
+        (in a hashed layer, the experts of ``token_ids``' rows of ``tid2eid``)."""
         logits = self.router(x)
         shape = self.shape
-        if shape.router == "sigmoid":
-            scores = torch.sigmoid(logits)
+        if shape.router != "softmax":
+            scores = _SCORES[shape.router](logits)
             chosen = scores if self.expert_bias is None else scores + self.expert_bias.float()
             if shape.groups > 1:
                 chosen = _in_top_groups(chosen, shape.groups, shape.top_groups)
-            experts = chosen.topk(shape.top_k, dim=-1).indices
+            if self.tid2eid is not None:
+                assert token_ids is not None, "a hashed layer routes by the token ids"
+                experts = self.tid2eid[token_ids]
+            else:
+                experts = chosen.topk(shape.top_k, dim=-1).indices
             weights = scores.gather(1, experts)
             if shape.renormalize:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -199,16 +217,24 @@ class MixtureOfExperts(nn.Module):
         if not self.shape.gated:
             return ACTIVATIONS[activation](gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        if activation != "clamped":
+        if activation not in ("clamped", "silu_clamped"):
             return ACTIVATIONS[activation](gate) * up
         limit = self.shape.limit
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        if activation == "silu_clamped":
+            return F.silu(gate) * up
         return (up + 1) * gate * torch.sigmoid(gate * self.shape.alpha)
 
-    def forward(self, x: torch.Tensor, route_input: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        route_input: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The experts' output for ``x``, routed by ``route_input`` where given (Gemma 4's
-        router reads the layer's input before the experts' norm), else by ``x``."""
-        experts, weights = self._route(x if route_input is None else route_input)
+        router reads the layer's input before the experts' norm), else by ``x`` (and in a
+        hashed layer, by ``token_ids``)."""
+        experts, weights = self._route(x if route_input is None else route_input, token_ids)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # pairs by expert, each expert's tokens in order
         tokens, by_expert = order // self.shape.top_k, flat[order]
@@ -237,6 +263,17 @@ class MixtureOfExperts(nn.Module):
         if self._sum is not None:  # a tensor-parallel rank's share
             self._sum(out)
         return out
+
+
+def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(F.softplus(logits))
+
+
+#: The score of each expert a router's logits give, by router kind (``softmax`` apart).
+_SCORES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": _sqrt_softplus,
+}
 
 
 def _in_top_groups(scores: torch.Tensor, groups: int, top_groups: int) -> torch.Tensor:

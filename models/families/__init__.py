@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from hybridkv.memory.layout import AttentionSpec
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import PolicyChoices
@@ -74,6 +75,7 @@ MODULES = {
     "kimi_linear": "kimi_linear",
     "bailing_hybrid": "bailing_hybrid",
     "deepseek_v32": "deepseek_v32",
+    "deepseek_v4": "deepseek_v4",
 }
 
 
@@ -127,6 +129,9 @@ class Family:
             layers, the prefix the checkpoint holds them under (Zamba2's shared blocks,
             stored at their first use): the loader reads them for each that the
             checkpoint does not hold apart; None: none.
+        beside: ``(config, spec)`` -> an attention layer's spec with the memories it keeps
+            beside its keys (``AttentionSpec.beside``: DeepSeek V4's compressed entries
+            and the state of the tokens waiting for one); None: none.
         normalize: config.json -> the same with the fields its hub releases name otherwise
             renamed as the family reads them (MiMo-V2-Flash's ``sliding_window_size``);
             applied (``normalized``) before any other hook reads the config, and
@@ -149,6 +154,7 @@ class Family:
     scales: Callable[[Mapping[str, Any]], Mapping[str, tuple[RowScale, ...]]] | None = None
     shared_weights: Callable[[Mapping[str, Any]], Mapping[str, str]] | None = None
     latent_width: Callable[[Mapping[str, Any]], int] | None = None
+    beside: Callable[[Mapping[str, Any], AttentionSpec], AttentionSpec] | None = None
 
 
 def normalized(family: Family | None, cfg: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -18,6 +18,12 @@ a shared block (Zamba2's ``hybrid`` layers, ``SharedBlocks``) is put together ot
 
     shared_block  t = linear(block(cat(x, e)));   out = x + mamba(norm(x + t))
                   block(y) = mlp(norm(attention(norm(y))))      (e: the token embeddings)
+
+and a layer of hyper-connections (DeepSeek V4's: ``HyperConnections``) carries ``n``
+residual streams ``X`` ``[n, hidden]``, each sublayer reading a weighted sum of them and
+writing back to each, the streams mixed by a doubly stochastic matrix::
+
+    hyper       pre, post, comb = hc(X);   X' = post * sublayer(norm(pre . X)) + comb^T X
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from typing import Literal
 
 import attrs
 
-Residual = Literal["pre_norm", "sandwich", "post_norm", "parallel", "from_norm", "shared_block"]
+Residual = Literal[
+    "pre_norm", "sandwich", "post_norm", "parallel", "from_norm", "shared_block", "hyper"
+]
 #: ``gated``: one gated MLP. ``shared_and_experts``: Granite's shared MLP
 #: (``shared_mlp``) plus, where the config has experts, the mixture (``block_sparse_moe``).
 #: ``experts``: the mixture under ``mlp_name``, a gated MLP in the config's dense layers.
@@ -81,7 +89,12 @@ class DecoderShape:
             return
         if self.residual == "shared_block":
             return  # its parts are named by the block (``blocks/shared_block.py``)
-        expected = {"pre_norm": (True, False), "sandwich": (True, True), "from_norm": (True, False)}
+        expected = {
+            "pre_norm": (True, False),
+            "sandwich": (True, True),
+            "from_norm": (True, False),
+            "hyper": (True, False),
+        }
         if (before, after) != expected.get(self.residual, (False, True)):
             raise ValueError(f"a {self.residual} layer names other norms: {self!r}")
 
@@ -148,3 +161,24 @@ class SharedBlocks:
     def owner(self, layer: int) -> int:
         """The layer whose checkpoint tensors hold the weights ``layer``'s block runs."""
         return self.uses[self.uses.index(layer) % self.count]
+
+
+@attrs.frozen(kw_only=True)
+class HyperConnections:
+    """DeepSeek V4's manifold-constrained hyper-connections (mHC): ``streams`` residual
+    streams per token. Before each sublayer a projection of the normalised streams
+    (``attn_hc``, ``ffn_hc``: ``fn``, ``base``, ``scale``) gives the weights that sum
+    them into the sublayer's input (``pre``), spread its output over them (``post``),
+    and mix them (``comb``, made doubly stochastic by ``sinkhorn_iters`` rounds of
+    Sinkhorn-Knopp); the model's head sums them the same way (``hc_head``) before the
+    final norm.
+
+    Attributes:
+        streams: Residual streams a token carries (``hc_mult``).
+        sinkhorn_iters: Rounds of the normalisation (``hc_sinkhorn_iters``).
+        eps: Added to every weight and normaliser (``hc_eps``).
+    """
+
+    streams: int
+    sinkhorn_iters: int
+    eps: float

@@ -10,12 +10,17 @@ router ``sigmoid``     sigmoid of each logit; the top k, chosen by score plus a
                        learned per-expert bias where ``selection_bias`` (AFMoE),
                        weighted by their scores, renormalised or not (Llama 4:
                        not, and the weight multiplies the expert's input)
+router                 ``sqrt(softplus(logit))``, chosen and weighted as ``sigmoid``
+``sqrtsoftplus``       (DeepSeek V4); in its ``hashed_layers`` the experts are a
+                       fixed table's row for the token id (``tid2eid``)
 activation ``silu``    ``silu(gate) * up`` (SwiGLU)
 activation ``clamped`` gpt-oss's: gate clamped above and up on both sides at
                        ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``
 activation             ``gelu_tanh(gate) * up`` (GeGLU: Gemma 4)
 ``gelu_tanh``
 activation ``relu2``   ``relu(up) ** 2``, no gate (Nemotron-H's experts)
+activation             ``silu(gate) * up``, gate clamped above and up on both sides
+``silu_clamped``       at ``limit`` (DeepSeek V4's ``swiglu_limit``)
 =====================  =========================================================
 """
 
@@ -29,8 +34,8 @@ import attrs
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.hf_config import flag_field, int_field
 
-Router = Literal["softmax", "sigmoid"]
-ExpertActivation = Literal["silu", "clamped", "gelu_tanh", "relu2"]
+Router = Literal["softmax", "sigmoid", "sqrtsoftplus"]
+ExpertActivation = Literal["silu", "clamped", "gelu_tanh", "relu2", "silu_clamped"]
 Stacks = Literal["transposed_alternating", "transposed", "plain"]
 
 
@@ -76,6 +81,10 @@ class ExpertsShape:
         latent: The experts read and write this width, projected from and back to the
             hidden size around them (``fc1_latent_proj``, ``fc2_latent_proj``:
             Nemotron-H's ``moe_latent_size``); 0: the hidden size itself.
+        hashed_layers: The layers whose experts a token's id picks, from a table of
+            ``vocab_size`` rows the checkpoint holds (``tid2eid``: DeepSeek V4's first
+            layers), their scores weighting them; no selection bias there.
+        vocab_size: The table's rows, where there are hashed layers.
     """
 
     num_experts: int
@@ -99,6 +108,8 @@ class ExpertsShape:
     expert_scales: bool = False
     shared_gate: bool = False
     latent: int = 0
+    hashed_layers: frozenset[int] = frozenset()
+    vocab_size: int = 0
 
     @property
     def gated(self) -> bool:

@@ -36,7 +36,7 @@ POOL_PAGES["jamba"] = 32
 POOL_PAGES |= dict.fromkeys(("mamba", "falcon_mamba", "mamba2"), 20)
 POOL_PAGES["nemotron_h"] = 64
 POOL_PAGES["minimax"] = 24
-POOL_PAGES["kimi_linear"] = POOL_PAGES["bailing_hybrid"] = 96
+POOL_PAGES["kimi_linear"] = POOL_PAGES["bailing_hybrid"] = POOL_PAGES["deepseek_v4"] = 96
 POOL_PAGES["falcon_h1"] = 40
 POOL_PAGES["zamba2"] = 36
 POOL_PAGES |= {
@@ -107,7 +107,7 @@ async def _serve(
         *("llama", "gemma2", "gemma3", "bamba", "granite_moe", "granite_dense"),
         *("qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "jamba"),
         *("mamba", "falcon_mamba", "mamba2", "nemotron_h", "minimax", "falcon_h1"),
-        *("zamba2", "kimi_linear", "bailing_hybrid"),
+        *("zamba2", "kimi_linear", "bailing_hybrid", "deepseek_v4"),
         *NEW_FAMILIES,
     ],
 )

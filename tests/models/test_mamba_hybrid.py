@@ -22,7 +22,7 @@ from hybridkv.policies import MambaLike
 HYBRIDS = ["bamba", "granite_moe", "granite_dense", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 HYBRIDS += ["lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "jamba", "mamba", "falcon_mamba", "mamba2"]
 HYBRIDS += ["nemotron_h", "minimax", "falcon_h1", "falcon_h1_gate_only", "zamba2", "kimi_linear"]
-HYBRIDS += ["bailing_hybrid"]
+HYBRIDS += ["bailing_hybrid", "deepseek_v4"]
 BS = 16
 
 

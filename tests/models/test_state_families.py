@@ -21,7 +21,9 @@ from hybridkv.models.kinds import DELTANET, FULL
 from hybridkv.models.specs import layer_specs_from_config
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "kimi_linear", "bailing_hybrid"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_next", "qwen3_5", "kimi_linear", "bailing_hybrid", "deepseek_v4"]
+)
 def test_a_prompt_over_three_chunks_matches(
     name: str, tiny_models: Any, make_driver: Any, prompt_of: Any, check_reference: Any
 ) -> None:
@@ -32,7 +34,9 @@ def test_a_prompt_over_three_chunks_matches(
     check_reference(tiny_models[name], driver, "a")
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "olmo_hybrid", "kimi_linear", "bailing_hybrid"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_next", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "deepseek_v4"]
+)
 def test_decodes_run_in_bfloat16(name: str, tiny_models: Any, drive: Any, prompt_of: Any) -> None:
     """The delta rule's decode gives its output in the model's dtype (bfloat16 decodes
     once stopped at a float32 output): the logits stay within bfloat16's reach of the
@@ -45,7 +49,14 @@ def test_decodes_run_in_bfloat16(name: str, tiny_models: Any, drive: Any, prompt
     output = driver.active["a"].output
     expected = tiny_models[name].reference_logits(prompt + output[:-1])[len(prompt) - 1 :]
     got = torch.stack(driver.logits["a"]).float()
-    assert float((got - expected).abs().max()) <= 0.15 * float(expected.abs().max())
+    reach = _BFLOAT16_REACH.get(name, 0.15)
+    assert float((got - expected).abs().max()) <= reach * float(expected.abs().max())
+
+
+#: DeepSeek V4's tiny model drifts further in bfloat16 (hyper-connections, clamped
+#: experts, three softmaxes a layer): transformers' own bfloat16 forward differs from its
+#: float32 one by 0.22 of the largest logit on a 33-token prompt, as ours does here.
+_BFLOAT16_REACH = {"deepseek_v4": 0.3}
 
 
 def test_multi_token_prediction_layers_are_left_unread(

@@ -125,6 +125,7 @@ def test_two_ranks_match_one_process_bamba(
         ("deepseek_v32", 2, 1, 1),
         ("kimi_linear", 2, 2, 1),
         ("bailing_hybrid", 2, 2, 1),
+        ("deepseek_v4", 2, 2, 1),
     ],
 )
 def test_more_ranks_layer_kinds_stages_and_context_match_one_process(

@@ -7,6 +7,7 @@ import pytest
 from hybridkv.policies import (
     AttentionWindow,
     ChunkedLocal,
+    CompressedEntries,
     FullAttention,
     MambaLike,
     PolicyError,
@@ -33,7 +34,14 @@ def test_live_blocks_add_the_write_block() -> None:
 
 
 @pytest.mark.parametrize(
-    "policy", [FullAttention(), SlidingWindow(window=7), ChunkedLocal(chunk=6), MambaLike()]
+    "policy",
+    [
+        FullAttention(),
+        SlidingWindow(window=7),
+        ChunkedLocal(chunk=6),
+        CompressedEntries(rate=8),
+        MambaLike(),
+    ],
 )
 def test_next_release_never_skips_a_death(policy) -> None:  # type: ignore[no-untyped-def]
     """No block live at n is dead before the count next_release(n) returns."""
@@ -169,3 +177,18 @@ def test_builtin_windows_take_the_fast_path() -> None:
     assert SlidingWindow(window=7).attention_window() == AttentionWindow(7)
     assert ChunkedLocal(chunk=5).attention_window() is None
     assert MambaLike().attention_window() is None
+
+
+@pytest.mark.parametrize(("rate", "positions"), [(4, 4), (16, 1), (32, 1)])
+def test_compressed_entries_keep_an_entry_a_rate_of_tokens(rate: int, positions: int) -> None:
+    """A page of 16 tokens holds the entries they complete (4 of rate 4), or one entry of
+    a rate spanning blocks; every entry stays live, as every key under full attention."""
+    policy = CompressedEntries(rate=rate)
+    assert policy.page_positions(16) == positions
+    assert policy.live_spans(2 * rate + 1) == ((0, 2 * rate + 1),)
+    assert policy.attention_window() is None
+
+
+def test_a_rate_the_block_size_does_not_divide_or_multiply_is_refused() -> None:
+    with pytest.raises(PolicyError, match="multiple or a divisor"):
+        CompressedEntries(rate=6).page_positions(16)

@@ -10,6 +10,7 @@ import pytest
 from hybridkv.policies import (
     AttentionWindow,
     ChunkedLocal,
+    CompressedEntries,
     FullAttention,
     MambaLike,
     MemoryPolicy,
@@ -41,6 +42,8 @@ class SinkWindow(MemoryPolicy):
         FullAttention(),
         SlidingWindow(window=7),
         ChunkedLocal(chunk=6),
+        CompressedEntries(rate=4),
+        CompressedEntries(rate=8),
         MambaLike(),
         MambaLike(checkpoint_every=3),
         SinkWindow(sinks=2, window=5),

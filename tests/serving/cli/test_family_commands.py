@@ -42,6 +42,7 @@ def _folder_of(tiny_models: Any, name: str, tmp_path: Path) -> Path:
         "zamba2",
         "kimi_linear",
         "bailing_hybrid",
+        "deepseek_v4",
     ],
 )
 def test_generate_runs_each_new_family(
@@ -54,10 +55,11 @@ def test_generate_runs_each_new_family(
     assert "5 generated (length)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3", "deepseek_v4"])
 def test_serve_answers_with_a_new_family(name: str, tiny_models: Any, tmp_path: Path) -> None:
-    """``hybridkv serve`` in its own process on Qwen3, and on DeepSeek V3 (latent
-    attention), answers a completion."""
+    """``hybridkv serve`` in its own process on Qwen3, on DeepSeek V3 (latent attention)
+    and on DeepSeek V4 (a window, compressed entries and their state), answers a
+    completion."""
     import httpx
 
     folder = _folder_of(tiny_models, name, tmp_path)
