@@ -49,9 +49,12 @@ def _check_request(request: StepRequest, plan: LayoutPlan, max_model_len: int) -
                 f"{len(table)} pages, {end} tokens need {need}"
             )
         # A state group's page holds a state, not tokens: a step needs only the page of
-        # its last block (hybridkv.memory.state_pages); the K/V groups need every block.
-        first = need - 1 if plan.groups[group].policy.keeps_state else start // bs
-        if 0 in table[first:need]:
+        # its last block (hybridkv.memory.state_pages); a K/V group needs every block, or
+        # those its policy gives pages (compressed entries spanning blocks).
+        policy = plan.groups[group].policy
+        blocks = range(need - 1 if policy.keeps_state else start // bs, need)
+        named = None if policy.keeps_state else policy.page_blocks(start, end, bs)
+        if any(table[i] == 0 for i in (blocks if named is None else named)):
             raise BatchError(
                 f"request {request.request_id!r}: block table of group {group} maps a "
                 f"position in [{start}, {end}) to the null block"

@@ -253,6 +253,8 @@ class ModelExecutor:
         context_lens = [r.start_position + r.num_tokens for r in requests]
         bs, groups = self.plan.block_size, self.plan.groups
         kv_groups = [g for g in self._groups if not groups[g].policy.keeps_state]
+        # Compressed entries spanning blocks: pages only in the blocks entries end in.
+        sparse = [groups[g].policy.page_blocks(0, bs + 1, bs) is not None for g in kv_groups]
         built = PagedMetadata.build_groups(
             query_lens,
             context_lens,
@@ -260,6 +262,7 @@ class ModelExecutor:
             bs,
             device=self.device,
             workspace=self._workspace,
+            sparse=sparse,
         )
         metadata: dict[int, PagedMetadata | StepStates] = dict(zip(kv_groups, built, strict=True))
         drafts = [r.num_draft_tokens for r in requests]

@@ -115,11 +115,15 @@ class PagedMetadata:
         device: torch.device | str = "cpu",
         *,
         workspace: GatherWorkspace | None = None,
+        sparse: Sequence[bool] = (),
     ) -> list[PagedMetadata]:
         """One metadata per KV group of a step: ``group_tables[g]`` is group g's tables.
 
         Positions and the lengths-only part of the gather plans are computed once and
-        shared; each group only looks up its own pages. Raises as ``build`` does.
+        shared; each group only looks up its own pages. Raises as ``build`` does, but for
+        the groups ``sparse`` marks, whose tables hold pages only in some blocks (DeepSeek
+        V4's entries of several blocks): their tokens elsewhere map to the null block,
+        which their layers never write.
         """
         for tables in group_tables:
             _check_lengths(query_lens, context_lens, tables, block_size)
@@ -140,10 +144,11 @@ class PagedMetadata:
         layouts: dict[PlanKey, GatherLayout] = {}
         shared = GatherWorkspace() if workspace is None else workspace
         out = []
-        for tables in group_tables:
+        for index, tables in enumerate(group_tables):
             table = _table(tables)
             pages = table[request_of_token, columns]
-            if bool((pages == 0).any()):
+            holes = index < len(sparse) and sparse[index]
+            if not holes and bool((pages == 0).any()):
                 bad = int(request_of_token[pages == 0][0])
                 raise KernelInputError(f"request {bad} would write a new token into the null block")
             out.append(

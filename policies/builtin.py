@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from typing import ClassVar
 
 import attrs
@@ -29,7 +30,7 @@ class FullAttention(MemoryPolicy):
     def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
         return ((0, num_tokens),) if num_tokens > 0 else ()
 
-    def attention_window(self) -> AttentionWindow | None:
+    def attention_window(self) -> AttentionWindow:
         return AttentionWindow()  # causal: every key up to the query
 
     def first_live_block(self, num_tokens: int, block_size: int) -> int:
@@ -122,20 +123,22 @@ class ChunkedLocal(MemoryPolicy):
 
 
 @attrs.frozen
-class CompressedEntries(FullAttention):
+class CompressedEntries(MemoryPolicy):
     """Entries each made from ``rate`` consecutive tokens (DeepSeek V4's compressed
     attention): entry e is made from tokens ``[e * rate, (e + 1) * rate)``, written once
-    its last token is computed and read by every later query, so every block stays live
-    (as under full attention); the tokens of an entry not yet complete wait in a small
-    state of their own (``models/blocks/compressor.py``), not here.
+    its last token is computed and read by every later query. The tokens of an entry not
+    yet complete wait in a small state of their own (``models/blocks/compressor.py``), so
+    the live positions are the last token of each complete entry, for good.
 
     A page holds the entries its block's tokens complete, ``block_size // rate`` of them
-    (``page_positions``), or, where ``rate`` is a multiple of the block size, one entry
-    in the page of the block its last token falls in (the blocks before it in the same
-    entry hold nothing)::
+    (``page_positions``), where the rate divides the block size; where it is a multiple
+    of it, one entry in the page of the block its last token falls in, and the blocks
+    before it in the same entry take no page (``page_blocks``) and stay null::
 
         tokens   0 1 2 3 | 4 5 6 7 | 8 9 . .     bs=4, rate=2: a page of 2 entries
-        entries  [e0  e1] | [e2  e3] | [e4    ]   e4 written when token 9 is
+        entries  [e0  e1] | [e2  e3] | [e4    ]
+        tokens   0 .. 3 | 4 .. 7 | 8 .. 11 | 12 .. 15     bs=4, rate=8
+        pages    [null ] | [ e0  ] | [null   ] | [ e1   ]
 
     So a page is a function of its block's prefix alone, and a prefix hit of k blocks
     resumes with every entry before ``k * block_size`` cached. Rates that are neither a
@@ -145,8 +148,9 @@ class CompressedEntries(FullAttention):
     name: ClassVar[str] = "compressed"
     rate: int = attrs.field(validator=positive)
 
-    def attention_window(self) -> AttentionWindow | None:
-        return None  # a query reads entries, not the keys of a window
+    def live_spans(self, num_tokens: int) -> tuple[Span, ...]:
+        r = self.rate
+        return tuple((end - 1, end) for end in range(r, num_tokens // r * r + 1, r))
 
     def page_positions(self, block_size: int) -> int:
         if block_size % self.rate and self.rate % block_size:
@@ -155,6 +159,53 @@ class CompressedEntries(FullAttention):
                 "block size must be a multiple or a divisor of the rate"
             )
         return max(1, block_size // self.rate)
+
+    def _spread(self, block_size: int) -> int:
+        """Blocks one entry spans (1 where a block holds whole entries)."""
+        self.page_positions(block_size)  # refuses a block size it cannot take
+        return max(1, self.rate // block_size)
+
+    def page_blocks(
+        self, start: int, end: int, block_size: int, checkpoints: Sequence[int] = ()
+    ) -> Sequence[int] | None:
+        spread = self._spread(block_size)
+        if spread == 1:
+            return None  # every block completes entries
+        blocks = range(start // block_size, (end - 1) // block_size + 1)
+        return [j for j in blocks if (j + 1) % spread == 0]
+
+    def live_block_spans(self, num_tokens: int, block_size: int) -> tuple[Span, ...]:
+        spread = self._spread(block_size)
+        write = num_tokens // block_size
+        if spread == 1:  # every block before the write block holds complete entries
+            return ((0, write + 1),)
+        # Every spread-th block holds an entry; the write block is held as always.
+        spans = [(j, j + 1) for j in range(spread - 1, write, spread)]
+        if spans and spans[-1][1] == write:
+            return (*spans[:-1], (write - 1, write + 1))
+        return (*spans, (write, write + 1))
+
+    def next_release(self, num_tokens: int, block_size: int) -> int:
+        # Entries live for good; only the write block of an entry's first blocks moves on.
+        return (num_tokens // block_size + 1) * block_size
+
+    def first_live_block(self, num_tokens: int, block_size: int) -> int:
+        return min(self._spread(block_size) - 1, num_tokens // block_size)
+
+    def max_live_blocks(self, num_tokens: int, block_size: int) -> int:
+        # The held count grows with n: the entry blocks before the last block's start,
+        # and that block.
+        write = (max(num_tokens, 1) - 1) // block_size
+        return write // self._spread(block_size) + 1
+
+    def longest_hit(self, max_blocks: int, block_size: int, is_cached: IsCached) -> int:
+        # A prefix is usable while the blocks of its complete entries are cached: the
+        # first entry whose block is not bounds it.
+        r = self.rate
+        for e in range(max_blocks * block_size // r):
+            if not is_cached(((e + 1) * r - 1) // block_size):
+                return min(max_blocks, ((e + 1) * r - 1) // block_size)
+        return max_blocks
 
 
 @attrs.frozen

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from hybridkv.kernels import PagedMetadata, write_kv
-from hybridkv.kernels.cache_ops import context_keys
 from hybridkv.memory.layout import AttentionSpec
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.attention import LayerInputs
@@ -219,7 +218,7 @@ class CompressedAttention(nn.Module):
         context, queries = meta.context_lens[request], meta.query_lens[request]
         window = self.shape.window
         first = max(0, context - queries - window + 1)  # the first key any query reads
-        keys = context_keys(cache, meta, request)[first:, 0]
+        keys = _window_keys(cache, meta, request, first)
         q_pos = torch.arange(context - queries, context, device=q.device)[:, None]
         k_pos = torch.arange(first, context, device=q.device)[None, :]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
@@ -232,3 +231,16 @@ class CompressedAttention(nn.Module):
         sinks = self.attn_sink.float()[:, None, None].expand(-1, queries, 1)
         probs = torch.softmax(torch.cat((logits, sinks), dim=-1), dim=-1)[..., :-1]
         return torch.einsum("hqk,kd->qhd", probs.to(keys.dtype), keys)
+
+
+def _window_keys(
+    cache: torch.Tensor, meta: PagedMetadata, request: int, first: int
+) -> torch.Tensor:
+    """``[context - first, head_dim]``: the window's vectors of ``request`` from position
+    ``first`` on, read from its pages there only (a decode reads a window, not the whole
+    context's table)."""
+    bs, context = meta.block_size, meta.context_lens[request]
+    lo = first // bs
+    pages = meta.block_table[request, lo : -(-context // bs)].to(cache.device)
+    keys = cache[:, 0, 0].index_select(0, pages).reshape(-1, cache.shape[-1])
+    return keys[first - lo * bs : context - lo * bs]

@@ -10,7 +10,7 @@ from hybridkv.memory.sizes import parse_size
 from hybridkv.serving.cli.flags.values import UsageError, dtype_bytes, load_config
 
 if TYPE_CHECKING:
-    from hybridkv.memory.layout import LayerSpec, LayoutPlan
+    from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan
     from hybridkv.memory.layout_planner import PlanReport
     from hybridkv.models.shapes.state import StateShape
 
@@ -92,6 +92,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     from hybridkv.memory.layout_planner import describe, plan_layout
     from hybridkv.models.specs import layer_specs_from_config, tensor_rank_spec
+    from hybridkv.policies import CompressedEntries
     from hybridkv.serving.cli.flags.engine import parse_layer_policies
 
     budget = parse_size(args.kv_memory)
@@ -122,10 +123,15 @@ def run_plan(args: argparse.Namespace) -> int:
     if states:
         shared += f"; {states} layers hold a K/V and a state each"
     latent = [s for s in layers if isinstance(s, AttentionSpec) and s.latent]
-    if latent:
-        shared += f"; latent attention: {latent[0].head_dim} values a token and layer"
     indexed = [s for s in besides if isinstance(s, AttentionSpec)]
-    if indexed:
+    entries = [s for s in indexed if isinstance(s.policy, CompressedEntries)]
+    if latent:
+        what = "one vector a token read as key and value" if entries else "latent attention"
+        shared += f"; {what}: {latent[0].head_dim} values a token and layer"
+    if entries:
+        widths = "/".join(str(w) for w in sorted({s.head_dim for s in entries}))
+        shared += f", and compressed entries of {widths} values in {len(entries)}"
+    elif indexed:
         shared += f", and {indexed[0].head_dim} of an indexer's keys in {len(indexed)}"
     kept = len(specs) - readers
     print(f"model   {label}: {kept} KV layers ({summary or 'attention-free'}{shared})")
@@ -285,7 +291,7 @@ def format_tensor(
         plan = plan_layout(held, budget, args.block_size, stages=[[s.name for s in held]])
         report = describe(plan, held, args.request_tokens)
         kv_heads = sorted({s.num_kv_heads for s in held if isinstance(s, AttentionSpec)})
-        token = sum(s.block_bytes(1) for s in held if isinstance(s, AttentionSpec))
+        token = sum(_token_bytes(s) for s in held if isinstance(s, AttentionSpec))
         rows.append(
             [ranks, "/".join(map(str, kv_heads)) or "-", _bytes(token), plan.num_blocks,
              report.max_request_tokens, report.max_requests]
@@ -327,3 +333,12 @@ def _gain(hybrid: int | None, uniform: int | None) -> str:
     if hybrid is None or uniform is None:
         return ""
     return f"{hybrid / uniform:.2f}x" if uniform else "inf"
+
+
+def _token_bytes(spec: AttentionSpec) -> int:
+    """Bytes a token's keys and values take in ``spec``'s layer where they are kept (an
+    entry's share, where one entry stands for ``rate`` tokens)."""
+    from hybridkv.policies import CompressedEntries
+
+    tokens = spec.policy.rate if isinstance(spec.policy, CompressedEntries) else 1
+    return spec.block_bytes(tokens) // tokens

@@ -36,7 +36,8 @@ POOL_PAGES["jamba"] = 32
 POOL_PAGES |= dict.fromkeys(("mamba", "falcon_mamba", "mamba2"), 20)
 POOL_PAGES["nemotron_h"] = 64
 POOL_PAGES["minimax"] = 24
-POOL_PAGES["kimi_linear"] = POOL_PAGES["bailing_hybrid"] = POOL_PAGES["deepseek_v4"] = 96
+POOL_PAGES["kimi_linear"] = POOL_PAGES["bailing_hybrid"] = 96
+POOL_PAGES["deepseek_v4"] = 64
 POOL_PAGES["falcon_h1"] = 40
 POOL_PAGES["zamba2"] = 36
 POOL_PAGES |= {

@@ -179,13 +179,19 @@ def test_builtin_windows_take_the_fast_path() -> None:
     assert MambaLike().attention_window() is None
 
 
-@pytest.mark.parametrize(("rate", "positions"), [(4, 4), (16, 1), (32, 1)])
-def test_compressed_entries_keep_an_entry_a_rate_of_tokens(rate: int, positions: int) -> None:
+@pytest.mark.parametrize(
+    ("rate", "positions", "pages"), [(4, 4, None), (16, 1, None), (32, 1, [1, 3])]
+)
+def test_compressed_entries_keep_an_entry_a_rate_of_tokens(
+    rate: int, positions: int, pages: list[int] | None
+) -> None:
     """A page of 16 tokens holds the entries they complete (4 of rate 4), or one entry of
-    a rate spanning blocks; every entry stays live, as every key under full attention."""
+    a rate spanning blocks, in the block of its last token alone; the last token of each
+    complete entry stays live for good."""
     policy = CompressedEntries(rate=rate)
     assert policy.page_positions(16) == positions
-    assert policy.live_spans(2 * rate + 1) == ((0, 2 * rate + 1),)
+    assert policy.page_blocks(0, 64, 16) == pages
+    assert policy.live_spans(2 * rate + 1) == ((rate - 1, rate), (2 * rate - 1, 2 * rate))
     assert policy.attention_window() is None
 
 

@@ -42,8 +42,6 @@ class SinkWindow(MemoryPolicy):
         FullAttention(),
         SlidingWindow(window=7),
         ChunkedLocal(chunk=6),
-        CompressedEntries(rate=4),
-        CompressedEntries(rate=8),
         MambaLike(),
         MambaLike(checkpoint_every=3),
         SinkWindow(sinks=2, window=5),
@@ -51,6 +49,13 @@ class SinkWindow(MemoryPolicy):
 )
 def test_the_built_in_policies_and_a_users_keep_the_laws(policy: MemoryPolicy) -> None:
     check_policy_laws(policy, max_tokens=80)
+
+
+@pytest.mark.parametrize("rate", [1, 4, 8])
+def test_compressed_entries_keep_the_laws_at_the_block_sizes_they_take(rate: int) -> None:
+    """At blocks a divisor or a multiple of the rate (the others are refused): entries
+    in every block, or in one block of every few with the others left null."""
+    check_policy_laws(CompressedEntries(rate=rate), max_tokens=80, block_sizes=(1, 2, 4, 8, 16))
 
 
 @attrs.frozen
