@@ -18,7 +18,9 @@ For each shape of ``models/published_shapes.py`` the issue lists, the layer spec
   KV-shared layers have no spec, as vLLM gives them none; an ``MLAAttentionSpec`` of one
   576-value latent for DeepSeek V3's and Kimi K2's latent attention, and for DeepSeek
   V3.2's indexer one of its keys as vLLM caches them, 128 fp8 values and a float32 scale
-  a token, where hybridkv keeps them in the model's dtype), vLLM's default layout
+  a token, where hybridkv keeps them in the model's dtype; DeepSeek V4's compressed
+  layers are not mapped: for them the bytes each memory kind keeps are printed instead),
+  vLLM's default layout
   (``LBNHC``, the first of its preference); a request of L tokens holds, in each group,
   the blocks of its block size the group's window keeps, times vLLM's bytes per block.
 
@@ -47,7 +49,13 @@ from hybridkv.memory.layout import AttentionSpec, LayerSpec, cached_layers, owns
 from hybridkv.memory.layout_planner import describe, plan_layout
 from hybridkv.models.published_shapes import BUILTIN_CONFIGS
 from hybridkv.models.specs import layer_specs_from_config
-from hybridkv.policies import ChunkedLocal, FullAttention, MemoryPolicy, SlidingWindow
+from hybridkv.policies import (
+    ChunkedLocal,
+    CompressedEntries,
+    FullAttention,
+    MemoryPolicy,
+    SlidingWindow,
+)
 
 VLLM_VERSION = "0.34.0"
 #: The published shapes of the issue's rows.
@@ -56,7 +64,7 @@ SHAPES = (
     "llama4-scout-like", "mistral-small-3.2-like", "phi-4-mini-like", "gemma-4-31b-like",
     "gemma-4-e4b-like", "mimo-v2-flash-like", "command-a-like", "olmo3-7b-like",
     "smollm3-3b-like", "exaone4-32b-like", "deepseek-v3-like", "deepseek-v3.2-like",
-    "kimi-k2-like",
+    "kimi-k2-like", "deepseek-v4-like",
 )  # fmt: skip
 TOKENS = (4096, 32768)
 BLOCK = 16
@@ -137,6 +145,28 @@ def per_head_bytes(config: dict[str, Any], tokens: int) -> int:
     return int(per_token * config["num_hidden_layers"] * tokens)
 
 
+def specs_of(shape: str) -> list[Any]:
+    """The layer specs of a published shape, bfloat16."""
+    return list(layer_specs_from_config(BUILTIN_CONFIGS[shape], dtype_bytes=2))
+
+
+def kind_bytes(specs: Sequence[LayerSpec], tokens: int) -> dict[str, int]:
+    """Per memory policy, the bytes a request of ``tokens`` keeps live in the layers of
+    it, without pages or padding: each layer's live positions times a position's bytes
+    (a compressed layer's: an entry's), or one state."""
+    out: dict[str, int] = {}
+    for spec in cached_layers(specs):
+        if not owns_pages(spec):
+            continue
+        if isinstance(spec, AttentionSpec):
+            live = sum(b - a for a, b in spec.policy.live_spans(tokens))
+            size = spec.block_bytes(BLOCK) // spec.policy.page_positions(BLOCK) * live
+        else:
+            size = spec.state_bytes
+        out[repr(spec.policy)] = out.get(repr(spec.policy), 0) + size
+    return out
+
+
 def _policy(spec: Any) -> MemoryPolicy:
     """The hybridkv policy that keeps what a vLLM spec's manager keeps."""
     if getattr(spec, "sliding_window", None):
@@ -205,18 +235,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nrequests of {tokens} tokens, {args.budget:g} GiB of KV, bfloat16, block {BLOCK}")
         print(HEADER)
         for shape in SHAPES:
-            specs = layer_specs_from_config(BUILTIN_CONFIGS[shape], dtype_bytes=2)
+            specs = specs_of(shape)
             row = {"shape": shape, "tokens": tokens, **hybridkv_row(specs, budget, tokens)}
-            if vllm is not None:
+            compressed = any(isinstance(x.policy, CompressedEntries) for x in cached_layers(specs))
+            if vllm is not None and not compressed:  # vLLM's V4 path is not mapped here
                 row |= vllm_row(vllm, specs, budget, tokens)
+            if compressed:
+                row["kind_bytes"] = kind_bytes(specs, tokens)
             rows.append(row)
-            theirs = _mib(row["vllm_bytes"]) if vllm is not None else "-"
+            theirs = _mib(row["vllm_bytes"]) if "vllm_bytes" in row else "-"
             fit = row.get("vllm_requests", "-")
             sizes = ",".join(map(str, row.get("vllm_block_sizes", []))) or "-"
             print(f"{shape:24} {_mib(row['hybridkv_bytes']):>13} {row['hybridkv_padding']:>9.1%} "
                   f"{_mib(row['uniform_bytes']):>12} {theirs:>10} | {row['hybridkv_requests']:>9} "
                   f"{row['uniform_requests']:>8} {fit:>6} {sizes:>12}")  # fmt: skip
         for row in rows[-len(SHAPES) :]:
+            if "kind_bytes" in row:  # and how each kind grows: the bytes a token adds
+                longer = kind_bytes(specs_of(row["shape"]), 2 * tokens)
+                row["kind_growth"] = {
+                    p: (longer[p] - n) / tokens for p, n in row["kind_bytes"].items()
+                }
+            for policy, size in row.get("kind_bytes", {}).items():
+                print(f"  {row['shape']}: {policy} keeps {_mib(size)} MiB a request, "
+                      f"{row['kind_growth'][policy]:,.0f} bytes more a token")  # fmt: skip
             expanded = per_head_bytes(BUILTIN_CONFIGS[row["shape"]], tokens)
             if expanded:
                 row["per_head_kv_bytes"] = expanded

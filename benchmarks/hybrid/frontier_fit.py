@@ -1,5 +1,6 @@
 """How long one request's context fits beside the weights, for the latent-attention models
-at their published shapes (DeepSeek V3, V3.2, Kimi K2, Kimi-Linear-48B-A3B).
+at their published shapes (DeepSeek V3, V3.2, Kimi K2, Kimi-Linear-48B-A3B) and DeepSeek
+V4 (its transformers config's defaults: V4-Flash).
 
 Each model's config is transformers' defaults for its type (their published values)
 under ``hybridkv plan``'s row of it (``models/published_shapes.py``: the layers' shapes),
@@ -7,11 +8,12 @@ Kimi K2's experts and vocabulary written in (384 experts, one dense layer, 163,8
 Its parameters are counted on the model hybridkv builds from that config (on the meta
 device: no memory), the multi-token-prediction layers left out; its weights are those
 parameters at the precision of the release (FP8, a byte each, for DeepSeek's and Kimi
-K2's; bfloat16 for Kimi Linear's).
+K2's, V4's as its Flash-Base release stores its experts; bfloat16 for Kimi Linear's).
 
 For each GPU of ``--gpu-gib`` (80) and each tensor-parallel size (1 and 8), the cache
 gets what the weights leave (``gpu - weights / tp``; the latent is whole on every rank,
-Kimi Linear's delta attention states are split by heads), and ``hybridkv plan``'s
+as are V4's window, entries and their states; Kimi Linear's delta attention states are
+split by heads), and ``hybridkv plan``'s
 planner (bfloat16, blocks of 16) says the longest request that fits: ``describe``'s
 ``max_request_tokens``, capped at the context the model was released with (marked
 ``max``). Nothing is timed: the numbers are the planner's arithmetic.
@@ -47,6 +49,7 @@ MODELS: dict[str, tuple[str, str, Mapping[str, Any], int, int]] = {
     "DeepSeek-V3.2": ("deepseek-v3.2-like", "DeepseekV32Config", {}, 1, 163840),
     "Kimi K2": ("kimi-k2-like", "DeepseekV3Config", _KIMI_K2, 1, 131072),
     "Kimi-Linear-48B-A3B": ("kimi-linear-48b-a3b-like", "KimiLinearConfig", {}, 2, 1048576),
+    "DeepSeek-V4-Flash": ("deepseek-v4-like", "DeepseekV4Config", {}, 1, 1048576),
 }
 TENSOR_PARALLEL = (1, 8)
 
