@@ -3,26 +3,18 @@ holding more than a uniform layout, Gemma 4 31B's packed pages without padding."
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_scripts import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def layouts() -> ModuleType:
-    """The script, imported as ``python -m`` does from the repository root."""
-    path = list(sys.path)
-    try:
-        sys.path.insert(0, str(ROOT))
-        return importlib.import_module("benchmarks.hybrid.family_layouts")
-    finally:
-        sys.path[:] = path
+    """The script, imported from the repository root."""
+    return benchmark_module("benchmarks.hybrid.family_layouts")
 
 
 def test_rows_of_every_shape_at_both_lengths(

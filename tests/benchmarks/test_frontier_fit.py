@@ -3,27 +3,18 @@ published shapes, and the longest request their cache holds beside the weights."
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_scripts import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def frontier_fit() -> ModuleType:
-    """The script, imported as ``python -m`` does from the repository root (the suite's
-    ``tests/benchmarks`` would otherwise stand for ``benchmarks``)."""
-    path = list(sys.path)
-    try:
-        sys.path.insert(0, str(ROOT))
-        return importlib.import_module("benchmarks.hybrid.frontier_fit")
-    finally:
-        sys.path[:] = path
+    """The script, imported from the repository root."""
+    return benchmark_module("benchmarks.hybrid.frontier_fit")
 
 
 def test_parameters_and_the_context_beside_the_weights(
@@ -41,3 +32,7 @@ def test_parameters_and_the_context_beside_the_weights(
     assert 10_000 < rows["DeepSeek-V3"]["longest_tokens"]["8"] < 163840
     linear = rows["Kimi-Linear-48B-A3B"]
     assert linear["longest_tokens"]["8"] == linear["context"] == 1048576
+    # DeepSeek V4-Flash: its published 284B; its compressed cache holds a million tokens.
+    v4 = rows["DeepSeek-V4-Flash"]
+    assert round(v4["parameters"] / 1e9) == 284
+    assert v4["longest_tokens"]["8"] == v4["context"] == 1048576

@@ -3,7 +3,6 @@ script cannot rot between the rare runs on a GPU; without CUDA it refuses in one
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import subprocess
@@ -12,19 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_scripts import ROOT, benchmark_module
 
 
 def cuda_test_files() -> tuple[str, ...]:
     """benchmarks/gpu/check.py's list, imported as ``python -m`` does from the root."""
-    path = list(sys.path)
-    try:
-        sys.path.insert(0, str(ROOT))
-        files: tuple[str, ...] = importlib.import_module("benchmarks.gpu.check").CUDA_TEST_FILES
-        return files
-    finally:
-        sys.path[:] = path
+    files: tuple[str, ...] = benchmark_module("benchmarks.gpu.check").CUDA_TEST_FILES
+    return files
 
 
 @pytest.mark.slow

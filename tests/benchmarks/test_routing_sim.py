@@ -3,27 +3,17 @@ measures, and its faster index answers as the router's own."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_scripts import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def routing() -> ModuleType:
-    """benchmarks/routing/policies.py, imported as ``python -m`` does from the repository
-    root (sys.path as it was after)."""
-    path = list(sys.path)
-    try:
-        sys.path.insert(0, str(ROOT))
-        return importlib.import_module("benchmarks.routing.policies")
-    finally:
-        sys.path[:] = path
+    """The script, imported from the repository root."""
+    return benchmark_module("benchmarks.routing.policies")
 
 
 @pytest.fixture(scope="module")
