@@ -2,9 +2,11 @@
 
 A group's page of one block is, for every layer of the group, its ``[2, kv_heads,
 block_size, head_dim]`` slice; a stored block stacks them as ``[layers, 2, kv_heads,
-block_size, head_dim]``. Reads and writes run on the executor's torch thread, at the start
-of a step (``hybridkv.memory.offload.worker``). On CUDA, pages go through pinned host
-buffers, and the host tier keeps its values in pinned memory too.
+block_size, head_dim]`` (where the layers' pages differ in shape, as DeepSeek V4's
+compressor states of two sizes do, it holds them flattened one after another). Reads
+and writes run on the executor's torch thread, at the start of a step
+(``hybridkv.memory.offload.worker``). On CUDA, pages go through pinned host buffers, and
+the host tier keeps its values in pinned memory too.
 """
 
 from __future__ import annotations
@@ -63,11 +65,22 @@ class KVPages:
         rows = [page // span for page in pages] if span > 1 else list(pages)
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
+    def _mixed(self, group: int) -> bool:
+        """Whether the group's layers hold pages of different shapes (DeepSeek V4's
+        compressor states, CSA's beside HCA's, in one state group): its blocks then hold
+        every layer's page flattened, one after another."""
+        layers = self._layers[group]
+        return any(cache.shape[1:] != layers[0].shape[1:] for cache in layers)
+
     def read_pages(self, group: int, pages: Sequence[int]) -> list[KVBlock]:
         layers = self._layers[group]
         index = self._index(group, pages)
         with torch.inference_mode():
-            stacked = torch.stack([cache.index_select(0, index) for cache in layers], dim=1)
+            parts = [cache.index_select(0, index) for cache in layers]
+            if self._mixed(group):
+                stacked = torch.cat([part.flatten(1) for part in parts], dim=1)
+            else:
+                stacked = torch.stack(parts, dim=1)
             if self._pin:
                 host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
                 host.copy_(stacked, non_blocking=True)
@@ -81,8 +94,9 @@ class KVPages:
 
     def write_pages(self, group: int, pages: Sequence[int], blocks: Sequence[KVBlock]) -> None:
         layers = self._layers[group]
-        first = layers[0]
-        shape = (len(layers), *first.shape[1:])
+        first, mixed = layers[0], self._mixed(group)
+        sizes = [cache[0].numel() for cache in layers]
+        shape = (sum(sizes),) if mixed else (len(layers), *first.shape[1:])
         dtype = str(first.dtype).removeprefix("torch.")
         for block in blocks:
             if block.dtype != dtype or block.shape != shape:
@@ -97,8 +111,9 @@ class KVPages:
         index = self._index(group, pages)
         with torch.inference_mode():
             values = staging.to(self.device, non_blocking=self._pin)
-            for j, cache in enumerate(layers):
-                cache.index_copy_(0, index, values[:, j])
+            parts = torch.split(values, sizes, dim=1) if mixed else values.unbind(1)
+            for cache, part in zip(layers, parts, strict=True):
+                cache.index_copy_(0, index, part.view(-1, *cache.shape[1:]))
 
 
 def pinned_buffers(device: torch.device) -> BufferFactory | None:

@@ -67,14 +67,16 @@ async def test_redis_holds_the_prefix_and_its_loss_degrades_to_recompute(
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("name", ["bamba", "granite_moe"])
+@pytest.mark.parametrize("name", ["bamba", "granite_moe", "deepseek_v4"])
 @pytest.mark.parametrize("tier", ["host", "redis"])
 async def test_a_hybrids_state_loads_from_a_tier_with_the_same_tokens(
     tiny_models: Any, prompt_of: Any, redis_server: Any, name: str, tier: str, serve_in_turn: Any
 ) -> None:
-    """A Mamba2 hybrid (a state page spanning several K/V pages at 4-token blocks): the
-    repeat loads its attention blocks and its states' checkpoint from host memory or
-    Redis, and every output equals the run without a connector."""
+    """A Mamba2 hybrid (a state page spanning several K/V pages at 4-token blocks), and
+    DeepSeek V4 (its windows, its compressed entries, an HCA entry's in one block of
+    eight, and their compressor's states): the repeat loads its attention blocks and its
+    states' checkpoint from host memory or Redis, and every output equals the run without
+    a connector."""
     model = tiny_models[name]
     baseline, _ = await serve_in_turn(model.path, _prompts(prompt_of), None)
     store = HostTier(64 << 20) if tier == "host" else RedisTier(redis_server.url)
