@@ -253,7 +253,6 @@ class ModelExecutor:
         context_lens = [r.start_position + r.num_tokens for r in requests]
         bs, groups = self.plan.block_size, self.plan.groups
         kv_groups = [g for g in self._groups if not groups[g].policy.keeps_state]
-        # Compressed entries spanning blocks: pages only in the blocks entries end in.
         sparse = [groups[g].policy.page_blocks(0, bs + 1, bs) is not None for g in kv_groups]
         built = PagedMetadata.build_groups(
             query_lens,
@@ -262,7 +261,7 @@ class ModelExecutor:
             bs,
             device=self.device,
             workspace=self._workspace,
-            sparse=sparse,
+            sparse=sparse,  # entries spanning blocks: pages only where they end
         )
         metadata: dict[int, PagedMetadata | StepStates] = dict(zip(kv_groups, built, strict=True))
         drafts = [r.num_draft_tokens for r in requests]
@@ -288,9 +287,7 @@ class ModelExecutor:
 
     def forward(self, inputs: StageInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run the layers held: from the token ids (first stage) or the previous stage's
-        ``hidden`` states (as the wire carries them: ``[num_tokens, streams * hidden]``
-        where the model has several residual streams); returns ``[num_tokens,
-        hidden_size]`` (``[num_tokens, streams, hidden_size]``)."""
+        ``hidden`` states; returns ``[num_tokens, hidden_size]`` (or per residual stream)."""
         with torch.inference_mode():
             ids = inputs.input_ids
             if hidden is None:
@@ -298,9 +295,6 @@ class ModelExecutor:
                 return self.model.run_layers(
                     self.model.embed(ids), inputs.positions, inputs.caches, input_ids=ids
                 )
-            streams = self.model.config.residual_streams
-            if streams > 1 and hidden.dim() == 2:
-                hidden = hidden.view(hidden.shape[0], streams, -1)
             return self.model.run_layers(hidden, inputs.positions, inputs.caches, input_ids=ids)
 
     def finish(self, batch: StepBatch, inputs: StageInputs, hidden: torch.Tensor) -> StepResult:

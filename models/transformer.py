@@ -234,8 +234,12 @@ class CausalLM(nn.Module):
                 memory followed by the state beside it: ``memories``), its KV cache
                 and metadata.
             input_ids: The tokens, where ``hidden`` is their embeddings (the first
-                stage): a model with per-layer inputs reads them.
+                stage): a model with per-layer inputs reads them; and on every stage of a
+                model whose layers read them (``ModelConfig.reads_token_ids``).
         """
+        hyper = self.config.hyper
+        if hyper is not None and hidden.dim() == 2:  # the streams as a pipeline wire sends them
+            hidden = hidden.view(hidden.shape[0], hyper.streams, -1)
         per_layer = None
         if self.model.per_layer_inputs is not None:
             assert input_ids is not None, "per-layer inputs are read from the token ids"

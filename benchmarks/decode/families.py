@@ -13,6 +13,11 @@ Each model is a few layers of its published shape (random weights, ``--dtype``):
   kimi-linear-48b  Kimi-Linear-48B-A3B's widths, 2 of its 27 layers: Kimi Delta Attention
                    (32 heads of 128) with a dense MLP, latent attention without rope with
                    256 experts of 1,024 (eight a token) beside a shared one
+  deepseek-v4      DeepSeek V4-Flash's widths, 2 of its 43 layers (one CSA, one HCA: 64
+                   heads reading one 512-value vector a token, a window of 128 beside
+                   compressed entries, an indexer of 64 heads keeping 512), hidden 4,096 in
+                   four hyper-connection streams, 16 of its 256 experts of 2,048 (six a
+                   token; the first layer's by token id) beside a shared one
 
 For batch 1 and 8 (``--batches``), prompts of ``--context`` tokens, then ``--steps``
 decode steps. Ours: ``ModelExecutor.execute`` one decode step at a time (no engine, no
@@ -86,6 +91,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_hidden_layers": 2,
             "layer_types": ["linear_attention", "full_attention"],
             "mlp_layer_types": ["dense", "sparse"],
+        },
+    ),
+    "deepseek-v4": (
+        "DeepseekV4Config",
+        {  # the rest transformers' defaults: V4-Flash's widths
+            "num_hidden_layers": 2,
+            "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+            "mlp_layer_types": ["hash_moe", "moe"],
+            "n_routed_experts": 16,
         },
     ),
 }
