@@ -74,8 +74,9 @@ def check_context_split(specs: Sequence[ModelLayer], *, sinks: bool = False) -> 
         if spec.latent:
             raise ParallelConfigError(
                 f"context parallelism attends keys and values of each head; layer "
-                f"{spec.name!r} keeps one latent a token (multi-head latent attention), "
-                "which its ring does not pass"
+                f"{spec.name!r} keeps one latent a token (one vector read as key and value: "
+                "multi-head latent attention, DeepSeek V4's window), which its ring does "
+                "not pass"
             )
         if spec.policy.attention_window() is None:
             raise ParallelConfigError(

@@ -246,3 +246,27 @@ def test_deepseek_v32_keeps_its_index_keys_beside_each_latent() -> None:
     plan = plan_layout(cached_layers(specs), 8 << 30)
     assert plan.block_bytes == 2 * 16 * 576 * 2
     assert len({plan.slot_of(s)[1] for s in cached_layers(specs)}) == 38
+
+
+def test_deepseek_v4_layers_chain_a_window_its_entries_and_their_state() -> None:
+    """DeepSeek V4-Flash's 43 layers each keep a window of 128 tokens of one 512-value
+    vector, beside it compressed entries (CSA: 640 values an entry of 4 tokens, the
+    indexer's 128 beside the attention's 512; HCA: 512 an entry of 128), and beside those
+    the state of the tokens waiting for their entry; an entry page of 16 tokens holds 4
+    CSA entries, or one HCA entry in every eighth block."""
+    from hybridkv.memory.layout import memories
+    from hybridkv.policies import CompressedEntries, MambaLike, SlidingWindow
+
+    specs = layer_specs_from_config(BUILTIN_CONFIGS["deepseek-v4-like"])
+    assert len(specs) == 43 and len(memories(specs)) == 3 * 43
+    for spec in specs:
+        assert isinstance(spec, AttentionSpec) and spec.latent and spec.head_dim == 512
+        assert spec.policy == SlidingWindow(window=128)
+        entries = spec.beside
+        assert isinstance(entries, AttentionSpec) and isinstance(entries.beside, StateSpec)
+        assert entries.beside.policy == MambaLike()
+        rate = 4 if spec.kind == "compressed_sparse_attention" else 128
+        assert entries.policy == CompressedEntries(rate=rate)
+        assert entries.head_dim == (640 if rate == 4 else 512)
+        assert entries.block_bytes(16) == max(1, 16 // rate) * entries.head_dim * 2
+        assert entries.policy.page_blocks(0, 256, 16) == (None if rate == 4 else [7, 15])

@@ -119,14 +119,15 @@ def test_a_policy_without_one_window_is_refused(tiny_models) -> None:
         ("gpt_oss", None, "attention sinks"),
         ("gemma4", None, "'model.layers.4.self_attn' computes none"),
         ("deepseek_v3", None, "'model.layers.0.self_attn' keeps one latent a token"),
+        ("deepseek_v4", None, "'model.layers.0.self_attn' keeps one latent a token"),
     ],
 )
 def test_layers_the_ranks_cannot_share_are_refused_before_any_process(
     tiny_models, name, policies, message
 ) -> None:
     """A Mamba2 hybrid (Falcon-H1's beside its attention), a layer whose keys are not one
-    window, attention with sinks, a layer reading another's cache, latent attention:
-    refused at start,
+    window, attention with sinks, a layer reading another's cache, latent attention,
+    DeepSeek V4's window of one vector a token: refused at start,
     naming the layer or the sinks, and no worker process started."""
     options = LoadOptions(kv_cache_bytes=KV_BYTES, block_size=4, policies=policies or {})
     with pytest.raises(ParallelConfigError, match=message):
