@@ -79,17 +79,20 @@ def write_kv(
     kv_cache[meta.write_blocks, :, :, meta.write_offsets] = torch.stack((key, value), dim=1)
 
 
-def context_keys(kv_cache: torch.Tensor, meta: PagedMetadata, request: int) -> torch.Tensor:
-    """``[context_len, num_kv_heads, head_dim]``: the keys of request ``request``'s whole
-    context, in position order, read from its pages (a page its table names as the null
-    block reads as that block's zeros).
+def context_keys(
+    kv_cache: torch.Tensor, meta: PagedMetadata, request: int, first: int = 0
+) -> torch.Tensor:
+    """``[context_len - first, num_kv_heads, head_dim]``: the keys of request ``request``'s
+    context from position ``first`` on, in position order, read from the pages holding
+    them alone (a page its table names as the null block reads as that block's zeros).
 
     Raises:
         KernelInputError: the cache does not fit the metadata.
     """
     geometry = check_cache(kv_cache, meta)
-    context = meta.context_lens[request]
-    num_pages = -(-context // meta.block_size)
-    pages = meta.block_table[request, :num_pages].to(kv_cache.device)
+    bs, context = meta.block_size, meta.context_lens[request]
+    lo = first // bs
+    pages = meta.block_table[request, lo : -(-context // bs)].to(kv_cache.device)
     keys = kv_cache[:, 0].index_select(0, pages).transpose(1, 2)
-    return keys.reshape(-1, geometry.num_kv_heads, geometry.head_dim)[:context]
+    keys = keys.reshape(-1, geometry.num_kv_heads, geometry.head_dim)
+    return keys[first - lo * bs : context - lo * bs]

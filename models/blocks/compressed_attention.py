@@ -26,9 +26,11 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kernels import PagedMetadata, write_kv
+from hybridkv.kernels.cache_ops import context_keys
 from hybridkv.memory.layout import AttentionSpec
 from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.blocks.attention import LayerInputs
@@ -112,7 +114,7 @@ class CompressedAttention(nn.Module):
         assert isinstance(meta, PagedMetadata), "the window is paged"
         q_low = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_low).view(num_tokens, self.heads, shape.head_dim)
-        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
+        q = F.rms_norm(q.float(), (shape.head_dim,), eps=self.eps).to(q.dtype)  # per head
         q = rope_pairs(q, cos, sin)
         kv = rope_pairs(self.norm(self.wkv(x))[:, None], cos, sin)
         write_kv(inputs.kv_cache, kv, None, meta)
@@ -218,29 +220,17 @@ class CompressedAttention(nn.Module):
         context, queries = meta.context_lens[request], meta.query_lens[request]
         window = self.shape.window
         first = max(0, context - queries - window + 1)  # the first key any query reads
-        keys = _window_keys(cache, meta, request, first)
+        keys = context_keys(cache, meta, request, first)[:, 0]  # the window's pages only
         q_pos = torch.arange(context - queries, context, device=q.device)[:, None]
         k_pos = torch.arange(first, context, device=q.device)[None, :]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
         if entries is not None and entries.shape[0]:
-            visible = self._visible(meta, request, entries.shape[0], q.device)
-            mask = torch.cat((mask, visible if chosen is None else chosen), dim=1)
+            if chosen is None:  # HCA: every entry complete at the query
+                chosen = self._visible(meta, request, entries.shape[0], q.device)
+            mask = torch.cat((mask, chosen), dim=1)
             keys = torch.cat((keys, entries[:, : self.shape.head_dim]), dim=0)
         logits = torch.einsum("qhd,kd->hqk", q, keys).float() * self.scale
         logits = logits.masked_fill(~mask, float("-inf"))
         sinks = self.attn_sink.float()[:, None, None].expand(-1, queries, 1)
         probs = torch.softmax(torch.cat((logits, sinks), dim=-1), dim=-1)[..., :-1]
         return torch.einsum("hqk,kd->qhd", probs.to(keys.dtype), keys)
-
-
-def _window_keys(
-    cache: torch.Tensor, meta: PagedMetadata, request: int, first: int
-) -> torch.Tensor:
-    """``[context - first, head_dim]``: the window's vectors of ``request`` from position
-    ``first`` on, read from its pages there only (a decode reads a window, not the whole
-    context's table)."""
-    bs, context = meta.block_size, meta.context_lens[request]
-    lo = first // bs
-    pages = meta.block_table[request, lo : -(-context // bs)].to(cache.device)
-    keys = cache[:, 0, 0].index_select(0, pages).reshape(-1, cache.shape[-1])
-    return keys[first - lo * bs : context - lo * bs]

@@ -161,14 +161,7 @@ class Compressor(EntryProjections, PagedStateMixer):
         )
         # Per entry its slots: the B of its window, and (overlap) the A of the one before.
         if self.overlap:
-            pad_g = gate.new_full((1, r, self.entry_width), float("-inf"))
-            pad_v = kv.new_zeros((1, r, self.entry_width))
-            slots_g = torch.cat(
-                (torch.cat((pad_g, grid_g[:, :, 0])), torch.cat((grid_g[:, :, 1], pad_g))), dim=1
-            )
-            slots_v = torch.cat(
-                (torch.cat((pad_v, grid_v[:, :, 0])), torch.cat((grid_v[:, :, 1], pad_v))), dim=1
-            )
+            slots_g, slots_v = _overlapped(grid_g, float("-inf")), _overlapped(grid_v, 0.0)
         else:
             slots_g, slots_v = grid_g[:, :, 0], grid_v[:, :, 0]
         top = slots_g.amax(dim=1)
@@ -191,6 +184,16 @@ class Compressor(EntryProjections, PagedStateMixer):
             return (empty if (first + count) % r == 0 else cur)[None]
         nxt = entries[index + 1] if index + 1 < entries.shape[0] else empty
         return torch.stack((cur, nxt))
+
+
+def _overlapped(grid: torch.Tensor, empty: float) -> torch.Tensor:
+    """Per entry of windows ``[windows, r, 2, width]`` (A then B series) and the one
+    after them, its ``2r`` slots ``[windows + 1, 2r, width]``: the A of the window before
+    (``empty`` for the first) beside the B of its own (``empty`` for the last)."""
+    pad = grid.new_full((1, *grid.shape[1:2], grid.shape[-1]), empty)
+    before = torch.cat((pad, grid[:, :, 0]))
+    own = torch.cat((grid[:, :, 1], pad))
+    return torch.cat((before, own), dim=1)
 
 
 def _single(gate: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

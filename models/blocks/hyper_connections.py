@@ -18,7 +18,7 @@ from hybridkv.models.shapes.decoder import HyperConnections
 def _normed(streams: torch.Tensor, eps: float) -> torch.Tensor:
     """``[T, n, hidden]`` -> ``[T, n * hidden]`` float32, RMS-normalised without a weight."""
     flat = streams.flatten(1).float()
-    return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+    return F.rms_norm(flat, (flat.shape[-1],), eps=eps)
 
 
 class HyperConnection(nn.Module):
