@@ -101,7 +101,8 @@ def layer_groups(plan: LayoutPlan, specs: Sequence[ModelLayer]) -> list[int | No
 
 
 def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> list[ModelLayer]:
-    """Per layer, its spec with the policy of its KV group in ``plan``: what its pages keep.
+    """Per layer (the decoder's, then an MTP layer's: ``planned_layers``), its spec with the
+    policy of its KV group in ``plan``: what its pages keep.
 
     A group may keep more than its layers attend (``uniform_layout`` keeps every position),
     never less: a layer would read pages the allocator has released.
@@ -110,7 +111,7 @@ def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> lis
         ModelConfigError: the plan and the model disagree on layers, the cached dtype, or
             what a layer's group keeps.
     """
-    names = [s.name for s in memories(config.layers) if owns_pages(s)]
+    names = [s.name for s in memories(config.planned_layers) if owns_pages(s)]
     if sorted(names) != sorted(plan.layer_slots):
         raise ModelConfigError(
             f"the layout's layers {sorted(plan.layer_slots)[:4]}... are not the model's "
@@ -118,7 +119,7 @@ def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> lis
         )
     itemsize = torch.empty((), dtype=dtype).element_size()
     kept: list[ModelLayer] = []
-    for spec in config.layers:
+    for spec in config.planned_layers:
         if isinstance(spec, NoCacheSpec):
             kept.append(spec)
             continue

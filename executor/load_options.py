@@ -51,6 +51,9 @@ class LoadOptions:
             ``int4`` weight-only (``models/weights/precision.py``).
         text_only: Serve a multimodal checkpoint's text model (``models/multimodal.py``);
             without it such a checkpoint is refused.
+        mtp_proposals: Load the checkpoint's multi-token prediction layers, their memory
+            in the pool, and propose this many tokens after each step with them
+            (speculative method ``mtp``: ``executor/mtp_step.py``); 0: none.
     """
 
     kv_cache_bytes: int = attrs.field(validator=attrs.validators.ge(0))
@@ -67,6 +70,7 @@ class LoadOptions:
     )
     weights: str = attrs.field(default="dtype")
     text_only: bool = False
+    mtp_proposals: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
     @weights.validator
     def _check_weights(self, _: attrs.Attribute[str], value: str) -> None:
@@ -80,5 +84,9 @@ class LoadOptions:
     def open_checkpoint(self, path: str | Path, *, dtype_bytes: int = 2) -> Checkpoint:
         """``Checkpoint.open`` of ``path`` with these options' policies and text choice."""
         return Checkpoint.open(
-            path, dtype_bytes=dtype_bytes, policies=self.policy_choices, text_only=self.text_only
+            path,
+            dtype_bytes=dtype_bytes,
+            policies=self.policy_choices,
+            text_only=self.text_only,
+            mtp=self.mtp_proposals > 0,
         )

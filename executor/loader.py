@@ -136,7 +136,7 @@ def load_checkpoint(
         return model
 
     model = thread.run(load)
-    _, plan = plan_stages(model.config.layers, options, stage.num_stages)
+    _, plan = plan_stages(model.config.planned_layers, options, stage.num_stages)
     log.info(
         "model_loaded",
         model_type=config.model_type,

@@ -67,6 +67,28 @@ def prompt_logprobs(
     return tuple(out)
 
 
+def step_prompt_logprobs(
+    requests: Sequence[StepRequest],
+    hidden: torch.Tensor,
+    query_lens: Sequence[int],
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[tuple[TokenLogprobs, ...], ...] | None:
+    """Per request of a step, the log-probabilities of its ``prompt_logprob_token_ids``
+    from its rows of ``hidden`` (None when no request of the step asks)."""
+    if not any(r.prompt_logprob_token_ids for r in requests):
+        return None
+    out: list[tuple[TokenLogprobs, ...]] = [()] * len(requests)
+    first = 0
+    for i, (request, num_tokens) in enumerate(zip(requests, query_lens, strict=True)):
+        targets = request.prompt_logprob_token_ids
+        if targets:
+            rows = hidden[first : first + len(targets)]
+            num_top = request.params.prompt_logprobs or 0
+            out[i] = prompt_logprobs(rows, targets, num_top, compute_logits)
+        first += num_tokens
+    return tuple(out)
+
+
 def emitted_logprobs(
     requests: Sequence[StepRequest],
     rows: list[int],

@@ -31,7 +31,8 @@ from hybridkv.executor.grammars import GrammarError
 from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs, layer_groups
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.loader import ModelShard, StageSlice, load_checkpoint
-from hybridkv.executor.logprobs import emitted_logprobs, prompt_logprobs
+from hybridkv.executor.logprobs import emitted_logprobs, step_prompt_logprobs
+from hybridkv.executor.mtp_step import MtpProposer
 from hybridkv.executor.offload_pages import KVPages, key_space
 from hybridkv.executor.sampler import Sampler
 from hybridkv.executor.speculative import draft_rows, kept_tokens, verify_rows, write_kept_states
@@ -43,7 +44,6 @@ from hybridkv.memory.state_pages import StepStates
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.transformer import CausalLM
 from hybridkv.scheduler.batch import StepBatch, StepRequest, StepResult
-from hybridkv.scheduler.outputs import TokenLogprobs
 from hybridkv.scheduler.params import StructuredOutput
 
 log = get_logger(__name__)
@@ -83,6 +83,7 @@ class ModelExecutor:
         sampler: Sampler | None = None,
         logits_hook: LogitsHook | None = None,
         torch_thread: TorchThread | None = None,
+        mtp_proposals: int = 0,
     ) -> None:
         # Every torch call of this executor runs on one thread (see executor/torch_thread.py).
         self.torch_thread = torch_thread or TorchThread()
@@ -93,6 +94,9 @@ class ModelExecutor:
         dtype = next(model.parameters()).dtype
         self.specs = tuple(kept_specs(self.config, plan, dtype))
         held = [self.specs[i] for i in model.layer_range]
+        self._num_layer_caches = len(memories(held))  # the MTP layer's come after
+        held += self.specs[self.config.num_layers :] if len(model.mtp) else []
+        self._held = held
         self.kv_caches = self.torch_thread.run(allocate_kv_caches, plan, held, dtype, device)
         self._layer_groups = layer_groups(plan, held)
         # Metadata is built only for the groups of the layers held (all, without stages).
@@ -107,6 +111,14 @@ class ModelExecutor:
         self._workspace = GatherWorkspace()
         # With a KV connector: moves pages to and from offload tiers (attach_offload).
         self.transfers: TransferWorker | None = None
+        #: Tokens its MTP layer proposes after each step (speculative method mtp).
+        self.mtp_proposals = mtp_proposals if len(model.mtp) else 0
+        self._mtp = None
+        if self.mtp_proposals:
+            n = self._num_layer_caches
+            mtp_caches = zip(self.kv_caches[n:], self._layer_groups[n:], strict=True)
+            memories_ = [(cache, group) for cache, group in mtp_caches if group is not None]
+            self._mtp = MtpProposer(model, plan, memories_, mtp_proposals, self._workspace)
 
     @classmethod
     def from_pretrained(
@@ -162,6 +174,7 @@ class ModelExecutor:
             sampler=Sampler(eos_token_ids=loaded.eos_token_ids, seed=options.seed),
             logits_hook=logits_hook,
             torch_thread=thread,
+            mtp_proposals=options.mtp_proposals,
         )
 
     def close(self) -> None:
@@ -186,7 +199,7 @@ class ModelExecutor:
         once: a layer reading another's pages adds none)."""
         span = self.plan.state_span
         spans = {g.group_id: span for g in self.plan.groups if g.policy.keeps_state}
-        held = memories(self.specs[i] for i in self.model.layer_range)
+        held = memories(self._held)
         owned = [i for i, spec in enumerate(held) if owns_pages(spec)]
         caches = [self.kv_caches[i] for i in owned]
         groups = [g for g in (self._layer_groups[i] for i in owned) if g is not None]
@@ -234,9 +247,13 @@ class ModelExecutor:
             if not batch.requests:
                 return StepResult(token_ids=(), kv_loads=loads)
             inputs = self.prepare(batch)
-            result = self.finish(batch, inputs, self.forward(inputs))
+            hidden = self.forward(inputs)
+            result = self.finish(batch, inputs, hidden)
             if result.num_accepted is not None:
                 write_kept_states(inputs.caches, kept_tokens(batch, result))
+            if self._mtp is not None:  # its cache for the tokens kept, and its proposals
+                with torch.inference_mode():
+                    result = attrs.evolve(result, proposals=self._mtp.run(batch, hidden, result))
         except BaseException:
             if self.transfers is not None:
                 self.transfers.undeliver(loads)  # reported by the next step instead
@@ -288,21 +305,22 @@ class ModelExecutor:
     def forward(self, inputs: StageInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run the layers held: from the token ids (first stage) or the previous stage's
         ``hidden`` states; returns ``[num_tokens, hidden_size]`` (or per residual stream)."""
+        caches = inputs.caches[: self._num_layer_caches]
         with torch.inference_mode():
             ids = inputs.input_ids
             if hidden is None:
                 assert ids is not None, "a later stage needs hidden states"
-                return self.model.run_layers(
-                    self.model.embed(ids), inputs.positions, inputs.caches, input_ids=ids
-                )
-            return self.model.run_layers(hidden, inputs.positions, inputs.caches, input_ids=ids)
+                hidden = self.model.embed(ids)
+            return self.model.run_layers(hidden, inputs.positions, caches, input_ids=ids)
 
     def finish(self, batch: StepBatch, inputs: StageInputs, hidden: torch.Tensor) -> StepResult:
         """Sample where asked, with logprobs and prompt logprobs (the last stage); verify
         proposed tokens where a request has them (``executor/speculative.py``)."""
         requests = batch.requests
         with torch.inference_mode():
-            prompt = self._prompt_logprobs(requests, hidden, inputs.query_lens)
+            prompt = step_prompt_logprobs(
+                requests, hidden, inputs.query_lens, self.model.compute_logits
+            )
             sampled = self._sample(requests, hidden, inputs.query_lens)
         return attrs.evolve(sampled, prompt_logprobs=prompt)
 
@@ -354,24 +372,6 @@ class ModelExecutor:
             num_accepted=None if accepted is None else tuple(accepted),
             accepted_logprobs=before,
         )
-
-    def _prompt_logprobs(
-        self, requests: Sequence[StepRequest], hidden: torch.Tensor, query_lens: list[int]
-    ) -> tuple[tuple[TokenLogprobs, ...], ...] | None:
-        """Per request, the log-probabilities of its ``prompt_logprob_token_ids`` (None
-        when no request of the step asks)."""
-        if not any(r.prompt_logprob_token_ids for r in requests):
-            return None
-        out: list[tuple[TokenLogprobs, ...]] = [()] * len(requests)
-        first = 0
-        for i, (request, num_tokens) in enumerate(zip(requests, query_lens, strict=True)):
-            targets = request.prompt_logprob_token_ids
-            if targets:
-                rows = hidden[first : first + len(targets)]
-                num_top = request.params.prompt_logprobs or 0
-                out[i] = prompt_logprobs(rows, targets, num_top, self.model.compute_logits)
-            first += num_tokens
-        return tuple(out)
 
 
 def _positions(requests: Sequence[StepRequest], device: torch.device) -> torch.Tensor:

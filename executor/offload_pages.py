@@ -154,7 +154,7 @@ def key_space(
                 embeds = True
     return KeySpace(
         digest.hexdigest()[:24],
-        group_kinds(cached_layers(config.layers), plan),
+        group_kinds(cached_layers(config.planned_layers), plan),
         model=model_id.hexdigest() if embeds else "",
     )
 

@@ -97,6 +97,7 @@ class Checkpoint:
         dtype_bytes: int = 2,
         policies: PolicyChoices | None = None,
         text_only: bool = False,
+        mtp: bool = False,
     ) -> Checkpoint:
         """Read and check ``path``/config.json (and generation_config.json if present).
 
@@ -108,12 +109,15 @@ class Checkpoint:
             policies: Per layer kind, the memory policy its layers keep and attend instead
                 of the config's (see ``hybridkv.models.specs``).
             text_only: A multimodal checkpoint's text model is read (``multimodal.py``).
+            mtp: Read its multi-token prediction layers too (``config.mtp_layers``), the
+                speculative proposer of ``--speculative-config '{"method": "mtp"}'``.
 
         Raises:
             CheckpointError: no config.json.
             ModelConfigError: unreadable JSON, an unsupported architecture or config
                 value, a policy chosen for a layer kind the model does not have, or a
-                multimodal checkpoint without ``text_only``.
+                multimodal checkpoint without ``text_only``, or ``mtp`` for a checkpoint
+                without MTP layers.
             PolicyError: a chosen policy that is not a MemoryPolicy.
         """
         folder = Path(path)
@@ -127,6 +131,8 @@ class Checkpoint:
         assert family.parse is not None, "a family that runs parses"
         hf = dict(normalized(family, hf))
         config = family.parse(hf, dtype_bytes=dtype_bytes, policies=policies)
+        if mtp:
+            config = _with_mtp(config, family, hf)
         eos = list(config.eos_token_ids)
         generation_file = folder / "generation_config.json"
         if generation_file.is_file():
@@ -171,6 +177,11 @@ class Checkpoint:
         name = multimodal.text_weight_name(stored) if self.text_of_multimodal else stored
         if name is None or name.startswith(self.family.unread):
             return None
+        mtp = self.family.mtp
+        ours = None if mtp is None else mtp.our_name(name, self.config.num_layers)
+        if ours is not None:  # an MTP layer's: read where they are loaded (not a copy)
+            loaded = ours and int(ours.split(".")[1]) < len(self.config.mtp_layers)
+            return our_name(self.family, ours) if loaded else None
         past = _LAYER.match(name)  # DeepSeek's and Ling's MTP layers, after the decoder
         if past is not None and int(past.group(1)) >= self.config.num_layers:
             return None
@@ -208,6 +219,25 @@ class Checkpoint:
         """The folder's ``tokenizer.json``, or None when it has none."""
         file = self.path / "tokenizer.json"
         return Tokenizer.from_file(str(file)) if file.is_file() else None
+
+
+def _with_mtp(config: ModelConfig, family: Family, hf: Mapping[str, Any]) -> ModelConfig:
+    """``config`` with the spec of the checkpoint's first MTP layer (``mtp_layers``).
+
+    Raises:
+        ModelConfigError: the family has none we run, or the checkpoint none.
+    """
+    shape = family.mtp
+    count = 0 if shape is None else shape.count(hf)
+    if shape is None or not count:
+        raise ModelConfigError(
+            f"speculative method mtp: this {config.model_type} checkpoint has no multi-token "
+            "prediction layers we run (num_nextn_predict_layers is "
+            f"{hf.get('num_nextn_predict_layers')!r}); use method ngram or draft_model"
+        )
+    # The first MTP layer proposes every token (``executor/mtp_step.py``): the others
+    # are left unread, their memory unplanned.
+    return attrs.evolve(config, mtp_layers=shape.specs(config.layers, 1))
 
 
 def _scaled(

@@ -8,7 +8,7 @@ pool from, so a layer attends exactly what its pages keep.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -47,6 +47,11 @@ def _runnable_layers(instance: ModelConfig, attribute: attrs.Attribute[Any], val
                 "Qwen3.5), short convolution (LFM2) and lightning attention (MiniMax) state "
                 "layers run here"
             )
+
+
+def _layers(layers: Iterable[ModelLayer]) -> tuple[ModelLayer, ...]:
+    # A typed converter: mypy reads attrs' converter=tuple as taking Iterable[_T_co].
+    return tuple(layers)
 
 
 @attrs.frozen(kw_only=True)
@@ -132,6 +137,9 @@ class ModelConfig:
         hyper: The residual streams of hyper-connections (DeepSeek V4), or None.
         mlp_limit: The gated MLPs' gate is clamped above and their up projection on both
             sides at it (DeepSeek V4's shared experts), or None.
+        mtp_layers: The specs of the multi-token prediction layers loaded as the
+            speculative proposer (``models/shapes/mtp.py``), empty where none are: the
+            layout plans their memory after the decoder's (``planned_layers``).
     """
 
     model_type: str
@@ -147,7 +155,7 @@ class ModelConfig:
     query_scale: float
     attn_softcap: float | None
     final_softcap: float | None
-    layers: tuple[ModelLayer, ...] = attrs.field(converter=tuple, validator=_runnable_layers)
+    layers: tuple[ModelLayer, ...] = attrs.field(converter=_layers, validator=_runnable_layers)
     rope: Mapping[str, RopeSpec] = attrs.field(hash=False)
     tie_word_embeddings: bool
     attention_bias: bool
@@ -188,6 +196,7 @@ class ModelConfig:
     compressed: CompressedShape | None = None
     hyper: HyperConnections | None = None
     mlp_limit: float | None = None
+    mtp_layers: tuple[ModelLayer, ...] = attrs.field(default=(), converter=_layers)
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
@@ -212,6 +221,12 @@ class ModelConfig:
     def num_layers(self) -> int:
         """Decoder layers."""
         return len(self.layers)
+
+    @property
+    def planned_layers(self) -> tuple[ModelLayer, ...]:
+        """Every layer the KV layout holds memory for: the decoder's, then the MTP
+        layers' (``mtp_layers``, where speculative decoding loads them)."""
+        return self.layers + self.mtp_layers
 
     @property
     def attention_layers(self) -> tuple[AttentionSpec, ...]:

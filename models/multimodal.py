@@ -21,6 +21,7 @@ _TEXT_PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
     ("lm_head.", "lm_head."),
+    ("mtp.", "mtp."),  # Qwen3.5's multi-token prediction layers, beside the text model
 )
 
 

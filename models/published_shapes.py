@@ -33,6 +33,7 @@ _DEEPSEEK_V3: dict[str, Any] = {
     "qk_rope_head_dim": 64,
     "qk_nope_head_dim": 128,
     "v_head_dim": 128,
+    "num_nextn_predict_layers": 1,
 }
 
 #: Configs shaped like public checkpoints, for ``hybridkv plan NAME`` without a download.
@@ -231,6 +232,7 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "model_type": "kimi_k2",
         "num_attention_heads": 64,
         "num_key_value_heads": 64,
+        "num_nextn_predict_layers": 0,  # K2 ships no MTP layer
     },
     # DeepSeek-V4 as its transformers config's defaults (V4-Flash): 43 layers, each a window
     # of 128 tokens of one 512-value vector; beside it entries of 4 tokens (CSA: an indexer

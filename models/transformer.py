@@ -16,8 +16,9 @@ the embedding, only the last the final norm and the LM head.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
+import attrs
 import torch
 from torch import nn
 
@@ -28,6 +29,7 @@ from hybridkv.models.blocks.attention import LayerInputs, PagedAttention
 from hybridkv.models.blocks.decoder import DecoderLayer
 from hybridkv.models.blocks.hyper_connections import HyperHead
 from hybridkv.models.blocks.mlp import GatedMLP
+from hybridkv.models.blocks.mtp import MtpLayer
 from hybridkv.models.blocks.norms import config_norm
 from hybridkv.models.blocks.per_layer import PerLayerEmbedding
 from hybridkv.models.blocks.rope import RotaryTable, query_scales
@@ -98,6 +100,8 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Module | None = (
             nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.is_last else None
         )
+        # The multi-token prediction layers, where speculative decoding loads them.
+        self.mtp = nn.ModuleList(mtp_layers(config, family) if self.is_last else [])
         self.rope_tables: dict[str, RotaryTable] = {}
 
     @property
@@ -151,11 +155,13 @@ class CausalLM(nn.Module):
         head, embedding = model.lm_head, model.model.embed_tokens
         if config.tie_word_embeddings and head is not None and embedding is not None:
             head.weight = embedding.weight
+        kinds = {config.layer_types[i] for i in model.layer_range}
+        kinds |= {str(s.kind) for s in config.mtp_layers} if model.mtp else set()
         model.rope_tables = {  # state layers have no rope
             kind: RotaryTable(
                 config.rope[kind], config.rope_dims.get(kind, config.head_dim), device
             )
-            for kind in sorted({config.layer_types[i] for i in model.layer_range} & {*config.rope})
+            for kind in sorted(kinds & {*config.rope})
         }
         return model.eval()
 
@@ -194,7 +200,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        caches: Sequence[tuple[torch.Tensor, PagedMetadata | StepStates | None]],
+        caches: Sequence[CacheEntry],
     ) -> torch.Tensor:
         """Embed and run every layer over a flat token batch; hidden states before the norm.
 
@@ -221,7 +227,7 @@ class CausalLM(nn.Module):
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        caches: Sequence[tuple[torch.Tensor, PagedMetadata | StepStates | None]],
+        caches: Sequence[CacheEntry],
         *,
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -261,9 +267,7 @@ class CausalLM(nn.Module):
                 scales if temperature is None or not temperature.nope_only or i in nope else None
             )
             kv_cache, metadata = next(entries)
-            beside = None  # the memories beside the layer's, nested (an indexer rotates)
-            for cache, meta in reversed([next(entries) for _ in range(self._beside[i])]):
-                beside = LayerInputs(cos, sin, cache, meta, beside=beside)
+            beside = _beside(cos, sin, entries, self._beside[i])
             inputs = LayerInputs(
                 cos, sin, kv_cache, metadata, query_scale=scaled,
                 per_layer=None if per_layer is None else per_layer[:, i], beside=beside,
@@ -274,12 +278,57 @@ class CausalLM(nn.Module):
         assert next(entries, None) is None, "a cache for every memory of the layers held"
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, LM head and soft-cap for the selected rows; float32 ``[rows, vocab]``."""
-        assert self.lm_head is not None and self.model.norm is not None, "only the last stage"
+    def run_mtp(
+        self,
+        index: int,
+        hidden: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: Sequence[CacheEntry],
+    ) -> torch.Tensor:
+        """MTP layer ``index`` at ``positions`` (``models/shapes/mtp.py``): from the hidden
+        states there (the target's after its final norm, or an earlier proposal's) and the
+        ids of the tokens after each; its output (normalised: ``MtpLayer``).
+
+        Args:
+            caches: Per memory of the MTP layer (``memories``), its cache and metadata.
+        """
+        kind = str(self.config.mtp_layers[index].kind)
+        table = self.rope_tables.get(kind)
+        cos, sin = (
+            table.cos_sin(positions, hidden.dtype)
+            if table is not None
+            else (hidden.new_empty(0), hidden.new_empty(0))
+        )
+        entries = iter(caches)
+        kv_cache, metadata = next(entries)
+        beside = _beside(cos, sin, entries, len(caches) - 1)
+        inputs = LayerInputs(
+            cos, sin, kv_cache, metadata, beside=beside, rotary=table, positions=positions,
+            token_ids=token_ids,
+        )  # fmt: skip
+        assert self.model.embed_tokens is not None, "the MTP layers read the embedding"
+        out: torch.Tensor = self.mtp[index](hidden, self.model.embed_tokens(token_ids), inputs)
+        return out
+
+    def mtp_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        """The token an MTP layer's output names at each row (the LM head's argmax)."""
+        assert self.lm_head is not None, "only the last stage proposes"
+        tokens: torch.Tensor = self.lm_head(out).argmax(-1)
+        return tokens
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states after the final norm (the residual streams summed first)."""
+        assert self.model.norm is not None, "only the last stage"
         if self.model.hc_head is not None:
             hidden = self.model.hc_head(hidden)
-        logits: torch.Tensor = self.lm_head(self.model.norm(hidden)).float()
+        out: torch.Tensor = self.model.norm(hidden)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and soft-cap for the selected rows; float32 ``[rows, vocab]``."""
+        assert self.lm_head is not None, "only the last stage"
+        logits: torch.Tensor = self.lm_head(self.final_hidden(hidden)).float()
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         cap = self.config.final_softcap
@@ -289,6 +338,34 @@ class CausalLM(nn.Module):
 
 
 _EMBED = "model.embed_tokens.weight"
+
+#: A memory's cache and its group's metadata for the step.
+CacheEntry = tuple[torch.Tensor, PagedMetadata | StepStates | None]
+
+
+def _beside(
+    cos: torch.Tensor, sin: torch.Tensor, entries: Iterator[CacheEntry], count: int
+) -> LayerInputs | None:
+    """The next ``count`` memories of ``entries``, those beside a layer's own, nested as
+    its mixer reads them (the first holds the second, ...: an indexer rotates)."""
+    beside = None
+    for cache, meta in reversed([next(entries) for _ in range(count)]):
+        beside = LayerInputs(cos, sin, cache, meta, beside=beside)
+    return beside
+
+
+def mtp_layers(config: ModelConfig, family: Family) -> list[MtpLayer]:
+    """The MTP layers of ``config.mtp_layers``, as ``family``'s checkpoints hold them."""
+    if not config.mtp_layers:
+        return []
+    shape = family.mtp
+    assert shape is not None, "MTP layers of a family without them"
+    indices = range(config.num_layers, len(config.planned_layers))
+    experts = config.experts
+    if shape.dense and experts is not None:  # MiMo's: a dense MLP among expert layers
+        experts = attrs.evolve(experts, dense_layers=experts.dense_layers | {*indices})
+    whole = attrs.evolve(config, layers=config.planned_layers, mtp_layers=(), experts=experts)
+    return [MtpLayer(whole, i, decoder_of(family, str(whole.layers[i].kind))) for i in indices]
 
 
 def holds_weight(name: str, config: ModelConfig, layers: range, names: Collection[str]) -> bool:

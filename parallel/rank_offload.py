@@ -140,7 +140,7 @@ def check_pipeline_tiers(
     if num_stages < 2 or _reaches_every_stage(specs):
         return  # the rest would read and plan the checkpoint for nothing
     config = options.open_checkpoint(path).config
-    layers, plan = plan_stages(config.layers, options, num_stages)
+    layers, plan = plan_stages(config.planned_layers, options, num_stages)
     kinds = group_kinds(layers, plan)
     _check_lookups(group_stages(plan), kinds, specs, num_stages)
 

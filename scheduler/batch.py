@@ -57,6 +57,9 @@ class StepRequest:
             run of proposals its samples agree with (``executor/verification.py``) and
             one token of its own after it, and keeps the state of a state group only up
             to the last token it kept (``memory/state_pages.py``).
+        next_token_id: Where the step does not sample (a prompt chunk before the last),
+            the prompt token after the chunk's last: a model's MTP layer reads each
+            position with the token after it (``executor/mtp_step.py``); else None.
     """
 
     request_id: str
@@ -69,6 +72,7 @@ class StepRequest:
     prompt_logprob_token_ids: Sequence[int] = ()
     all_token_ids: Sequence[int] = ()
     num_draft_tokens: int = 0
+    next_token_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +134,9 @@ class StepResult:
         accepted_logprobs: Where ``params.logprobs`` asked and proposals were accepted,
             the log-probabilities of each accepted token, in order (``logprobs`` holds
             the last token's); None as a whole when no such request.
+        proposals: Per request, the tokens the model's own MTP layer proposes after its
+            last (speculative method ``mtp``: ``executor/mtp_step.py``), empty where it
+            sampled none; None as a whole from an executor that proposes nothing.
     """
 
     token_ids: tuple[int | None, ...] = attrs.field(converter=_token_tuple)
@@ -139,6 +146,7 @@ class StepResult:
     kv_loads: tuple[LoadReport, ...] = ()
     num_accepted: tuple[int, ...] | None = None
     accepted_logprobs: tuple[tuple[TokenLogprobs, ...], ...] | None = None
+    proposals: tuple[tuple[int, ...], ...] | None = None
 
 
 class Executor(Protocol):

@@ -196,6 +196,14 @@ class EngineConfig:
                 f"speculative_config: {type(executor).__name__} does not verify proposed "
                 "tokens (it has no verifies_proposals = True); run without speculative decoding"
             )
+        if spec is not None and spec.method == "mtp":
+            proposes = getattr(executor, "mtp_proposals", 0)
+            if proposes < spec.num_speculative_tokens:
+                raise ConfigError(
+                    f"speculative_config: method mtp proposes {spec.num_speculative_tokens} "
+                    f"tokens, the executor's MTP layer {proposes}; load the model with "
+                    f"LoadOptions(mtp_proposals={spec.num_speculative_tokens})"
+                )
         if spec is not None and spec.method == "draft_model" and proposer is None:
             raise ConfigError(
                 "speculative_config: method draft_model needs a proposer that runs the draft "

@@ -261,6 +261,8 @@ class EngineCore:
                 request.all_token_ids.append(token)
                 tokens, reason = (token,), request.stop_reason(token, eos, max_len)
             num_outputs += len(tokens)
+            if result.proposals is not None:  # the MTP layer's, for the next step
+                request.proposed = (len(request.all_token_ids), result.proposals[index])
             if request.first_token_time is None:
                 request.first_token_time = now
             if reason is None:

@@ -66,6 +66,8 @@ class Request:
         speculative: Whether its decode steps may verify proposed tokens, where the
             engine speculates (``scheduler/speculator.py``).
         draft: Its speculation's state, once it first decodes with speculation on.
+        proposed: The tokens the model's MTP layer proposed after its tokens when they
+            were this many (speculative method ``mtp``), or None.
         arrival_time, first_scheduled_time, first_token_time: Monotonic clock readings.
     """
 
@@ -88,6 +90,7 @@ class Request:
         "params",
         "priority",
         "prompt_logprobs",
+        "proposed",
         "request_id",
         "sink",
         "speculative",
@@ -132,6 +135,7 @@ class Request:
         )
         self.speculative = speculative
         self.draft: DraftState | None = None
+        self.proposed: tuple[int, tuple[int, ...]] | None = None
 
     def __repr__(self) -> str:
         return (

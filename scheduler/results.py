@@ -45,10 +45,13 @@ def check_result(plan: StepPlan, result: object, vocab_size: int) -> str | None:
     if ints and not (min(ints) >= 0 and max(ints) < vocab_size):
         bad = next(t for t in ints if not 0 <= t < vocab_size)
         return f"executor sampled {bad!r}, not a token id in [0, {vocab_size})"
-    for name in ("logprobs", "prompt_logprobs", "num_accepted", "accepted_logprobs"):
+    for name in ("logprobs", "prompt_logprobs", "num_accepted", "accepted_logprobs", "proposals"):
         column = getattr(result, name)
         if column is not None and len(column) != num:
             return f"executor returned {len(column)} {name} entries for {num} requests"
+    proposed = [t for p in result.proposals or () for t in p]
+    if proposed and not (min(proposed) >= 0 and max(proposed) < vocab_size):
+        return f"executor proposed a token id outside [0, {vocab_size})"
     return None
 
 

@@ -29,8 +29,10 @@ class SpeculativeConfigError(HybridKVError, ValueError):
     """A ``--speculative-config`` that names an unknown method or a bad value."""
 
 
-Method = Literal["ngram", "draft_model"]
-_METHODS: tuple[Method, ...] = ("ngram", "draft_model")
+Method = Literal["ngram", "draft_model", "mtp"]
+_METHODS: tuple[Method, ...] = ("ngram", "draft_model", "mtp")
+#: vLLM's names of the mtp method for one family's checkpoints: the same method here.
+_MTP_ALIASES = frozenset({"qwen3_next_mtp", "deepseek_mtp", "mimo_mtp", "bailing_mtp"})
 _KEYS = frozenset(
     {
         "method",
@@ -55,8 +57,10 @@ class SpeculativeConfig:
     """How requests speculate (vLLM's ``--speculative-config``).
 
     Attributes:
-        method: ``ngram`` (prompt lookup) or ``draft_model`` (a smaller checkpoint that
-            shares the target's tokenizer).
+        method: ``ngram`` (prompt lookup), ``draft_model`` (a smaller checkpoint that
+            shares the target's tokenizer) or ``mtp`` (the checkpoint's own multi-token
+            prediction layer: ``executor/mtp_step.py``; vLLM's ``qwen3_next_mtp``,
+            ``deepseek_mtp``, ``mimo_mtp`` and ``bailing_mtp`` name it too).
         num_speculative_tokens: Tokens proposed per step.
         prompt_lookup_min: Shortest suffix the n-gram proposer matches.
         prompt_lookup_max: Longest suffix it tries first.
@@ -114,6 +118,8 @@ class SpeculativeConfig:
         method = fields.get("method", "draft_model" if "model" in fields else "ngram")
         if not isinstance(method, str):
             raise SpeculativeConfigError("speculative config: method must be a string")
+        if method in _MTP_ALIASES:
+            method = "mtp"
         low = fields.get("prompt_lookup_min", fields.get("prompt_lookup_max", 5))
         high = fields.get("prompt_lookup_max", fields.get("prompt_lookup_min", 5))
         model = fields.get("model")

@@ -85,7 +85,10 @@ class Speculator:
         self.config = config
         self.max_model_len = engine.max_model_len
         self._limits = (engine.eos_token_ids, engine.max_model_len)
-        self.proposer = proposer or NgramProposer.for_config(config)
+        # Method mtp: the executor proposes with each step's result (``Request.proposed``).
+        self.proposer: Proposer | None = None
+        if config.method != "mtp":
+            self.proposer = proposer or NgramProposer.for_config(config)
         self._costs = costs or StepCosts()
         self._num_drafts = 0
         self._num_draft_tokens = 0
@@ -186,6 +189,9 @@ class Speculator:
         )
         if k < 1:
             return ()
+        if self.proposer is None:
+            at, proposal = request.proposed or (-1, ())
+            return proposal[:k] if at == len(tokens) else ()
         return self.proposer.propose(tokens, k)
 
     def take(

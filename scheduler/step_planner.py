@@ -312,6 +312,7 @@ def _step_item(request: Request, num_new: int, kv: KVCacheManager) -> StepReques
         output_index=len(tokens) - request.num_prompt_tokens,
         # The live list, not a copy, and only where the sampler reads it.
         all_token_ids=tokens if request.params.needs_processing else (),
+        next_token_id=tokens[end] if end < len(tokens) else None,
     )
     if request.prompt_logprobs is None or start + 1 >= request.num_prompt_tokens:
         return item  # the common case: no prompt logprobs due

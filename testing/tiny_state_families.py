@@ -17,7 +17,7 @@ def _qwen3_next() -> Any:
     experts (4, two a token) beside a gated shared expert, a dense first layer."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    config = Qwen3NextConfig(**_qwen3_next_fields(), num_experts=4, num_experts_per_tok=2,
+    config = Qwen3NextConfig(**qwen3_next_fields(), num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=16, shared_expert_intermediate_size=32,
                              mlp_only_layers=[0])  # fmt: skip
     return Qwen3NextForCausalLM(config)
@@ -27,7 +27,7 @@ def _qwen3_5() -> Any:
     """Qwen3.5 (text): Qwen3-Next's mixers with Qwen3.5's projections, a dense MLP."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_qwen3_next_fields()))
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**qwen3_next_fields()))
 
 
 def _qwen3_5_moe() -> Any:
@@ -35,7 +35,7 @@ def _qwen3_5_moe() -> Any:
     a gated shared expert."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    fields = {k: v for k, v in _qwen3_next_fields().items() if k != "intermediate_size"}
+    fields = {k: v for k, v in qwen3_next_fields().items() if k != "intermediate_size"}
     experts: dict[str, Any] = {
         "num_experts": 4,
         "num_experts_per_tok": 2,
@@ -50,11 +50,11 @@ def _olmo_hybrid() -> Any:
     full attention layer without rope."""
     from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
 
-    fields = {k: v for k, v in _qwen3_next_fields().items() if k != "head_dim"}
+    fields = {k: v for k, v in qwen3_next_fields().items() if k != "head_dim"}
     return OlmoHybridForCausalLM(OlmoHybridConfig(**fields))
 
 
-def _qwen3_next_fields() -> dict[str, Any]:
+def qwen3_next_fields() -> dict[str, Any]:
     return {
         **COMMON,
         "num_hidden_layers": 4,

@@ -11,6 +11,7 @@ with eager attention, in float32.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,26 @@ NEW_FAMILIES = (
 ATTENTION = ("llama", "gemma2", "gemma3", *NEW_FAMILIES)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 KV_BYTES = 1 << 20
+
+
+class ReferenceModelProposer:
+    """transformers' greedy continuation, each token wrong with probability ``miss``."""
+
+    def __init__(self, reference: Any, vocab_size: int, miss: float, seed: int) -> None:
+        self.reference = reference
+        self.vocab_size = vocab_size
+        self.miss = miss
+        self._random = random.Random(seed)
+
+    def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        with torch.no_grad():
+            out = self.reference.generate(
+                torch.tensor([list(tokens)]), max_new_tokens=k, do_sample=False, pad_token_id=0
+            )
+        right = out[0, len(tokens) :].tolist()
+        return tuple(
+            (t + 1) % self.vocab_size if self._random.random() < self.miss else t for t in right
+        )
 
 
 @attrs.frozen
@@ -165,15 +186,17 @@ class Driver:
             assert pages is not None, "tiny pool exhausted"
             seq.admitted = True
             start = seq.num_computed
+            tokens = seq.all_token_ids
             requests.append(
                 StepRequest(
                     request_id=seq.request_id,
-                    token_ids=seq.all_token_ids[start : start + n],
+                    token_ids=tokens[start : start + n],
                     start_position=start,
                     block_tables=[list(t) for t in self.kv.block_tables(seq.request_id)],
-                    sample=start + n == len(seq.all_token_ids),
+                    sample=start + n == len(tokens),
                     params=seq.params,
                     output_index=len(seq.output),
+                    next_token_id=tokens[start + n] if start + n < len(tokens) else None,
                 )
             )
             seqs.append(seq)
@@ -342,28 +365,45 @@ async def _serve_in_turn(
     of about 40 pages of 4 tokens per group, so that later prompts flush earlier ones;
     with an ``OffloadConfig``, each one's pages saved before the next. The tokens, and
     the engine (its stats)."""
-    import anyio
-
-    from hybridkv.scheduler import Engine, EngineConfig
+    from hybridkv.scheduler import EngineConfig
 
     options = LoadOptions(kv_cache_bytes=40 * 2 * 1024, block_size=4, device=device)
     executor = ModelExecutor.from_pretrained(path, options)
     config = EngineConfig.for_executor(executor, max_model_len=128, max_prefill_chunk=16)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outputs = []
+    outputs, _, engine = await run_in_turn(executor, config, prompts, params, offload)
+    return outputs, engine
+
+
+async def run_in_turn(
+    executor: ModelExecutor,
+    config: Any,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    offload: Any = None,
+) -> tuple[list[list[int]], list[int], Any]:
+    """Each prompt through one Engine in turn, with an ``OffloadConfig`` each one's pages
+    saved before the next; each one's tokens and cached prompt tokens, and the engine
+    (its stats). Closes the executor."""
+    import anyio
+
+    from hybridkv.scheduler import Engine
+
+    outputs, cached = [], []
     try:
         with anyio.fail_after(120):
             async with Engine(config, executor, offload=offload) as engine:
                 for prompt in prompts:
                     async with engine.generate(prompt, params) as stream:
                         async for out in stream:
-                            tokens = list(out.token_ids)
+                            tokens, hit = list(out.token_ids), out.num_cached_tokens
                     outputs.append(tokens)
+                    cached.append(hit)
                     if executor.transfers is not None:
                         assert executor.transfers.wait_saved()
     finally:
         executor.close()
-    return outputs, engine
+    return outputs, cached, engine
 
 
 @pytest.fixture

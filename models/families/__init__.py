@@ -23,6 +23,7 @@ from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import PolicyChoices
 from hybridkv.models.shapes.decoder import PRE_NORM, DecoderShape
+from hybridkv.models.shapes.mtp import MtpShape
 from hybridkv.models.shapes.state import StateShape
 
 #: ``model_type`` -> the module here that reads it.
@@ -132,6 +133,8 @@ class Family:
         beside: ``(config, spec)`` -> an attention layer's spec with the memories it keeps
             beside its keys (``AttentionSpec.beside``: DeepSeek V4's compressed entries
             and the state of the tokens waiting for one); None: none.
+        mtp: Where its checkpoints keep their multi-token prediction layers and how
+            those compute (``models/shapes/mtp.py``); None: it has none we run.
         normalize: config.json -> the same with the fields its hub releases name otherwise
             renamed as the family reads them (MiMo-V2-Flash's ``sliding_window_size``);
             applied (``normalized``) before any other hook reads the config, and
@@ -155,6 +158,7 @@ class Family:
     shared_weights: Callable[[Mapping[str, Any]], Mapping[str, str]] | None = None
     latent_width: Callable[[Mapping[str, Any]], int] | None = None
     beside: Callable[[Mapping[str, Any], AttentionSpec], AttentionSpec] | None = None
+    mtp: MtpShape | None = None
 
 
 def normalized(family: Family | None, cfg: Mapping[str, Any]) -> Mapping[str, Any]:

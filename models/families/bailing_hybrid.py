@@ -24,6 +24,7 @@ from hybridkv.models.kinds import DELTANET, FULL, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.deltanet import DeltaNetShape, kda_shape
 from hybridkv.models.shapes.latent import latent_width
+from hybridkv.models.shapes.mtp import MtpShape
 
 
 def parse_bailing_hybrid(
@@ -79,4 +80,5 @@ FAMILY = Family(
     state_shape=_delta_shape,
     latent_width=latent_width,
     normalize=_normalize,
+    mtp=MtpShape(layout="after", kind=FULL),  # latent attention and experts
 )

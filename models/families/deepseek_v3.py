@@ -21,6 +21,7 @@ from hybridkv.models.kinds import FULL, PolicyChoices
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.latent import latent_shape, latent_width
 from hybridkv.models.shapes.moe import ExpertsShape, grouped_sigmoid_router
+from hybridkv.models.shapes.mtp import MtpShape
 from hybridkv.models.shapes.rope import softmax_mscale
 
 
@@ -76,4 +77,5 @@ FAMILY = Family(
     parse=parse_deepseek_v3,
     decoder=DecoderShape(mlp="experts"),
     latent_width=latent_width,
+    mtp=MtpShape(layout="after"),  # the layers after num_hidden_layers
 )

@@ -12,6 +12,7 @@ from hybridkv.models.families.deepseek_v3 import parse_deepseek_v3
 from hybridkv.models.kinds import FULL, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.latent import latent_width
+from hybridkv.models.shapes.mtp import MtpShape
 
 FAMILY = Family(
     model_types=("deepseek_v32",),
@@ -19,4 +20,5 @@ FAMILY = Family(
     parse=parse_deepseek_v3,
     decoder=DecoderShape(mlp="experts"),
     latent_width=latent_width,
+    mtp=MtpShape(layout="after"),  # indexed latent attention and experts
 )

@@ -18,6 +18,7 @@ from hybridkv.models.hf_config import float_field, int_field
 from hybridkv.models.kinds import FULL, SLIDING, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.moe import ExpertsShape, grouped_sigmoid_router
+from hybridkv.models.shapes.mtp import MtpShape
 
 #: The rope of a config that names none (transformers' default: the released model's).
 _ROPE = {
@@ -85,4 +86,13 @@ FAMILY = Family(
     decoder=DecoderShape(mlp="experts"),
     kv_shape=_kv_shape,
     normalize=_normalize,
+    # One MTP layer: sliding attention and a dense MLP (its config does not count it).
+    mtp=MtpShape(
+        layout="nested",
+        count_fields=(),
+        default_count=1,
+        kind=SLIDING,
+        dense=True,
+        block_renames={"pre_mlp_layernorm.": "post_attention_layernorm."},
+    ),
 )

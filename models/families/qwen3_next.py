@@ -19,6 +19,7 @@ from hybridkv.models.kinds import DELTANET, FULL, PolicyChoices, kinds_by
 from hybridkv.models.shapes.decoder import DecoderShape
 from hybridkv.models.shapes.deltanet import deltanet_shape
 from hybridkv.models.shapes.moe import ExpertsShape
+from hybridkv.models.shapes.mtp import MtpShape
 from hybridkv.models.shapes.rope import rope_from_hf
 
 
@@ -83,6 +84,11 @@ FAMILY = Family(
     state_shape=deltanet_shape,
     # The multimodal configs (their text models nested in ``text_config``) are sized.
     sized_types=("qwen3_5", "qwen3_5_moe"),
-    # The multi-token prediction layers (speculative drafts; not read yet).
-    unread=("mtp.",),
+    # One multi-token prediction layer, full attention, under ``mtp.`` (speculative method mtp).
+    mtp=MtpShape(
+        layout="mtp",
+        count_fields=("num_nextn_predict_layers", "mtp_num_hidden_layers"),
+        default_count=1,
+        kind=FULL,
+    ),
 )

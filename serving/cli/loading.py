@@ -167,6 +167,7 @@ def load_options(settings: EngineArgs, weights: str = "dtype") -> LoadOptions:
 
     from hybridkv.executor.load_options import LoadOptions
 
+    spec = settings.speculative_config
     return LoadOptions(
         kv_cache_bytes=settings.kv_memory,
         block_size=settings.block_size,
@@ -177,6 +178,8 @@ def load_options(settings: EngineArgs, weights: str = "dtype") -> LoadOptions:
         weights=weights,
         seed=settings.seed,
         text_only=settings.text_only,
+        # Method mtp: the checkpoint's MTP layer, its memory in the pool, proposes.
+        mtp_proposals=spec.num_speculative_tokens if spec and spec.method == "mtp" else 0,
     )
 
 

@@ -10,7 +10,7 @@ from hybridkv.memory.sizes import parse_size
 from hybridkv.serving.cli.flags.values import UsageError, dtype_bytes, load_config
 
 if TYPE_CHECKING:
-    from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan
+    from hybridkv.memory.layout import AttentionSpec, LayerSpec, LayoutPlan, ModelLayer
     from hybridkv.memory.layout_planner import PlanReport
     from hybridkv.models.shapes.state import StateShape
 
@@ -75,6 +75,12 @@ def register_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         metavar="L",
         help="tokens per request (prompt and output) in the capacity table",
     )
+    parser.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help="speculative decoding as serve takes it; with method mtp the checkpoint's "
+        "MTP layer's memory is planned in the pool too",
+    )
     from hybridkv.serving.cli.flags.engine import add_layer_policy_argument
 
     add_layer_policy_argument(parser)
@@ -101,13 +107,15 @@ def run_plan(args: argparse.Namespace) -> int:
     label, config = load_config(args.model)
     policies = dict(parse_layer_policies(args.layer_policies))
     layers = layer_specs_from_config(config, dtype_bytes(args.dtype), policies=policies)
-    specs = cached_layers(layers)
+    mtp = _mtp_specs(config, layers, args.speculative_config)
+    specs = cached_layers([*layers, *mtp])
     tp = args.tensor_parallel_size
     if tp < 1:
         raise UsageError(f"--tensor-parallel-size must be >= 1, got {tp}")
     one_process, mamba = specs, _state_shape(config)
     specs = [tensor_rank_spec(s, tp, mamba) for s in specs]
     cuts = split_stages(layers, args.pp_stages)
+    cuts[-1] = [*cuts[-1], *mtp]  # the MTP layer runs after the last stage's
     stages = [[s.name for s in cached_layers(stage)] for stage in cuts]
     plan = plan_layout(specs, budget, args.block_size, stages=stages)
     report = describe(plan, specs, args.request_tokens)
@@ -134,6 +142,8 @@ def run_plan(args: argparse.Namespace) -> int:
     elif indexed:
         shared += f", and {indexed[0].head_dim} of an indexer's keys in {len(indexed)}"
     kept = len(specs) - readers
+    if mtp:
+        shared += "; the last its MTP layer (speculative method mtp)"
     print(f"model   {label}: {kept} KV layers ({summary or 'attention-free'}{shared})")
     print(
         f"budget  {_bytes(budget)} per device, {args.dtype}, block size {plan.block_size}"
@@ -153,6 +163,31 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print("no KV cache: the model has no attention or state layers")
     return 0
+
+
+def _mtp_specs(
+    config: dict[str, Any], layers: Sequence[ModelLayer], speculative: str | None
+) -> tuple[AttentionSpec, ...]:
+    """The spec of the checkpoint's first MTP layer where ``--speculative-config`` names
+    method mtp, else none.
+
+    Raises:
+        UsageError: a bad config, or method mtp for a model without MTP layers.
+    """
+    from hybridkv.models.families import family_for, normalized
+    from hybridkv.serving.cli.flags.speculative import speculative_config
+
+    spec = speculative_config(speculative)
+    if spec is None or spec.method != "mtp":
+        return ()
+    family = family_for(str(config.get("model_type")))
+    shape = None if family is None else family.mtp
+    if shape is None or not shape.count(normalized(family, config)):
+        raise UsageError(
+            f"--speculative-config: method mtp, and {config.get('model_type')} checkpoints "
+            "of this config have no multi-token prediction layers"
+        )
+    return shape.specs(layers, 1)
 
 
 def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:

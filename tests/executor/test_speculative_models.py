@@ -9,14 +9,13 @@ last kept token, never from a rejected one.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import pytest
 import torch
-from model_fixtures import NEW_FAMILIES
+from model_fixtures import NEW_FAMILIES, ReferenceModelProposer
 
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.model_executor import ModelExecutor
@@ -53,26 +52,6 @@ POOL_PAGES |= {
     "gemma4": 24,
     "gemma4_moe": 24,
 }  # a group per layer kind: each holds pages
-
-
-class ReferenceModelProposer:
-    """transformers' greedy continuation, each token wrong with probability ``miss``."""
-
-    def __init__(self, reference: Any, vocab_size: int, miss: float, seed: int) -> None:
-        self.reference = reference
-        self.vocab_size = vocab_size
-        self.miss = miss
-        self._random = random.Random(seed)
-
-    def propose(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
-        with torch.no_grad():
-            out = self.reference.generate(
-                torch.tensor([list(tokens)]), max_new_tokens=k, do_sample=False, pad_token_id=0
-            )
-        right = out[0, len(tokens) :].tolist()
-        return tuple(
-            (t + 1) % self.vocab_size if self._random.random() < self.miss else t for t in right
-        )
 
 
 async def _serve(

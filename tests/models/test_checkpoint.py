@@ -93,3 +93,53 @@ def test_a_quantised_checkpoint_is_refused_by_its_method(tiny_models, tmp_path, 
     (tmp_path / "q" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelConfigError, match=f"quant_method '{method}'"):
         Checkpoint.open(tmp_path / "q")
+
+
+@pytest.mark.parametrize(
+    ("family", "stored", "ours"),
+    [
+        ("deepseek_v3", "model.layers.61.eh_proj.weight", "mtp.0.proj.weight"),
+        ("deepseek_v3", "model.layers.61.shared_head.norm.weight", "mtp.0.final_norm.weight"),
+        ("deepseek_v3", "model.layers.61.shared_head.head.weight", ""),  # the model's head
+        ("deepseek_v3", "model.layers.61.embed_tokens.weight", ""),
+        ("deepseek_v3", "model.layers.61.mlp.experts.7.up_proj.weight",
+         "mtp.0.block.mlp.experts.7.up_proj.weight"),
+        ("deepseek_v3", "model.layers.60.eh_proj.weight", None),  # a decoder layer's name
+        ("deepseek_v3", "model.layers.62.enorm.weight", "mtp.1.embed_norm.weight"),
+        ("bailing_hybrid", "model.layers.61.final_layernorm.weight", "mtp.0.final_norm.weight"),
+        ("qwen3_next", "mtp.fc.weight", "mtp.0.proj.weight"),
+        ("qwen3_next", "mtp.pre_fc_norm_hidden.weight", "mtp.0.hidden_norm.weight"),
+        ("qwen3_next", "mtp.norm.weight", "mtp.0.final_norm.weight"),
+        ("qwen3_next", "mtp.layers.0.input_layernorm.weight",
+         "mtp.0.block.input_layernorm.weight"),
+        ("qwen3_next", "model.norm.weight", None),
+        ("mimo_v2_flash", "model.mtp.layers.0.pre_mlp_layernorm.weight",
+         "mtp.0.block.post_attention_layernorm.weight"),
+        ("mimo_v2_flash", "model.mtp.layers.0.final_layernorm.weight", "mtp.0.final_norm.weight"),
+    ],
+)  # fmt: skip
+def test_mtp_tensors_map_to_our_modules_from_the_names_real_checkpoints_use(
+    family: str, stored: str, ours: str | None
+) -> None:
+    """The names of the real checkpoints' MTP layers (DeepSeek V3 and Ling after their 61
+    decoder layers, Qwen3-Next's under ``mtp.``, MiMo-V2-Flash's under ``model.mtp``)."""
+    from hybridkv.models.families import family_for
+
+    shape = family_for(family).mtp
+    assert shape is not None and shape.our_name(stored, 61) == ours
+
+
+def test_only_the_first_mtp_layer_is_read_and_none_without_mtp(tiny_models, tmp_path):
+    """A checkpoint's MTP tensors load with ``mtp=True`` (its first layer's: it proposes
+    every token), and are left unread without it, as are a second layer's."""
+    from hybridkv.testing.tiny_mtp import add_mtp_layer
+
+    folder = tmp_path / "v3"
+    shutil.copytree(tiny_models["deepseek_v3"].path, folder)
+    add_mtp_layer(folder)
+    with_mtp = Checkpoint.open(folder, mtp=True)
+    names = with_mtp.weight_names()
+    assert "mtp.0.proj.weight" in names and "mtp.0.block.input_layernorm.weight" in names
+    assert with_mtp.config.mtp_layers[0].name == "mtp.0.self_attn"
+    assert not any(n.startswith("mtp.") for n in Checkpoint.open(folder).weight_names())
+    assert with_mtp._name(f"model.layers.{with_mtp.config.num_layers + 1}.enorm.weight") is None

@@ -71,6 +71,12 @@ def test_vllm_keys_parse_and_method_is_inferred() -> None:
     assert draft.method == "draft_model" and draft.model == "/ckpt/small"
 
 
+@pytest.mark.parametrize("method", ["mtp", "qwen3_next_mtp", "deepseek_mtp", "mimo_mtp"])
+def test_mtp_and_vllms_spellings_for_one_family_name_one_method(method: str) -> None:
+    config = SpeculativeConfig.from_mapping({"method": method, "num_speculative_tokens": 2})
+    assert (config.method, config.model, config.num_speculative_tokens) == ("mtp", None, 2)
+
+
 @pytest.mark.parametrize(
     ("fields", "names"),
     [
@@ -82,6 +88,7 @@ def test_vllm_keys_parse_and_method_is_inferred() -> None:
         ({"num_speculative_tokens": 2, "drop_eagle_block": True}, "drop_eagle_block"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model names"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model names"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "model names"),
         ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ],
 )

@@ -238,6 +238,10 @@ def test_executors_that_cannot_verify_are_refused_at_start() -> None:
     config = make_config(speculative_config=draft)
     with pytest.raises(ConfigError, match="draft_model needs a proposer"):
         Engine(config, FakeExecutor.for_config(config))
+    mtp = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
+    config = make_config(speculative_config=mtp)
+    with pytest.raises(ConfigError, match=r"LoadOptions\(mtp_proposals=2\)"):
+        Engine(config, FakeExecutor.for_config(config))  # it runs no MTP layer
 
 
 @pytest.mark.asyncio

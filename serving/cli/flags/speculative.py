@@ -16,7 +16,8 @@ def speculative_config(
 
     Raises:
         UsageError: not a JSON object, a key or value it refuses (named), context
-            parallelism beside it, or a draft model beside several processes.
+            parallelism beside it, or a draft model or method mtp beside several
+            processes.
     """
     import json
 
@@ -35,9 +36,10 @@ def speculative_config(
         config = SpeculativeConfig.from_mapping(fields)
     except SpeculativeConfigError as exc:
         raise UsageError(f"--speculative-config: {exc}") from None
-    if num_ranks > 1 and config.method == "draft_model":
+    if num_ranks > 1 and config.method in ("draft_model", "mtp"):
+        what = "a draft model" if config.method == "draft_model" else "method mtp"
         raise UsageError(
-            "--speculative-config: a draft model beside pipeline, context- or "
+            f"--speculative-config: {what} beside pipeline, context- or "
             "tensor-parallel processes is not built; use ngram (prompt lookup)"
         )
     if context_parallel_size > 1:

@@ -1,0 +1,151 @@
+"""Multi-token prediction (MTP) layers: where a family's checkpoints keep them (torch-free;
+``hybridkv.models.blocks.mtp`` builds them).
+
+An MTP layer predicts the token after next. At position ``q`` it reads the target model's
+hidden state there (after its final norm) and the embedding of the token at ``q + 1``,
+runs one decoder layer of the family over their projection, and the model's LM head
+names the token at ``q + 2``::
+
+    g = final_norm(block(proj(cat(embed_norm(embed(t[q+1])), hidden_norm(h[q])))))
+    logits = lm_head(g)                        -> t[q+2]
+
+Run again on ``g`` and the token it named, it proposes one more: ``k`` proposals from one
+layer. (This is transformers' ``MtpModel``, the reference the tests compare with: the
+layer's output is normalised before both its head and the next proposal, and position 0
+reads its embedding as any other.)
+
+Three layouts hold them, ``N`` = ``num_hidden_layers``::
+
+    after     model.layers.{N+i}.{enorm, hnorm, eh_proj, shared_head.norm | final_layernorm}
+              and the block's tensors beside them    (DeepSeek V3, Ling 3.0)
+    nested    model.mtp.layers.{i}.  the same names  (MiMo-V2-Flash)
+    mtp       mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm} for layer 0, the
+              block's tensors under mtp.layers.{i}.  (Qwen3-Next, Qwen3.5)
+
+A DeepSeek layer's copies of the embedding and of the head are left unread: the model's
+serve. Our modules are ``mtp.{i}.{embed_norm, hidden_norm, proj, final_norm, block}``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from hybridkv.memory.layout import AttentionSpec, ModelLayer
+from hybridkv.models.errors import ModelConfigError
+
+#: The parts of an MTP layer beside its block, the checkpoints' names -> ours.
+_PARTS = {
+    "enorm": "embed_norm",
+    "hnorm": "hidden_norm",
+    "eh_proj": "proj",
+    "shared_head.norm": "final_norm",
+    "final_layernorm": "final_norm",
+    "fc": "proj",
+    "pre_fc_norm_embedding": "embed_norm",
+    "pre_fc_norm_hidden": "hidden_norm",
+    "norm": "final_norm",
+}
+#: The copies a DeepSeek MTP layer stores of the model's embedding and head.
+_COPIES = ("embed_tokens.", "shared_head.head.")
+_PREFIXES = {
+    "after": re.compile(r"model\.layers\.(\d+)\.(.*)"),
+    "nested": re.compile(r"model\.mtp\.layers\.(\d+)\.(.*)"),
+    "mtp": re.compile(r"mtp\.layers\.(\d+)\.(.*)"),
+}
+
+
+@attrs.frozen(kw_only=True)
+class MtpShape:
+    """How a family's checkpoints store their MTP layers.
+
+    Attributes:
+        layout: ``after``, ``nested`` or ``mtp`` (see the module).
+        count_fields: The config.json fields that may hold the number of MTP layers,
+            the first present counts.
+        default_count: The number where none is present (1: Qwen3-Next and MiMo-V2-Flash
+            ship one and their configs may not say so).
+        kind: The layer kind of the MTP block (Qwen3-Next's is a full attention layer,
+            MiMo's a sliding one); None: the decoder's last layer's.
+        dense: The block has a dense MLP where the decoder's layers have experts
+            (MiMo-V2-Flash's).
+        block_renames: Parts of the block's tensor names that differ from a decoder
+            layer's, theirs -> ours.
+    """
+
+    layout: Literal["after", "nested", "mtp"]
+    count_fields: tuple[str, ...] = ("num_nextn_predict_layers", "num_mtp_layers")
+    default_count: int = 0
+    kind: str | None = None
+    dense: bool = False
+    block_renames: Mapping[str, str] = attrs.field(factory=dict)
+
+    def count(self, hf: Mapping[str, Any]) -> int:
+        """The MTP layers the checkpoint's config says it holds."""
+        field = next((f for f in self.count_fields if hf.get(f) is not None), None)
+        return self.default_count if field is None else int(hf[field])
+
+    def our_name(self, name: str, num_layers: int) -> str | None:
+        """A checkpoint tensor's name in our MTP modules; None for a tensor of no MTP
+        layer, ``""`` for an MTP layer's copy of the model's embedding or head."""
+        match = _PREFIXES[self.layout].match(name)
+        if match is not None:
+            index, rest = int(match.group(1)), match.group(2)
+            if self.layout == "after":
+                if index < num_layers:
+                    return None
+                index -= num_layers
+        elif self.layout == "mtp" and name.startswith("mtp."):
+            index, rest = 0, name[len("mtp.") :]  # the parts beside Qwen's one block
+        else:
+            return None
+        if rest.startswith(_COPIES):
+            return ""
+        part, _, leaf = rest.rpartition(".")
+        if part in _PARTS and (self.layout != "mtp" or match is None):
+            return f"mtp.{index}.{_PARTS[part]}.{leaf}"
+        for theirs, ours in self.block_renames.items():
+            rest = rest.replace(theirs, ours)
+        return f"mtp.{index}.block.{rest}"
+
+    def template(self, layers: Sequence[ModelLayer]) -> int:
+        """The index of the decoder layer whose spec an MTP layer's takes: the last of the
+        MTP block's kind that keeps its own pages.
+
+        Raises:
+            ModelConfigError: the decoder has none.
+        """
+        for index in range(len(layers) - 1, -1, -1):
+            spec = layers[index]
+            kind = self.kind is None or getattr(spec, "kind", None) == self.kind
+            if isinstance(spec, AttentionSpec) and not spec.reads and kind:
+                return index
+        raise ModelConfigError(
+            f"the model has no {self.kind or 'attention'} layer for its MTP layer to be"
+        )
+
+    def specs(self, layers: Sequence[ModelLayer], count: int) -> tuple[AttentionSpec, ...]:
+        """The specs of ``count`` MTP layers after the decoder's ``layers``: each the
+        template's (:meth:`template`) under the MTP layer's name."""
+        template = layers[self.template(layers)]
+        assert isinstance(template, AttentionSpec)
+        return tuple(_renamed(template, f"mtp.{i}.self_attn") for i in range(count))
+
+
+def _renamed(spec: AttentionSpec, name: str) -> AttentionSpec:
+    """``spec`` under ``name``, the memories beside it renamed along (``name.indexer``)."""
+    beside = spec.beside
+    if beside is not None:
+        suffix = beside.name[len(spec.name) :] if beside.name.startswith(spec.name) else ".beside"
+        beside = (
+            _renamed(beside, name + suffix)
+            if isinstance(beside, AttentionSpec)
+            else attrs.evolve(beside, name=name + suffix)
+        )
+    return attrs.evolve(spec, name=name, beside=beside)
+
+
+__all__ = ["MtpShape"]
