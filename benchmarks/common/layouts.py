@@ -69,21 +69,30 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def model_specs(name: str) -> list[LayerSpec]:
+def model_specs(name: str, *, mtp: bool = False) -> list[LayerSpec]:
     """The model's memories from hybridkv's parser (bfloat16 K/V, float32 state; a layer
-    with a state beside its attention gives both: ``cached_layers``)."""
-    return cached_layers(layer_specs_from_config(MODELS[name], dtype_bytes=2))
+    with a state beside its attention gives both: ``cached_layers``); with ``mtp``, its
+    first MTP layer's after them (``hybridkv plan --speculative-config`` method mtp)."""
+    layers = layer_specs_from_config(MODELS[name], dtype_bytes=2)
+    if mtp:
+        family = family_for(str(MODELS[name]["model_type"]))
+        assert family is not None and family.mtp is not None, f"{name} has no MTP layers"
+        layers += family.mtp.specs(layers, 1)
+    return cached_layers(layers)
 
 
 # -- the layout: the one place that plans ------------------------------------------------
 
 
-def build_layout(model: str, budget: int, block_size: int, *, one_page: bool = False) -> LayoutPlan:
-    """The plan a workload of ``model`` runs at: ``plan_layout`` of its specs, with two
-    page sizes (states in spans of K/V pages), or ``one_page``: one page size, the block
-    raised until an attention page holds a state (hybridkv before two-level pages, and
-    what vLLM does)."""
-    return plan_layout(model_specs(model), budget, block_size, unify_page_size=one_page)
+def build_layout(
+    model: str, budget: int, block_size: int, *, one_page: bool = False, mtp: bool = False
+) -> LayoutPlan:
+    """The plan a workload of ``model`` runs at: ``plan_layout`` of its specs (``mtp``:
+    with its MTP layer's), with two page sizes (states in spans of K/V pages), or
+    ``one_page``: one page size, the block raised until an attention page holds a state
+    (hybridkv before two-level pages, and what vLLM does)."""
+    specs = model_specs(model, mtp=mtp)
+    return plan_layout(specs, budget, block_size, unify_page_size=one_page)
 
 
 @attrs.frozen

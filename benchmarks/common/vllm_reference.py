@@ -101,6 +101,7 @@ class ReferenceAllocator:
         max_model_len: int,
         hash_name: str = "sha256",
         reserve_full_isl: bool = True,
+        use_eagle: bool = False,
     ) -> None:
         config = kv_cache_config(vllm, groups, num_blocks=num_blocks, block_size=block_size)
         self._hasher = request_block_hasher(vllm, block_size, hash_name)
@@ -110,6 +111,7 @@ class ReferenceAllocator:
             scheduler_block_size=block_size,
             hash_block_size=block_size,
             enable_caching=True,
+            use_eagle=use_eagle,  # what its scheduler sets for EAGLE and MTP drafts
         )
         self._empty = self.manager.empty_kv_cache_blocks
         # vLLM's own states: the manager compares a request's status against them.

@@ -134,7 +134,9 @@ def _with_mamba_groups() -> Iterator[None]:
         _vllm_reference.kv_cache_config = base
 
 
-def make_reference(vllm: Any, layout: Layout, max_model_len: int) -> tuple[Any, dict]:
+def make_reference(
+    vllm: Any, layout: Layout, max_model_len: int, *, use_eagle: bool = False
+) -> tuple[Any, dict]:
     """vLLM's allocator for ``layout``, or None and why: ``not_driven`` where the adapter
     cannot express the layout (several block sizes, a policy it has no group for),
     ``refused`` with the error vLLM raised building its manager for it."""
@@ -157,13 +159,16 @@ def make_reference(vllm: Any, layout: Layout, max_model_len: int) -> tuple[Any, 
                 sizes.pop(),
                 max_model_len=max_model_len,
                 reserve_full_isl=True,  # vLLM's default scheduler_reserve_full_isl
+                use_eagle=use_eagle,
             )
     except Exception as exc:  # vLLM's own refusal, whatever its type
         return None, {"refused": f"{type(exc).__name__}: {exc}"}
     return alloc, {}
 
 
-def mamba_split(vllm: Any, alloc: Any, budget: int) -> Callable[[Any, int, int], int] | None:
+def mamba_split(
+    vllm: Any, alloc: Any, budget: int, *, use_eagle: bool = False
+) -> Callable[[Any, int, int], int] | None:
     """vLLM's ``Scheduler._mamba_block_aligned_split`` over the fields its scheduler would
     hold for this manager (None where it would not split: no mamba group in "align")."""
     manager = alloc.manager
@@ -181,7 +186,7 @@ def mamba_split(vllm: Any, alloc: Any, budget: int) -> Callable[[Any, int, int],
         scheduler_config=ns(long_prefill_token_threshold=0),
         hash_block_size=hash_block_size,
         max_num_scheduled_tokens=budget,
-        use_eagle_block_drop=False,
+        use_eagle_block_drop=use_eagle,
         num_hash_lookahead_tokens=0,
         mamba_prefill_checkpoint_alignment=mamba[0].prefill_checkpoint_alignment,
         mamba_has_prefill_checkpoint_blocks=all(s.num_prefill_checkpoint_blocks > 0 for s in mamba),
@@ -207,25 +212,37 @@ class _Turn:
 
 
 def run_vllm(
-    vllm: Any, layout: Layout, jobs: Sequence[Job], in_flight: int, budget: int
+    vllm: Any,
+    layout: Layout,
+    jobs: Sequence[Job],
+    in_flight: int,
+    budget: int,
+    *,
+    use_eagle: bool = False,
 ) -> dict[str, Any]:
     """Serve ``jobs`` on vLLM's KVCacheManager at ``layout``'s pool, as its scheduler would:
     running requests first (the newest preempted when one cannot grow), then admissions
-    while none was preempted, each prefill chunk clipped for mamba groups."""
+    while none was preempted, each prefill chunk clipped for mamba groups. ``use_eagle``:
+    as its scheduler builds them for EAGLE and MTP drafts (``use_eagle_block_drop``)."""
     max_model_len = max(len(j.prompt) + len(j.output) for j in jobs) + 1
-    alloc, problem = make_reference(vllm, layout, max_model_len)
+    alloc, problem = make_reference(vllm, layout, max_model_len, use_eagle=use_eagle)
     if alloc is None:
         return problem
     try:
-        return _serve_vllm(vllm, alloc, jobs, in_flight, budget)
+        clip = mamba_split(vllm, alloc, budget, use_eagle=use_eagle)
+        return _serve_vllm(alloc, jobs, in_flight, budget, clip)
     except Exception as exc:  # vLLM's manager failing mid-run: reported, ours still printed
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _serve_vllm(
-    vllm: Any, alloc: Any, jobs: Sequence[Job], in_flight: int, budget: int
+    alloc: Any,
+    jobs: Sequence[Job],
+    in_flight: int,
+    budget: int,
+    split: Callable[[Any, int, int], int] | None,
 ) -> dict[str, Any]:
-    clip = mamba_split(vllm, alloc, budget) or (lambda request, num, hit: num)
+    clip = split or (lambda request, num, hit: num)
     queued, children = job_order(jobs)
     ids = iter(range(len(jobs)))
     waiting: deque[_Turn] = deque()

@@ -15,6 +15,7 @@ from benchmarks.common.layouts import Layout
 from hybridkv.scheduler import EngineConfig, SamplingParams
 from hybridkv.scheduler.core import EngineCore
 from hybridkv.scheduler.fake import CollectingSink, FakeExecutor, reference_tokens
+from hybridkv.scheduler.speculation import Proposer, SpeculativeConfig
 
 VOCAB = 32000
 #: The block size the issue's goals are stated in.
@@ -122,16 +123,26 @@ def run_summary(jobs: Sequence[Job], hits: dict[str, int], preemptions: int) -> 
 # -- hybridkv: EngineCore with the checking fake ------------------------------------------
 
 
-def run_ours(layout: Layout, jobs: Sequence[Job], in_flight: int, budget: int) -> dict[str, Any]:
-    """Serve ``jobs`` through the engine core and the fake at ``layout``'s pool."""
+def run_ours(
+    layout: Layout,
+    jobs: Sequence[Job],
+    in_flight: int,
+    budget: int,
+    *,
+    speculative: SpeculativeConfig | None = None,
+    proposer: Proposer | None = None,
+) -> dict[str, Any]:
+    """Serve ``jobs`` through the engine core and the fake at ``layout``'s pool (with
+    ``speculative``, every decode verifying what ``proposer`` proposes)."""
     fake = FakeExecutor(layout.pool, vocab_size=VOCAB)
     config = EngineConfig.for_executor(
         fake,
         max_model_len=max(len(j.prompt) + len(j.output) for j in jobs) + 1,
         max_num_batched_tokens=budget,
         vocab_size=None,  # the chat's prompt tokens are multisession's, beyond the fake's
+        speculative_config=speculative,
     )
-    core = EngineCore(config)
+    core = EngineCore(config, proposer=proposer)
     waiting, children = job_order(jobs)
     running: dict[str, tuple[Job, CollectingSink]] = {}
     hits: dict[str, int] = {}
