@@ -74,7 +74,7 @@ class MtpProposer:
         tables = [[requests[i].block_tables[g] for i in ran] for _, g in self.caches]
         metas = self._metadata(kept, [s + n for s, n in zip(starts, kept, strict=True)], tables)
         out = model.run_mtp(
-            0, model.final_hidden(hidden[rows]), ids, positions.to(device), self._entries(metas)
+            0, model.mtp_hidden(hidden[rows]), ids, positions.to(device), self._entries(metas)
         )
         # The requests that sampled propose, from their last kept row.
         proposing = [

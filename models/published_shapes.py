@@ -252,6 +252,7 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         "index_n_heads": 64,
         "index_head_dim": 128,
         "index_topk": 512,
+        "num_nextn_predict_layers": 1,
     },
     **STATE_MIXER_CONFIGS,
 }

@@ -312,10 +312,22 @@ class CausalLM(nn.Module):
         return out
 
     def mtp_tokens(self, out: torch.Tensor) -> torch.Tensor:
-        """The token an MTP layer's output names at each row (the LM head's argmax)."""
+        """The token the first MTP layer's output names at each row (the LM head's
+        argmax)."""
         assert self.lm_head is not None, "only the last stage proposes"
-        tokens: torch.Tensor = self.lm_head(out).argmax(-1)
+        tokens: torch.Tensor = self.lm_head(self._first_mtp.head_input(out)).argmax(-1)
         return tokens
+
+    def mtp_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the first MTP layer reads of the layers' output: the hidden states after
+        the final norm, or the residual streams themselves (DeepSeek V4's)."""
+        return hidden if self._first_mtp.reads_streams else self.final_hidden(hidden)
+
+    @property
+    def _first_mtp(self) -> MtpLayer:
+        layer = self.mtp[0]
+        assert isinstance(layer, MtpLayer)
+        return layer
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The hidden states after the final norm (the residual streams summed first)."""

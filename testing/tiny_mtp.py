@@ -29,15 +29,16 @@ def add_mtp_layer(folder: Path, *, seed: int = 0) -> Path:
     if shape is None:
         raise ValueError(f"{config.model_type} checkpoints have no MTP layers")
     weights = load_file(str(folder / "model.safetensors"))
-    source = f"model.layers.{shape.template(config.layers)}."
-    block = {k[len(source) :]: v for k, v in weights.items() if k.startswith(source)}
-    if shape.dense:  # the MLP of the first dense layer
-        dense = next(k for k in weights if k.endswith(".mlp.gate_proj.weight"))
-        first = dense[: -len("mlp.gate_proj.weight")]
-        block = {k: v for k, v in block.items() if not k.startswith("mlp.")}
-        block |= {k[len(first) :]: v for k, v in weights.items() if k.startswith(first + "mlp.")}
-    norm = block["input_layernorm.weight"]
-    width = norm.shape[0]
+    block = _layer(weights, shape.template(config.layers))
+    # The MLP of the first dense layer where the block's is dense, else of the last layer
+    # (DeepSeek V4's first layers route by token id; an MTP block does not).
+    mlp = checkpoint.family.decoder.mlp_name or "mlp"
+    dense = [k for k in weights if k.endswith(f".{mlp}.gate_proj.weight")]
+    source = int(dense[0].split(".")[2]) if shape.dense else config.num_layers - 1
+    block = {k: v for k, v in block.items() if not k.startswith(f"{mlp}.")}
+    block |= {k: v for k, v in _layer(weights, source).items() if k.startswith(f"{mlp}.")}
+    width = config.hidden_size
+    norm = next(v for k, v in block.items() if k.endswith("norm.weight") and v.shape == (width,))
     generator = torch.Generator().manual_seed(seed)
     proj = torch.randn(width, 2 * width, generator=generator) * (2 * width) ** -0.5
     parts = {"enorm": norm, "hnorm": norm.flip(0), "eh_proj": proj}
@@ -46,6 +47,14 @@ def add_mtp_layer(folder: Path, *, seed: int = 0) -> Path:
         names = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc"}
         out |= {f"mtp.{names[k]}.weight": v for k, v in parts.items()}
         out["mtp.norm.weight"] = norm.roll(1)
+    elif shape.layout == "indexed":  # DeepSeek V4: a projection each, its own stream sum
+        out = {f"mtp.0.{k}": v for k, v in block.items()}
+        parts |= {"e_proj": proj[:, :width], "h_proj": proj[:, width:], "norm": norm.roll(1)}
+        del parts["eh_proj"]
+        out |= {f"mtp.0.{k}.weight": v for k, v in parts.items()}
+        out |= {
+            f"mtp.0.hc_head_{p}": weights[f"model.hc_head.hc_{p}"] for p in ("fn", "base", "scale")
+        }
     else:
         if shape.layout == "after":
             prefix = f"model.layers.{config.num_layers}."
@@ -123,6 +132,12 @@ def save_agreeing_mtp(
     }
     save_file(out, str(folder / "mtp.safetensors"))
     return folder
+
+
+def _layer(weights: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    """Decoder layer ``index``'s tensors, named within the layer."""
+    prefix = f"model.layers.{index}."
+    return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
 def _renamed(name: str, renames: dict[str, str]) -> str:

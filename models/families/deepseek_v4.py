@@ -32,6 +32,7 @@ from hybridkv.models.shapes.compressed import (
 )
 from hybridkv.models.shapes.decoder import DecoderShape, HyperConnections
 from hybridkv.models.shapes.moe import ExpertsShape
+from hybridkv.models.shapes.mtp import MtpShape
 from hybridkv.policies import CompressedEntries, MambaLike
 
 _KINDS = {"sliding_attention": SLIDING, CSA: CSA, HCA: HCA}
@@ -151,5 +152,5 @@ FAMILY = Family(
     kv_shape=lambda cfg, kind: (1, int_field(cfg, "head_dim")),
     beside=_beside,
     normalize=_normalize,
-    unread=("mtp.",),
+    mtp=MtpShape(layout="indexed", kind=SLIDING),  # a window over the streams: blocks/mtp.py
 )

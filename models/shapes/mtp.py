@@ -21,6 +21,8 @@ Three layouts hold them, ``N`` = ``num_hidden_layers``::
     nested    model.mtp.layers.{i}.  the same names  (MiMo-V2-Flash)
     mtp       mtp.{fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm} for layer 0, the
               block's tensors under mtp.layers.{i}.  (Qwen3-Next, Qwen3.5)
+    indexed   mtp.{i}.{enorm, hnorm, e_proj, h_proj, norm, hc_head_*} and the block's
+              tensors beside them                     (DeepSeek V4: ``blocks/mtp.py``)
 
 A DeepSeek layer's copies of the embedding and of the head are left unread: the model's
 serve. Our modules are ``mtp.{i}.{embed_norm, hidden_norm, proj, final_norm, block}``.
@@ -48,13 +50,18 @@ _PARTS = {
     "pre_fc_norm_embedding": "embed_norm",
     "pre_fc_norm_hidden": "hidden_norm",
     "norm": "final_norm",
+    "e_proj": "embed_proj",
+    "h_proj": "hidden_proj",
 }
+#: Tensors without a ``.weight`` leaf beside the block (DeepSeek V4's stream sum).
+_LEAVES = {f"hc_head_{p}": f"hc_head.hc_{p}" for p in ("fn", "base", "scale")}
 #: The copies a DeepSeek MTP layer stores of the model's embedding and head.
 _COPIES = ("embed_tokens.", "shared_head.head.")
 _PREFIXES = {
     "after": re.compile(r"model\.layers\.(\d+)\.(.*)"),
     "nested": re.compile(r"model\.mtp\.layers\.(\d+)\.(.*)"),
     "mtp": re.compile(r"mtp\.layers\.(\d+)\.(.*)"),
+    "indexed": re.compile(r"mtp\.(\d+)\.(.*)"),
 }
 
 
@@ -63,20 +70,20 @@ class MtpShape:
     """How a family's checkpoints store their MTP layers.
 
     Attributes:
-        layout: ``after``, ``nested`` or ``mtp`` (see the module).
+        layout: ``after``, ``nested``, ``mtp`` or ``indexed`` (see the module).
         count_fields: The config.json fields that may hold the number of MTP layers,
             the first present counts.
         default_count: The number where none is present (1: Qwen3-Next and MiMo-V2-Flash
             ship one and their configs may not say so).
         kind: The layer kind of the MTP block (Qwen3-Next's is a full attention layer,
-            MiMo's a sliding one); None: the decoder's last layer's.
+            MiMo's and DeepSeek V4's a sliding one); None: the decoder's last layer's.
         dense: The block has a dense MLP where the decoder's layers have experts
             (MiMo-V2-Flash's).
         block_renames: Parts of the block's tensor names that differ from a decoder
             layer's, theirs -> ours.
     """
 
-    layout: Literal["after", "nested", "mtp"]
+    layout: Literal["after", "nested", "mtp", "indexed"]
     count_fields: tuple[str, ...] = ("num_nextn_predict_layers", "num_mtp_layers")
     default_count: int = 0
     kind: str | None = None
@@ -104,6 +111,8 @@ class MtpShape:
             return None
         if rest.startswith(_COPIES):
             return ""
+        if rest in _LEAVES:
+            return f"mtp.{index}.{_LEAVES[rest]}"
         part, _, leaf = rest.rpartition(".")
         if part in _PARTS and (self.layout != "mtp" or match is None):
             return f"mtp.{index}.{_PARTS[part]}.{leaf}"
@@ -113,25 +122,26 @@ class MtpShape:
 
     def template(self, layers: Sequence[ModelLayer]) -> int:
         """The index of the decoder layer whose spec an MTP layer's takes: the last of the
-        MTP block's kind that keeps its own pages.
+        MTP block's kind that keeps its own pages, else the last such attention layer of
+        any kind (DeepSeek V4-Flash has no window-only layer: its window is every layer's).
 
         Raises:
-            ModelConfigError: the decoder has none.
+            ModelConfigError: the decoder has no attention layer keeping its own pages.
         """
-        for index in range(len(layers) - 1, -1, -1):
-            spec = layers[index]
-            kind = self.kind is None or getattr(spec, "kind", None) == self.kind
-            if isinstance(spec, AttentionSpec) and not spec.reads and kind:
-                return index
-        raise ModelConfigError(
-            f"the model has no {self.kind or 'attention'} layer for its MTP layer to be"
-        )
+        own = [i for i, s in enumerate(layers) if isinstance(s, AttentionSpec) and not s.reads]
+        if not own:
+            raise ModelConfigError("the model has no attention layer for its MTP layer to be")
+        of_kind = [i for i in own if self.kind is None or layers[i].kind == self.kind]
+        return (of_kind or own)[-1]
 
     def specs(self, layers: Sequence[ModelLayer], count: int) -> tuple[AttentionSpec, ...]:
         """The specs of ``count`` MTP layers after the decoder's ``layers``: each the
-        template's (:meth:`template`) under the MTP layer's name."""
+        template's (:meth:`template`) under the MTP layer's name; a template of another
+        kind lends its first memory alone, as the MTP block's kind."""
         template = layers[self.template(layers)]
         assert isinstance(template, AttentionSpec)
+        if self.kind is not None and template.kind != self.kind:
+            template = attrs.evolve(template, kind=self.kind, beside=None)
         return tuple(_renamed(template, f"mtp.{i}.self_attn") for i in range(count))
 
 

@@ -2,7 +2,9 @@
 
 Each family whose checkpoints ship an MTP layer gets one, under the names its real
 checkpoints use (``tests/mtp_reference.py``). Its proposals must be those of
-transformers' MTP layer (``MtpModel``) through chunked prefill, prefix hits and decodes;
+transformers' MTP layer (``MtpModel``; DeepSeek V4's, which transformers does not build,
+those of the same layer over the whole sequence at once) through chunked prefill, prefix
+hits and decodes;
 the tokens served with it must be transformers' greedy ones through mixed batches,
 preemption and an abort, for k = 1, 2, 3; and prefix caching must not change: vLLM
 #43559's probe (A, B, A) answers alike with MTP on and off, and a multi-turn chat hits as
@@ -210,7 +212,7 @@ def _prompts(prompt_of: Callable[[int, int], list[int]]) -> list[list[int]]:
 
 #: Pages of 4 tokens per group of each pool: the four requests do not fit at once.
 POOL_PAGES = {"qwen3_next": 36, "qwen3_5": 36, "deepseek_v3": 14, "mimo_v2_flash": 24}
-POOL_PAGES |= {"bailing_hybrid": 96, "deepseek_v32": 20}
+POOL_PAGES |= {"bailing_hybrid": 96, "deepseek_v32": 20, "deepseek_v4": 64}
 
 
 def _pool_bytes(path: Path, name: str) -> int:

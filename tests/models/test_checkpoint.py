@@ -116,13 +116,20 @@ def test_a_quantised_checkpoint_is_refused_by_its_method(tiny_models, tmp_path, 
         ("mimo_v2_flash", "model.mtp.layers.0.pre_mlp_layernorm.weight",
          "mtp.0.block.post_attention_layernorm.weight"),
         ("mimo_v2_flash", "model.mtp.layers.0.final_layernorm.weight", "mtp.0.final_norm.weight"),
+        ("deepseek_v4", "mtp.0.e_proj.weight", "mtp.0.embed_proj.weight"),
+        ("deepseek_v4", "mtp.0.h_proj.weight", "mtp.0.hidden_proj.weight"),
+        ("deepseek_v4", "mtp.0.hc_head_fn", "mtp.0.hc_head.hc_fn"),
+        ("deepseek_v4", "mtp.0.norm.weight", "mtp.0.final_norm.weight"),
+        ("deepseek_v4", "mtp.0.attn.wkv.weight", "mtp.0.block.attn.wkv.weight"),
+        ("deepseek_v4", "model.layers.0.attn.wkv.weight", None),
     ],
 )  # fmt: skip
 def test_mtp_tensors_map_to_our_modules_from_the_names_real_checkpoints_use(
     family: str, stored: str, ours: str | None
 ) -> None:
     """The names of the real checkpoints' MTP layers (DeepSeek V3 and Ling after their 61
-    decoder layers, Qwen3-Next's under ``mtp.``, MiMo-V2-Flash's under ``model.mtp``)."""
+    decoder layers, Qwen3-Next's under ``mtp.``, MiMo-V2-Flash's under ``model.mtp``,
+    DeepSeek V4's under ``mtp.{i}.``)."""
     from hybridkv.models.families import family_for
 
     shape = family_for(family).mtp

@@ -85,12 +85,14 @@ def test_mtp_beside_several_processes_is_refused_before_any_worker(
 
 def test_plan_counts_the_mtp_layers_memory(capsys: pytest.CaptureFixture[str]) -> None:
     """Qwen3-Next's MTP layer joins its full attention group; DeepSeek V3's is its 62nd
-    latent layer; Kimi K2 ships none and is refused."""
+    latent layer, V4's a 44th window; Kimi K2 ships none and is refused."""
     spec = ["--kv-memory", "8GiB", "--speculative-config", MTP]
     assert main(["plan", "qwen3-next-80b-a3b-like", *spec]) == 0
     out = capsys.readouterr().out
     assert "49 KV layers (36 mamba, 13 full; the last its MTP layer" in out
     assert main(["plan", "deepseek-v3-like", *spec]) == 0
     assert "62 KV layers (62 full;" in capsys.readouterr().out
+    assert main(["plan", "deepseek-v4-like", *spec]) == 0  # its window, 44 of them now
+    assert "130 KV layers (44 sliding_window(window=128)" in capsys.readouterr().out
     assert main(["plan", "kimi-k2-like", *spec]) == 2
     assert "no multi-token prediction layers" in capsys.readouterr().err
