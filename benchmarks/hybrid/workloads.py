@@ -68,12 +68,13 @@ def shared_prefix_jobs(rng: random.Random, args: argparse.Namespace) -> list[Job
     ]
 
 
-def chat_jobs(seed: int) -> tuple[list[Job], dict[str, Any]]:
-    """``multisession.py``'s sessions at its defaults, each reply the fake model's."""
+def chat_jobs(seed: int, sessions: int | None = None) -> tuple[list[Job], dict[str, Any]]:
+    """``multisession.py``'s sessions at its defaults (``sessions`` of them where given),
+    each reply the fake model's."""
     import benchmarks.allocator.multisession as multisession
     from benchmarks.allocator.multisession_run import Session
 
-    wargs = multisession.parse_args([])
+    wargs = multisession.parse_args([] if sessions is None else ["--sessions", str(sessions)])
     rng = random.Random(seed)
     sessions = [Session(i, rng, wargs) for i in range(wargs.sessions)]
     jobs: list[Job] = []

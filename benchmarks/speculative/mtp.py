@@ -22,18 +22,18 @@ with MTP on against vLLM 0.34's.
      accept       accepted over proposed tokens
      identical    every request's tokens equal ``off``'s in the same round
 
-2. **Prefix hits.** ``cliffs.py``'s chat (16 sessions of 8 turns, ``multisession.py``'s
-   defaults, each prompt the conversation so far) on Qwen3.5-27B's layout with its MTP
-   layer's memory planned in, ``--kv-memory`` (8 GiB) at block 16. Ours: ``EngineCore``
-   with the checking ``FakeExecutor`` at our plan (two page sizes, block 16), without
-   speculation and with every decode verifying 3 proposed tokens, right 3 times in 4 (the
-   fake model has no MTP layer: a stand-in proposer; what is measured is the allocator
-   under verification steps, which is all MTP changes there). vLLM 0.34.0's own
-   ``KVCacheManager`` (the wheel's sources, fetched into the peer cache) at the plan it
-   makes (one page size: the block raised until a page holds a state), without and with
-   ``use_eagle``, which its scheduler sets for method mtp (``use_eagle_block_drop``: the
-   last matched block is dropped so the draft can recompute its hidden state). The hit
-   rate is over the prompt tokens of turns 2-8.
+2. **Prefix hits.** ``cliffs.py``'s chat (``--sessions`` 16 sessions of 8 turns,
+   ``multisession.py``'s defaults, each prompt the conversation so far) on Qwen3.5-27B's
+   layout with its MTP layer's memory planned in, ``--kv-memory`` (8 GiB) at block 16.
+   Ours: ``EngineCore`` with the checking ``FakeExecutor`` at our plan (two page sizes,
+   block 16), without speculation and with every decode verifying 3 proposed tokens,
+   right 3 times in 4 (the fake model has no MTP layer: a stand-in proposer; what is
+   measured is the allocator under verification steps, which is all MTP changes there).
+   vLLM 0.34.0's own ``KVCacheManager`` (the wheel's sources, fetched into the peer
+   cache) at the plan it makes (one page size: the block raised until a page holds a
+   state), without and with ``use_eagle``, which its scheduler sets for method mtp
+   (``use_eagle_block_drop``: the last matched block is dropped so the draft can
+   recompute its hidden state). The hit rate is over the prompt tokens of turns 2-8.
 
     python -m benchmarks.speculative.mtp [--k 1 2 3] [--rounds 3] [--layers 8]
                                      [--hidden 512] [--no-reference] [--json FILE]
@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-memory", default="8GiB")
+    parser.add_argument("--sessions", type=int, default=16, help="the chat's sessions")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-reference", action="store_true", help="skip vLLM")
     parser.add_argument("--reference-src", help="an unpacked vLLM 0.34 source tree")
@@ -196,7 +197,7 @@ def hits(args: argparse.Namespace) -> dict[str, Any]:
     from hybridkv.testing.proposers import ReferenceProposer
 
     budget = parse_size(args.kv_memory)
-    jobs, settings = chat_jobs(args.seed)
+    jobs, settings = chat_jobs(args.seed, args.sessions)
     in_flight, step_budget = settings["in_flight"], settings["budget"]
     specs = model_specs(HITS_MODEL, mtp=True)
     ours = hybrid_layout(HITS_MODEL, build_layout(HITS_MODEL, budget, 16, mtp=True), specs)

@@ -14,7 +14,7 @@ def test_mtp_changes_no_token_and_no_hit(tmp_path: Path) -> None:
     out = tmp_path / "mtp.json"
     mtp.main(["--no-reference", "--layers", "2", "--hidden", "64", "--rounds", "1", "--k", "2",
               "--requests", "2", "--batch", "2", "--prompt-len", "20", "--max-tokens", "12",
-              "--threads", "1", "--json", str(out)])  # fmt: skip
+              "--threads", "1", "--sessions", "4", "--json", str(out)])  # fmt: skip
     results = json.loads(out.read_text())
     for cell in results["speed"]["cells"].values():
         assert all(row["identical"] for row in cell.values())

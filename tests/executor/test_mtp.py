@@ -125,7 +125,8 @@ async def test_proposals_stay_transformers_through_verification(
     executor.close()
     accepted = stats.spec_decode.num_accepted_tokens
     assert 0 < accepted < stats.spec_decode.num_draft_tokens and stats.num_preemptions > 0
-    for index, length, row in seen:
+    assert len(seen) > 24
+    for index, length, row in seen[:: len(seen) // 24 + 1]:  # two dozen, spread out
         tokens = [*prompts[index], *outputs[index]][:length]
         assert list(row) == model.proposals(tokens, 2), (index, length)
 
@@ -374,7 +375,7 @@ CHI2_AT_0_001 |= {10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.
 async def test_sampled_tokens_keep_the_models_distribution_with_mtp(
     agreeing: Any, prompt_of: Callable[[int, int], list[int]]
 ) -> None:
-    """Temperature 1.5, top-k 4, top-p 0.95, each request seeded: over 1,500 requests the
+    """Temperature 1.5, top-k 4, top-p 0.95, each request seeded: over 800 requests the
     pair of their first two tokens (the second from a step verifying the MTP layer's
     proposal, kept or replaced by the rejection rule) follows the model's own
     distribution, computed from transformers' logits (chi-square, p = 0.001, cells
@@ -383,7 +384,7 @@ async def test_sampled_tokens_keep_the_models_distribution_with_mtp(
 
     from hybridkv.executor.draw import filter_logits
 
-    num = 1_500
+    num = 800
     prompt = prompt_of(20, 40)
     executor = _executor(agreeing.path, 1, kv_cache_bytes=8 << 20)
     config = _mtp_config(executor, 1, max_num_seqs=256, max_num_batched_tokens=1024)
