@@ -100,6 +100,14 @@ def layer_groups(plan: LayoutPlan, specs: Sequence[ModelLayer]) -> list[int | No
     return [None if isinstance(s, NoCacheSpec) else plan.slot_of(s)[0] for s in memories(specs)]
 
 
+def sparse_groups(plan: LayoutPlan, groups: Sequence[int]) -> list[bool]:
+    """Per KV group of ``groups``, whether its entries span blocks, its tables holding
+    pages only in the blocks entries end in (DeepSeek V4's compressed entries): the
+    ``sparse`` of ``PagedMetadata.build_groups``."""
+    bs = plan.block_size
+    return [plan.groups[g].policy.page_blocks(0, bs + 1, bs) is not None for g in groups]
+
+
 def kept_specs(config: ModelConfig, plan: LayoutPlan, dtype: torch.dtype) -> list[ModelLayer]:
     """Per layer (the decoder's, then an MTP layer's: ``planned_layers``), its spec with the
     policy of its KV group in ``plan``: what its pages keep.

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from hybridkv.errors.events import get_logger
 from hybridkv.executor.batch_checks import check_batch
 from hybridkv.executor.grammars import GrammarError
-from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs, layer_groups
+from hybridkv.executor.kv_caches import allocate_kv_caches, kept_specs, layer_groups, sparse_groups
 from hybridkv.executor.load_options import LoadOptions
 from hybridkv.executor.loader import ModelShard, StageSlice, load_checkpoint
 from hybridkv.executor.logprobs import emitted_logprobs, step_prompt_logprobs
@@ -270,7 +270,6 @@ class ModelExecutor:
         context_lens = [r.start_position + r.num_tokens for r in requests]
         bs, groups = self.plan.block_size, self.plan.groups
         kv_groups = [g for g in self._groups if not groups[g].policy.keeps_state]
-        sparse = [groups[g].policy.page_blocks(0, bs + 1, bs) is not None for g in kv_groups]
         built = PagedMetadata.build_groups(
             query_lens,
             context_lens,
@@ -278,7 +277,7 @@ class ModelExecutor:
             bs,
             device=self.device,
             workspace=self._workspace,
-            sparse=sparse,  # entries spanning blocks: pages only where they end
+            sparse=sparse_groups(self.plan, kv_groups),
         )
         metadata: dict[int, PagedMetadata | StepStates] = dict(zip(kv_groups, built, strict=True))
         drafts = [r.num_draft_tokens for r in requests]

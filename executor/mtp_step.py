@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridkv.executor.kv_caches import sparse_groups
+from hybridkv.executor.speculative import kept_tokens
 from hybridkv.kernels import GatherWorkspace, PagedMetadata
 from hybridkv.memory.layout import LayoutPlan
 from hybridkv.models.transformer import CacheEntry, CausalLM
@@ -64,7 +66,7 @@ class MtpProposer:
         """Write the MTP cache for the tokens ``batch`` kept; per request, the tokens
         proposed after its last (empty where it sampled nothing)."""
         requests = batch.requests
-        rows, next_ids, ran, kept = _kept_rows(requests, result)
+        rows, next_ids, ran, kept = _kept_rows(batch, result)
         if not ran:
             return ((),) * len(requests)
         model, device = self.model, hidden.device
@@ -135,17 +137,14 @@ class MtpProposer:
     ) -> list[PagedMetadata]:
         """Per MTP memory, the metadata of a pass over ``query_lens`` tokens per request
         ending at ``context_lens``, reading ``tables[m]`` (per request, its pages)."""
-        bs, groups = self.plan.block_size, self.plan.groups
-        # Entries spanning blocks: pages only where they end (``ModelExecutor.prepare``).
-        sparse = [groups[g].policy.page_blocks(0, bs + 1, bs) is not None for _, g in self.caches]
         return PagedMetadata.build_groups(
             query_lens,
             context_lens,
             tables,
-            bs,
+            self.plan.block_size,
             device=self.caches[0][0].device,
             workspace=self._workspace,
-            sparse=sparse,
+            sparse=sparse_groups(self.plan, [g for _, g in self.caches]),
         )
 
     def _entries(self, metas: Sequence[PagedMetadata]) -> list[CacheEntry]:
@@ -153,11 +152,11 @@ class MtpProposer:
 
 
 def _kept_rows(
-    requests: Sequence[StepRequest], result: StepResult
+    batch: StepBatch, result: StepResult
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """The rows of the step's hidden states the MTP layer reads: each position a request
-    kept, with the token after it. Returns the rows, those tokens, the requests they
-    belong to (indices) and how many each.
+    kept (``kept_tokens``), with the token after it. Returns the rows, those tokens, the
+    requests they belong to (indices) and how many each.
 
     A prompt chunk's last position reads the next chunk's first token
     (``next_token_id``); from an engine that sends none, that position's key stays
@@ -169,8 +168,8 @@ def _kept_rows(
     ran: list[int] = []
     kept: list[int] = []
     first = 0
-    for i, request in enumerate(requests):
-        num = _kept(request, result, i)
+    kept_by_request = kept_tokens(batch, result)  # none for a request the step failed
+    for i, (request, num) in enumerate(zip(batch.requests, kept_by_request, strict=True)):
         after = _next_token(request, result, i)
         successors = [*request.token_ids[1:num], *([] if after is None else [after])]
         if num and successors:
@@ -180,17 +179,6 @@ def _kept_rows(
             kept.append(len(successors))
         first += request.num_tokens
     return rows, next_ids, ran, kept
-
-
-def _kept(request: StepRequest, result: StepResult, index: int) -> int:
-    """The request's positions of the step that stay computed: all, or with proposals its
-    last token and the proposals accepted; none for a request the step failed."""
-    if request.request_id in result.errors:
-        return 0
-    if not request.num_draft_tokens:
-        return request.num_tokens
-    accepted = result.num_accepted[index] if result.num_accepted else 0
-    return 1 + accepted
 
 
 def _next_token(request: StepRequest, result: StepResult, index: int) -> int | None:

@@ -20,7 +20,14 @@ from tokenizers import Tokenizer
 from hybridkv.models import multimodal
 from hybridkv.models.config import ModelConfig, eos_ids
 from hybridkv.models.errors import CheckpointError, ModelConfigError
-from hybridkv.models.families import Family, RowScale, normalized, our_name, running_family
+from hybridkv.models.families import (
+    Family,
+    RowScale,
+    mtp_specs,
+    normalized,
+    our_name,
+    running_family,
+)
 from hybridkv.models.hf_config import read_config
 from hybridkv.models.specs import PolicyChoices
 from hybridkv.models.weights import mxfp4
@@ -132,7 +139,7 @@ class Checkpoint:
         hf = dict(normalized(family, hf))
         config = family.parse(hf, dtype_bytes=dtype_bytes, policies=policies)
         if mtp:
-            config = _with_mtp(config, family, hf)
+            config = attrs.evolve(config, mtp_layers=mtp_specs(family, hf, config.layers))
         eos = list(config.eos_token_ids)
         generation_file = folder / "generation_config.json"
         if generation_file.is_file():
@@ -219,25 +226,6 @@ class Checkpoint:
         """The folder's ``tokenizer.json``, or None when it has none."""
         file = self.path / "tokenizer.json"
         return Tokenizer.from_file(str(file)) if file.is_file() else None
-
-
-def _with_mtp(config: ModelConfig, family: Family, hf: Mapping[str, Any]) -> ModelConfig:
-    """``config`` with the spec of the checkpoint's first MTP layer (``mtp_layers``).
-
-    Raises:
-        ModelConfigError: the family has none we run, or the checkpoint none.
-    """
-    shape = family.mtp
-    count = 0 if shape is None else shape.count(hf)
-    if shape is None or not count:
-        raise ModelConfigError(
-            f"speculative method mtp: this {config.model_type} checkpoint has no multi-token "
-            "prediction layers we run (num_nextn_predict_layers is "
-            f"{hf.get('num_nextn_predict_layers')!r}); use method ngram or draft_model"
-        )
-    # The first MTP layer proposes every token (``executor/mtp_step.py``): the others
-    # are left unread, their memory unplanned.
-    return attrs.evolve(config, mtp_layers=shape.specs(config.layers, 1))
 
 
 def _scaled(

@@ -17,7 +17,7 @@ from hybridkv.memory.layout import (
     cached_layers,
 )
 from hybridkv.memory.layout_planner import plan_layout, policy_label
-from hybridkv.models.families import family_for, normalized
+from hybridkv.models.families import family_for, mtp_specs, normalized
 from hybridkv.models.published_shapes import BUILTIN_CONFIGS
 from hybridkv.models.specs import layer_specs_from_config
 from hybridkv.policies import FullAttention
@@ -76,8 +76,8 @@ def model_specs(name: str, *, mtp: bool = False) -> list[LayerSpec]:
     layers = layer_specs_from_config(MODELS[name], dtype_bytes=2)
     if mtp:
         family = family_for(str(MODELS[name]["model_type"]))
-        assert family is not None and family.mtp is not None, f"{name} has no MTP layers"
-        layers += family.mtp.specs(layers, 1)
+        assert family is not None, f"no family reads {name}"
+        layers += mtp_specs(family, MODELS[name], layers)
     return cached_layers(layers)
 
 

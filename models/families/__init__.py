@@ -13,12 +13,12 @@ A family without ``parse`` is sized by ``hybridkv plan`` but does not run here.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 
-from hybridkv.memory.layout import AttentionSpec
+from hybridkv.memory.layout import AttentionSpec, ModelLayer
 from hybridkv.models.config import ModelConfig
 from hybridkv.models.errors import ModelConfigError
 from hybridkv.models.kinds import PolicyChoices
@@ -165,6 +165,27 @@ def normalized(family: Family | None, cfg: Mapping[str, Any]) -> Mapping[str, An
     """``cfg`` as ``family``'s hooks read it (its ``normalize`` applied, where it has one):
     every caller of a family's ``layer_kinds``, ``parse`` or ``state_shape`` passes this."""
     return cfg if family is None or family.normalize is None else family.normalize(cfg)
+
+
+def mtp_specs(
+    family: Family, cfg: Mapping[str, Any], layers: Sequence[ModelLayer]
+) -> tuple[AttentionSpec, ...]:
+    """The spec of the first MTP layer of ``family``'s checkpoints of config ``cfg``, after
+    the decoder's ``layers``: it proposes every token (``executor/mtp_step.py``), the
+    others are left unread and unplanned.
+
+    Raises:
+        ModelConfigError: the family has no MTP layers we run, or the config counts none.
+    """
+    cfg = normalized(family, cfg)
+    shape = family.mtp
+    if shape is None or not shape.count(cfg):
+        raise ModelConfigError(
+            f"speculative method mtp: this {cfg.get('model_type')} checkpoint has no "
+            "multi-token prediction layers we run (num_nextn_predict_layers is "
+            f"{cfg.get('num_nextn_predict_layers')!r}); use method ngram or draft_model"
+        )
+    return shape.specs(layers, 1)
 
 
 def decoder_of(family: Family, kind: str) -> DecoderShape:

@@ -172,22 +172,18 @@ def _mtp_specs(
     method mtp, else none.
 
     Raises:
-        UsageError: a bad config, or method mtp for a model without MTP layers.
+        UsageError: a bad ``--speculative-config``.
+        ModelConfigError: method mtp for a model without MTP layers.
     """
-    from hybridkv.models.families import family_for, normalized
+    from hybridkv.models.families import family_for, mtp_specs
     from hybridkv.serving.cli.flags.speculative import speculative_config
 
     spec = speculative_config(speculative)
     if spec is None or spec.method != "mtp":
         return ()
     family = family_for(str(config.get("model_type")))
-    shape = None if family is None else family.mtp
-    if shape is None or not shape.count(normalized(family, config)):
-        raise UsageError(
-            f"--speculative-config: method mtp, and {config.get('model_type')} checkpoints "
-            "of this config have no multi-token prediction layers"
-        )
-    return shape.specs(layers, 1)
+    assert family is not None, "a config whose layers were read has a family"
+    return mtp_specs(family, config, layers)
 
 
 def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:
