@@ -136,12 +136,15 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     stop the replicas."""
     import contextlib
 
-    import anyio
-
     from hybridkv.serving.cli.flags.console import configure_logging
     from hybridkv.serving.cli.flags.values import UsageError
     from hybridkv.serving.cli.replica_processes import ReplicaProcesses
-    from hybridkv.serving.cli.route import front_end_settings, load_prompter, serve_front_end
+    from hybridkv.serving.cli.route import (
+        front_end_settings,
+        load_prompter,
+        run_front_end,
+        serve_front_end,
+    )
     from hybridkv.serving.http.uvicorn_server import open_socket
     from hybridkv.serving.router.replicas import Replica
 
@@ -173,7 +176,8 @@ def run_data_parallel(args: argparse.Namespace) -> int:
             ]
             watchers = [processes.watcher(rank) for rank in range(size)]
             with contextlib.suppress(KeyboardInterrupt):
-                anyio.run(
+                run_front_end(
+                    args.loop,
                     lambda: serve_front_end(
                         args,
                         settings,
@@ -182,7 +186,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
                         sock,
                         watchers,
                         ready=processes.until_serving,
-                    )
+                    ),
                 )
         finally:
             processes.stop()

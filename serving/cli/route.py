@@ -43,10 +43,17 @@ def _seconds(text: str) -> float:
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser | Any) -> None:
-    """``--routing``, ``--health-interval`` and ``--load-interval`` (route, and serve's
-    data parallelism)."""
+    """``--routing``, ``--health-interval``, ``--load-interval`` and ``--loop`` (route,
+    and serve's data parallelism)."""
     from hybridkv.serving.router.replicas import POLICIES
 
+    parser.add_argument(
+        "--loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="the front end's event loop: uvloop where it is installed (auto, the "
+        "default), asyncio's own, or uvloop (refused where it is not installed)",
+    )
     parser.add_argument(
         "--routing",
         choices=POLICIES,
@@ -103,7 +110,6 @@ def register_route(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 
 def run_route(args: argparse.Namespace) -> int:
     """Serve the front end over ``--replica`` URLs until interrupted."""
-    import anyio
 
     from hybridkv.serving.http.uvicorn_server import open_socket
     from hybridkv.serving.router.replicas import Replica
@@ -117,8 +123,30 @@ def run_route(args: argparse.Namespace) -> int:
             args.model_flag or args.model, args.chat_template, getattr(args, "revision", None)
         )
         with contextlib.suppress(KeyboardInterrupt):
-            anyio.run(serve_front_end, args, settings, replicas, prompter, sock, ())
+            run_front_end(args.loop, serve_front_end, args, settings, replicas, prompter, sock, ())
     return 0
+
+
+def run_front_end(loop: str, main: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """``anyio.run(main, *args)`` on the event loop ``--loop`` names (``auto``: uvloop
+    where it is installed, as uvicorn and vLLM's API server do).
+
+    The front end does no model work: its time is the loop's, forwarding bytes. On
+    ``python -m benchmarks.routing.front_end_overhead --concurrency 8 --rounds 40
+    --max-tokens 16`` its CPU time per request was 2.45-2.57x smg's on asyncio's own
+    loop and 2.09-2.14x on uvloop, three runs each (docs/benchmarks.md).
+    """
+    import anyio
+
+    if loop == "asyncio" or not _has_uvloop():  # --loop uvloop was checked at start
+        return anyio.run(main, *args)
+    return anyio.run(main, *args, backend_options={"use_uvloop": True})
+
+
+def _has_uvloop() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("uvloop") is not None
 
 
 @attrs.frozen(kw_only=True)
@@ -156,6 +184,8 @@ def front_end_settings(args: argparse.Namespace) -> FrontEndSettings:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     max_body_bytes = byte_size(args, "--max-body-size")
+    if args.loop == "uvloop" and not _has_uvloop():
+        raise UsageError("--loop uvloop: uvloop is not installed (pip install uvloop)")
     wait = args.step_timeout or None  # 0: no limit, as the replicas' watchdog
     return FrontEndSettings(
         api_key=args.api_key,

@@ -144,7 +144,9 @@ class PrefixRouter:
         self._peers: dict[tuple[str, str], list[str]] = {}
         # Prompt tokens sent to each replica and not credited as saved there.
         self._computed: dict[str, float] = dict.fromkeys(indexes, 0.0)
-        self._last: _Ranked | None = None  # the last prompt ranked, for ``sent``
+        # Prompts ranked and not yet sent, for ``sent``: a front end ranks others while
+        # one waits for its replica's answer (the oldest forgotten past the bound).
+        self._ranked: OrderedDict[int, _Ranked] = OrderedDict()
 
     def set_index(self, name: str, index: ReplicaIndex) -> None:
         """Follow replica ``name`` (new, or restarted) with ``index``, forgetting what was
@@ -204,7 +206,9 @@ class PrefixRouter:
         if unknown:
             raise ValueError(f"no index for replicas {sorted(unknown)}")
         ranked = _Ranked(token_ids, extra_keys, self._hashes(token_ids, extra_keys))
-        self._last = ranked
+        self._ranked[id(token_ids)] = ranked  # it holds token_ids: the id stays theirs
+        if len(self._ranked) > _RANKED_KEPT:
+            self._ranked.popitem(last=False)
         least = min((_queued(loads, name) for name in candidates), default=0)
         weights = self.weights
         allowed = least + max(weights.slack_requests, weights.slack_ratio * least)
@@ -216,8 +220,8 @@ class PrefixRouter:
         """Remember prompt ``token_ids`` at ``name`` (its provisional blocks). It takes
         the prompt, not the last one ranked: requests ranked meanwhile may have gone
         elsewhere."""
-        last, self._last = self._last, None
-        if last is not None and last.of(token_ids, extra_keys):  # what rank just found
+        last = self._ranked.pop(id(token_ids), None)
+        if last is not None and last.of(token_ids, extra_keys):  # what rank found
             hashes = last.hashes
             saved = last.saved.get(name)
         else:
@@ -278,6 +282,11 @@ class PrefixRouter:
         """The prompt's wire hashes, computed once for every replica (they share a block
         size and hash)."""
         return next(iter(self.indexes.values())).wire_hashes(token_ids, extra_keys)
+
+
+#: Prompts ranked and not yet sent that a router keeps (a request whose every try failed
+#: is never sent, and is forgotten once this many more were ranked).
+_RANKED_KEPT = 256
 
 
 class _Ranked:

@@ -161,6 +161,30 @@ def test_rank_orders_the_candidates_and_sent_remembers_the_one_taken() -> None:
         router.rank(PROMPT, {}, ["d"])
 
 
+def test_a_prompt_is_hashed_once_though_others_are_ranked_before_it_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A front end ranks other requests while one waits for its replica's answer: the
+    first's hashes are still the ones ``sent`` takes, not computed again."""
+    router = PrefixRouter({"a": holding(3), "b": holding(8)})
+    hashed: list[int] = []
+    index = router.indexes["a"]
+    wire_hashes = index.wire_hashes
+
+    def counted(token_ids: list[int], extra_keys: tuple[object, ...] = ()) -> list[int]:
+        hashed.append(len(token_ids))
+        return wire_hashes(token_ids, extra_keys)
+
+    monkeypatch.setattr(index, "wire_hashes", counted)
+    first, second = list(PROMPT), [*PROMPT[:-1], 60, 61, 62, 63, 64]
+    assert router.rank(first, {}, ["a", "b"])[0] == "b"
+    router.rank(second, {}, ["a", "b"])
+    router.sent("b", first)
+    router.sent("a", second)
+    assert hashed == [len(first), len(second)]
+    assert router.saved_tokens("b", PROMPT) == 10 * BS  # and remembered where it went
+
+
 def test_a_restarted_replica_starts_from_a_fresh_index() -> None:
     router = PrefixRouter({"a": holding(8), "b": holding(0)})
     router.choose(PROMPT, {})

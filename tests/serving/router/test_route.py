@@ -351,3 +351,33 @@ def test_a_replica_taken_out_of_rotation_releases_its_streams(cluster: Cluster) 
     assert "it left the rotation (/health answered 503)" in error["message"]
     assert events[-1] == "data: [DONE]"
     assert replica.in_flight == 0 and not replica.forwards
+
+
+async def _loop_module() -> str:
+    import asyncio
+
+    return type(asyncio.get_running_loop()).__module__
+
+
+def test_the_front_end_runs_on_uvloop_where_it_is_installed() -> None:
+    pytest.importorskip("uvloop")
+    from hybridkv.serving.cli.route import run_front_end
+
+    assert run_front_end("auto", _loop_module).startswith("uvloop")
+    assert run_front_end("uvloop", _loop_module).startswith("uvloop")
+    assert run_front_end("asyncio", _loop_module).startswith("asyncio")
+
+
+def test_the_front_end_runs_on_asyncio_where_uvloop_is_not_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hybridkv.serving.cli import route
+    from hybridkv.serving.cli.flags.values import UsageError
+    from hybridkv.serving.cli.main import build_parser
+
+    monkeypatch.setattr(route, "_has_uvloop", lambda: False)
+    assert route.run_front_end("auto", _loop_module).startswith("asyncio")
+    # Asked for by name, it is refused as the flags are read (before any replica starts).
+    args = build_parser().parse_args(["route", "m", "--replica", "http://a:1", "--loop", "uvloop"])
+    with pytest.raises(UsageError, match="--loop uvloop: uvloop is not installed"):
+        route.front_end_settings(args)
