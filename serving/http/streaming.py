@@ -12,9 +12,10 @@ disconnect) the watcher logs ``client_disconnected`` once, at info level, and ca
 the producers: their engine streams close, which aborts the requests. No traceback, no
 error line. The producer never yields inside the task group: it calls ``emit``.
 
-When the server begins a graceful shutdown (``serve_http`` puts an ``anyio.Event`` in
+When the server begins a graceful shutdown (``serve_http`` puts a :class:`Stopping` in
 each request's scope under :data:`STOPPING_KEY` and sets it then), every open stream is
-cancelled likewise and ends with an error event and ``[DONE]``, never a cut connection::
+cancelled likewise and ends with an error event and ``[DONE]``, never a cut connection
+(a stream registers its scope there: no task per stream waits for the shutdown)::
 
     data: {"error": {"message": "the server is shutting down", "type": ...}}
     data: [DONE]
@@ -50,12 +51,31 @@ SHUTDOWN_EVENTS = (
 ).encode()
 
 
-async def _end_on_stopping(
-    stopping: anyio.Event, scope: anyio.CancelScope, ended: list[bool]
-) -> None:
-    await stopping.wait()
-    ended.append(True)
-    scope.cancel()
+class Stopping:
+    """Set once, when the server begins to shut down: it cancels every scope registered
+    (the open streams) then, and any registered after at once."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._scopes: set[anyio.CancelScope] = set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        for scope in list(self._scopes):
+            scope.cancel()
+
+    def register(self, scope: anyio.CancelScope) -> None:
+        """Cancel ``scope`` at the shutdown (now, if it began); :meth:`discard` it once
+        it exits."""
+        if self._set:
+            scope.cancel()
+        self._scopes.add(scope)
+
+    def discard(self, scope: anyio.CancelScope) -> None:
+        self._scopes.discard(scope)
 
 
 async def cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope, path: str) -> None:
@@ -90,8 +110,7 @@ class EventStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lock = anyio.Lock(fast_acquire=True)  # uncontended: no trip through the loop
         finished = False
-        stopped: list[bool] = []  # the server's shutdown ended it
-        stopping: anyio.Event | None = scope.get(STOPPING_KEY)
+        stopping: Stopping | None = scope.get(STOPPING_KEY)
 
         async def emit(data: bytes) -> None:
             async with lock:  # choices emit concurrently; chunks must not interleave
@@ -108,13 +127,17 @@ class EventStreamResponse(Response):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope, scope["path"])
                 if stopping is not None:
-                    tg.start_soon(_end_on_stopping, stopping, tg.cancel_scope, stopped)
-                await self._produce(emit)
-                finished = True
-                tg.cancel_scope.cancel()
+                    stopping.register(tg.cancel_scope)
+                try:
+                    await self._produce(emit)
+                    finished = True
+                    tg.cancel_scope.cancel()
+                finally:
+                    if stopping is not None:
+                        stopping.discard(tg.cancel_scope)
         finally:
             self._on_close()
-        if stopped and not finished:
+        if stopping is not None and stopping.is_set() and not finished:
             log.info("stream_ended_by_shutdown", path=scope["path"])
             await send({"type": "http.response.body", "body": SHUTDOWN_EVENTS, "more_body": True})
             finished = True

@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.loop_host import on_asyncio
 from hybridkv.serving.http.connection import ConnectionLimits, RateLimitedLog
-from hybridkv.serving.http.streaming import STOPPING_KEY
+from hybridkv.serving.http.streaming import STOPPING_KEY, Stopping
 
 #: The errors asyncio's accept loop reports and retries a second later.
 ACCEPT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -108,7 +108,7 @@ async def serve_http(
             "on trio serve the app with hybridkv.serving.http.hypercorn_server.serve_hypercorn"
         )
     limits = (limits or ConnectionLimits()).fit_descriptor_limit()
-    stopping = anyio.Event()
+    stopping = Stopping()
 
     async def announcing(scope: Scope, receive: Receive, send: Send) -> None:
         scope[STOPPING_KEY] = stopping
@@ -171,7 +171,7 @@ def _restore_handler(
 class _Server(uvicorn.Server):
     """uvicorn's server, which tells the open streams when it begins to shut down."""
 
-    def __init__(self, config: uvicorn.Config, stopping: anyio.Event) -> None:
+    def __init__(self, config: uvicorn.Config, stopping: Stopping) -> None:
         super().__init__(config)
         self.stopping = stopping
 

@@ -76,3 +76,21 @@ def test_a_graceful_shutdown_ends_open_streams_with_an_error_event(slow_server: 
     assert error["type"] == "ServiceUnavailableError"
     slow_server.wait_until_free()
     assert slow_server.executor.num_steps < 150
+
+
+@pytest.mark.anyio
+async def test_the_shutdown_cancels_the_open_streams_and_any_opened_after_it() -> None:
+    import anyio
+
+    from hybridkv.serving.http.streaming import Stopping
+
+    stopping = Stopping()
+    with anyio.CancelScope() as open_before:
+        stopping.register(open_before)
+        stopping.set()
+        await anyio.sleep_forever()  # cancelled at its first wait
+    with anyio.CancelScope() as opened_after:
+        stopping.register(opened_after)
+        await anyio.sleep_forever()
+    assert open_before.cancelled_caught and opened_after.cancelled_caught
+    assert stopping.is_set()
