@@ -75,9 +75,7 @@ def model_specs(name: str, *, mtp: bool = False) -> list[LayerSpec]:
     first MTP layer's after them (``hybridkv plan --speculative-config`` method mtp)."""
     layers = layer_specs_from_config(MODELS[name], dtype_bytes=2)
     if mtp:
-        family = family_for(str(MODELS[name]["model_type"]))
-        assert family is not None, f"no family reads {name}"
-        layers += mtp_specs(family, MODELS[name], layers)
+        layers += mtp_specs(family_for(str(MODELS[name]["model_type"])), MODELS[name], layers)
     return cached_layers(layers)
 
 

@@ -168,17 +168,18 @@ def normalized(family: Family | None, cfg: Mapping[str, Any]) -> Mapping[str, An
 
 
 def mtp_specs(
-    family: Family, cfg: Mapping[str, Any], layers: Sequence[ModelLayer]
+    family: Family | None, cfg: Mapping[str, Any], layers: Sequence[ModelLayer]
 ) -> tuple[AttentionSpec, ...]:
     """The spec of the first MTP layer of ``family``'s checkpoints of config ``cfg``, after
     the decoder's ``layers``: it proposes every token (``executor/mtp_step.py``), the
     others are left unread and unplanned.
 
     Raises:
-        ModelConfigError: the family has no MTP layers we run, or the config counts none.
+        ModelConfigError: no family, or one with no MTP layers we run, or the config
+            counts none.
     """
     cfg = normalized(family, cfg)
-    shape = family.mtp
+    shape = None if family is None else family.mtp
     if shape is None or not shape.count(cfg):
         raise ModelConfigError(
             f"speculative method mtp: this {cfg.get('model_type')} checkpoint has no "

@@ -181,9 +181,7 @@ def _mtp_specs(
     spec = speculative_config(speculative)
     if spec is None or spec.method != "mtp":
         return ()
-    family = family_for(str(config.get("model_type")))
-    assert family is not None, "a config whose layers were read has a family"
-    return mtp_specs(family, config, layers)
+    return mtp_specs(family_for(str(config.get("model_type"))), config, layers)
 
 
 def format_plan(plan: LayoutPlan, report: PlanReport) -> list[str]:

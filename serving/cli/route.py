@@ -110,7 +110,6 @@ def register_route(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 
 def run_route(args: argparse.Namespace) -> int:
     """Serve the front end over ``--replica`` URLs until interrupted."""
-
     from hybridkv.serving.http.uvicorn_server import open_socket
     from hybridkv.serving.router.replicas import Replica
 

@@ -96,3 +96,20 @@ def test_plan_counts_the_mtp_layers_memory(capsys: pytest.CaptureFixture[str]) -
     assert "130 KV layers (44 sliding_window(window=128)" in capsys.readouterr().out
     assert main(["plan", "kimi-k2-like", *spec]) == 2
     assert "no multi-token prediction layers" in capsys.readouterr().err
+
+
+def test_plan_refuses_mtp_for_a_model_no_family_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config sized from its ``layer_types`` alone has no MTP layers we know of: a
+    message, not a traceback."""
+    config = {
+        "model_type": "someone_elses_model", "num_hidden_layers": 2,
+        "layer_types": ["full_attention", "full_attention"], "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 4096, "vocab_size": 100,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", str(tmp_path), "--kv-memory", "1GiB", "--speculative-config", MTP]) == 2
+    err = capsys.readouterr().err
+    assert "someone_elses_model checkpoint has no multi-token prediction layers" in err
