@@ -30,8 +30,10 @@ here looks to the app like the client disconnecting, which it logs once at info 
 The lines logged here come at most once a second per kind (:class:`RateLimitedLog`), with
 the count of those left out, so that a flood cannot fill the disk with them.
 
-The protocol is uvicorn's h11 one with these timers; uvicorn's protocol classes are
-asyncio-native, so the timers are the loop's ``call_later`` handles, as uvicorn's own.
+The protocol is uvicorn's httptools one (llhttp, uvicorn's default) with these timers,
+and a cap on the request head that llhttp lacks (h11's 16 KiB: a 431 beyond); uvicorn's
+protocol classes are asyncio-native, so the timers are the loop's ``call_later`` handles,
+as uvicorn's own.
 One :class:`ConnectionTable` per server (one per :meth:`ConnectionLimits.protocol` call)
 counts the connections and keeps those waiting for a request in the order they began
 to wait.
@@ -49,8 +51,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from hybridkv.errors.events import get_logger
 from hybridkv.serving.openai.errors import error_body
@@ -65,8 +66,11 @@ MONITORING_PATHS = frozenset({"/health", "/metrics"})
 #: the connection cap is fitted to the process's descriptor limit.
 DESCRIPTOR_HEADROOM = 64
 
-#: h11 states of a connection's client that has not sent a full request yet.
-_WAITING_STATES = (h11.IDLE, h11.SEND_BODY)
+#: The most bytes of one request head (its line and headers; h11's and Node's cap).
+MAX_HEAD_BYTES = 16 * 1024
+
+# Where a connection's request is: no full head yet, its body coming, all of it in.
+_HEAD, _BODY, _SERVED = "head", "body", "served"
 
 
 @attrs.frozen(kw_only=True)
@@ -101,7 +105,7 @@ class ConnectionLimits:
     def protocol(self) -> Any:
         """The protocol factory to give uvicorn as ``http=`` (one per server: its
         connections share one :class:`ConnectionTable`)."""
-        return functools.partial(LimitedH11Protocol, table=ConnectionTable(self))
+        return functools.partial(LimitedHttpProtocol, table=ConnectionTable(self))
 
     def fit_descriptor_limit(self, *, headroom: int = DESCRIPTOR_HEADROOM) -> ConnectionLimits:
         """These limits, with ``max_connections`` lowered to fit the process's limit of
@@ -187,10 +191,10 @@ class ConnectionTable:
         self.clock = clock
         self.open = 0
         self.per_client: Counter[str] = Counter()
-        self.waiting: dict[LimitedH11Protocol, None] = {}
+        self.waiting: dict[LimitedHttpProtocol, None] = {}
         self._logs: dict[str, RateLimitedLog] = {}
 
-    def admit(self, conn: LimitedH11Protocol) -> bool:
+    def admit(self, conn: LimitedHttpProtocol) -> bool:
         """Count a new connection in, evicting the oldest waiting one at the cap; False:
         refuse it (the caller closes it)."""
         limits = self.limits
@@ -219,7 +223,7 @@ class ConnectionTable:
         self.waiting[conn] = None
         return True
 
-    def release(self, conn: LimitedH11Protocol) -> None:
+    def release(self, conn: LimitedHttpProtocol) -> None:
         """Count a connection out (it is closing); once per admitted connection."""
         self.waiting.pop(conn, None)
         self.open -= 1
@@ -240,8 +244,9 @@ class ConnectionTable:
         limiter(self.clock(), **fields)
 
 
-class LimitedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with :class:`ConnectionLimits`."""
+class LimitedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with :class:`ConnectionLimits`, and a cap on a
+    request head (:data:`MAX_HEAD_BYTES`: a 431 and the connection closed beyond)."""
 
     def __init__(self, *args: Any, table: ConnectionTable, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -250,6 +255,10 @@ class LimitedH11Protocol(H11Protocol):
         self.peer: str | None = None
         self.reserved = False  # admitted to the monitoring reserve
         self._counted = False
+        self._request = _HEAD
+        self._head_bytes = 0  # of the head being received
+        self._began = False  # a request began in the read being parsed
+        self._ended = False  # ... and one ended in it
         self._first_byte_timer: asyncio.TimerHandle | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
@@ -269,23 +278,48 @@ class LimitedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._cancel("_first_byte_timer")
+        self._began = self._ended = False
         super().data_received(data)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._arm_head_timer()  # bytes of a head came, not all of it
+        if self._request is _HEAD and not self.transport.is_closing():
+            # Bytes of a head came, not all of it: all this read's, unless the read
+            # ended a request before it (then it counts from the next read on, and the
+            # cap is passed by one read at most).
+            if self._began:
+                self._head_bytes = 0
+            self._head_bytes += 0 if self._ended else len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_head()
+                return
+            self._arm_head_timer()
         else:
             self._cancel("_head_timer")
-        if self.conn.their_state not in _WAITING_STATES:
+        if self._request is _SERVED:
             self.table.waiting.pop(self, None)  # a full request: it is served, not evicted
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._request = _HEAD
+        self._began = True
+
+    def on_headers_complete(self) -> None:
+        self._request = _BODY
+        self._head_bytes = 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._request = _SERVED
+        self._ended = True
+        super().on_message_complete()
+
     def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)  # a next request came whole already
         super().on_response_complete()
-        # Kept alive for another request (unless a pipelined one is already in): it
-        # waits again, as the newest.
-        if (
-            self._counted
-            and not self.transport.is_closing()
-            and self.conn.their_state in _WAITING_STATES
-        ):
+        if not self._counted or self.transport.is_closing():
+            return
+        if self._request is _SERVED and not pipelined:
+            self._request = _HEAD  # the one answered: the next has not begun
+        if self._request is not _SERVED:
+            # Kept alive for another request: it waits again, as the newest.
             self.table.waiting.pop(self, None)
             self.table.waiting[self] = None
 
@@ -311,6 +345,18 @@ class LimitedH11Protocol(H11Protocol):
         super().resume_writing()
         self._cancel("_write_timer")
 
+    def _refuse_head(self) -> None:
+        """A 431 for a head over the cap, and the connection closed."""
+        self.table.log("request_head_too_large", level="info", client=self.client)
+        message = f"the request head is over {MAX_HEAD_BYTES} bytes".encode()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(message), message)
+        )
+        self.transport.close()
+        self._cancel("_head_timer")
+
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False
@@ -323,7 +369,7 @@ class LimitedH11Protocol(H11Protocol):
 
     def _head_expired(self) -> None:
         self._head_timer = None
-        if self.conn.their_state is h11.IDLE:
+        if self._request is _HEAD:
             self._close("request_head_timeout")
 
     def _close(self, event: str) -> None:
@@ -339,7 +385,7 @@ class LimitedH11Protocol(H11Protocol):
 
 
 async def _monitoring_only(
-    conn: LimitedH11Protocol, app: Any, scope: Any, receive: Any, send: Any
+    conn: LimitedHttpProtocol, app: Any, scope: Any, receive: Any, send: Any
 ) -> None:
     """The app of a connection in the monitoring reserve: /health and /metrics, and any
     path once the connection fits under the cap again; a 503 that closes it otherwise."""

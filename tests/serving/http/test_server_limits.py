@@ -69,6 +69,25 @@ def test_half_request_head_is_closed(fast: Any) -> None:
         assert read_until_closed(sock) == b""
 
 
+@pytest.mark.parametrize("kept_alive", [False, True])
+def test_a_request_head_over_16_kib_is_a_431(fast: Any, kept_alive: bool) -> None:
+    """A head past the cap gets a 431 and the connection ends, on a fresh connection or
+    after a request with a head just under it (served)."""
+    lines = [f"X-Filler-{i}: {'a' * 100}\r\n" for i in range(150)]  # 116 bytes each
+    under, over = "".join(lines[:130]), "".join(lines)
+    with connect(fast) as sock:
+        answer = b""
+        if kept_alive:
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n{under}\r\n".encode())
+            while not answer.endswith(b'"ok"}'):  # the whole answer first
+                answer += sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n{over}".encode())
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b"connection: close" in answer
+
+
 def test_idle_kept_alive_connection_is_closed(fast: Any) -> None:
     """After a response, a silent kept-alive connection is closed (uvicorn's idle timeout)."""
     with connect(fast) as sock:
