@@ -108,35 +108,42 @@ class EventStreamResponse(Response):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        lock = anyio.Lock(fast_acquire=True)  # uncontended: no trip through the loop
         finished = False
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope, scope["path"])
+                finished = await self.send_events(scope, send, tg.cancel_scope)
+                tg.cancel_scope.cancel()
+        finally:
+            self._on_close()
+        await self.send_end(scope, send, finished=finished)
+
+    async def send_events(self, scope: Scope, send: Send, cancelled_by: anyio.CancelScope) -> bool:
+        """The head and every event; True once ``produce`` returned. Run inside
+        ``cancelled_by``: the scope a disconnect cancels, and the server's shutdown too."""
+        lock = anyio.Lock(fast_acquire=True)  # uncontended: no trip through the loop
         stopping: Stopping | None = scope.get(STOPPING_KEY)
 
         async def emit(data: bytes) -> None:
             async with lock:  # choices emit concurrently; chunks must not interleave
                 await send({"type": "http.response.body", "body": data, "more_body": True})
 
+        start = {"status": self.status_code, "headers": self.raw_headers}
+        await send({"type": "http.response.start", **start})
+        if stopping is not None:
+            stopping.register(cancelled_by)
         try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": self.status_code,
-                    "headers": self.raw_headers,
-                }
-            )
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope, scope["path"])
-                if stopping is not None:
-                    stopping.register(tg.cancel_scope)
-                try:
-                    await self._produce(emit)
-                    finished = True
-                    tg.cancel_scope.cancel()
-                finally:
-                    if stopping is not None:
-                        stopping.discard(tg.cancel_scope)
+            await self._produce(emit)
         finally:
-            self._on_close()
+            if stopping is not None:
+                stopping.discard(cancelled_by)
+        return True
+
+    async def send_end(self, scope: Scope, send: Send, *, finished: bool) -> None:
+        """The stream's end, once :meth:`send_events` returned (``finished``) or was
+        cancelled: the shutdown's events first where the shutdown cancelled it; nothing
+        where the client left."""
+        stopping: Stopping | None = scope.get(STOPPING_KEY)
         if stopping is not None and stopping.is_set() and not finished:
             log.info("stream_ended_by_shutdown", path=scope["path"])
             await send({"type": "http.response.body", "body": SHUTDOWN_EVENTS, "more_body": True})

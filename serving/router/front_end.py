@@ -42,11 +42,11 @@ from hybridkv.errors.events import get_logger
 from hybridkv.serving.http.app import guarded
 from hybridkv.serving.http.bodies import read_body
 from hybridkv.serving.http.guard import AccessGuard, KeyCheck, cors
-from hybridkv.serving.http.streaming import EventStreamResponse, cancel_on_disconnect
 from hybridkv.serving.metrics.prometheus import CONTENT_TYPE
 from hybridkv.serving.openai.errors import error_body
 from hybridkv.serving.openai.prompts import Prompter
 from hybridkv.serving.router.front_end_metrics import RouterMetrics
+from hybridkv.serving.router.relay import ClientWatch, RelayedStream
 from hybridkv.serving.router.replicas import Replica, ReplicaSet
 from hybridkv.serving.router.routed_prompt import lenient_json, routed_prompt
 from hybridkv.serving.router.upstream import (
@@ -191,13 +191,21 @@ class Forwarder:
 
     async def _until_gone(self, request: Request, forward: Awaitable[Response]) -> Response:
         """``forward``'s response, or a 499 once the client left (which cancels it, and
-        so the replica's request: its connection closes)."""
-        response: Response = Response(status_code=499)  # nobody reads it: the client left
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_on_disconnect, request.receive, tg.cancel_scope, request.url.path)
-            response = await forward
-            tg.cancel_scope.cancel()
-        return response
+        so the replica's request: its connection closes). A stream takes the watch on."""
+        watch = ClientWatch(request.receive, request.url.path)
+        handed_over = False
+        try:
+            with anyio.CancelScope() as scope:
+                watch.cancels(scope)
+                response = await forward
+            if scope.cancelled_caught:
+                return Response(status_code=499)  # nobody reads it: the client left
+            if isinstance(response, RelayedStream):
+                response.watch, handed_over = watch, True
+            return response
+        finally:
+            if not handed_over:
+                watch.stop()
 
     async def _forward(
         self,
@@ -328,7 +336,7 @@ class Forwarder:
                 replica.in_flight -= 1
                 await answer.aclose()
 
-        response = EventStreamResponse(produce, lambda: None)
+        response = RelayedStream(produce, lambda: None)
         response.raw_headers.append((REPLICA_HEADER.encode(), replica.name.encode()))
         return response
 
