@@ -1,6 +1,6 @@
 """The front end's connections to its replicas (``serving/router/upstream.py``), against real
 sockets: servers here answer as a replica would, or close, stall and garble as a broken
-one does. On asyncio and on trio."""
+one does. On asyncio's loop and on uvloop's, the front end's."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ Handler = Callable[[anyio.abc.SocketStream, int], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nhi"
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture(params=[False, True], ids=["asyncio", "uvloop"])
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
+    """The front end's loops: asyncio's own, and uvloop (its default where installed)."""
+    return "asyncio", {"use_uvloop": request.param}
 
 
 class Server:
