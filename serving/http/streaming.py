@@ -95,6 +95,9 @@ class EventStreamResponse(Response):
         on_close: Called however the response ends (to abort what still runs).
     """
 
+    #: Whether ``produce`` emits from one task only (no lock between its chunks then).
+    one_producer = False
+
     def __init__(self, produce: Callable[[Emit], Awaitable[None]], on_close: Callable[[], None]):
         # Not Response.__init__: it would declare a Content-Length for an empty body.
         self.status_code = 200
@@ -128,12 +131,15 @@ class EventStreamResponse(Response):
             async with lock:  # choices emit concurrently; chunks must not interleave
                 await send({"type": "http.response.body", "body": data, "more_body": True})
 
+        async def emit_alone(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
         start = {"status": self.status_code, "headers": self.raw_headers}
         await send({"type": "http.response.start", **start})
         if stopping is not None:
             stopping.register(cancelled_by)
         try:
-            await self._produce(emit)
+            await self._produce(emit_alone if self.one_producer else emit)
         finally:
             if stopping is not None:
                 stopping.discard(cancelled_by)

@@ -59,6 +59,7 @@ class RelayedStream(EventStreamResponse):
     its forward (set before the response is sent)."""
 
     watch: ClientWatch
+    one_producer = True  # the relay's one loop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         finished = False

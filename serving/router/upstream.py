@@ -123,14 +123,15 @@ class _Connection(asyncio.Protocol):
 
     # -- for the reader ---------------------------------------------------------------
 
-    async def write(self, data: bytes) -> None:
-        """Write ``data``, waiting while the replica does not read it; an OSError if
-        the connection breaks before it is written."""
+    async def write(self, data: bytes, timeout_s: float | None) -> None:
+        """Write ``data``, waiting up to ``timeout_s`` while the replica does not read
+        it (a TimeoutError beyond); an OSError if the connection breaks first."""
         assert self.transport is not None
         if not self.ended:
             self.transport.write(data)
             if self._drained is not None:
-                await self._drained
+                with anyio.fail_after(timeout_s):
+                    await self._drained
         if self.ended and self.error is not None:
             raise self.error if isinstance(self.error, OSError) else OSError(str(self.error))
 
@@ -335,8 +336,7 @@ class UpstreamPool:
         parsing = connection.answer = _Parsing()
         try:
             try:
-                with anyio.fail_after(write_timeout_s):
-                    await connection.write(request)
+                await connection.write(request, write_timeout_s)
             except OSError as exc:
                 if not parsing.head_done:  # else: it answered, refusing the rest (a 413)
                     if parsing.received:
