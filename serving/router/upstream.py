@@ -26,8 +26,9 @@ read for that bound, took the front end's CPU per request from 1.41-1.50x smg's 
 Failures are :class:`UpstreamError`; a connection that could not be made at all is
 :class:`UpstreamConnectError` (the replica is not there). A replica that refuses a body
 while it is still being written (a 413 from a limit lower than the front end's) resets
-the connection, and its answer is lost with it (measured: 0 of 20 such answers could be
-read after the failed write): the front end applies the replicas' limits itself.
+the connection, and its answer is lost with it unless its head was read before the reset
+(with the stream client before these protocols, 0 of 20 such answers could be read after
+the failed write): the front end applies the replicas' limits itself.
 """
 
 from __future__ import annotations
