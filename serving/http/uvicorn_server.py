@@ -38,7 +38,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hybridkv.errors import HybridKVError
 from hybridkv.scheduler.loop_host import on_asyncio
-from hybridkv.serving.http.connection import ConnectionLimits, RateLimitedLog
+from hybridkv.serving.http.connection import ConnectionLimits
+from hybridkv.serving.http.rate_limited_log import RateLimitedLog
 from hybridkv.serving.http.streaming import STOPPING_KEY, Stopping
 
 #: The errors asyncio's accept loop reports and retries a second later.

@@ -22,7 +22,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from hybridkv.scheduler import FakeExecutor, StepBatch, StepResult
-from hybridkv.serving.http.connection import ConnectionLimits, RateLimitedLog
+from hybridkv.serving.http.connection import ConnectionLimits
+from hybridkv.serving.http.rate_limited_log import RateLimitedLog
 from hybridkv.serving.http.uvicorn_server import AcceptErrorLog
 
 MODEL = "fake-model"
