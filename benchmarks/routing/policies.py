@@ -34,8 +34,9 @@ one engine's, at least 1.5x round-robin's, above the full-attention-only router'
 weights) on the hybrid layouts, and an imbalance under 1.25; on real replicas beside smg,
 a TTFT at most 1.2x smg's. Real runs also print the TTFT at the replicas (arrival there
 to the first token: the rest is the front end's and the transport's) and the front end's
-CPU seconds, and play every policy of one seed in turn before the next seed, so that the
-policies compared share the machine's load of the same minutes.
+CPU seconds, and play every policy of one seed in turn before the next seed (every other
+seed in reverse), so that the policies compared share the machine's load of the same
+minutes.
 
     python -m benchmarks.routing.policies [--quick] [--scales RxS ...] [--seeds N ...] [--jobs N]
                                  [--json FILE]
@@ -264,12 +265,15 @@ def real(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
                 folder = save_model(name, Path(tmp) / name)
                 cell: dict[str, Any] = {}
                 # Every policy in turn for one seed, then the next seed: the policies
-                # compared see the machine's load of the same minutes.
-                for seed in args.seeds[: args.real_seeds]:
+                # compared see the machine's load of the same minutes. Every other seed
+                # plays them in reverse, so that a load rising or falling through a
+                # seed's turns favours none of them.
+                for index, seed in enumerate(args.seeds[: args.real_seeds]):
                     chats = sessions(
                         seed, num_sessions, args.real_turns, args.sessions_per_prompt, sizes
                     )
-                    for policy, front in (*policies.items(), (REFERENCE, None)):
+                    turns = [*policies.items(), (REFERENCE, None)]
+                    for policy, front in turns[:: -1 if index % 2 else 1]:
                         run = run_real(
                             folder, num_replicas, front, chats,
                             kv_memory=args.real_kv_memory, reply_tokens=args.real_reply,
