@@ -78,12 +78,17 @@ class Stopping:
         self._scopes.discard(scope)
 
 
-async def cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope, path: str) -> None:
-    """Cancel ``scope`` once the client disconnects (the request body must have been
-    read: the next message can only be the disconnect)."""
+async def until_disconnect(receive: Receive, path: str) -> None:
+    """Return once the client disconnects, logged once at info (the request body must
+    have been read: the next message can only be the disconnect)."""
     while (await receive())["type"] != "http.disconnect":
         pass
     log.info("client_disconnected", path=path)
+
+
+async def cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope, path: str) -> None:
+    """Cancel ``scope`` once the client disconnects (:func:`until_disconnect`)."""
+    await until_disconnect(receive, path)
     scope.cancel()
 
 

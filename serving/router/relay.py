@@ -15,10 +15,7 @@ import asyncio
 import anyio
 from starlette.types import Receive, Scope, Send
 
-from hybridkv.errors.events import get_logger
-from hybridkv.serving.http.streaming import EventStreamResponse
-
-log = get_logger(__name__)
+from hybridkv.serving.http.streaming import EventStreamResponse, until_disconnect
 
 
 class ClientWatch:
@@ -26,10 +23,10 @@ class ClientWatch:
     its request runs in (:meth:`cancels`): the forward's first, then its stream's.
 
     One plain asyncio task for a whole forwarded request, stopped with ``Task.cancel``:
-    the front end runs on asyncio only, and the two anyio task groups it replaces, one
-    for the forward and one for the stream (whose cancel formats the task's repr), took
-    its CPU per request from 1.64x smg's to 1.81-1.93x (``python -m
-    benchmarks.routing.front_end_overhead --concurrency 8 --max-tokens 16``, in turns).
+    the front end runs on asyncio only. With the two anyio task groups it replaces, one
+    for the forward and one for the stream (whose cancel formats the task's repr), the
+    front end's CPU per request was 1.81-1.93x smg's; with this watch, 1.64x (``python
+    -m benchmarks.routing.front_end_overhead --concurrency 8 --max-tokens 16``, in turns).
     """
 
     def __init__(self, receive: Receive, path: str) -> None:
@@ -47,9 +44,7 @@ class ClientWatch:
         self._task.cancel()
 
     async def _watch(self, receive: Receive, path: str) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        log.info("client_disconnected", path=path)
+        await until_disconnect(receive, path)
         self.gone = True
         if self._scope is not None:
             self._scope.cancel()

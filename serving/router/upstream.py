@@ -18,10 +18,10 @@ whose pool bookkeeping, socket checks and wrappers per read were a third of its 
 and 0.42-0.48 through this client, which does what a forward needs and no more. Each
 connection is an asyncio protocol that parses what arrives as it arrives, and wakes the
 reader with one future (the stall bound is a timer on it): the front end runs on
-asyncio only (``--loop``), and anyio's socket stream, with a cancel scope around each
-read for that bound, took the front end's CPU per request from 1.41-1.50x smg's to
-1.62x (``python -m benchmarks.routing.front_end_overhead --concurrency 8 --max-tokens
-16``, in turns).
+asyncio only (``--loop``). With anyio's socket stream and a cancel scope around each
+read for that bound, the front end's CPU per request was 1.62x smg's; with these
+protocols, 1.41-1.50x (``python -m benchmarks.routing.front_end_overhead --concurrency 8
+--max-tokens 16``, in turns).
 
 Failures are :class:`UpstreamError`; a connection that could not be made at all is
 :class:`UpstreamConnectError` (the replica is not there). A replica that refuses a body
