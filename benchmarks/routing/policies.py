@@ -32,7 +32,8 @@ modelled ms (mean, p50, p90), load imbalance (the most tokens a replica computed
 mean), preemptions; then the issue's goals for each ``ours``: a hit rate within 0.05 of
 one engine's, at least 1.5x round-robin's, above the full-attention-only router's (same
 weights) on the hybrid layouts, and an imbalance under 1.25; on real replicas beside smg,
-a TTFT at most 1.2x smg's. Real runs also print the TTFT at the replicas (arrival there
+a TTFT at most 1.2x smg's (also printed as the ratio of each seed's pair: median [min,
+max]). Real runs also print the TTFT at the replicas (arrival there
 to the first token: the rest is the front end's and the transport's) and the front end's
 CPU seconds, and play every policy of one seed in turn before the next seed (every other
 seed in reverse), so that the policies compared share the machine's load of the same
