@@ -33,7 +33,8 @@ mean), preemptions; then the issue's goals for each ``ours``: a hit rate within 
 one engine's, at least 1.5x round-robin's, above the full-attention-only router's (same
 weights) on the hybrid layouts, and an imbalance under 1.25; on real replicas beside smg,
 a TTFT at most 1.2x smg's (also printed as the ratio of each seed's pair: median [min,
-max]). Real runs also print the TTFT at the replicas (arrival there
+max]). ``ours, 2 front ends`` runs two ``hybridkv route`` processes, each session
+through one of them (real runs only). Real runs also print the TTFT at the replicas (arrival there
 to the first token: the rest is the front end's and the transport's) and the front end's
 CPU seconds, and play every policy of one seed in turn before the next seed (every other
 seed in reverse), so that the policies compared share the machine's load of the same
@@ -233,21 +234,23 @@ def simulated(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-#: Real runs: each policy's name here, and the front end that runs it.
+#: Real runs: each policy's name here, the front end that runs it, and how many of those
+#: (two: each plays half the sessions and follows every replica on its own).
 REAL_POLICIES = {
-    "round-robin": "round-robin",
-    "least-loaded": "least-loaded",
-    "full-attention-only": "prefix-full-attention",
-    "ours": "prefix",
-    "smg cache-aware": "smg",
+    "round-robin": ("round-robin", 1),
+    "least-loaded": ("least-loaded", 1),
+    "full-attention-only": ("prefix-full-attention", 1),
+    "ours": ("prefix", 1),
+    "ours, 2 front ends": ("prefix", 2),
+    "smg cache-aware": ("smg", 1),
 }
 
 
-def real_policies(args: argparse.Namespace) -> dict[str, str]:
+def real_policies(args: argparse.Namespace) -> dict[str, tuple[str, int]]:
     """The real runs' policies and their front ends (``--real-policies``; smg only with
     ``--smg``)."""
     chosen = args.real_policies or list(REAL_POLICIES)
-    return {k: v for k, v in REAL_POLICIES.items() if k in chosen and (args.smg or v != "smg")}
+    return {k: v for k, v in REAL_POLICIES.items() if k in chosen and (args.smg or v[0] != "smg")}
 
 
 def real(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
@@ -273,12 +276,12 @@ def real(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
                     chats = sessions(
                         seed, num_sessions, args.real_turns, args.sessions_per_prompt, sizes
                     )
-                    turns = [*policies.items(), (REFERENCE, None)]
-                    for policy, front in turns[:: -1 if index % 2 else 1]:
+                    turns = [*policies.items(), (REFERENCE, (None, 0))]
+                    for policy, (front, front_ends) in turns[:: -1 if index % 2 else 1]:
                         run = run_real(
                             folder, num_replicas, front, chats,
                             kv_memory=args.real_kv_memory, reply_tokens=args.real_reply,
-                            max_num_seqs=args.max_running,
+                            max_num_seqs=args.max_running, front_ends=front_ends,
                         )  # fmt: skip
                         print(f"{label}, {name}, {policy}, seed {seed}: {run}", file=sys.stderr)
                         cell.setdefault(policy, {"runs": []})["runs"].append(run)

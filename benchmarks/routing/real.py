@@ -2,7 +2,9 @@
 ``hybridkv route`` (or SGLang's model gateway, ``smg``) in front of them.
 
 Every run starts its replicas afresh (empty caches), then the front end with one
-policy, and plays the same chats against it over HTTP: each session's turns in order,
+policy (or several of ours, each session through one of them in turn, as the workers of
+one front end would take connections), and plays the same chats against it over HTTP:
+each session's turns in order,
 the sessions at once, every prompt sent as text of one byte a token (the same tokens for
 every policy) with a fixed reply appended for the next turn, as the simulated sessions do.
 Each answer's ``usage`` gives its cached prompt tokens and its first streamed chunk its
@@ -173,28 +175,38 @@ def cpu_seconds(pid: int) -> float:
 
 @attrs.define
 class Served:
-    """What :func:`serving` started: the URL clients use, the replicas', and the
-    processes (the front end's last, where there is one)."""
+    """What :func:`serving` started: the URLs clients use (one per front end), the
+    replicas', and the processes (the front ends' last, where there are any)."""
 
-    url: str
+    urls: list[str]
     replicas: list[str]
     processes: list[subprocess.Popen[str]]
-    has_front_end: bool
+    num_front_ends: int
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
 
     def cpu(self) -> tuple[float, float]:
-        """CPU seconds used so far by the front end and by the replicas together."""
+        """CPU seconds used so far by the front ends together and by the replicas
+        together."""
         seconds = [cpu_seconds(p.pid) for p in self.processes]
-        if not self.has_front_end:
-            return 0.0, sum(seconds)
-        return seconds[-1], sum(seconds[:-1])
+        split = len(seconds) - self.num_front_ends
+        return sum(seconds[split:]), sum(seconds[:split])
 
 
 @contextlib.contextmanager
 def serving(
-    folder: Path, num_replicas: int, kv_memory: str, front: str | None, max_num_seqs: int
+    folder: Path,
+    num_replicas: int,
+    kv_memory: str,
+    front: str | None,
+    max_num_seqs: int,
+    front_ends: int = 1,
 ) -> Iterator[Served]:
     """Replicas of ``folder`` and a front end with policy ``front`` (``smg``: SGLang's
-    gateway; None: the one replica itself)."""
+    gateway; None: the one replica itself); ours ``front_ends`` times, each following
+    every replica on its own."""
     processes: list[subprocess.Popen[str]] = []
     try:
         urls = []
@@ -213,21 +225,24 @@ def serving(
             processes.append(process)
             urls.append(url)
         if front is None:
-            yield Served(urls[0], urls, processes, has_front_end=False)
+            yield Served(urls[:1], urls, processes, num_front_ends=0)
             return
         if front == "smg":
             process, url = _start_smg(urls)
             processes.append(process)
-            yield Served(url, urls, processes, has_front_end=True)
+            yield Served([url], urls, processes, num_front_ends=1)
             return
         replicas = [arg for url in urls for arg in ("--replica", url)]
-        process, url = _start(
-            ["route", str(folder), *replicas, "--port", "0", "--routing", front,
-             "--log-level", "warning"],
-            "routing at ",
-        )  # fmt: skip
-        processes.append(process)
-        yield Served(url, urls, processes, has_front_end=True)
+        fronts = []
+        for _ in range(front_ends):
+            process, url = _start(
+                ["route", str(folder), *replicas, "--port", "0", "--routing", front,
+                 "--log-level", "warning"],
+                "routing at ",
+            )  # fmt: skip
+            processes.append(process)
+            fronts.append(url)
+        yield Served(fronts, urls, processes, num_front_ends=front_ends)
     finally:
         _stop(processes)
 
@@ -254,15 +269,17 @@ def sessions(
 
 
 async def _play(
-    url: str, replicas: list[str], chats: list[list[str]], reply_tokens: int
+    urls: list[str], replicas: list[str], chats: list[list[str]], reply_tokens: int
 ) -> dict[str, Any]:
+    """Every chat played, session ``i`` through front end ``urls[i % len(urls)]``."""
     import httpx
 
     turns: list[dict[str, Any]] = []
     async with httpx.AsyncClient(timeout=_WAIT_S) as client:
-        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        model = (await client.get(f"{urls[0]}/v1/models")).json()["data"][0]["id"]
 
         async def session(index: int, parts: list[str]) -> None:
+            url = urls[index % len(urls)]
             await asyncio.sleep(0.05 * index)  # sessions start one after another
             prompt = ""
             for part in parts:
@@ -352,18 +369,19 @@ def run_real(
     kv_memory: str,
     reply_tokens: int,
     max_num_seqs: int,
+    front_ends: int = 1,
 ) -> dict[str, Any]:
     """One run: fresh replicas (one with ``num_replicas`` times the memory for the
-    reference, ``policy`` None), the front end, every chat played."""
+    reference, ``policy`` None), the front ends, every chat played."""
     t0 = time.perf_counter()
     if policy is None:
         size = int(kv_memory.removesuffix("MiB")) * num_replicas
         started = serving(folder, 1, f"{size}MiB", None, max_num_seqs * num_replicas)
     else:
-        started = serving(folder, num_replicas, kv_memory, policy, max_num_seqs)
+        started = serving(folder, num_replicas, kv_memory, policy, max_num_seqs, front_ends)
     with started as served:
         front_before, replicas_before = served.cpu()
-        run = asyncio.run(_play(served.url, served.replicas, chats, reply_tokens))
+        run = asyncio.run(_play(served.urls, served.replicas, chats, reply_tokens))
         front_after, replicas_after = served.cpu()
     return run | {
         "wall_s": round(time.perf_counter() - t0, 1),
