@@ -1,14 +1,30 @@
-"""routing.py's report: the spread over seeds, the issue's goals, the printed tables."""
+"""routing.py's report: the spread over seeds, the issue's goals, the printed tables.
+
+Run alone, it pools the real runs of several saved results (``policies.py --json``)::
+
+    python -m benchmarks.routing.report RESULTS.json [RESULTS.json ...] [--policy ours]
+
+and prints that policy's TTFT over smg's across every seed where both ran side by side:
+the ratio of the means, the median and geometric mean of the seeds' ratios, and the
+seeds within the goal. One run's ten seeds move with the machine's load of those minutes;
+runs made on different days pooled move less.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 #: The reference every router is held to: one engine with all the replicas' pool.
 REFERENCE = "one engine"
 #: SGLang's gateway in the real runs: the time to first token the front end is held to.
 SMG = "smg cache-aware"
+#: The most the front end's TTFT may be over smg's.
+TTFT_GOAL = 1.2
 
 
 def spread(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -38,7 +54,9 @@ def goals(cell: dict[str, Any], is_hybrid: bool, policies: tuple[str, ...]) -> d
         if "round-robin" in cell:
             out[">= 1.5x round-robin"] = m(ours) >= 1.5 * m("round-robin")
         if SMG in cell and "ttft_ms_mean" in cell[SMG]["mean"]:
-            out["TTFT <= 1.2x smg's"] = m(ours, "ttft_ms_mean") <= 1.2 * m(SMG, "ttft_ms_mean")
+            out["TTFT <= 1.2x smg's"] = m(ours, "ttft_ms_mean") <= TTFT_GOAL * m(
+                SMG, "ttft_ms_mean"
+            )
         if is_hybrid and baseline in cell:
             out["> full-attention-only"] = m(ours) > m(baseline)
         return out
@@ -110,3 +128,40 @@ def print_table(results: dict[str, dict[str, dict[str, Any]]], policies: tuple[s
                     for name, g in checks.items()
                 ]
                 print(f"goals, {ours}: " + "; ".join(met))
+
+
+def pooled(paths: Sequence[Path], ours: str = "ours") -> dict[str, Any]:
+    """``ours``'s TTFT over smg's in every real cell of the results at ``paths`` where
+    both ran, seed by seed."""
+    mine: list[float] = []
+    theirs: list[float] = []
+    for path in paths:
+        for by_layout in json.loads(Path(path).read_text())["real"].values():
+            for cell in by_layout.values():
+                if ours in cell and SMG in cell:
+                    mine += [run["ttft_ms_mean"] for run in cell[ours]["runs"]]
+                    theirs += [run["ttft_ms_mean"] for run in cell[SMG]["runs"]]
+    if not mine:
+        raise SystemExit(f"no real run of {ours!r} beside {SMG!r} in {', '.join(map(str, paths))}")
+    ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
+    return {
+        "seeds": len(ratios),
+        "ratio_of_means": round(statistics.fmean(mine) / statistics.fmean(theirs), 3),
+        "median": round(statistics.median(ratios), 3),
+        "geometric_mean": round(statistics.geometric_mean(ratios), 3),
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+        "seeds_met": sum(r <= TTFT_GOAL for r in ratios),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="the TTFT against smg's, pooled over saved runs")
+    p.add_argument("results", nargs="+", type=Path, help="policies.py --json files")
+    p.add_argument("--policy", default="ours", help="whose TTFT (default: ours)")
+    args = p.parse_args(argv)
+    print(json.dumps(pooled(args.results, args.policy)))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,8 @@ measures, and its faster index answers as the router's own."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -98,3 +100,34 @@ def test_the_ttft_goal_reports_the_ratio_seed_by_seed(
     report.print_table({"4 real replicas": {"full": cell}}, ("ours", report.SMG))
     printed = capsys.readouterr().out
     assert "TTFT <= 1.2x smg's NO (2/3; by seed median 1.10 [1.10, 3.00])" in printed
+
+
+def test_saved_real_runs_pool_seed_by_seed(tmp_path: Path) -> None:
+    """Run alone, the report pools every seed of every saved real run where ours and smg
+    ran side by side: two runs of two seeds each give four pairs."""
+    report = benchmark_module("benchmarks.routing.report")
+
+    def saved(name: str, ours: list[float], smg: list[float]) -> Path:
+        def runs(ttfts: list[float]) -> dict[str, Any]:
+            return {"runs": [{"ttft_ms_mean": t} for t in ttfts]}
+
+        cell = {"ours": runs(ours), report.SMG: runs(smg), report.REFERENCE: runs(smg)}
+        path = tmp_path / name
+        path.write_text(json.dumps({"real": {"4 real replicas": {"full": cell}}}))
+        return path
+
+    paths = [
+        saved("a.json", [10.0, 30.0], [10.0, 20.0]),
+        saved("b.json", [11.0, 40.0], [10.0, 20.0]),
+    ]
+    assert report.pooled(paths) == {
+        "seeds": 4,
+        "ratio_of_means": 1.517,  # 91 over 60
+        "median": 1.3,  # of 1.0, 1.1, 1.5 and 2.0
+        "geometric_mean": 1.348,  # the fourth root of 3.3
+        "min": 1.0,
+        "max": 2.0,
+        "seeds_met": 2,
+    }
+    with pytest.raises(SystemExit, match="no real run of 'least-loaded'"):
+        report.pooled(paths, "least-loaded")
