@@ -33,10 +33,10 @@ mean), preemptions; then the issue's goals for each ``ours``: a hit rate within 
 one engine's, at least 1.5x round-robin's, above the full-attention-only router's (same
 weights) on the hybrid layouts, and an imbalance under 1.25; on real replicas beside smg,
 a TTFT at most 1.2x smg's (also printed as the ratio of each seed's pair: median [min,
-max]). ``ours, 2 front ends`` runs two ``hybridkv route`` processes, each session
-through one of them (real runs only). Real runs also print the TTFT at the replicas (arrival there
-to the first token: the rest is the front end's and the transport's) and the front end's
-CPU seconds, and play every policy of one seed in turn before the next seed (every other
+max]). ``ours, 2 front ends`` runs two ``hybridkv route`` processes, each session through
+one of them (real runs only). Real runs also print the TTFT at the replicas (arrival
+there to the first token: the rest is the front end's and the transport's) and the front
+ends' CPU seconds, and play every policy of one seed in turn before the next seed (every other
 seed in reverse), so that the policies compared share the machine's load of the same
 minutes.
 

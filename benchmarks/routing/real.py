@@ -183,10 +183,6 @@ class Served:
     processes: list[subprocess.Popen[str]]
     num_front_ends: int
 
-    @property
-    def url(self) -> str:
-        return self.urls[0]
-
     def cpu(self) -> tuple[float, float]:
         """CPU seconds used so far by the front ends together and by the replicas
         together."""
